@@ -1,0 +1,19 @@
+.PHONY: run test lint bench-forward
+
+PROMPT ?= Write one sentence about caching.
+
+# Install everything, then generate with the default model (SmolLM2-135M-Instruct).
+run:
+	bash scripts/install.sh
+	.venv/bin/radixserve generate --chat "$(PROMPT)"
+
+# Install what tests need, then run the whole suite.
+test:
+	bash scripts/install.sh --test
+	.venv/bin/python -m pytest -q
+
+lint:
+	.venv/bin/ruff check radixserve kernels tests benchmarks
+
+bench-forward:
+	.venv/bin/python benchmarks/forward_micro.py

@@ -1,0 +1,1 @@
+"""KV memory: the paged pool and (later) the radix tree of cached prefixes."""

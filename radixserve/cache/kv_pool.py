@@ -1,0 +1,171 @@
+"""Paged KV pool: a page allocator and the K/V tensors of all layers.
+
+A token's KV lives in a *slot*: `slot = page * page_size + offset`. A request addresses its
+KV through its page table (a list of page ids, one per `page_size` tokens), so no request
+needs contiguous memory. Page 0 is reserved as a scratch page: padded entries of a batch
+(e.g. CUDA-graph padding) write there and nothing ever reads it.
+
+    k[layer]: [num_pages * page_size, num_kv_heads, head_dim]   (a view of one big tensor)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.config import CacheConfig, ModelConfig
+
+RESERVED_PAGES = 1  # page 0: scratch
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free pages than were asked for."""
+
+
+class PageAllocator:
+    """Hands out page ids from a free list; detects double frees."""
+
+    def __init__(self, num_pages: int):
+        if num_pages <= RESERVED_PAGES:
+            raise ValueError(f"num_pages must exceed {RESERVED_PAGES}; got {num_pages}")
+        self.num_pages = num_pages
+        self._free = torch.arange(RESERVED_PAGES, num_pages, dtype=torch.int64)
+        self._num_free = num_pages - RESERVED_PAGES
+        self._is_free = torch.ones(num_pages, dtype=torch.bool)
+        self._is_free[:RESERVED_PAGES] = False
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out (all but the reserved ones)."""
+        return self.num_pages - RESERVED_PAGES
+
+    def can_allocate(self, num: int) -> bool:
+        return num <= self._num_free
+
+    def allocate(self, num: int) -> torch.Tensor:
+        """Returns `num` free page ids as an int64 tensor; raises OutOfPagesError if short."""
+        if num < 0:
+            raise ValueError(f"num must be >= 0; got {num}")
+        if num > self._num_free:
+            raise OutOfPagesError(
+                f"asked for {num} KV pages but only {self._num_free} of {self.capacity} are free"
+            )
+        start = self._num_free - num
+        pages = self._free[start : self._num_free].clone()
+        self._num_free = start
+        self._is_free[pages] = False
+        return pages
+
+    def free(self, pages: torch.Tensor | list[int]) -> None:
+        """Returns pages to the free list; raises ValueError on a double or foreign free."""
+        pages = torch.as_tensor(pages, dtype=torch.int64).flatten()
+        if pages.numel() == 0:
+            return
+        if int(pages.min()) < RESERVED_PAGES or int(pages.max()) >= self.num_pages:
+            raise ValueError(f"page ids out of range [{RESERVED_PAGES}, {self.num_pages})")
+        if bool(self._is_free[pages].any()) or pages.unique().numel() != pages.numel():
+            raise ValueError("double free: some pages are already free")
+        self._is_free[pages] = True
+        end = self._num_free + pages.numel()
+        self._free[self._num_free : end] = pages
+        self._num_free = end
+
+    def free_pages(self) -> torch.Tensor:
+        """The ids of all free pages (a copy), for integrity checks."""
+        return self._free[: self._num_free].clone()
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class KVPool:
+    """K/V tensors for every layer, in pages of `page_size` tokens, plus their allocator."""
+
+    def __init__(self, shape: PoolShape, dtype: torch.dtype, device: torch.device | str):
+        self.shape = shape
+        self.page_size = shape.page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        dims = (
+            shape.num_layers,
+            shape.num_pages * shape.page_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+        )
+        # Uninitialized (no multi-GB memset): every slot is written before it is read, and
+        # masked positions read the scratch page, zeroed so that masking never meets a NaN.
+        self.k = torch.empty(dims, dtype=dtype, device=self.device)
+        self.v = torch.empty(dims, dtype=dtype, device=self.device)
+        scratch = RESERVED_PAGES * shape.page_size
+        self.k[:, :scratch].zero_()
+        self.v[:, :scratch].zero_()
+        self.allocator = PageAllocator(shape.num_pages)
+
+    @classmethod
+    def for_model(
+        cls,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        budget_bytes: int | None = None,
+    ) -> KVPool:
+        """Sizes a pool from `max_total_tokens`, else from `budget_bytes` (a memory budget)."""
+        page_size = cache_config.page_size
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1; got {page_size}")
+        if cache_config.max_total_tokens is not None:
+            num_tokens = cache_config.max_total_tokens
+        elif budget_bytes is not None:
+            num_tokens = budget_bytes // model_config.kv_bytes_per_token(dtype)
+        else:
+            raise ValueError("give max_total_tokens or a memory budget to size the KV pool")
+        num_pages = num_tokens // page_size + RESERVED_PAGES
+        if num_pages <= RESERVED_PAGES:
+            raise ValueError(
+                f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens; "
+                "raise max_total_tokens or the memory budget"
+            )
+        shape = PoolShape(
+            num_layers=model_config.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+        )
+        return cls(shape, dtype, device)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.capacity * self.page_size
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def extend_page_table(self, page_table: list[int], new_len: int) -> list[int]:
+        """Allocates the pages a sequence needs to reach `new_len` tokens; returns the new table."""
+        missing = self.num_pages_for(new_len) - len(page_table)
+        if missing <= 0:
+            return page_table
+        return page_table + self.allocator.allocate(missing).tolist()
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each [num_slots, num_kv_heads, head_dim]."""
+        return self.k[layer], self.v[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))

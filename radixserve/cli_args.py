@@ -1,0 +1,54 @@
+"""Builds argparse options from config dataclasses; each field's docstring is its help text."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+from functools import cache
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Maps each field of a dataclass to the string literal written right below it."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """Adds one `--field-name` option per dataclass field, typed and documented from the class."""
+    group = parser.add_argument_group(title)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+        annotation = str(f.type).replace(" | None", "").strip()
+        if annotation == "bool":
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            group.add_argument(flag, type=_TYPES[annotation], default=f.default, help=help_text)
+
+
+def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Instantiates `cls` from the options that add_dataclass_args added."""
+    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**values)

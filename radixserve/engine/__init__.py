@@ -1,0 +1,1 @@
+"""The batching engine: requests, scheduler, policies, the offline Engine API."""

@@ -1,0 +1,97 @@
+"""ForwardBatch: what one model forward computes, passed explicitly to every layer.
+
+A batch is a list of requests, each contributing `extend_len` new tokens on top of
+`prefix_len` tokens whose K/V already sit in the pool. A decode token is an extend of
+length 1; a fresh prefill has prefix_len 0; a cache hit has prefix_len > 0. Tokens of all
+requests are flattened, request by request:
+
+    input_ids:  [r0 t0, r0 t1, r0 t2 | r1 t0 | r2 t0, r2 t1]     extend_lens = [3, 1, 2]
+    positions:  [p0, p0+1, p0+2      | p1    | p2, p2+1]         p_i = prefix_lens[i]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_slots: torch.Tensor  # [num_tokens] int64: pool slot that receives each token's K/V
+    page_table: torch.Tensor  # [num_reqs, max_pages] int64, padded with page 0
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    page_size: int
+    return_all_logits: bool = False
+    attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+        return_all_logits: bool = False,
+    ) -> ForwardBatch:
+        """Flattens per-request new tokens; each page table must cover prefix + new tokens."""
+        if not (len(token_ids) == len(prefix_lens) == len(page_tables)) or not token_ids:
+            raise ValueError(
+                "token_ids, prefix_lens and page_tables must be equal, non-empty lists"
+            )
+        extend_lens = [len(t) for t in token_ids]
+        if min(extend_lens) < 1:
+            raise ValueError("every request in a batch needs at least one new token")
+        for i, (pre, ext, table) in enumerate(zip(prefix_lens, extend_lens, page_tables)):
+            if len(table) * page_size < pre + ext:
+                raise ValueError(
+                    f"request {i}: page table holds {len(table) * page_size} tokens, "
+                    f"needs {pre + ext}"
+                )
+        max_pages = max(len(t) for t in page_tables)
+        table = torch.zeros(len(page_tables), max_pages, dtype=torch.int64)
+        for i, pages in enumerate(page_tables):
+            table[i, : len(pages)] = torch.as_tensor(pages, dtype=torch.int64)
+
+        ext = torch.tensor(extend_lens, dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(torch.arange(len(extend_lens)), ext)
+        starts = torch.cumsum(ext, 0) - ext
+        offsets = torch.arange(int(ext.sum())) - starts[req_of_token]
+        positions = torch.tensor(prefix_lens, dtype=torch.int64)[req_of_token] + offsets
+        out_slots = table[req_of_token, positions // page_size] * page_size + positions % page_size
+
+        return cls(
+            input_ids=torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64).to(
+                device
+            ),
+            positions=positions.to(device),
+            out_slots=out_slots.to(device),
+            page_table=table.to(device),
+            extend_lens=extend_lens,
+            prefix_lens=list(prefix_lens),
+            page_size=page_size,
+            return_all_logits=return_all_logits,
+        )
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index into the flattened tokens of each request's last new token. [num_reqs]"""
+        ends = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.int64), 0) - 1
+        return ends.to(self.input_ids.device)

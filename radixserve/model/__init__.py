@@ -1,0 +1,1 @@
+"""Model configs, loaders, the Llama family and the runner."""

@@ -1,0 +1,101 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in fp32, scales in the input dtype (as the HF reference does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] with the config's scaling (default, linear, llama3)."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths / `factor`, short ones kept, a smooth band between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Neox-style (rotate-half) RoPE with a cos/sin table built lazily on the positions' device."""
+
+    def __init__(self, config: ModelConfig):
+        self.inv_freq = rope_inv_freq(config)
+        self.max_positions = config.max_position_embeddings
+        self._cos: torch.Tensor | None = None  # [max_positions, head_dim] fp32
+        self._sin: torch.Tensor | None = None
+
+    def _build(self, device: torch.device, num_positions: int) -> None:
+        t = torch.arange(num_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, self.inv_freq.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos(), emb.sin()
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, heads, head_dim], k: [num_tokens, kv_heads, head_dim]."""
+        needed = max(self.max_positions, int(positions.max()) + 1) if positions.numel() else 1
+        if self._cos is None or self._cos.device != positions.device or self._cos.shape[0] < needed:
+            self._build(positions.device, needed)
+        cos = self._cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self._sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

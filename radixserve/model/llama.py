@@ -1,0 +1,168 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3), written for a paged KV pool.
+
+One class covers all four; ModelConfig carries the differences: qkv bias (Qwen2), per-head
+q/k RMSNorm before RoPE (Qwen3), sliding window (Mistral, applied by the attention backend),
+tied embeddings. q/k/v and gate/up are fused into single matmuls; `load_weights` maps the
+HF checkpoint names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.config import ModelConfig
+from radixserve.forward_batch import ForwardBatch
+from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(batch.positions, q, k)
+        out = attn.forward(q, k, v, self.layer, batch)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids of a ForwardBatch -> final hidden states; `compute_logits` applies the LM head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Returns final-normed hidden states [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, self.rotary, attn)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> fp32 logits [n, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors into the (fused) parameters; raises on missing/unknown ones."""
+        params = dict(self.named_parameters())
+        parts_loaded = dict.fromkeys(params, 0)
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, rows = target
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
+                )
+            dest = params[name].data if rows is None else params[name].data[rows(self)]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            parts_loaded[name] += 1
+        missing = sorted(n for n, count in parts_loaded.items() if count < _num_parts(n))
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"checkpoint is missing tensors for {len(missing)} parameters: {shown}"
+            )
+
+
+# HF name part -> (our fused parameter part, rows of it that the HF tensor fills)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", lambda a: slice(0, a.q_size)),
+    "self_attn.k_proj": ("self_attn.qkv_proj", lambda a: slice(a.q_size, a.q_size + a.kv_size)),
+    "self_attn.v_proj": ("self_attn.qkv_proj", lambda a: slice(a.q_size + a.kv_size, None)),
+    "mlp.gate_proj": ("mlp.gate_up_proj", lambda m: slice(0, m.gate_up_proj.out_features // 2)),
+    "mlp.up_proj": ("mlp.gate_up_proj", lambda m: slice(m.gate_up_proj.out_features // 2, None)),
+}
+
+
+def _num_parts(param_name: str) -> int:
+    """How many HF tensors fill this parameter."""
+    if ".qkv_proj." in param_name:
+        return 3
+    return 2 if ".gate_up_proj." in param_name else 1
+
+
+def _map_hf_name(hf_name: str, config: ModelConfig):
+    """HF tensor name -> (our parameter name, row selector or None); None means skip it."""
+    if "rotary_emb" in hf_name:
+        return None
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    name = hf_name.removeprefix("model.")
+    for hf_part, (ours, rows) in _FUSED.items():
+        if f".{hf_part}." in name:
+            layer = int(name.split(".")[1])
+            owner = hf_part.split(".")[0]
+            return name.replace(hf_part, ours), _rows_of(layer, owner, rows)
+    return name, None
+
+
+def _rows_of(layer: int, owner: str, rows):
+    return lambda model: rows(getattr(model.layers[layer], owner))

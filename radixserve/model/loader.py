@@ -1,0 +1,134 @@
+"""Loads a model: HF folder (config.json + safetensors shards), GGUF file, or dummy weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.config import LoadConfig, ModelConfig
+from radixserve.model.gguf_convert import converted_folder
+from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer_path: Path | None  # folder with tokenizer files; None for built-in configs
+    name: str
+
+
+def load_model(load_config: LoadConfig) -> LoadedModel:
+    """Resolves `load_config.model`, reads its config, builds the model and fills its weights."""
+    if load_config.load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_config.load_format!r}"
+        )
+    source = resolve_model(load_config.model)
+    folder = _hf_folder(source, load_config.load_format)
+    hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
+    config = ModelConfig.from_hf_dict(hf_config)
+    device, dtype = load_config.torch_device(), load_config.torch_dtype()
+    model = _empty_model(config, device, dtype)
+    if load_config.load_format == "dummy":
+        _fill_dummy(model, load_config.seed)
+    else:
+        model.load_weights(_iter_safetensors(folder))
+    model.eval()
+    tokenizer_path = folder if folder is not None and _has_tokenizer(folder) else None
+    return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
+
+
+def _hf_folder(source: ModelSource, load_format: str) -> Path | None:
+    if source.kind == "builtin":
+        if load_format != "dummy":
+            raise ModelLoadError(
+                f"{source.name!r} is a built-in config without weights; use load_format='dummy'"
+            )
+        return None
+    if load_format == "gguf" and source.kind != "gguf":
+        raise ModelLoadError(f"load_format='gguf' but {source.path} is not a .gguf file")
+    if load_format == "safetensors" and source.kind != "hf":
+        raise ModelLoadError(f"load_format='safetensors' but {source.path} is not an HF folder")
+    return converted_folder(source.path) if source.kind == "gguf" else source.path
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"config.json not found in {folder}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Builds the model on the meta device (no init cost), then allocates it uninitialized."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return model.to_empty(device=device)
+
+
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights, seeded: small normal matrices, unit norms, zero biases."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shard files of an HF folder (via model.safetensors.index.json when present)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"safetensors shard not found: {f}")
+    return files
+
+
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read safetensors file {path}: {exc}") from exc

