@@ -8,9 +8,7 @@ import dataclasses
 import inspect
 import textwrap
 from functools import cache
-from typing import Any, TypeVar
 
-T = TypeVar("T")
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -48,7 +46,6 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
             group.add_argument(flag, type=_TYPES[annotation], default=f.default, help=help_text)
 
 
-def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Instantiates `cls` from the options that add_dataclass_args added."""
-    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-    return cls(**values)
+def field_names(cls: type) -> list[str]:
+    """The dataclass's field names, which are also its options' argparse destinations."""
+    return [f.name for f in dataclasses.fields(cls)]

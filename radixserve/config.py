@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -171,3 +171,60 @@ class CacheConfig:
     """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given."""
     attention_backend: str = "auto"
     """auto | torch_native (the CPU reference path, runs on any device)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler orders, admits and batches requests."""
+
+    schedule_policy: str = "lpm"
+    """lpm (longest cached prefix first, aged) | dfs-weight (DFS over the radix tree) | fcfs."""
+    chunked_prefill_size: int = 2048
+    """Most prefill tokens one step computes; longer prompts are chunked (-1: no limit)."""
+    max_prefill_tokens: int = 16384
+    """Most prefill tokens admitted per step (new requests), before chunking."""
+    max_running_requests: int = 256
+    """Most requests in the running batch."""
+    disable_radix_cache: bool = False
+    """Share no prefixes: every prompt is computed from scratch."""
+    schedule_max_wait_steps: int = 16
+    """Anti-starvation: a waiting request that has waited this many steps is admitted first."""
+    schedule_conservativeness: float = 1.0
+    """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
+    context_length: int | None = None
+    """Longest prompt + output; default: the model's max_position_embeddings."""
+
+    def verify(self) -> None:
+        policies = ("lpm", "dfs-weight", "fcfs")
+        if self.schedule_policy not in policies:
+            allowed = ", ".join(policies)
+            raise ValueError(
+                f"schedule_policy must be one of {allowed}; got {self.schedule_policy!r}"
+            )
+        for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_wait_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(
+                f"chunked_prefill_size must be -1 or >= 1; got {self.chunked_prefill_size}"
+            )
+
+
+def split_engine_kwargs(
+    model_path: str | None, kwargs: dict[str, Any]
+) -> tuple[LoadConfig, CacheConfig, SchedulerConfig]:
+    """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses."""
+    groups = (LoadConfig, CacheConfig, SchedulerConfig)
+    values: dict[type, dict[str, Any]] = {cls: {} for cls in groups}
+    if model_path is not None:
+        values[LoadConfig]["model"] = model_path
+    for key, value in kwargs.items():
+        owner = next((cls for cls in groups if key in {f.name for f in fields(cls)}), None)
+        if owner is None:
+            raise TypeError(f"unknown engine argument {key!r}")
+        values[owner][key] = value
+    return (
+        LoadConfig(**values[LoadConfig]),
+        CacheConfig(**values[CacheConfig]),
+        SchedulerConfig(**values[SchedulerConfig]),
+    )

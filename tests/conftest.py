@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from transformers import (  # noqa: E402
 )
 
 from radixserve.config import CacheConfig, LoadConfig  # noqa: E402
+from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.runner import ModelRunner  # noqa: E402
 
 TINY = dict(
@@ -85,3 +87,78 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     for _ in range(num_tokens):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+# ---- engine tests: a tiny model with SmolLM2's vocabulary ----
+
+VOCAB = 49152
+SYSTEM = [(i * 7919 + 13) % 5000 + 100 for i in range(200)]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> str:
+    """A tiny Llama with SmolLM2's vocabulary, so the Engine can borrow its tokenizer."""
+    torch.manual_seed(1)
+    config = LlamaConfig(**(TINY | {"vocab_size": VOCAB, "max_position_embeddings": 2048}))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def make_engine(model, **kwargs):
+    from radixserve import Engine
+
+    return Engine(model, **({"max_total_tokens": 8192, "page_size": 16} | kwargs))
+
+
+def greedy(max_new_tokens=16, **extra):
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True} | extra
+
+
+def prompt_ids(i: int, length: int = 30) -> list[int]:
+    return [(i * 131 + j * 17) % 4000 + 200 for j in range(length)]
+
+
+def greedy_generate(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+) -> list[list[int]]:
+    """Runner-level reference driver, independent of the scheduler: prefills all prompts in
+    one batch, then decodes them together; returns new token ids and frees every page."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    pool = runner.pool
+    tables: list[list[int]] = [[] for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    lens = [0] * len(prompts)
+    active = list(range(len(prompts)))
+    new_tokens = {i: list(p) for i, p in enumerate(prompts)}
+    try:
+        while active:
+            for i in active:
+                tables[i] = pool.extend_page_table(tables[i], lens[i] + len(new_tokens[i]))
+            batch = ForwardBatch.build(
+                [new_tokens[i] for i in active],
+                [lens[i] for i in active],
+                [tables[i] for i in active],
+                pool.page_size,
+                runner.device,
+            )
+            next_ids = runner.forward(batch).last.argmax(dim=-1).tolist()
+            still_active = []
+            for i, token in zip(active, next_ids):
+                lens[i] += len(new_tokens[i])
+                outputs[i].append(token)
+                new_tokens[i] = [token]
+                if len(outputs[i]) < max_new_tokens and token not in stop_token_ids:
+                    still_active.append(i)
+            active = still_active
+    finally:
+        for table in tables:
+            pool.allocator.free(table)
+    return outputs

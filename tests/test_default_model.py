@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_runner
-from radixserve.engine.greedy import greedy_generate
+from conftest import greedy_generate, make_runner
 from radixserve.model.source import default_model_path
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_runner, save_tiny_model
+from conftest import greedy_generate, make_runner, save_tiny_model
 from radixserve.config import LoadConfig, ModelConfig, UnsupportedModelError
-from radixserve.engine.greedy import greedy_generate
 from radixserve.model.loader import load_model
 from radixserve.model.source import ModelLoadError, builtin_config, builtin_config_names
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, hf_greedy, hf_model, make_runner
-from radixserve.engine.greedy import greedy_generate
+from conftest import TINY_CONFIGS, greedy_generate, hf_greedy, hf_model, make_runner
 from radixserve.forward_batch import ForwardBatch
 
 # Lengths chosen to cross page boundaries and Mistral's 24-token sliding window.

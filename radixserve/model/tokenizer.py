@@ -30,11 +30,10 @@ def load_tokenizer(loaded: LoadedModel):
     return tokenizer
 
 
-def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
-    """Token ids of a one-turn chat, rendered by the tokenizer's own chat template."""
+def chat_prompt_text(tokenizer, user_message: str) -> str:
+    """A one-turn chat rendered by the tokenizer's own chat template, ready for generation."""
     if tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template; drop --chat")
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
     )
-    return tokenizer.encode(text, add_special_tokens=False)

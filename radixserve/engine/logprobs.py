@@ -1,0 +1,60 @@
+"""Collects a request's input and output logprobs as its chunks and tokens are computed.
+
+Entries are (logprob, token_id); the first input entry's logprob is None (no logits predict
+the first scored position), as in SGLang. Input entries cover prompt positions
+`start_len .. prompt_len - 1`; the scheduler never serves those positions from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.engine.request import Req
+from radixserve.sampling.logprobs import token_logprobs, top_logprobs
+
+
+def commit_logprobs(
+    req: Req,
+    chunk_start: int,
+    chunk_logits: torch.Tensor | None,
+    last_logits: torch.Tensor,
+    token: int | None,
+) -> None:
+    """chunk_logits: [num_new, vocab] logits of the chunk starting at `chunk_start`, or None."""
+    if req.wants_input_logprobs and chunk_logits is not None:
+        _commit_input(req, chunk_start, chunk_logits)
+    if token is not None:
+        _commit_output(req, last_logits, token)
+
+
+def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> None:
+    prompt_len = len(req.input_ids)
+    start = req.logprob.start_len
+    if start >= prompt_len:
+        return
+    if not req.input_logprobs:
+        req.input_logprobs.append((None, req.input_ids[start]))
+        req.input_top_logprobs.append(None)
+    first = max(chunk_start + 1, start + len(req.input_logprobs))
+    last = min(chunk_start + chunk_logits.shape[0], prompt_len - 1)
+    if first > last:
+        return
+    rows = chunk_logits[first - 1 - chunk_start : last - chunk_start]
+    ids = torch.tensor(req.input_ids[first : last + 1], device=rows.device)
+    values = token_logprobs(rows, ids).tolist()
+    req.input_logprobs.extend(zip(values, ids.tolist()))
+    req.input_top_logprobs.extend(_tops(rows, req.logprob.top_num))
+
+
+def _commit_output(req: Req, last_logits: torch.Tensor, token: int) -> None:
+    row = last_logits.unsqueeze(0)
+    value = token_logprobs(row, torch.tensor([token], device=row.device)).item()
+    req.output_logprobs.append((value, token))
+    req.output_top_logprobs.extend(_tops(row, req.logprob.top_num))
+
+
+def _tops(rows: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    if k <= 0:
+        return [[] for _ in range(rows.shape[0])]
+    values, ids = top_logprobs(rows, k)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]

@@ -1,0 +1,45 @@
+"""Formats a request's state as SGLang's output dict: text, output_ids, meta_info."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from radixserve.engine.request import Req
+from radixserve.engine.stop import trim_stop
+
+
+def format_output(req: Req, tokenizer, with_text: bool = False) -> dict[str, Any]:
+    """Cumulative output so far; text never ends in a half-decoded character while running."""
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+    if req.finished:
+        text = trim_stop(text, req.finish_reason, req.params.no_stop_trim)
+    else:
+        text = text.rstrip("\ufffd")
+    end = req.finish_time if req.finish_time is not None else time.perf_counter()
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": req.finish_reason,
+        "e2e_latency": end - req.arrival_time,
+    }
+    if req.logprob is not None:
+        meta |= _logprob_fields(req, tokenizer, with_text)
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _logprob_fields(req: Req, tokenizer, with_text: bool) -> dict[str, Any]:
+    def entry(value, token_id):
+        return [value, token_id, tokenizer.decode([token_id]) if with_text else None]
+
+    def tops(rows):
+        return [None if row is None else [entry(v, t) for v, t in row] for row in rows]
+
+    return {
+        "input_token_logprobs": [entry(v, t) for v, t in req.input_logprobs],
+        "output_token_logprobs": [entry(v, t) for v, t in req.output_logprobs],
+        "input_top_logprobs": tops(req.input_top_logprobs),
+        "output_top_logprobs": tops(req.output_top_logprobs),
+    }

@@ -1,0 +1,398 @@
+"""The scheduler: one `step()` = pick work, build a batch, run the model, sample, commit.
+
+Requests join the running batch every step and leave it as soon as they finish. Each step
+mixes one decode token for every decoding request with prefill chunks of new or partly
+prefilled requests, under a per-step prefill budget. Prompts are matched against the prefix
+cache on admission; finished (and retracted) requests give their prompt and output pages to
+the tree, so later requests, and the next turn of a chat, hit them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.config import SchedulerConfig
+from radixserve.engine.logprobs import commit_logprobs
+from radixserve.engine.policy import order_waiting
+from radixserve.engine.request import Req, ReqState
+from radixserve.engine.stats import EngineStats
+from radixserve.engine.stop import stop_string_hit
+from radixserve.forward_batch import ForwardBatch
+from radixserve.model.runner import ModelRunner
+from radixserve.sampling.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_ESTIMATE_CLIP = 4096  # at most this many future tokens are reserved per request
+RETRACT_DECODE_STEPS = 20
+MAX_SORTED_QUEUE = 128  # longer waiting queues fall back to fcfs order, as in SGLang
+
+
+@dataclass
+class Work:
+    """What one request computes in this step."""
+
+    req: Req
+    num_new: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: PrefixCache,
+        config: SchedulerConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer=None,
+    ):
+        config.verify()
+        self.runner = runner
+        self.pool = runner.pool
+        self.cache = cache
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.page_size = runner.pool.page_size
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.inbox: deque[Req] = deque()
+        self.stats = EngineStats()
+        self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * 0.14
+        self.new_token_ratio = self.init_new_token_ratio
+
+    # ---- queue ---------------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queues a validated request; it joins the batch at the next step."""
+        self.inbox.append(req)
+
+    def abort_request(self, rid: str) -> None:
+        for req in [*self.inbox, *self.waiting, *self.running]:
+            if req.rid == rid:
+                req.abort_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.waiting or self.running)
+
+    def held_pages(self) -> list[int]:
+        """Pages owned by running requests (not by the tree), for integrity checks."""
+        return [p for r in self.running for p in r.own_pages()]
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Runs one batch; returns the requests whose output changed (finished ones included)."""
+        outputs: list[Req] = []
+        self._drain_inbox()
+        self._handle_aborts(outputs)
+        work = self._schedule()
+        if work:
+            logits = self._forward(work)
+            self._commit(work, logits, outputs)
+        self._decay_new_token_ratio()
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        while self.inbox:
+            req = self.inbox.popleft()
+            self.waiting.append(req)
+            self.stats.num_requests += 1
+            self.stats.prompt_tokens += len(req.input_ids)
+
+    def _handle_aborts(self, outputs: list[Req]) -> None:
+        for req in [r for r in self.waiting if r.abort_requested]:
+            self.waiting.remove(req)
+            req.finish({"type": "abort", "message": "aborted by the client"})
+            outputs.append(req)
+        for req in [r for r in self.running if r.abort_requested]:
+            self._release(req)
+            self.running.remove(req)
+            req.finish({"type": "abort", "message": "aborted by the client"})
+            outputs.append(req)
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def _schedule(self) -> list[Work]:
+        decodes = self._schedule_decodes()
+        budget = self._prefill_budget()
+        prefills: list[Work] = []
+        for req in [r for r in self.running if r.is_prefilling]:
+            if budget <= 0:
+                break
+            num_new = min(req.num_uncomputed, budget)
+            if self._grow(req, num_new):
+                prefills.append(Work(req, num_new))
+                budget -= num_new
+        prefills += self._admit_waiting(budget, [w.req for w in prefills])
+        return decodes + prefills
+
+    def _prefill_budget(self) -> int:
+        chunk = self.config.chunked_prefill_size
+        return self.config.max_prefill_tokens if chunk < 0 else chunk
+
+    def _schedule_decodes(self) -> list[Work]:
+        """One token for every decoding request; retracts requests if pages run out."""
+        while True:
+            decoding = [r for r in self.running if not r.is_prefilling]
+            needing = [
+                r for r in decoding if r.num_computed + 1 > len(r.page_table) * self.page_size
+            ]
+            if self._ensure_free_pages(len(needing)) or not self._retract_one():
+                break
+        for req in needing:
+            req.page_table = req.page_table + self.pool.allocator.allocate(1).tolist()
+        return [Work(r, 1) for r in decoding]
+
+    def _admit_waiting(self, budget: int, leaders: list[Req]) -> list[Work]:
+        for req in self.waiting:
+            req.wait_steps += 1
+        if not self.waiting or budget <= 0:
+            return []
+        policy = self.config.schedule_policy
+        if len(self.waiting) > MAX_SORTED_QUEUE:
+            policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
+        matches = {} if policy == "fcfs" else {r: self._match(r) for r in self.waiting}
+        ordered = order_waiting(
+            self.waiting, policy, matches, self.config.schedule_max_wait_steps, self.cache.parent_of
+        )
+        leaders = leaders + [r for r in self.running if r.is_prefilling]
+        admitted: list[Work] = []
+        reserved = self._reserved_pages()
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            match = matches.get(req) or self._match(req)
+            starved = req.wait_steps >= self.config.schedule_max_wait_steps
+            if not starved and self._follows_leader(req, match.num_tokens, leaders):
+                continue  # in-batch dedupe: the shared prefix is being computed; hit it later
+            work = self._try_admit(req, match, budget, reserved)
+            if work is None:
+                break
+            admitted.append(work)
+            leaders.append(req)
+            budget -= work.num_new
+            reserved += self._future_pages(req)
+        return admitted
+
+    def _match(self, req: Req):
+        limit = None
+        if req.wants_input_logprobs:
+            limit = min(req.logprob.start_len, req.seq_len - 1)
+        return self.cache.match_prefix(req.seq_ids(), req.namespace, max_tokens=limit)
+
+    def _follows_leader(self, req: Req, num_cached: int, leaders: list[Req]) -> bool:
+        """True if a request already prefilling shares at least one uncached page with `req`."""
+        seq = req.seq_ids()
+        for leader in leaders:
+            if leader.namespace == req.namespace:
+                shared = _common_prefix_len(seq, leader.seq_ids())
+                if shared - num_cached >= self.page_size:
+                    return True
+        return False
+
+    def _try_admit(self, req: Req, match, budget: int, reserved: int) -> Work | None:
+        self.cache.lock(match.node)
+        uncached = req.seq_len - match.num_tokens
+        needed = self.pool.num_pages_for(uncached) + self._future_pages(req)
+        available = self.pool.allocator.num_free + self.cache.num_evictable_pages() - reserved
+        num_new = min(uncached, budget)
+        if needed > available and self.running:
+            self.cache.unlock(match.node)
+            return None
+        req.page_table = list(match.pages)
+        req.num_tree_pages = len(match.pages)
+        req.last_node = match.node
+        req.num_computed = match.num_tokens
+        if not self._grow(req, num_new):
+            self._release(req)
+            return None
+        if req.num_retractions == 0:
+            req.cached_tokens = match.num_tokens
+            self.stats.cached_tokens += match.num_tokens
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.state = ReqState.RUNNING
+        return Work(req, num_new)
+
+    def _future_pages(self, req: Req) -> int:
+        """Estimated pages a request will still need for output."""
+        remaining = max(req.params.max_new_tokens - len(req.output_ids), 0)
+        estimate = min(remaining, OUTPUT_ESTIMATE_CLIP) * self.new_token_ratio
+        return int(estimate) // self.page_size + (1 if remaining else 0)
+
+    def _reserved_pages(self) -> int:
+        pending = sum(self.pool.num_pages_for(r.num_uncomputed) for r in self.running)
+        return pending + sum(self._future_pages(r) for r in self.running)
+
+    # ---- memory --------------------------------------------------------------------------
+
+    def _ensure_free_pages(self, num: int) -> bool:
+        """Evicts unlocked cache pages until `num` pages are free; False if impossible."""
+        short = num - self.pool.allocator.num_free
+        if short > 0:
+            self.stats.evicted_pages += self.cache.evict(short)
+        return self.pool.allocator.num_free >= num
+
+    def _grow(self, req: Req, num_new: int) -> bool:
+        """Allocates the pages `num_new` more tokens of `req` need; False if memory is short."""
+        missing = self.pool.num_pages_for(req.num_computed + num_new) - len(req.page_table)
+        if missing > 0:
+            if not self._ensure_free_pages(missing):
+                return False
+            req.page_table = req.page_table + self.pool.allocator.allocate(missing).tolist()
+        return True
+
+    def _retract_one(self) -> bool:
+        """Moves the running request holding the most own pages back to the queue."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=lambda r: (len(r.own_pages()), r.arrival_time))
+        self._release(victim)
+        self.running.remove(victim)
+        victim.state = ReqState.WAITING
+        victim.num_computed = 0
+        victim.num_retractions += 1
+        self.waiting.append(victim)
+        self.stats.retractions += 1
+        self._reset_new_token_ratio()
+        logger.info("retracted %s (%d tokens) under memory pressure", victim.rid, victim.seq_len)
+        return True
+
+    def _release(self, req: Req) -> None:
+        """Gives the request's computed full pages to the tree and frees the rest."""
+        num_full = req.num_computed // self.page_size
+        to_free = req.page_table[num_full:]
+        if num_full:
+            present = self.cache.insert(
+                req.seq_ids()[: num_full * self.page_size], req.page_table[:num_full], req.namespace
+            )
+            to_free += req.page_table[req.num_tree_pages : max(present // self.page_size, 0)]
+        else:
+            to_free = req.own_pages()
+        self.pool.allocator.free(to_free)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.page_table, req.num_tree_pages, req.last_node = [], 0, None
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Puts a running request's computed full pages into the tree, so others can hit them."""
+        num_full = req.num_computed // self.page_size
+        if not self.cache.shares_prefixes or num_full <= req.num_tree_pages:
+            return
+        seq = req.seq_ids()[: num_full * self.page_size]
+        present = self.cache.insert(seq, req.page_table[:num_full], req.namespace)
+        match = self.cache.match_prefix(seq, req.namespace, max_tokens=len(seq))
+        self.pool.allocator.free(req.page_table[req.num_tree_pages : present // self.page_size])
+        self.cache.lock(match.node)
+        self.cache.unlock(req.last_node)
+        req.page_table = list(match.pages) + req.page_table[num_full:]
+        req.num_tree_pages, req.last_node = num_full, match.node
+
+    # ---- forward and commit --------------------------------------------------------------
+
+    def _forward(self, work: list[Work]):
+        seqs = [w.req.seq_ids() for w in work]
+        batch = ForwardBatch.build(
+            [s[w.req.num_computed : w.req.num_computed + w.num_new] for s, w in zip(seqs, work)],
+            [w.req.num_computed for w in work],
+            [w.req.page_table for w in work],
+            self.page_size,
+            self.runner.device,
+            return_all_logits=any(
+                w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids) - 1
+                for w in work
+            ),
+        )
+        self.stats.forward_steps += 1
+        return self.runner.forward(batch)
+
+    def _commit(self, work: list[Work], logits, outputs: list[Req]) -> None:
+        sampling = [
+            i
+            for i, w in enumerate(work)
+            if w.num_new == w.req.num_uncomputed and w.req.params.max_new_tokens > 0
+        ]
+        next_ids = self._sample([work[i].req for i in sampling], logits.last[sampling])
+        tokens = dict(zip(sampling, next_ids))
+        offset = 0
+        for i, w in enumerate(work):
+            req = w.req
+            self._count_computed(w)
+            if req.logprob is not None:
+                all_rows = None if logits.all is None else logits.all[offset : offset + w.num_new]
+                commit_logprobs(req, req.num_computed, all_rows, logits.last[i], tokens.get(i))
+            offset += w.num_new
+            req.num_computed += w.num_new
+            if i in tokens:
+                req.output_ids.append(tokens[i])
+                self._check_finish(req, tokens[i])
+            elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
+                req.finish({"type": "length", "length": 0})
+            if req.finished:
+                self._release(req)
+                self.running.remove(req)
+            elif w.num_new > 1:
+                self._cache_unfinished(req)
+            outputs.append(req)
+
+    def _count_computed(self, w: Work) -> None:
+        if w.num_new > 1 or not w.req.output_ids:
+            self.stats.prefill_tokens_computed += w.num_new
+        else:
+            self.stats.decode_tokens += w.num_new
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        if not reqs:
+            return []
+        batch = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.input_ids for r in reqs],
+            [self._min_tokens_stop_ids(r) for r in reqs],
+            logits.shape[-1],
+            logits.device,
+        )
+        return sample(logits, batch).tolist()
+
+    def _min_tokens_stop_ids(self, req: Req) -> list[int]:
+        ids = list(req.params.stop_token_ids or [])
+        return ids if req.params.ignore_eos else ids + list(self.eos_token_ids)
+
+    def _check_finish(self, req: Req, token: int) -> None:
+        params = req.params
+        if token in (params.stop_token_ids or ()) or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            req.finish({"type": "stop", "matched": token})
+        elif matched := stop_string_hit(req, self.tokenizer):
+            req.finish({"type": "stop", "matched": matched})
+        elif len(req.output_ids) >= params.max_new_tokens:
+            req.finish({"type": "length", "length": params.max_new_tokens})
+
+    # ---- admission estimate --------------------------------------------------------------
+
+    def _decay_new_token_ratio(self) -> None:
+        step = (self.init_new_token_ratio - self.min_new_token_ratio) / 600
+        self.new_token_ratio = max(self.new_token_ratio - step, self.min_new_token_ratio)
+
+    def _reset_new_token_ratio(self) -> None:
+        decoded = sum(len(r.output_ids) for r in self.running)
+        total = sum(r.params.max_new_tokens for r in self.running)
+        ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
+        self.new_token_ratio = min(max(ratio, self.new_token_ratio), 1.0)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n

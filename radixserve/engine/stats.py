@@ -1,0 +1,24 @@
+"""Engine-wide counters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    prefill_tokens_computed: int = 0  # tokens computed by prefill chunks (recomputes included)
+    decode_tokens: int = 0
+    evicted_pages: int = 0
+    retractions: int = 0
+    forward_steps: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"cache_hit_rate": self.cache_hit_rate}

@@ -1,0 +1,160 @@
+"""SamplingParams: SGLang's `sampling_params` names, defaults and allowed ranges."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-6
+"""Temperatures below this mean greedy decoding (SGLang's threshold)."""
+
+# SGLang parameters we know but do not implement yet: null (or an empty value, which is
+# what the SGLang frontend sends when unset) is accepted, anything else is rejected.
+UNSUPPORTED_PARAMS = (
+    "regex",
+    "json_schema",
+    "ebnf",
+    "stop_regex",
+    "structural_tag",
+    "logit_bias",
+    "custom_params",
+    "stream_interval",
+)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output. `from_dict` parses, `verify` validates."""
+
+    max_new_tokens: int = 128
+    """Most tokens to generate; 0 = prefill only (fills the prefix cache)."""
+    min_new_tokens: int = 0
+    """EOS and stop_token_ids are blocked until this many tokens were generated."""
+    temperature: float = 1.0
+    """Softmax temperature; below 1e-6 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens whose mass reaches top_p, (0, 1]."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 = all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, [0, 1]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a logit once per earlier occurrence in the output, [-2, 2]."""
+    presence_penalty: float = 0.0
+    """Subtracted from a logit once if the token occurs in the output, [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """HF-style penalty on tokens in the prompt or output (>1 discourages), (0, 2]."""
+    stop: str | list[str] | None = None
+    """Stop string(s); the matched string is trimmed from the text unless no_stop_trim."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (in addition to EOS)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    n: int = 1
+    """Number of parallel samples for the prompt."""
+    sampling_seed: int | None = None
+    """Seed for this request's draws; None = a random seed chosen by the engine."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the decoded text."""
+    spaces_between_special_tokens: bool = True
+    """Put spaces between special tokens in the decoded text."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string at the end of the text."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Parses a request's `sampling_params`; None values mean default. Does not verify."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object; got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in d.items():
+            if key in UNSUPPORTED_PARAMS:
+                if value is not None and value != [] and value != "":
+                    raise ValueError(f"sampling parameter {key!r} is not supported yet")
+            elif key not in names:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            elif value is not None:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: temperature ~0, or top_k == 1 (the same thing)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def stop_strs(self) -> list[str]:
+        """`stop` as a list of non-empty strings (`stop` itself is left as given)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raises ValueError naming the first invalid parameter and its allowed values."""
+        _check_int("max_new_tokens", self.max_new_tokens, "an integer >= 0", lambda v: v >= 0)
+        _check_int("min_new_tokens", self.min_new_tokens, "an integer >= 0", lambda v: v >= 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}); "
+                f"got {self.min_new_tokens}"
+            )
+        _check_float("temperature", self.temperature, "a number >= 0", lambda v: v >= 0)
+        _check_float("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1)
+        _check_int("top_k", self.top_k, "-1 (all) or an integer >= 1", lambda v: v == -1 or v >= 1)
+        _check_float("min_p", self.min_p, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_float(name, getattr(self, name), "a number in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a number in (0, 2]",
+            lambda v: 0 < v <= 2,
+        )
+        _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
+        if self.sampling_seed is not None:
+            _check_int("sampling_seed", self.sampling_seed, "an integer or null", lambda v: True)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        _check_bool("no_stop_trim", self.no_stop_trim)
+        _check_stop(self.stop)
+        _check_stop_token_ids(self.stop_token_ids, vocab_size)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, allowed: str, ok: Callable[[int], bool]) -> None:
+    if not _is_int(value) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}; got {value!r}")
+
+
+def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}; got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false; got {value!r}")
+
+
+def _check_stop(stop: object) -> None:
+    if stop is None or isinstance(stop, str):
+        return
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings; got {stop!r}")
+
+
+def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
+    if ids is None:
+        return
+    allowed = "a list of token ids" + ("" if vocab_size is None else f" in [0, {vocab_size})")
+    in_range = (lambda v: 0 <= v) if vocab_size is None else (lambda v: 0 <= v < vocab_size)
+    if not isinstance(ids, (list, tuple, set)) or not all(_is_int(v) and in_range(v) for v in ids):
+        raise ValueError(f"stop_token_ids must be {allowed}; got {ids!r}")

@@ -1,0 +1,305 @@
+"""Vectorized sampling for one step: penalties, min-tokens, greedy, filters, a seeded draw.
+
+A request's token depends only on its own logits, params, seed and step, never on which
+other requests share the batch or where it sits: every op below is row-wise, and the
+random draw is a Gumbel-max whose noise is a counter-based hash of (seed, step, vocab
+index), computed with int64 tensor ops on the logits' device.
+
+    logits -> repetition / frequency / presence penalties -> min_new_tokens mask
+           -> greedy rows: argmax
+           -> other rows: / temperature -> top-k, top-p, min-p -> argmax(logits + gumbel)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.sampling.params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling inputs for the requests that sample this step, as small tensors."""
+
+    temperatures: torch.Tensor  # [B] float32; read only for non-greedy rows
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64; -1 replaced by vocab_size
+    min_ps: torch.Tensor  # [B] float32
+    frequency_penalties: torch.Tensor  # [B] float32
+    presence_penalties: torch.Tensor  # [B] float32
+    repetition_penalties: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64: the request's seed as a 64-bit pattern
+    steps: torch.Tensor  # [B] int64: index of the output token being sampled
+    vocab_size: int
+    sample_rows: torch.Tensor | None  # [num_sampled] int64 non-greedy rows; None = all rows
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    # Token ids padded with vocab_size (a column dropped after scattering); None = unused.
+    penalty_ids: torch.Tensor | None  # [B, L] output ids of rows with freq/presence penalty
+    repetition_ids: torch.Tensor | None  # [B, L] prompt + output ids of rows with rep. penalty
+    min_tokens_ids: torch.Tensor | None  # [B, S] ids blocked this step (min_new_tokens)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]],
+        stop_ids_when_min: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Builds the batch; token lists are read only for rows that use penalties/min-tokens."""
+        num_reqs = len(params)
+        if num_reqs == 0 or not (
+            num_reqs == len(seeds) == len(output_ids) == len(prompt_ids) == len(stop_ids_when_min)
+        ):
+            raise ValueError(
+                "params, seeds, output_ids, prompt_ids and stop_ids_when_min must be equal,"
+                " non-empty lists"
+            )
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        floats = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.repetition_penalty for p in params],
+            ],
+            dtype=torch.float32,
+        ).to(device)
+        ints = torch.tensor(
+            [
+                [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+                [_as_int64(s) for s in seeds],
+                [len(o) for o in output_ids],
+            ],
+            dtype=torch.int64,
+        ).to(device)
+        return cls(
+            temperatures=floats[0],
+            top_ps=floats[1],
+            top_ks=ints[0],
+            min_ps=floats[2],
+            frequency_penalties=floats[3],
+            presence_penalties=floats[4],
+            repetition_penalties=floats[5],
+            seeds=ints[1],
+            steps=ints[2],
+            vocab_size=vocab_size,
+            sample_rows=_sample_rows(greedy, device),
+            all_greedy=not sampled,
+            use_top_k=any(1 <= p.top_k < vocab_size for p in sampled),
+            use_top_p=any(p.top_p < 1 for p in sampled),
+            use_min_p=any(p.min_p > 0 for p in sampled),
+            penalty_ids=_penalty_ids(params, output_ids, vocab_size, device),
+            repetition_ids=_repetition_ids(params, output_ids, prompt_ids, vocab_size, device),
+            min_tokens_ids=_min_tokens_ids(
+                params, output_ids, stop_ids_when_min, vocab_size, device
+            ),
+        )
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Picks one token per row of `logits` [B, V] (not modified); returns [B] int64."""
+    if logits.shape[-1] != batch.vocab_size:
+        raise ValueError(
+            f"logits have {logits.shape[-1]} columns; batch vocab is {batch.vocab_size}"
+        )
+    logits = apply_min_tokens(apply_penalties(logits.float(), batch), batch)
+    rows = batch.sample_rows
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    if rows is None:
+        return _draw(logits, batch, slice(None))
+    return logits.argmax(dim=-1).index_copy(0, rows, _draw(logits[rows], batch, rows))
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice) -> torch.Tensor:
+    """Temperature, filters, then a Gumbel-max draw for `logits` = the batch's `rows`."""
+    logits = logits / batch.temperatures[rows, None]
+    if batch.use_top_k or batch.use_top_p or batch.use_min_p:
+        logits = filter_logits(
+            logits,
+            batch.top_ks[rows],
+            batch.top_ps[rows],
+            batch.min_ps[rows],
+            use_top_k=batch.use_top_k,
+            use_top_p=batch.use_top_p,
+            use_min_p=batch.use_min_p,
+        )
+    noise = gumbel_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
+    return (logits + noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (HF: positive / p, negative * p), then frequency/presence (OpenAI)."""
+    if batch.repetition_ids is not None:
+        seen = _scatter_ids(batch.repetition_ids, batch.vocab_size, torch.bool)  # [B, V]
+        rp = batch.repetition_penalties[:, None]
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if batch.penalty_ids is not None:
+        counts = _scatter_ids(batch.penalty_ids, batch.vocab_size, torch.float32)  # [B, V]
+        logits = logits - batch.frequency_penalties[:, None] * counts
+        logits = logits - batch.presence_penalties[:, None] * (counts > 0)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sets the blocked ids (EOS + stop_token_ids below min_new_tokens) to -inf."""
+    if batch.min_tokens_ids is None:
+        return logits
+    blocked = _scatter_ids(batch.min_tokens_ids, batch.vocab_size, torch.bool)  # [B, V]
+    return logits.masked_fill(blocked, float("-inf"))
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
+    use_min_p: bool = True,
+) -> torch.Tensor:
+    """Sets tokens outside top-k, then top-p (renormalized), then min-p to -inf. [B, V]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_top_k:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        remove |= ranks[None, :] >= top_ks[:, None]
+    if use_top_p or use_min_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        if use_top_p:
+            mass_before = probs.cumsum(dim=-1) - probs  # the top token always has 0 before it
+            remove |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1)
+        if use_min_p:
+            remove |= probs < min_ps[:, None] * probs[:, :1]
+    filtered = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, filtered)
+
+
+# ---- seeded noise --------------------------------------------------------------------------
+# torch has no uint64: int64 holds the bit patterns; + and * wrap mod 2^64 like unsigned ones,
+# and right shifts are made logical by masking off the copied sign bits.
+
+
+def _as_int64(value: int) -> int:
+    """The signed int64 with the same low 64 bits as `value`."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MUL_A = _as_int64(0xFF51AFD7ED558CCD)
+_MUL_B = _as_int64(0xC4CEB9FE1A85EC53)
+_STEP_STRIDE = _as_int64(0x9E3779B97F4A7C15)  # odd: distinct steps give distinct counters
+_VOCAB_STRIDE = _as_int64(0xD1B54A32D192ED03)
+_SEED_SALT = _as_int64(0x5EED5EED5EED5EED)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """Avalanche finalizer (xorshift-multiply rounds): every output bit depends on every input."""
+    x = x ^ _shift_right(x, 33)
+    x = x * _MUL_A
+    x = x ^ _shift_right(x, 33)
+    x = x * _MUL_B
+    return x ^ _shift_right(x, 33)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """U(0, 1) per (seed, step, vocab index) from the top 24 bits of a hash; [B, V] float32."""
+    row_keys = _mix64(_mix64(seeds ^ _SEED_SALT) + steps * _STEP_STRIDE)  # [B]
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _VOCAB_STRIDE
+    bits = _shift_right(_mix64(row_keys[:, None] + vocab[None, :]), 40)  # [B, V] in [0, 2^24)
+    # (bits + 0.5) can round up to 2^24 in float32; the clamp keeps u < 1 so log(u) < 0.
+    return ((bits.float() + 0.5) * 2.0**-24).clamp_(max=1 - 2.0**-24)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise: argmax(logits + noise) is a draw from softmax(logits). [B, V]."""
+    return -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_size)))
+
+
+# ---- building helpers ----------------------------------------------------------------------
+
+
+def _sample_rows(greedy: list[bool], device: torch.device | str) -> torch.Tensor | None:
+    if not any(greedy):
+        return None
+    return torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64).to(device)
+
+
+def _pad_ids(
+    rows: list[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor | None:
+    """[B, max_len] int64 padded with vocab_size; None when every row is empty."""
+    width = max(len(r) for r in rows)
+    if width == 0:
+        return None
+    padded = [list(r) + [vocab_size] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64).to(device)
+
+
+def _scatter_ids(ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row counts (float) or presence (bool) of ids [B, L]; the padding column is dropped."""
+    out = torch.zeros(ids.shape[0], vocab_size + 1, dtype=dtype, device=ids.device)
+    if dtype == torch.bool:
+        out.scatter_(1, ids, True)
+    else:
+        out.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=ids.device))
+    return out[:, :vocab_size]
+
+
+def _penalty_ids(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    rows = [
+        o if p.frequency_penalty != 0 or p.presence_penalty != 0 else []
+        for p, o in zip(params, output_ids)
+    ]
+    return _pad_ids(rows, vocab_size, device)
+
+
+def _repetition_ids(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    prompt_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    rows = [
+        list(i) + list(o) if p.repetition_penalty != 1 else []
+        for p, o, i in zip(params, output_ids, prompt_ids)
+    ]
+    return _pad_ids(rows, vocab_size, device)
+
+
+def _min_tokens_ids(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    stop_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    rows = [s if len(o) < p.min_new_tokens else [] for p, o, s in zip(params, output_ids, stop_ids)]
+    for row in rows:
+        if any(not 0 <= t < vocab_size for t in row):
+            raise ValueError(f"stop ids for min_new_tokens must be in [0, {vocab_size}); got {row}")
+    return _pad_ids(rows, vocab_size, device)

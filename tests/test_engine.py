@@ -1,0 +1,199 @@
+"""The Engine end to end on a tiny random model (SmolLM2's tokenizer, vocab 49152)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import SYSTEM, VOCAB, greedy, make_engine, prompt_ids
+from radixserve import Engine
+
+
+def test_generate_shapes_and_meta_info(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    single = engine.generate(input_ids=prompt_ids(0), sampling_params=greedy(8))
+    assert len(single["output_ids"]) == 8
+    meta = single["meta_info"]
+    assert meta["prompt_tokens"] == 30 and meta["completion_tokens"] == 8
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
+    batch = engine.generate(input_ids=[prompt_ids(1), prompt_ids(2)], sampling_params=greedy(4))
+    assert isinstance(batch, list) and [len(o["output_ids"]) for o in batch] == [4, 4]
+    assert engine.generate(prompt=["hello", "world"], sampling_params=greedy(2))[1]["text"]
+    engine.check_integrity()
+
+
+def test_cold_warm_and_disabled_cache_give_identical_tokens(tiny_chat_model):
+    prompts = [SYSTEM + prompt_ids(i, 20) for i in range(4)]
+    radix = make_engine(tiny_chat_model)
+    cold = radix.generate(input_ids=prompts, sampling_params=greedy(12))
+    warm = radix.generate(input_ids=prompts, sampling_params=greedy(12))
+    plain = make_engine(tiny_chat_model, disable_radix_cache=True)
+    uncached = plain.generate(input_ids=prompts, sampling_params=greedy(12))
+    for c, w, u in zip(cold, warm, uncached):
+        assert c["output_ids"] == w["output_ids"] == u["output_ids"]
+        assert w["meta_info"]["cached_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+        assert u["meta_info"]["cached_tokens"] == 0
+    assert plain.get_stats()["cached_tokens"] == 0
+
+
+def test_shared_system_prompt_is_computed_once(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    prompts = [SYSTEM + prompt_ids(i, 10) for i in range(24)]
+    outputs = engine.generate(input_ids=prompts, sampling_params=greedy(4))
+    stats = engine.get_stats()
+    shared = len(SYSTEM) // 16 * 16
+    assert stats["prefill_tokens_computed"] <= sum(map(len, prompts)) - 23 * shared
+    assert sum(o["meta_info"]["cached_tokens"] for o in outputs) >= 23 * shared
+    engine.check_integrity()
+
+
+def test_tiny_pool_retracts_and_still_matches_a_large_pool(tiny_chat_model):
+    prompts = [prompt_ids(i, 24) for i in range(16)]
+    params = greedy(100)
+    big = make_engine(tiny_chat_model).generate(input_ids=prompts, sampling_params=params)
+    small = make_engine(tiny_chat_model, max_total_tokens=640, chunked_prefill_size=64)
+    initial_free = small.runner.pool.allocator.num_free
+    out = small.generate(input_ids=prompts, sampling_params=params)
+    stats = small.get_stats()
+    assert stats["retractions"] > 0 and stats["evicted_pages"] > 0
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in big]
+    small.check_integrity()
+    assert small.flush_cache()
+    assert small.runner.pool.allocator.num_free == initial_free
+
+
+def test_multi_turn_hits_previous_answer(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    turn1 = SYSTEM[:50] + prompt_ids(3, 27)
+    answer = engine.generate(input_ids=turn1, sampling_params=greedy(40))["output_ids"]
+    turn2 = turn1 + answer + prompt_ids(4, 12)
+    meta = engine.generate(input_ids=turn2, sampling_params=greedy(4))["meta_info"]
+    assert meta["cached_tokens"] >= (len(turn1) + len(answer) - 1) // 16 * 16
+
+
+def test_sampling_seed_is_independent_of_batch_company(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    params = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 12, "sampling_seed": 7}
+    alone = engine.generate(input_ids=prompt_ids(5), sampling_params=params)
+    others = [{"temperature": 1.0, "max_new_tokens": 20}] * 3
+    batch = engine.generate(
+        input_ids=[prompt_ids(6), prompt_ids(7), prompt_ids(5), prompt_ids(8)],
+        sampling_params=others[:2] + [params] + others[2:],
+    )
+    assert batch[2]["output_ids"] == alone["output_ids"]
+    unseeded = engine.generate(
+        input_ids=[prompt_ids(5)] * 2, sampling_params={"temperature": 1.0, "max_new_tokens": 12}
+    )
+    assert unseeded[0]["output_ids"] != unseeded[1]["output_ids"]
+
+
+def test_stop_strings_are_trimmed(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    full = engine.generate(input_ids=prompt_ids(9), sampling_params=greedy(24))
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = engine.generate(input_ids=prompt_ids(9), sampling_params=greedy(24, stop=stop))
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[: text.find(stop)]
+    kept = engine.generate(
+        input_ids=prompt_ids(9), sampling_params=greedy(24, stop=[stop], no_stop_trim=True)
+    )
+    assert kept["text"].endswith(stop) or stop in kept["text"]
+
+
+def test_n_gives_n_outputs(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    outs = engine.generate(
+        input_ids=prompt_ids(10), sampling_params={"n": 3, "max_new_tokens": 6, "sampling_seed": 1}
+    )
+    assert len(outs) == 3 and len({tuple(o["output_ids"]) for o in outs}) > 1
+
+
+def test_max_new_tokens_zero_prefills_into_the_cache(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    prompt = SYSTEM[:64] + [5, 6]
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    again = engine.generate(input_ids=prompt + [7, 8], sampling_params=greedy(1))
+    assert again["meta_info"]["cached_tokens"] == 64
+
+
+def test_logprobs_layout(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    prompt = prompt_ids(11, 40)
+    out = engine.generate(
+        input_ids=prompt,
+        sampling_params=greedy(5),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+        return_text_in_logprobs=True,
+    )
+    meta = out["meta_info"]
+    inputs, outputs = meta["input_token_logprobs"], meta["output_token_logprobs"]
+    assert len(inputs) == 40 and inputs[0][0] is None
+    assert [e[1] for e in inputs] == prompt and all(e[0] <= 0 for e in inputs[1:])
+    assert [e[1] for e in outputs] == out["output_ids"]
+    assert all(isinstance(e[2], str) for e in outputs)
+    top = meta["output_top_logprobs"]
+    assert len(top) == 5 and all(len(t) == 3 for t in top)
+    assert all(t[0][1] == e[1] for t, e in zip(top, outputs))  # greedy: the top token
+    again = engine.generate(
+        input_ids=prompt, sampling_params=greedy(5), return_logprob=True, logprob_start_len=0
+    )
+    first = [e[0] for e in inputs[1:]]
+    second = [e[0] for e in again["meta_info"]["input_token_logprobs"][1:]]
+    assert second == pytest.approx(first, abs=1e-4)  # the cache never serves scored positions
+
+
+def test_chunked_prefill_matches_one_chunk(tiny_chat_model):
+    prompts = [prompt_ids(12, 150), prompt_ids(13, 70)]
+    whole = make_engine(tiny_chat_model).generate(input_ids=prompts, sampling_params=greedy(8))
+    chunked = make_engine(tiny_chat_model, chunked_prefill_size=32)
+    out = chunked.generate(input_ids=prompts, sampling_params=greedy(8))
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in whole]
+    assert chunked.get_stats()["forward_steps"] > 8
+
+
+def test_async_stream_yields_cumulative_outputs(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+
+    async def collect():
+        stream = await engine.async_generate(
+            input_ids=prompt_ids(14), sampling_params=greedy(6), stream=True
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(collect())
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    final = engine.generate(input_ids=prompt_ids(14), sampling_params=greedy(6))
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"input_ids": [1] * 3000}, "context length"),
+        ({"input_ids": []}, "empty"),
+        ({"input_ids": [VOCAB]}, "input_ids"),
+        ({"prompt": "a", "input_ids": [1]}, "exactly one"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokenz": 3}}, "max_new_tokenz"),
+        ({"input_ids": [1], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tiny_chat_model, kwargs, match):
+    engine = make_engine(tiny_chat_model)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kwargs)
+    assert not engine.scheduler.has_work()
+    engine.check_integrity()
+
+
+def test_unknown_engine_argument_is_named(tiny_chat_model):
+    with pytest.raises(TypeError, match="max_totl_tokens"):
+        Engine(tiny_chat_model, max_totl_tokens=10)
