@@ -1,4 +1,4 @@
-"""`radixserve` command line: `generate` (serve, chat and bench arrive with their issues)."""
+"""`radixserve` command line: `generate` (offline batch) and `serve` (HTTP server)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 
 from radixserve.cli_args import add_dataclass_args, field_names
-from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
+from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,20 +26,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(gen, CacheConfig, "KV cache")
     add_dataclass_args(gen, SchedulerConfig, "scheduler")
+    srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
+    srv.add_argument("model_arg", nargs="?", metavar="MODEL", help="model (default: SmolLM2)")
+    add_dataclass_args(srv, ServerConfig, "server")
+    add_dataclass_args(srv, LoadConfig, "model")
+    srv.add_argument("--model-path", dest="model", help="alias of --model")
+    add_dataclass_args(srv, CacheConfig, "KV cache")
+    add_dataclass_args(srv, SchedulerConfig, "scheduler")
     return parser
+
+
+def engine_args_from(args: argparse.Namespace) -> dict:
+    return {
+        name: getattr(args, name)
+        for cls in (LoadConfig, CacheConfig, SchedulerConfig)
+        for name in field_names(cls)
+    }
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from radixserve.server.launch import serve
+
+    if args.model_arg is not None:
+        args.model = args.model_arg
+    config = ServerConfig(**{name: getattr(args, name) for name in field_names(ServerConfig)})
+    return serve(engine_args_from(args), config)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.engine.engine import Engine
     from radixserve.model.tokenizer import chat_prompt_text
 
-    engine_args = {
-        name: getattr(args, name)
-        for cls in (LoadConfig, CacheConfig, SchedulerConfig)
-        for name in field_names(cls)
-    }
     start = time.perf_counter()
-    engine = Engine(**engine_args)
+    engine = Engine(**engine_args_from(args))
     loaded_s = time.perf_counter() - start
     prompts = args.prompts
     if args.chat:
@@ -72,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     return 2
 
 

@@ -162,3 +162,53 @@ def greedy_generate(
         for table in tables:
             pool.allocator.free(table)
     return outputs
+
+
+# ---- server tests: `radixserve serve` in a subprocess on a free loopback port ----
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `radixserve serve` subprocess; `url` once ready, `stop()` sends SIGTERM."""
+
+    def __init__(self, model: str, *flags: str):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", model, "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--max-total-tokens", "16384", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.log: list[str] = []
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if "ready at" in line:
+                break
+        else:
+            raise RuntimeError("server did not start:\n" + "".join(self.log))
+
+    def stop(self, timeout: float = 60) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model):
+    proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny")
+    yield proc
+    proc.stop()

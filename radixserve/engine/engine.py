@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import split_engine_kwargs
+from radixserve.engine.core import EngineCore
 from radixserve.engine.output import format_output
-from radixserve.engine.request import LogprobRequest, Req
-from radixserve.engine.scheduler import Scheduler
-from radixserve.model.loader import load_model
-from radixserve.model.runner import ModelRunner
-from radixserve.model.tokenizer import load_tokenizer
-from radixserve.sampling.params import SamplingParams
+from radixserve.engine.request import Req
+from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
 
 PROGRESS_BAR_MIN_BATCH = 32
 
@@ -26,35 +21,23 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; server_args are config dataclass fields."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        load_config, cache_config, self.scheduler_config = split_engine_kwargs(
-            model_path, server_args
-        )
-        loaded = load_model(load_config)
-        self.model_name = loaded.name
-        self.runner = ModelRunner.from_loaded(loaded, load_config, cache_config)
-        self.tokenizer = load_tokenizer(loaded)
-        self.cache = create_prefix_cache(
-            self.scheduler_config.disable_radix_cache,
-            self.runner.pool.allocator,
-            self.runner.pool.page_size,
-        )
-        self.scheduler = Scheduler(
-            self.runner, self.cache, self.scheduler_config, self._eos_ids(loaded), self.tokenizer
-        )
-        self.context_length = (
-            self.scheduler_config.context_length or loaded.config.max_position_embeddings
+        configs = split_engine_kwargs(model_path, server_args)
+        self.core = EngineCore.build(*configs)
+        self.model_name = self.core.loaded.name
+        self.runner = self.core.runner
+        self.scheduler = self.core.scheduler
+        self.cache = self.core.cache
+        self.tokenizer = self.core.tokenizer
+        self.context_length = self.core.context_length
+        self.builder = RequestBuilder(
+            self.tokenizer,
+            self.runner.config.vocab_size,
+            self.context_length,
+            self.runner.pool.capacity_tokens,
         )
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-step")
-        self._rng = random.Random()
-        self._next_rid = 0
         self._closed = False
-
-    def _eos_ids(self, loaded) -> tuple[int, ...]:
-        ids = set(loaded.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -73,9 +56,9 @@ class Engine:
         progress_bar: bool | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
-        reqs, batched = self._make_requests(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, cache_salt,
+        reqs, batched = self.builder.build(
+            GenerateArgs(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                         top_logprobs_num, rid, cache_salt)
         )  # fmt: skip
         if stream:
             return self._stream(reqs, return_text_in_logprobs)
@@ -98,9 +81,9 @@ class Engine:
         stream: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
-        reqs, batched = self._make_requests(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, cache_salt,
+        reqs, batched = self.builder.build(
+            GenerateArgs(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                         top_logprobs_num, rid, cache_salt)
         )  # fmt: skip
         if stream:
             return self._async_stream(reqs, return_text_in_logprobs)
@@ -117,31 +100,15 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (False) while requests are queued or running."""
         with self._lock:
-            if self.scheduler.has_work():
-                return False
-            self.cache.reset()
-            return True
+            return self.core.flush_cache()
 
     def get_stats(self) -> dict[str, Any]:
-        pool = self.runner.pool
-        tree = self.cache.size_info()
-        return {
-            "num_running_reqs": len(self.scheduler.running),
-            "num_waiting_reqs": len(self.scheduler.waiting) + len(self.scheduler.inbox),
-            "page_size": pool.page_size,
-            "pool_capacity_pages": pool.allocator.capacity,
-            "pool_free_pages": pool.allocator.num_free,
-            "tree_pages": tree.total_pages,
-            "tree_evictable_pages": tree.evictable_pages,
-            "tree_protected_pages": tree.protected_pages,
-            "new_token_ratio": self.scheduler.new_token_ratio,
-            **self.scheduler.stats.as_dict(),
-        }
+        return self.core.get_stats()
 
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
         with self._lock:
-            self.cache.check_integrity(self.scheduler.held_pages())
+            self.core.check_integrity()
 
     def shutdown(self) -> None:
         self._closed = True
@@ -204,96 +171,6 @@ class Engine:
             for req in reqs:
                 if not req.finished:
                     self.abort_request(req.rid)
-
-    # ---- request construction ------------------------------------------------------------
-
-    def _make_requests(
-        self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-        top_logprobs_num, rid, cache_salt,
-    ) -> tuple[list[Req], bool]:  # fmt: skip
-        token_lists, batched = self._token_lists(prompt, input_ids)
-        params_list = _per_prompt(sampling_params, len(token_lists), "sampling_params")
-        rids = _per_prompt(rid, len(token_lists), "rid")
-        salts = _per_prompt(cache_salt, len(token_lists), "cache_salt")
-        logprob = _logprob_request(return_logprob, logprob_start_len, top_logprobs_num)
-        reqs = []
-        for ids, params_dict, req_rid, salt in zip(token_lists, params_list, rids, salts):
-            params = SamplingParams.from_dict(params_dict)
-            params.verify(self.runner.config.vocab_size)
-            self._check_length(ids, params)
-            for i in range(params.n):
-                reqs.append(self._new_req(ids, params, req_rid, salt, logprob, i))
-        return reqs, batched
-
-    def _token_lists(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("provide exactly one of prompt or input_ids")
-        if prompt is not None:
-            batched = isinstance(prompt, list)
-            texts = prompt if batched else [prompt]
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a non-empty list of strings")
-            return [self.tokenizer.encode(t) for t in texts], batched
-        batched = bool(input_ids) and isinstance(input_ids[0], list)
-        lists = input_ids if batched else [input_ids]
-        vocab = self.runner.config.vocab_size
-        for ids in lists:
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("input_ids must be a list of ints or a list of such lists")
-            if any(t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"input_ids must lie in [0, {vocab})")
-        return [list(ids) for ids in lists], batched
-
-    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: it must have at least one token")
-        if len(ids) >= self.context_length:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context length is {self.context_length}"
-            )
-        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(ids))
-        capacity = self.runner.pool.capacity_tokens
-        if len(ids) + params.max_new_tokens > capacity:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the KV pool ({capacity} tokens); raise max_total_tokens"
-            )
-
-    def _new_req(self, ids, params, rid, salt, logprob, index) -> Req:
-        self._next_rid += 1
-        base = rid if rid is not None else f"req-{self._next_rid}"
-        seed = params.sampling_seed
-        seed = self._rng.getrandbits(62) if seed is None else seed + index
-        return Req(
-            rid=base if params.n == 1 else f"{base}-{index}",
-            input_ids=ids,
-            params=params,
-            seed=seed,
-            namespace=salt,
-            logprob=logprob,
-        )
-
-
-def _per_prompt(value, count: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
-        return value
-    if value is not None and count > 1 and name == "rid":
-        raise ValueError("rid must be a list with one id per prompt")
-    return [value] * count
-
-
-def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | None:
-    if not return_logprob:
-        return None
-    start_len = -1 if start_len is None else start_len
-    top_num = 0 if top_num is None else top_num
-    if not isinstance(start_len, int) or start_len < -1:
-        raise ValueError(f"logprob_start_len must be an int >= -1; got {start_len!r}")
-    if not isinstance(top_num, int) or top_num < 0:
-        raise ValueError(f"top_logprobs_num must be an int >= 0; got {top_num!r}")
-    return LogprobRequest(start_len=start_len, top_num=top_num)
 
 
 def _progress(total: int):

@@ -10,6 +10,7 @@ the tree, so later requests, and the next turn of a chat, hit them.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -135,7 +136,8 @@ class Scheduler:
 
     def _prefill_budget(self) -> int:
         chunk = self.config.chunked_prefill_size
-        return self.config.max_prefill_tokens if chunk < 0 else chunk
+        limit = self.config.max_prefill_tokens
+        return limit if chunk < 0 else min(chunk, limit)
 
     def _schedule_decodes(self) -> list[Work]:
         """One token for every decoding request; retracts requests if pages run out."""
@@ -214,6 +216,7 @@ class Scheduler:
             self._release(req)
             return None
         if req.num_retractions == 0:
+            req.queue_time = time.perf_counter() - req.arrival_time
             req.cached_tokens = match.num_tokens
             self.stats.cached_tokens += match.num_tokens
         self.waiting.remove(req)

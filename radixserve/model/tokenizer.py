@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from radixserve.model.gguf_convert import converted_folder
 from radixserve.model.loader import LoadedModel
@@ -14,18 +15,22 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(loaded: LoadedModel):
     """The model's own tokenizer; a dummy built-in config borrows the default model's one."""
+    return open_tokenizer(loaded.tokenizer_path, loaded.config.vocab_size, loaded.name)
+
+
+def open_tokenizer(path: Path | str | None, vocab_size: int, model_name: str):
+    """Loads the tokenizer at `path` (None: the default model's), offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    path = loaded.tokenizer_path
     if path is None:
         path = converted_folder(default_model_path())
-        logger.warning("%s ships no tokenizer; using the default model's tokenizer", loaded.name)
+        logger.warning("%s ships no tokenizer; using the default model's tokenizer", model_name)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if len(tokenizer) > loaded.config.vocab_size:
+    if len(tokenizer) > vocab_size:
         raise ModelLoadError(
             f"tokenizer at {path} has {len(tokenizer)} tokens, more than the model's "
-            f"vocab_size {loaded.config.vocab_size}"
+            f"vocab_size {vocab_size}"
         )
     return tokenizer
 

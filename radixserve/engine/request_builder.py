@@ -1,0 +1,141 @@
+"""Turns API arguments (prompts or ids, sampling params, logprob options) into validated Reqs.
+
+Shared by the in-process Engine and the HTTP server, so both reject the same bad input
+with the same ValueError naming the offending parameter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.engine.request import LogprobRequest, Req
+from radixserve.sampling.params import SamplingParams
+
+
+@dataclass
+class GenerateArgs:
+    """SGLang's generate arguments, as the Engine and `/generate` take them."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    rid: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
+
+
+class RequestBuilder:
+    def __init__(self, tokenizer, vocab_size: int, context_length: int, capacity_tokens: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.capacity_tokens = capacity_tokens
+        self._rng = random.Random()
+        self._counter = itertools.count(1)
+
+    def build(self, args: GenerateArgs) -> tuple[list[Req], bool]:
+        """Validated requests (n per prompt) and whether the input was a batch."""
+        token_lists, batched = self._token_lists(args.text, args.input_ids)
+        count = len(token_lists)
+        params_list = _per_prompt(args.sampling_params, count, "sampling_params")
+        rids = _per_prompt(args.rid, count, "rid")
+        salts = _per_prompt(args.cache_salt, count, "cache_salt")
+        logprob = _logprob_request(args.return_logprob, args.logprob_start_len,
+                                   args.top_logprobs_num)  # fmt: skip
+        reqs = []
+        for ids, params_dict, rid, salt in zip(token_lists, params_list, rids, salts):
+            params = self.sampling_params(params_dict)
+            self.check_length(ids, params)
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string; got {salt!r}")
+            reqs += [self.new_req(ids, params, rid, salt, logprob, i) for i in range(params.n)]
+        return reqs, batched
+
+    def sampling_params(self, params: dict | None) -> SamplingParams:
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be an object; got {type(params).__name__}")
+        parsed = SamplingParams.from_dict(params)
+        parsed.verify(self.vocab_size)
+        return parsed
+
+    def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:
+        if (text is None) == (input_ids is None):
+            raise ValueError("provide exactly one of text (prompt) or input_ids")
+        if text is not None:
+            batched = isinstance(text, list)
+            texts = text if batched else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise ValueError("text must be a string or a non-empty list of strings")
+            return [self.tokenizer.encode(t) for t in texts], batched
+        batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        lists = input_ids if batched else [input_ids]
+        for ids in lists:
+            self.check_ids(ids)
+        return [list(ids) for ids in lists], batched
+
+    def check_ids(self, ids: Any) -> None:
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise ValueError("input_ids must be a list of ints or a list of such lists")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"input_ids must lie in [0, {self.vocab_size})")
+
+    def check_length(self, ids: list[int], params: SamplingParams) -> None:
+        """Rejects empty or over-long prompts; clips max_new_tokens to the context length."""
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        if len(ids) >= self.context_length:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context length is {self.context_length}"
+            )
+        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(ids))
+        if len(ids) + params.max_new_tokens > self.capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the KV pool ({self.capacity_tokens} tokens); raise max_total_tokens"
+            )
+
+    def new_req(self, ids, params, rid, salt, logprob, index: int = 0) -> Req:
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"rid must be a string; got {rid!r}")
+        base = rid if rid is not None else f"req-{next(self._counter)}"
+        seed = params.sampling_seed
+        seed = self._rng.getrandbits(62) if seed is None else seed + index
+        return Req(
+            rid=base if params.n == 1 else f"{base}-{index}",
+            input_ids=ids,
+            params=params,
+            seed=seed,
+            namespace=salt,
+            logprob=logprob,
+        )
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return value
+    if value is not None and count > 1 and name == "rid":
+        raise ValueError("rid must be a list with one id per prompt")
+    return [value] * count
+
+
+def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | None:
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob must be a boolean; got {return_logprob!r}")
+    if not return_logprob:
+        return None
+    start_len = -1 if start_len is None else start_len
+    top_num = 0 if top_num is None else top_num
+    if not isinstance(start_len, int) or isinstance(start_len, bool) or start_len < -1:
+        raise ValueError(f"logprob_start_len must be an int >= -1; got {start_len!r}")
+    if not isinstance(top_num, int) or isinstance(top_num, bool) or top_num < 0:
+        raise ValueError(f"top_logprobs_num must be an int >= 0; got {top_num!r}")
+    return LogprobRequest(start_len=start_len, top_num=top_num)

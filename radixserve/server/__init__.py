@@ -1,0 +1,1 @@
+"""HTTP server: aiohttp front end in one process, the engine core in another."""

@@ -1,0 +1,31 @@
+"""JSON error responses in OpenAI's schema: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import re
+
+from aiohttp import web
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          413: "BadRequestError", 503: "ServiceUnavailableError"}  # fmt: skip
+_PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict | None = None
+) -> web.Response:
+    body = {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "InternalServerError"),
+            "param": param if param is not None else _guess_param(message),
+            "code": status,
+        }
+    }
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _guess_param(message: str) -> str | None:
+    """The parameter a validation message starts with ("temperature must be ...")."""
+    match = _PARAM.match(message)
+    return match.group(1) if match else None

@@ -1,0 +1,85 @@
+"""`radixserve serve`: start the engine core process, then the HTTP server; stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.config import SchedulerConfig, ServerConfig
+from radixserve.engine.request_builder import RequestBuilder
+from radixserve.model.tokenizer import open_tokenizer
+from radixserve.server.app import ServerState, build_app
+from radixserve.server.core_client import CoreClient
+from radixserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 30.0
+
+
+def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
+    """Runs the server until SIGTERM or SIGINT; returns the process exit code."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    client = CoreClient(engine_args, config.log_level)
+    info = client.start()
+    try:
+        return asyncio.run(_serve(client, info, engine_args, config))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: finish closing
+        client.close()
+
+
+def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
+    tokenizer = open_tokenizer(info["tokenizer_path"], info["vocab_size"], info["model_name"])
+    builder = RequestBuilder(
+        tokenizer, info["vocab_size"], info["context_length"], info["capacity_tokens"]
+    )
+    model_path = engine_args.get("model") or info["model_name"]
+    max_running = engine_args.get("max_running_requests", SchedulerConfig.max_running_requests)
+    return ServerState(
+        client=client,
+        builder=builder,
+        tokenizer=tokenizer,
+        config=config,
+        engine_args=engine_args,
+        model_path=str(model_path),
+        served_model_name=config.served_model_name or info["model_name"],
+        max_running_requests=max_running,
+        metrics=ServerMetrics(),
+    )
+
+
+async def _serve(client: CoreClient, info, engine_args, config: ServerConfig) -> int:
+    loop = asyncio.get_running_loop()
+    client.attach(loop)
+    state = make_state(client, info, engine_args, config)
+    app = build_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    print(f"radixserve ready at http://{config.host}:{config.port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await site.stop()  # no new connections; in-flight requests may finish
+    await _drain(client)
+    await runner.cleanup()
+    return 0
+
+
+async def _drain(client: CoreClient) -> None:
+    """Lets in-flight requests finish for a while, then aborts the rest."""
+    deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+    while client.num_active and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    for rid in list(client.active_rids()):
+        client.abort(rid)
+    while client.num_active and client.alive:
+        await asyncio.sleep(0.05)

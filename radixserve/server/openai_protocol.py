@@ -1,0 +1,284 @@
+"""OpenAI's wire format: validates /v1/completions and /v1/chat/completions bodies.
+
+Field names follow OpenAI, plus vLLM's and SGLang's extra sampling fields. A field this
+server does not know is rejected when it carries a value (null is fine), so nothing is
+silently accepted and ignored, except `user` and `parallel_tool_calls` (as in vLLM).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
+
+# app.py imports the OpenAI routes, so its names are looked up at call time, not import time.
+from radixserve.server import app as server_app
+
+MAX_LOGPROBS = 20
+"""Most top logprobs per token a request may ask for (vLLM's default max_logprobs)."""
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# Fields copied into SamplingParams under the same name.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
+    "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "no_stop_trim",
+)  # fmt: skip
+COMMON_FIELDS = {
+    *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
+    "stream_options", "cache_salt", "user",
+}  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+    "parallel_tool_calls",
+}  # fmt: skip
+TOKENIZE_FIELDS = {
+    "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+    "chat_template_kwargs",
+}  # fmt: skip
+
+# OpenAI fields this server does not implement: accepted only at their no-op value.
+NO_OP_VALUES: dict[str, Any] = {
+    "best_of": 1,
+    "logit_bias": {},
+    "suffix": "",
+    "tools": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+}
+
+
+def bad_request(message: str, param: str | None = None) -> ValueError:
+    """The server's 400 error, naming the offending field."""
+    return server_app.BadRequest(message, param=param)
+
+
+@dataclass
+class OpenAIRequest:
+    """A validated completion or chat completion request, before tokenization."""
+
+    chat: bool
+    model: str | None
+    sampling: dict[str, Any]
+    prompt: list[str] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top logprobs per token; None: no logprobs
+    echo: bool = False
+    cache_salt: Any = None
+    max_tokens_name: str = "max_tokens"
+
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n", 1)
+
+    def openai_message(self, message: str) -> str:
+        """A core validation message with SGLang's field names turned into OpenAI's."""
+        names = {
+            "max_new_tokens": self.max_tokens_name,
+            "min_new_tokens": "min_tokens",
+            "sampling_seed": "seed",
+            "input_ids": "prompt",
+            "text": "prompt",
+        }
+        return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], message)
+
+
+def parse_request(body: Any, chat: bool) -> OpenAIRequest:
+    """Validates a /v1/completions (chat=False) or /v1/chat/completions body."""
+    body = check_object(body)
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    stream = check_bool(body, "stream")
+    parsed = OpenAIRequest(
+        chat=chat,
+        model=check_model(body),
+        sampling=sampling_dict(body),
+        stream=stream,
+        include_usage=check_stream_options(body.get("stream_options"), stream),
+        cache_salt=body.get("cache_salt"),
+    )
+    if chat:
+        _parse_chat(body, parsed)
+    else:
+        _parse_completion(body, parsed)
+    return parsed
+
+
+def _parse_completion(body: dict, parsed: OpenAIRequest) -> None:
+    parsed.prompt = check_prompt(body.get("prompt"))
+    parsed.logprobs = check_top_count(body, "logprobs")
+    parsed.echo = check_bool(body, "echo")
+
+
+def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
+    parsed.messages = check_messages(body.get("messages"))
+    parsed.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    top = check_top_count(body, "top_logprobs")
+    if check_bool(body, "logprobs"):
+        parsed.logprobs = top or 0
+    elif top:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if body.get("max_completion_tokens") is not None:
+        parsed.sampling["max_new_tokens"] = body["max_completion_tokens"]
+        parsed.max_tokens_name = "max_completion_tokens"
+
+
+def sampling_dict(body: dict) -> dict[str, Any]:
+    """OpenAI's sampling fields under SamplingParams' names; absent and null fields left out."""
+    params = {name: body.get(name) for name in SAMPLING_FIELDS}
+    params["max_new_tokens"] = body.get("max_tokens")
+    params["min_new_tokens"] = body.get("min_tokens")
+    params["sampling_seed"] = body.get("seed")
+    return {name: value for name, value in params.items() if value is not None}
+
+
+# ---- field checks ------------------------------------------------------------------------
+
+
+def check_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", param="body")
+    return body
+
+
+def check_fields(body: dict, known: set[str]) -> None:
+    """Rejects any field that is unknown or unsupported, unless it is null or a no-op."""
+    for key, value in body.items():
+        if value is None or key in known:
+            continue
+        if key in NO_OP_VALUES and value == NO_OP_VALUES[key]:
+            continue
+        reason = "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
+        raise bad_request(f"{key} {reason}; got {value!r}", param=key)
+
+
+def check_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false; got {value!r}", param=name)
+    return value
+
+
+def check_model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model must be a string; got {model!r}", param="model")
+    return model
+
+
+def check_top_count(body: dict, name: str) -> int | None:
+    """A logprobs count in [0, MAX_LOGPROBS], or None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(
+            f"{name} must be an integer in [0, {MAX_LOGPROBS}]; got {value!r}", param=name
+        )
+    return value
+
+
+def check_stream_options(options: Any, stream: bool) -> bool:
+    """`stream_options.include_usage`; the options are only allowed on a stream."""
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_request(
+            f"stream_options must be {{'include_usage': bool}}; got {options!r}", "stream_options"
+        )
+    return check_bool(options, "include_usage")
+
+
+def check_prompt(prompt: Any) -> list[str] | list[list[int]]:
+    """A string, strings, token ids or lists of token ids, as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(_is_int(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return prompt
+    raise bad_request(
+        "prompt must be a string, a non-empty list of strings, a list of token ids or a list "
+        f"of such lists; got {str(prompt)[:80]}",
+        param="prompt",
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- chat messages -----------------------------------------------------------------------
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: role, string content, optional name."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of message objects", "messages")
+    return [_check_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _check_message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object; got {message!r}", param=where)
+    for key, value in message.items():
+        if key not in ("role", "content", "name") and value is not None:
+            raise bad_request(f"{where}.{key} is not supported by this server", f"{where}.{key}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{where}.role must be one of {ROLES}; got {role!r}", f"{where}.role")
+    checked = {"role": role, "content": _content_text(message.get("content"), where)}
+    if message.get("name") is not None:
+        if not isinstance(message["name"], str):
+            raise bad_request(f"{where}.name must be a string", param=f"{where}.name")
+        checked["name"] = message["name"]
+    return checked
+
+
+def _content_text(content: Any, where: str) -> str:
+    """String content as is; text parts joined by newlines (vLLM's "string" format)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(_is_text_part(part) for part in content):
+        return "\n".join(part["text"] for part in content)
+    raise bad_request(
+        f"{where}.content must be a string or a list of {{'type': 'text', 'text': str}} parts; "
+        f"got {str(content)[:80]}",
+        param=f"{where}.content",
+    )
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    return kwargs
+
+
+def render_chat(tokenizer, messages: list[dict], template_kwargs: dict[str, Any]) -> str:
+    """The conversation as the tokenizer's own chat template writes it."""
+    if tokenizer.chat_template is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions")
+    kwargs = {"add_generation_prompt": True} | template_kwargs | {"tokenize": False}
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except (TemplateError, TypeError, ValueError) as exc:
+        raise bad_request(f"messages could not be rendered: {exc}", param="messages") from exc

@@ -1,0 +1,283 @@
+"""`radixserve serve` in a subprocess: SGLang's native API, health, metrics, robustness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ServerProcess, prompt_ids
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+async def post(url: str, body, **kwargs):
+    async with aiohttp.ClientSession() as session:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        async with session.post(url, data=data, **kwargs) as resp:
+            text = await resp.text()
+            return resp.status, (json.loads(text) if text.startswith(("{", "[")) else text)
+
+
+async def get(url: str, **kwargs):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, **kwargs) as resp:
+            text = await resp.text()
+            return resp.status, (json.loads(text) if text.startswith(("{", "[")) else text)
+
+
+async def stream_generate(url: str, body) -> list:
+    events = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/generate", json=body | {"stream": True}) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    payload = line[len("data: ") :]
+                    events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_single_batch_and_null_fields(server):
+    body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"regex": None, "stop": None}}
+    status, single = run(post(server.url + "/generate", body))
+    assert status == 200 and len(single["output_ids"]) == 8
+    keys = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
+    assert set(single["meta_info"]) >= keys | {"e2e_latency"}
+    body = {"text": ["Hello there", "General"], "sampling_params": GREEDY}
+    status, batch = run(post(server.url + "/generate", body))
+    assert status == 200 and isinstance(batch, list) and len(batch) == 2
+    assert all(isinstance(o["text"], str) for o in batch)
+
+
+def test_stream_is_cumulative_and_ends_with_done(server):
+    body = {"input_ids": prompt_ids(2), "sampling_params": GREEDY}
+    events = run(stream_generate(server.url, body))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    _, whole = run(post(server.url + "/generate", body))
+    assert chunks[-1]["text"] == whole["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_logprob_layout_and_prefill_only(server):
+    ids = prompt_ids(3, 20)
+    body = {
+        "input_ids": ids,
+        "sampling_params": GREEDY | {"max_new_tokens": 3},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
+    _, out = run(post(server.url + "/generate", body))
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == 20
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(len(t) == 2 for t in meta["output_top_logprobs"])
+    prefix = prompt_ids(4, 48)
+    body = {"input_ids": prefix, "sampling_params": {"max_new_tokens": 0}}
+    _, cached = run(post(server.url + "/generate", body))
+    assert cached["output_ids"] == []
+    body = {"input_ids": prefix + [7, 8, 9], "sampling_params": GREEDY}
+    _, hit = run(post(server.url + "/generate", body))
+    assert hit["meta_info"]["cached_tokens"] == 48
+
+
+def test_64_concurrent_streams_match_their_solo_outputs(server):
+    bodies = [
+        {"input_ids": prompt_ids(100 + i, 12 + i % 7), "sampling_params": GREEDY} for i in range(64)
+    ]
+
+    async def solo():
+        return [(await post(server.url + "/generate", b))[1]["output_ids"] for b in bodies[:8]]
+
+    async def together():
+        return await asyncio.gather(*(stream_generate(server.url, b) for b in bodies))
+
+    alone = run(solo())
+    streams = run(together())
+    assert all(s[-1] == "[DONE]" for s in streams)
+    assert [s[-2]["output_ids"] for s in streams[:8]] == alone
+    assert all(len(s[-2]["output_ids"]) == 8 for s in streams)
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    async def scenario():
+        body = {"input_ids": prompt_ids(5, 40), "stream": True,
+                "sampling_params": GREEDY | {"max_new_tokens": 2000}}  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/generate", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        break  # hang up after the first token
+        for _ in range(100):
+            _, info = await get(server.url + "/server_info")
+            stats = info["stats"]
+            if stats["num_running_reqs"] == 0 and info["num_active_requests"] == 0:
+                return stats
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"request still running after disconnect: {stats}")
+
+    stats = run(scenario())
+    held = stats["pool_capacity_pages"] - stats["pool_free_pages"] - stats["tree_pages"]
+    assert held == 0
+    assert run(post(server.url + "/flush_cache", {}))[0] == 200
+    _, info = run(get(server.url + "/server_info"))
+    assert info["stats"]["pool_free_pages"] == info["stats"]["pool_capacity_pages"]
+
+
+BAD_GENERATE = [
+    (b"{not json", "body"),
+    (b"[1, 2]", "body"),
+    ({}, "input_ids"),
+    ({"text": "a", "input_ids": [1]}, "input_ids"),
+    ({"text": 5}, "text"),
+    ({"text": []}, "text"),
+    ({"input_ids": []}, "empty"),
+    ({"input_ids": "abc"}, "input_ids"),
+    ({"input_ids": [1, "x"]}, "input_ids"),
+    ({"input_ids": [-1]}, "input_ids"),
+    ({"input_ids": [10**9]}, "input_ids"),
+    ({"input_ids": [1] * 5000}, "context length"),
+    ({"text": "a", "sampling_params": "hot"}, "sampling_params"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"text": "a", "sampling_params": {"min_p": 2}}, "min_p"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "n"),
+    ({"text": "a", "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty"),
+    ({"text": "a", "sampling_params": {"presence_penalty": -3}}, "presence_penalty"),
+    ({"text": "a", "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"text": "a", "sampling_params": {"stop": 5}}, "stop"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [-4]}}, "stop_token_ids"),
+    (
+        {"text": "a", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}},
+        "min_new_tokens",
+    ),
+    ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
+    ({"text": "a", "sampling_params": {"regex": "[a-z]+"}}, "regex"),
+    ({"text": "a", "stream": "yes"}, "stream"),
+    ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"text": "a", "rid": 5}, "rid"),
+    ({"text": ["a", "b"], "rid": "one"}, "rid"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": "a", "image_data": "abc"}, "image_data"),
+    ({"text": "a", "cache_salt": 5}, "cache_salt"),
+]
+
+
+def test_bad_generate_requests_get_4xx_naming_the_field(server):
+    async def check_all():
+        failures = []
+        for body, field in BAD_GENERATE:
+            status, reply = await post(server.url + "/generate", body)
+            message = reply["error"]["message"] if isinstance(reply, dict) else str(reply)
+            if not (400 <= status < 500 and field in message):
+                failures.append((body, status, reply))
+        return failures
+
+    assert run(check_all()) == []
+    assert len(BAD_GENERATE) >= 30
+    status, reply = run(post(server.url + "/abort_request", {"rid": 3}))
+    assert status == 400 and "rid" in reply["error"]["message"]
+    status, reply = run(post(server.url + "/concate_and_append_request", {"src_rids": ["a"]}))
+    assert status == 400 and "concate_and_append_request" in reply["error"]["message"]
+    status, reply = run(post(server.url + "/generate", b"x" * (33 << 20)))
+    assert status == 413
+    assert run(get(server.url + "/health"))[0] == 200
+    assert run(get(server.url + "/health_generate"))[0] == 200
+
+
+def test_info_endpoints(server):
+    status, info = run(get(server.url + "/get_model_info"))
+    assert status == 200 and info["is_generation"] is True and info["model_path"]
+    status, info = run(get(server.url + "/server_info"))
+    assert status == 200 and info["page_size"] == 16 and "cache_hit_rate" in info["stats"]
+    assert run(get(server.url + "/nope"))[0] == 404
+
+
+def _metrics(server) -> dict[str, float]:
+    _, text = run(get(server.url + "/metrics"))
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name + str(sorted(sample.labels.items()))] = sample.value
+    return values
+
+
+def test_metrics_parse_and_move(server):
+    before = _metrics(server)
+    run(post(server.url + "/generate", {"input_ids": prompt_ids(6), "sampling_params": GREEDY}))
+    after = _metrics(server)
+    for name in ("radixserve:prompt_tokens_total[]", "radixserve:generation_tokens_total[]",
+                 "radixserve:e2e_request_latency_seconds_count[]",
+                 "radixserve:time_to_first_token_seconds_count[]",
+                 "radixserve:request_success_total[('finished_reason', 'length')]"):  # fmt: skip
+        assert after[name] > before.get(name, 0), name
+    assert "radixserve:kv_cache_usage_perc[]" in after
+    assert "radixserve:num_requests_running[]" in after
+
+
+def test_api_key_and_queue_limit(tiny_chat_model):
+    proc = ServerProcess(
+        tiny_chat_model, "--api-key", "sekret", "--max-running-requests", "1",
+        "--max-queued-requests", "0",
+    )  # fmt: skip
+    try:
+        body = {"input_ids": prompt_ids(7), "sampling_params": GREEDY}
+        assert run(post(proc.url + "/generate", body))[0] == 401
+        assert run(get(proc.url + "/health"))[0] == 200
+        auth = {"Authorization": "Bearer sekret"}
+        assert run(post(proc.url + "/generate", body, headers=auth))[0] == 200
+
+        async def flood():
+            long = {"input_ids": prompt_ids(8), "stream": True,
+                    "sampling_params": GREEDY | {"max_new_tokens": 2000}}  # fmt: skip
+            async with aiohttp.ClientSession() as session:
+                async with session.post(proc.url + "/generate", json=long, headers=auth) as first:
+                    await first.content.readline()  # the first request is running now
+                    async with session.post(proc.url + "/generate", json=body, headers=auth) as r:
+                        return first.status, r.status, r.headers.get("Retry-After")
+
+        first_status, status, retry_after = run(flood())
+        assert first_status == 200 and status == 503 and retry_after
+    finally:
+        assert proc.stop() == 0
+
+
+def test_sigterm_during_a_request_exits_cleanly(tiny_chat_model):
+    proc = ServerProcess(tiny_chat_model)
+
+    async def scenario():
+        body = {"input_ids": prompt_ids(9), "sampling_params": GREEDY | {"max_new_tokens": 200}}
+        task = asyncio.create_task(post(proc.url + "/generate", body))
+        await asyncio.sleep(0.5)
+        proc.proc.send_signal(15)
+        return await task
+
+    status, reply = run(scenario())
+    assert status == 200
+    reason = reply["meta_info"]["finish_reason"]["type"]
+    assert reason in ("length", "abort")
+    assert proc.proc.wait(60) == 0
+
+
+def test_wrong_method_is_a_json_405(server):
+    status, reply = run(get(server.url + "/generate"))
+    assert status == 405 and reply["error"]["code"] == 405
