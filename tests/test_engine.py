@@ -197,3 +197,19 @@ def test_bad_input_is_a_clear_error(tiny_chat_model, kwargs, match):
 def test_unknown_engine_argument_is_named(tiny_chat_model):
     with pytest.raises(TypeError, match="max_totl_tokens"):
         Engine(tiny_chat_model, max_totl_tokens=10)
+
+
+def test_stream_never_shows_text_that_is_later_trimmed(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    full = engine.generate(input_ids=prompt_ids(15), sampling_params=greedy(24))
+    ids, decode = full["output_ids"], engine.tokenizer.decode
+    # a stop string that starts inside one token and ends inside the next
+    k = next(k for k in range(8, 20) if len(decode(ids[k - 1 : k])) >= 2
+             and len(decode(ids[k : k + 1])) >= 2)  # fmt: skip
+    boundary = len(decode(ids[:k]))
+    stop = full["text"][boundary - 2 : boundary + 2]
+    params = greedy(24, stop=stop)
+    chunks = list(engine.generate(input_ids=prompt_ids(15), sampling_params=params, stream=True))
+    final = chunks[-1]["text"]
+    assert final == full["text"][: full["text"].find(stop)]
+    assert all(final.startswith(c["text"]) for c in chunks)  # no chunk shows the stop's start

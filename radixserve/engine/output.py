@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from radixserve.engine.request import Req
-from radixserve.engine.stop import trim_stop
+from radixserve.engine.stop import hold_back_partial_stop, trim_stop
 
 
 def format_output(req: Req, tokenizer, with_text: bool = False) -> dict[str, Any]:
@@ -15,7 +15,7 @@ def format_output(req: Req, tokenizer, with_text: bool = False) -> dict[str, Any
     if req.finished:
         text = trim_stop(text, req.finish_reason, req.params.no_stop_trim)
     else:
-        text = text.rstrip("\ufffd")
+        text = hold_back_partial_stop(text.rstrip("\ufffd"), req.params.stop_strs)
     end = req.finish_time if req.finish_time is not None else time.perf_counter()
     meta: dict[str, Any] = {
         "id": req.rid,

@@ -20,6 +20,18 @@ def stop_string_hit(req: Req, tokenizer) -> str | None:
     return None
 
 
+def hold_back_partial_stop(text: str, stops: list[str]) -> str:
+    """Drops a tail of a running output that could be the start of a stop string, so that a
+    stream never shows text that the final, trimmed output takes back."""
+    keep = len(text)
+    for stop in stops:
+        for size in range(min(len(stop), len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                keep = min(keep, len(text) - size)
+                break
+    return text[:keep]
+
+
 def trim_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
     """Cuts the text at the matched stop string (SGLang's default), unless no_stop_trim."""
     matched = (finish_reason or {}).get("matched")
