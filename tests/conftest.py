@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -198,6 +199,12 @@ class ServerProcess:
                 break
         else:
             raise RuntimeError("server did not start:\n" + "".join(self.log))
+        threading.Thread(target=self._drain_output, daemon=True).start()
+
+    def _drain_output(self) -> None:
+        """Keeps reading the server's output so a chatty server never blocks on a full pipe."""
+        for line in self.proc.stdout:
+            self.log.append(line)
 
     def stop(self, timeout: float = 60) -> int:
         import signal

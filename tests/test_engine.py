@@ -213,3 +213,11 @@ def test_stream_never_shows_text_that_is_later_trimmed(tiny_chat_model):
     final = chunks[-1]["text"]
     assert final == full["text"][: full["text"].find(stop)]
     assert all(final.startswith(c["text"]) for c in chunks)  # no chunk shows the stop's start
+
+
+def test_one_token_prompt_has_its_null_input_logprob(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    out = engine.generate(
+        input_ids=[5], sampling_params=greedy(2), return_logprob=True, logprob_start_len=0
+    )
+    assert out["meta_info"]["input_token_logprobs"] == [[None, 5, None]]

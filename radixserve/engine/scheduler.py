@@ -309,7 +309,7 @@ class Scheduler:
             self.page_size,
             self.runner.device,
             return_all_logits=any(
-                w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids) - 1
+                w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids)
                 for w in work
             ),
         )

@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.config import ServerConfig
 from radixserve.engine.output import format_output
 from radixserve.engine.request import Req
-from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
-from radixserve.server.core_client import CoreClient
-from radixserve.server.errors import error_response
-from radixserve.server.metrics import ServerMetrics
+from radixserve.engine.request_builder import GenerateArgs
+from radixserve.server import openai_api
+from radixserve.server.errors import BadRequest, error_response
+from radixserve.server.state import ServerState, read_json, state_of
 
 logger = logging.getLogger(__name__)
 
@@ -26,54 +25,6 @@ GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
 }  # fmt: skip
-
-
-class BadRequest(ValueError):
-    """A request the server rejects with a 4xx; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
-@dataclass
-class ServerState:
-    client: CoreClient
-    builder: RequestBuilder
-    tokenizer: Any
-    config: ServerConfig
-    engine_args: dict[str, Any]
-    model_path: str
-    served_model_name: str
-    max_running_requests: int
-    metrics: ServerMetrics
-
-    def check_capacity(self) -> None:
-        limit = self.max_running_requests + self.config.max_queued_requests
-        if self.client.num_active >= limit:
-            raise BadRequest("too many queued requests; retry later", status=503)
-
-    async def stream(self, req: Req):
-        """Runs `req` on the core, yielding it after each update; records its metrics."""
-        self.metrics.on_start(req)
-        try:
-            async for state in self.client.stream(req):
-                self.metrics.on_update(req)
-                yield state
-        finally:
-            self.metrics.on_finish(req)
-
-
-async def read_json(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from exc
-
-
-def state_of(request: web.Request) -> ServerState:
-    return request.app["state"]
 
 
 # ---- middlewares -------------------------------------------------------------------------
@@ -142,7 +93,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     args, stream, with_text = parse_generate(await read_json(request))
     reqs, batched = state.builder.build(args)
-    state.check_capacity()
+    state.check_capacity(len(reqs))
     if stream:
         return await _stream_generate(request, state, reqs, with_text)
     done = await asyncio.gather(*(_run(state, r) for r in reqs))
@@ -282,4 +233,5 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/metrics", metrics)
+    openai_api.register_openai_routes(app)
     return app

@@ -29,3 +29,12 @@ def _guess_param(message: str) -> str | None:
     """The parameter a validation message starts with ("temperature must be ...")."""
     match = _PARAM.match(message)
     return match.group(1) if match else None
+
+
+class BadRequest(ValueError):
+    """A request the server rejects with a 4xx; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status = status

@@ -1,4 +1,4 @@
-"""OpenAI's wire format: validates /v1/completions and /v1/chat/completions bodies.
+"""OpenAI's wire format: /v1/completions and /v1/chat/completions bodies in, responses out.
 
 Field names follow OpenAI, plus vLLM's and SGLang's extra sampling fields. A field this
 server does not know is rejected when it carries a value (null is fine), so nothing is
@@ -8,18 +8,22 @@ silently accepted and ignored, except `user` and `parallel_tool_calls` (as in vL
 from __future__ import annotations
 
 import re
+import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
-# app.py imports the OpenAI routes, so its names are looked up at call time, not import time.
-from radixserve.server import app as server_app
+from radixserve.engine.request import Req
+from radixserve.server.errors import BadRequest
 
 MAX_LOGPROBS = 20
 """Most top logprobs per token a request may ask for (vLLM's default max_logprobs)."""
 
 ROLES = ("system", "user", "assistant", "tool")
+MIN_LOGPROB = -9999.0
+"""OpenAI's floor for a logprob: JSON has no -Infinity."""
 
 # Fields copied into SamplingParams under the same name.
 SAMPLING_FIELDS = (
@@ -54,7 +58,7 @@ NO_OP_VALUES: dict[str, Any] = {
 
 def bad_request(message: str, param: str | None = None) -> ValueError:
     """The server's 400 error, naming the offending field."""
-    return server_app.BadRequest(message, param=param)
+    return BadRequest(message, param=param)
 
 
 @dataclass
@@ -84,8 +88,7 @@ class OpenAIRequest:
             "max_new_tokens": self.max_tokens_name,
             "min_new_tokens": "min_tokens",
             "sampling_seed": "seed",
-            "input_ids": "prompt",
-            "text": "prompt",
+            "input_ids": "prompt token ids",
         }
         return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], message)
 
@@ -154,7 +157,9 @@ def check_fields(body: dict, known: set[str]) -> None:
             continue
         if key in NO_OP_VALUES and value == NO_OP_VALUES[key]:
             continue
-        reason = "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
+        reason = (
+            "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
+        )
         raise bad_request(f"{key} {reason}; got {value!r}", param=key)
 
 
@@ -262,7 +267,9 @@ def _content_text(content: Any, where: str) -> str:
 
 
 def _is_text_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    return (
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    )
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -282,3 +289,112 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict[str, Any]
         return tokenizer.apply_chat_template(messages, **kwargs)
     except (TemplateError, TypeError, ValueError) as exc:
         raise bad_request(f"messages could not be rendered: {exc}", param="messages") from exc
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class TokenLogprob(NamedTuple):
+    """One token's logprob; `top` is None for the first echoed prompt token."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]] | None
+    text_offset: int
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last response or chunk."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+class ResponseShape:
+    """Builds the response bodies and stream chunks of one request in OpenAI's shapes."""
+
+    def __init__(self, parsed: OpenAIRequest, model: str):
+        self.chat = parsed.chat
+        self.with_logprobs = parsed.logprobs is not None
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def response(self, deltas: list[Delta], usage: dict[str, Any]) -> dict[str, Any]:
+        choices = [self._choice(i, delta, chunk=False) for i, delta in enumerate(deltas)]
+        return self._head(chunk=False) | {"choices": choices, "usage": usage}
+
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
+        return self._head(chunk=True) | {"choices": [self._choice(index, delta, chunk=True)]}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """The first chunk of a chat choice: the assistant's role, no content yet."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        return self._head(chunk=True) | {"choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._head(chunk=True) | {"choices": [], "usage": usage}
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "text_completion"
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _choice(self, index: int, delta: Delta, chunk: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = delta.text
+        elif chunk:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": delta.text}
+        choice["logprobs"] = self._logprobs(delta.logprobs)
+        choice["finish_reason"] = delta.finish_reason
+        return choice
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
+
+
+def completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """/v1/completions logprobs; each top dict also holds the sampled token (as vLLM)."""
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [None if e.top is None else dict(e.top) | {e.token: e.logprob}
+                         for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }  # fmt: skip
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """/v1/chat/completions logprobs: exactly `top_logprobs` alternatives per token."""
+
+    def item(token: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            item(e.token, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top or []]}
+            for e in entries
+        ]
+    }
+
+
+def usage(reqs: list[Req], n: int) -> dict[str, int | dict[str, int]]:
+    """Token counts; a prompt sampled n times (reqs p*n .. p*n+n-1) counts once."""
+    num_prompt = sum(len(req.input_ids) for req in reqs[::n])
+    num_completion = sum(len(req.output_ids) for req in reqs)
+    num_cached = sum(max(r.cached_tokens for r in reqs[i : i + n]) for i in range(0, len(reqs), n))
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
