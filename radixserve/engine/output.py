@@ -5,17 +5,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.request import Req
 from radixserve.engine.stop import hold_back_partial_stop, trim_stop
 
 
-def format_output(req: Req, tokenizer, with_text: bool = False) -> dict[str, Any]:
-    """Cumulative output so far; text never ends in a half-decoded character while running."""
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+def output_text(req: Req, tokenizer) -> str:
+    """The output text so far. While running it never ends in half a character or in what
+    may be the start of a stop string; once finished, the matched stop string is trimmed."""
+    params = req.params
     if req.finished:
-        text = trim_stop(text, req.finish_reason, req.params.no_stop_trim)
-    else:
-        text = hold_back_partial_stop(text.rstrip("\ufffd"), req.params.stop_strs)
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=params.skip_special_tokens)
+        return trim_stop(text, req.finish_reason, params.no_stop_trim)
+    if req.detokenizer is None:
+        req.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+    text = req.detokenizer.update(req.output_ids)
+    return text if params.no_stop_trim else hold_back_partial_stop(text, params.stop_strs)
+
+
+def format_output(req: Req, tokenizer, with_text: bool = False) -> dict[str, Any]:
+    """SGLang's output dict with the cumulative output so far."""
+    text = output_text(req, tokenizer)
     end = req.finish_time if req.finish_time is not None else time.perf_counter()
     meta: dict[str, Any] = {
         "id": req.rid,

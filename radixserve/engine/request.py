@@ -59,6 +59,7 @@ class Req:
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
     queue_time: float | None = None  # seconds from arrival to first admission
+    detokenizer: Any = field(default=None, repr=False)  # set by engine/output.py
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)

@@ -24,9 +24,9 @@ from typing import Any
 
 from aiohttp import web
 
+from radixserve.engine.output import output_text
 from radixserve.engine.request import Req
 from radixserve.engine.request_builder import GenerateArgs
-from radixserve.engine.stop import hold_back_partial_stop, trim_stop
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (
     MIN_LOGPROB,
@@ -316,7 +316,7 @@ class ChoiceTracker:
         return Delta(text, logprobs, finish)
 
     def _new_text(self) -> str:
-        text = settled_text(self.req, self.tokenizer)
+        text = output_text(self.req, self.tokenizer)
         new = text[len(self.sent_text) :]
         if new:
             self.sent_text = text
@@ -347,13 +347,3 @@ def _floor(logprob: float) -> float:
 def finish_reason(req: Req) -> str | None:
     """OpenAI's finish_reason: "stop", "length", or vLLM's "abort"; None while running."""
     return None if req.finish_reason is None else req.finish_reason.get("type", "abort")
-
-
-def settled_text(req: Req, tokenizer) -> str:
-    """The output text, less any tail that may still change while the request runs."""
-    params = req.params
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=params.skip_special_tokens)
-    if req.finished:
-        return trim_stop(text, req.finish_reason, params.no_stop_trim)
-    text = text.rstrip("\ufffd")  # half a UTF-8 character: the next token completes it
-    return text if params.no_stop_trim else hold_back_partial_stop(text, params.stop_strs)
