@@ -65,6 +65,9 @@ SGLANG_DEFAULTS = dict(
     skip_special_tokens=True,
     spaces_between_special_tokens=True,
     no_stop_trim=False,
+    regex=None,
+    json_schema=None,
+    ebnf=None,
 )
 
 
@@ -114,7 +117,7 @@ def test_from_dict_rejects_unknown_key_by_name():
         SamplingParams.from_dict({"temprature": 0.5})
 
 
-@pytest.mark.parametrize("key", ["regex", "json_schema", "ebnf", "stop_regex"])
+@pytest.mark.parametrize("key", ["stop_regex", "structural_tag"])
 def test_from_dict_rejects_unsupported_constraints(key):
     with pytest.raises(ValueError, match=f"{key}.*not supported"):
         SamplingParams.from_dict({key: "a+"})
@@ -155,6 +158,10 @@ INVALID = [
     ("ignore_eos", "yes"),
     ("skip_special_tokens", 1),
     ("no_stop_trim", "no"),
+    ("regex", ""),
+    ("regex", 5),
+    ("ebnf", ["root ::= x"]),
+    ("json_schema", 3),
 ]
 
 

@@ -63,6 +63,7 @@ class EngineCore:
         tree = self.cache.size_info()
         scheduler = self.scheduler
         used = pool.allocator.capacity - pool.allocator.num_free
+        grammar = scheduler.grammar_stats()
         return {
             "num_running_reqs": len(scheduler.running),
             "num_waiting_reqs": len(scheduler.waiting) + len(scheduler.inbox),
@@ -74,5 +75,8 @@ class EngineCore:
             "tree_evictable_pages": tree.evictable_pages,
             "tree_protected_pages": tree.protected_pages,
             "new_token_ratio": scheduler.new_token_ratio,
+            "num_compiling_reqs": len(scheduler.compiling),
+            "grammar_compiles": grammar.compiles if grammar else 0,
+            "grammar_cache_hits": grammar.cache_hits if grammar else 0,
             **scheduler.stats.as_dict(),
         }

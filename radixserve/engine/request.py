@@ -60,6 +60,8 @@ class Req:
     finish_time: float | None = None
     queue_time: float | None = None  # seconds from arrival to first admission
     detokenizer: Any = field(default=None, repr=False)  # set by engine/output.py
+    grammar: Any = field(default=None, repr=False)  # xgrammar matcher of a constrained request
+    grammar_future: Any = field(default=None, repr=False)  # its compilation, while pending
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.engine.request import LogprobRequest, Req
+from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams
 
 
@@ -61,6 +62,8 @@ class RequestBuilder:
             raise ValueError(f"sampling_params must be an object; got {type(params).__name__}")
         parsed = SamplingParams.from_dict(params)
         parsed.verify(self.vocab_size)
+        if parsed.grammar is not None:
+            check_grammar(*parsed.grammar)
         return parsed
 
     def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:

@@ -26,6 +26,7 @@ from radixserve.engine.stats import EngineStats
 from radixserve.engine.stop import stop_string_hit
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
+from radixserve.sampling.grammar import GrammarBackend, GrammarStats
 from radixserve.sampling.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.inbox: deque[Req] = deque()
+        self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
+        self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
@@ -75,12 +78,23 @@ class Scheduler:
         self.inbox.append(req)
 
     def abort_request(self, rid: str) -> None:
-        for req in [*self.inbox, *self.waiting, *self.running]:
+        for req in [*self.inbox, *self.compiling, *self.waiting, *self.running]:
             if req.rid == rid:
                 req.abort_requested = True
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.waiting or self.running)
+        return bool(self.inbox or self.compiling or self.waiting or self.running)
+
+    def grammar_stats(self) -> GrammarStats | None:
+        return None if self._grammar is None else self._grammar.stats
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """Built on the first constrained request (loading xgrammar costs a second)."""
+        if self._grammar is None:
+            vocab_size = self.runner.config.vocab_size
+            self._grammar = GrammarBackend(self.tokenizer, vocab_size, self.eos_token_ids)
+        return self._grammar
 
     def held_pages(self) -> list[int]:
         """Pages owned by running requests (not by the tree), for integrity checks."""
@@ -92,6 +106,7 @@ class Scheduler:
         """Runs one batch; returns the requests whose output changed (finished ones included)."""
         outputs: list[Req] = []
         self._drain_inbox()
+        self._collect_compiled(outputs)
         self._handle_aborts(outputs)
         work = self._schedule()
         if work:
@@ -103,13 +118,29 @@ class Scheduler:
     def _drain_inbox(self) -> None:
         while self.inbox:
             req = self.inbox.popleft()
-            self.waiting.append(req)
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(req.input_ids)
+            if req.params.grammar is None:
+                self.waiting.append(req)
+            else:  # waits off the queue so that compiling never stalls the batch
+                req.grammar_future = self.grammar.compile_async(*req.params.grammar)
+                self.compiling.append(req)
+
+    def _collect_compiled(self, outputs: list[Req]) -> None:
+        for req in [r for r in self.compiling if r.grammar_future.done()]:
+            self.compiling.remove(req)
+            error = req.grammar_future.exception()
+            if error is not None:
+                req.finish({"type": "abort", "message": str(error)})
+                outputs.append(req)
+            else:
+                req.grammar = self.grammar.matcher(req.grammar_future.result())
+                self.waiting.append(req)
+            req.grammar_future = None
 
     def _handle_aborts(self, outputs: list[Req]) -> None:
-        for req in [r for r in self.waiting if r.abort_requested]:
-            self.waiting.remove(req)
+        for req in [r for r in self.waiting + self.compiling if r.abort_requested]:
+            (self.waiting if req in self.waiting else self.compiling).remove(req)
             req.finish({"type": "abort", "message": "aborted by the client"})
             outputs.append(req)
         for req in [r for r in self.running if r.abort_requested]:
@@ -363,6 +394,8 @@ class Scheduler:
             logits.shape[-1],
             logits.device,
         )
+        if any(r.grammar is not None for r in reqs):
+            self.grammar.mask_logits(logits, [r.grammar for r in reqs])
         return sample(logits, batch).tolist()
 
     def _min_tokens_stop_ids(self, req: Req) -> list[int]:
@@ -371,7 +404,11 @@ class Scheduler:
 
     def _check_finish(self, req: Req, token: int) -> None:
         params = req.params
-        if token in (params.stop_token_ids or ()) or (
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            req.finish({"type": "abort", "message": f"token {token} violates the grammar"})
+        elif req.grammar is not None and req.grammar.is_terminated():
+            req.finish({"type": "stop", "matched": token})
+        elif token in (params.stop_token_ids or ()) or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
             req.finish({"type": "stop", "matched": token})

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's threshold)."""
 
 # SGLang parameters we know but do not implement yet: null (or an empty value, which is
 # what the SGLang frontend sends when unset) is accepted, anything else is rejected.
 UNSUPPORTED_PARAMS = (
-    "regex",
-    "json_schema",
-    "ebnf",
     "stop_regex",
     "structural_tag",
     "logit_bias",
@@ -62,6 +61,12 @@ class SamplingParams:
     """Put spaces between special tokens in the decoded text."""
     no_stop_trim: bool = False
     """Keep the matched stop string at the end of the text."""
+    regex: str | None = None
+    """Constrain the output to match this regular expression."""
+    json_schema: str | dict | None = None
+    """Constrain the output to JSON valid for this schema (a JSON string or an object)."""
+    ebnf: str | None = None
+    """Constrain the output to this EBNF grammar (GBNF dialect, start rule `root`)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -93,8 +98,18 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The output constraint as (kind, spec): ("regex" | "json_schema" | "ebnf", text)."""
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value if isinstance(value, str) else json.dumps(value)
+        return None
+
     def verify(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first invalid parameter and its allowed values."""
+        _check_grammar(self)
         _check_int("max_new_tokens", self.max_new_tokens, "an integer >= 0", lambda v: v >= 0)
         _check_int("min_new_tokens", self.min_new_tokens, "an integer >= 0", lambda v: v >= 0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -158,3 +173,16 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
     in_range = (lambda v: 0 <= v) if vocab_size is None else (lambda v: 0 <= v < vocab_size)
     if not isinstance(ids, (list, tuple, set)) or not all(_is_int(v) and in_range(v) for v in ids):
         raise ValueError(f"stop_token_ids must be {allowed}; got {ids!r}")
+
+
+def _check_grammar(params: SamplingParams) -> None:
+    given = [kind for kind in GRAMMAR_KINDS if getattr(params, kind) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{given[1]}: give at most one of regex, json_schema, ebnf; got {given}")
+    for kind in ("regex", "ebnf"):
+        value = getattr(params, kind)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{kind} must be a non-empty string; got {value!r}")
+    schema = params.json_schema
+    if schema is not None and not isinstance(schema, (str, dict)):
+        raise ValueError(f"json_schema must be a JSON string or an object; got {schema!r}")

@@ -1,0 +1,101 @@
+"""Constrained decoding through xgrammar: regex, JSON schema and EBNF.
+
+JSON is generated compact (no free whitespace between tokens), so a small model cannot
+wander off into endless indentation; the JSON is the same value either way.
+
+`check_grammar` parses a constraint without a tokenizer (cheap; used to reject bad input
+before a request is queued). `GrammarBackend` compiles constraints against the model's
+vocabulary on a worker thread, caches compiled grammars, and masks a batch's logits.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def check_grammar(kind: str, spec: str) -> None:
+    """Raises ValueError naming `kind` when the constraint does not parse."""
+    xgr = _xgr()
+    build = {
+        "regex": xgr.Grammar.from_regex,
+        "json_schema": xgr.Grammar.from_json_schema,
+        "ebnf": xgr.Grammar.from_ebnf,
+    }[kind]
+    try:
+        build(spec)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError/InvalidJSONError
+        raise ValueError(f"{kind} is invalid: {exc}") from exc
+
+
+@dataclass
+class GrammarStats:
+    compiles: int = 0
+    cache_hits: int = 0
+
+
+class GrammarBackend:
+    """Compiles constraints once per (kind, spec) and hands out per-request matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        xgr = _xgr()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: dict[tuple[str, str], Future] = {}
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.stats = GrammarStats()
+
+    def compile_async(self, kind: str, spec: str) -> Future:
+        """A future of the compiled grammar; the same constraint compiles only once."""
+        with self._lock:
+            future = self._cache.get((kind, spec))
+            if future is not None:
+                self.stats.cache_hits += 1
+                return future
+            self.stats.compiles += 1
+            future = self._executor.submit(self._compile, kind, spec)
+            self._cache[(kind, spec)] = future
+            return future
+
+    def _compile(self, kind: str, spec: str):
+        compile_fn = {
+            "regex": self._compiler.compile_regex,
+            "json_schema": partial(self._compiler.compile_json_schema, any_whitespace=False),
+            "ebnf": self._compiler.compile_grammar,
+        }[kind]
+        try:
+            return compile_fn(spec)
+        except Exception as exc:
+            raise ValueError(f"{kind} is invalid: {exc}") from exc
+
+    def matcher(self, compiled) -> Any:
+        return _xgr().GrammarMatcher(compiled)
+
+    def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> None:
+        """Sets to -inf, in place, every token a row's matcher forbids (None: unconstrained).
+
+        logits: [num_rows, vocab_size] fp32
+        """
+        xgr = _xgr()
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
