@@ -32,3 +32,35 @@ def paged_decode_attention_ref(
 def store_kv_ref(k, v, k_cache, v_cache, slots) -> None:
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_extend_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_size: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Each request's new tokens over its whole paged context, causal, in fp32."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    start = 0
+    for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
+        pos = torch.arange(prefix + extend, device=q.device)
+        slots = page_table[i, pos // page_size] * page_size + pos % page_size
+        q_pos = prefix + torch.arange(extend, device=q.device)[:, None]
+        mask = pos[None, :] <= q_pos
+        if sliding_window:
+            mask &= pos[None, :] > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q[start : start + extend].float().transpose(0, 1),
+            k_cache[slots].float().transpose(0, 1),
+            v_cache[slots].float().transpose(0, 1),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        out[start : start + extend] = o.transpose(0, 1)
+        start += extend
+    return out.to(q.dtype)

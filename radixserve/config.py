@@ -170,7 +170,7 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 4.0
     """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given."""
     attention_backend: str = "auto"
-    """auto | torch_native (the CPU reference path, runs on any device)."""
+    """auto (triton on CUDA, else torch_native) | torch_native (reference, any device) | triton."""
 
 
 @dataclass

@@ -13,7 +13,12 @@ pytest.importorskip("triton")
 
 from radixserve_kernels.kv_store import store_kv  # noqa: E402
 from radixserve_kernels.paged_decode import paged_decode_attention  # noqa: E402
-from radixserve_kernels.reference import paged_decode_attention_ref, store_kv_ref  # noqa: E402
+from radixserve_kernels.paged_extend import paged_extend_attention  # noqa: E402
+from radixserve_kernels.reference import (  # noqa: E402
+    paged_decode_attention_ref,
+    paged_extend_attention_ref,
+    store_kv_ref,
+)
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 
@@ -62,3 +67,23 @@ def test_store_kv_matches_reference(dtype):
     store_kv(k, v, caches[0], caches[1], slots, block=16)
     store_kv_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_extend_matches_reference(page_size, dtype, window):
+    prefix_lens, extend_lens = [0, 13, 40, 3], [9, 1, 20, 33]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    _, k, v, table, _ = _paged_inputs(seq_lens, page_size, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(extend_lens), 4, 24, generator=gen).to(dtype)
+    starts = torch.tensor([0, 9, 10, 30])
+    got = paged_extend_attention(
+        q, k, v, table, starts, torch.tensor(prefix_lens), torch.tensor(extend_lens),
+        max(extend_lens), page_size, sliding_window=window,
+    )  # fmt: skip
+    want = paged_extend_attention_ref(
+        q, k, v, table, prefix_lens, extend_lens, page_size, sliding_window=window
+    )
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)

@@ -8,20 +8,26 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.cache.kv_pool import KVPool
 
-BACKENDS = {"torch_native": TorchNativeBackend}
+BACKENDS = ("torch_native", "triton")
 
 
 def create_attention_backend(
     name: str, pool: KVPool, device: torch.device, sliding_window: int | None = None
 ) -> AttentionBackend:
-    """Builds the backend called `name`; `auto` picks the best one available on `device`."""
+    """Builds the backend called `name`; `auto` is triton on CUDA, torch_native elsewhere."""
     if name == "auto":
-        name = "torch_native"
+        name = "triton" if device.type == "cuda" and _has_triton() else "torch_native"
     if name not in BACKENDS:
-        raise ValueError(
-            f"attention_backend must be auto or one of {', '.join(BACKENDS)}; got {name!r}"
-        )
-    return BACKENDS[name](pool, sliding_window=sliding_window)
+        allowed = ", ".join(BACKENDS)
+        raise ValueError(f"attention_backend must be auto or one of {allowed}; got {name!r}")
+    if name == "triton":
+        from radixserve.attention.triton_backend import TritonBackend
+
+        return TritonBackend(pool, sliding_window=sliding_window)
+    return TorchNativeBackend(pool, sliding_window=sliding_window)
 
 
-__all__ = ["AttentionBackend", "TorchNativeBackend", "create_attention_backend"]
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

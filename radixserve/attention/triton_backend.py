@@ -1,0 +1,63 @@
+"""triton: the GPU attention backend over the paged pool (kernels in radixserve_kernels).
+
+Pure-decode batches use the split-K decode kernel; batches with any extend (and sliding-
+window models) use the extend kernel, which also covers decode tokens as extends of one.
+Runs on CPU too under TRITON_INTERPRET=1, which is how CI checks it against torch_native.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Metadata:
+    use_decode_kernel: bool
+    seq_lens: torch.Tensor  # [num_reqs]
+    q_starts: torch.Tensor  # [num_reqs] first token of each request in the batch
+    prefix_lens: torch.Tensor  # [num_reqs]
+    extend_lens: torch.Tensor  # [num_reqs]
+    max_extend_len: int
+
+
+class TritonBackend(AttentionBackend):
+    def __init__(self, pool, sliding_window: int | None = None):
+        super().__init__(pool, sliding_window)
+        from radixserve_kernels import kv_store, paged_decode, paged_extend
+
+        self._store_kv = kv_store.store_kv
+        self._decode = paged_decode.paged_decode_attention
+        self._extend = paged_extend.paged_extend_attention
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        device = batch.page_table.device
+        extend = torch.tensor(batch.extend_lens, dtype=torch.int64, device=device)
+        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+        max_extend = max(batch.extend_lens)
+        batch.attn_metadata = _Metadata(
+            use_decode_kernel=max_extend == 1 and self.sliding_window is None,
+            seq_lens=prefix + extend,
+            q_starts=torch.cumsum(extend, 0) - extend,
+            prefix_lens=prefix,
+            extend_lens=extend,
+            max_extend_len=max_extend,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        k_pool, v_pool = self.pool.layer_kv(layer)
+        self._store_kv(k.contiguous(), v.contiguous(), k_pool, v_pool, batch.out_slots)
+        meta: _Metadata = batch.attn_metadata
+        if meta.use_decode_kernel:
+            return self._decode(q, k_pool, v_pool, batch.page_table, meta.seq_lens, batch.page_size)
+        return self._extend(
+            q, k_pool, v_pool, batch.page_table, meta.q_starts, meta.prefix_lens,
+            meta.extend_lens, meta.max_extend_len, batch.page_size,
+            sliding_window=self.sliding_window,
+        )  # fmt: skip
