@@ -4,9 +4,7 @@ A request's sequence is `input_ids + output_ids`. Its KV covers the first `num_c
 tokens, through `page_table`. Each step extends it towards the full sequence: several
 tokens while prefilling (chunked under the step budget), one token while decoding; after a
 retraction `num_computed` drops to 0 and the same loop recomputes what the cache lost.
-
-    page_table:  [ tree pages (locked via last_node) | own pages (freed or given to the tree) ]
-                   0 .. num_tree_pages                  num_tree_pages ..
+Which of its pages the request owns is engine/req_pages.py's business.
 """
 
 from __future__ import annotations

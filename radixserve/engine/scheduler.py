@@ -21,6 +21,7 @@ from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.config import SchedulerConfig
 from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.policy import order_waiting
+from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.stop import stop_string_hit
@@ -67,6 +68,7 @@ class Scheduler:
         self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
+        self.pages = ReqPages(self.pool, cache, self.stats)
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
         self.new_token_ratio = self.init_new_token_ratio
@@ -144,7 +146,7 @@ class Scheduler:
             req.finish({"type": "abort", "message": "aborted by the client"})
             outputs.append(req)
         for req in [r for r in self.running if r.abort_requested]:
-            self._release(req)
+            self.pages.release(req)
             self.running.remove(req)
             req.finish({"type": "abort", "message": "aborted by the client"})
             outputs.append(req)
@@ -159,7 +161,7 @@ class Scheduler:
             if budget <= 0:
                 break
             num_new = min(req.num_uncomputed, budget)
-            if self._grow(req, num_new):
+            if self.pages.grow(req, num_new):
                 prefills.append(Work(req, num_new))
                 budget -= num_new
         prefills += self._admit_waiting(budget, [w.req for w in prefills])
@@ -177,7 +179,7 @@ class Scheduler:
             needing = [
                 r for r in decoding if r.num_computed + 1 > len(r.page_table) * self.page_size
             ]
-            if self._ensure_free_pages(len(needing)) or not self._retract_one():
+            if self.pages.ensure_free(len(needing)) or not self._retract_one():
                 break
         for req in needing:
             req.page_table = req.page_table + self.pool.allocator.allocate(1).tolist()
@@ -239,12 +241,9 @@ class Scheduler:
         if needed > available and self.running:
             self.cache.unlock(match.node)
             return None
-        req.page_table = list(match.pages)
-        req.num_tree_pages = len(match.pages)
-        req.last_node = match.node
-        req.num_computed = match.num_tokens
-        if not self._grow(req, num_new):
-            self._release(req)
+        self.pages.attach(req, match)
+        if not self.pages.grow(req, num_new):
+            self.pages.release(req)
             return None
         if req.num_retractions == 0:
             req.queue_time = time.perf_counter() - req.arrival_time
@@ -265,30 +264,14 @@ class Scheduler:
         pending = sum(self.pool.num_pages_for(r.num_uncomputed) for r in self.running)
         return pending + sum(self._future_pages(r) for r in self.running)
 
-    # ---- memory --------------------------------------------------------------------------
-
-    def _ensure_free_pages(self, num: int) -> bool:
-        """Evicts unlocked cache pages until `num` pages are free; False if impossible."""
-        short = num - self.pool.allocator.num_free
-        if short > 0:
-            self.stats.evicted_pages += self.cache.evict(short)
-        return self.pool.allocator.num_free >= num
-
-    def _grow(self, req: Req, num_new: int) -> bool:
-        """Allocates the pages `num_new` more tokens of `req` need; False if memory is short."""
-        missing = self.pool.num_pages_for(req.num_computed + num_new) - len(req.page_table)
-        if missing > 0:
-            if not self._ensure_free_pages(missing):
-                return False
-            req.page_table = req.page_table + self.pool.allocator.allocate(missing).tolist()
-        return True
+    # ---- memory pressure -----------------------------------------------------------------
 
     def _retract_one(self) -> bool:
         """Moves the running request holding the most own pages back to the queue."""
         if not self.running:
             return False
         victim = max(self.running, key=lambda r: (len(r.own_pages()), r.arrival_time))
-        self._release(victim)
+        self.pages.release(victim)
         self.running.remove(victim)
         victim.state = ReqState.WAITING
         victim.num_computed = 0
@@ -298,36 +281,6 @@ class Scheduler:
         self._reset_new_token_ratio()
         logger.info("retracted %s (%d tokens) under memory pressure", victim.rid, victim.seq_len)
         return True
-
-    def _release(self, req: Req) -> None:
-        """Gives the request's computed full pages to the tree and frees the rest."""
-        num_full = req.num_computed // self.page_size
-        to_free = req.page_table[num_full:]
-        if num_full:
-            present = self.cache.insert(
-                req.seq_ids()[: num_full * self.page_size], req.page_table[:num_full], req.namespace
-            )
-            to_free += req.page_table[req.num_tree_pages : max(present // self.page_size, 0)]
-        else:
-            to_free = req.own_pages()
-        self.pool.allocator.free(to_free)
-        if req.last_node is not None:
-            self.cache.unlock(req.last_node)
-        req.page_table, req.num_tree_pages, req.last_node = [], 0, None
-
-    def _cache_unfinished(self, req: Req) -> None:
-        """Puts a running request's computed full pages into the tree, so others can hit them."""
-        num_full = req.num_computed // self.page_size
-        if not self.cache.shares_prefixes or num_full <= req.num_tree_pages:
-            return
-        seq = req.seq_ids()[: num_full * self.page_size]
-        present = self.cache.insert(seq, req.page_table[:num_full], req.namespace)
-        match = self.cache.match_prefix(seq, req.namespace, max_tokens=len(seq))
-        self.pool.allocator.free(req.page_table[req.num_tree_pages : present // self.page_size])
-        self.cache.lock(match.node)
-        self.cache.unlock(req.last_node)
-        req.page_table = list(match.pages) + req.page_table[num_full:]
-        req.num_tree_pages, req.last_node = num_full, match.node
 
     # ---- forward and commit --------------------------------------------------------------
 
@@ -370,10 +323,10 @@ class Scheduler:
             elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
                 req.finish({"type": "length", "length": 0})
             if req.finished:
-                self._release(req)
+                self.pages.release(req)
                 self.running.remove(req)
             elif w.num_new > 1:
-                self._cache_unfinished(req)
+                self.pages.cache_unfinished(req)
             outputs.append(req)
 
     def _count_computed(self, w: Work) -> None:

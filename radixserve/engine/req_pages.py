@@ -1,0 +1,81 @@
+"""ReqPages: moves KV pages between the allocator, the prefix cache and running requests.
+
+    page_table:  [ tree pages (locked via last_node) | own pages (freed or given to the tree) ]
+                   0 .. num_tree_pages                  num_tree_pages ..
+
+A request starts with the pages its prompt matched in the tree (locked), grows own pages
+as it computes, may hand computed full pages to the tree while running (so others can hit
+them) and, when it finishes or is retracted, gives all its full pages to the tree and frees
+the rest. `insert` reports what the tree already had: those own pages are duplicates.
+"""
+
+from __future__ import annotations
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.prefix_cache import MatchResult, PrefixCache
+from radixserve.engine.request import Req
+from radixserve.engine.stats import EngineStats
+
+
+class ReqPages:
+    def __init__(self, pool: KVPool, cache: PrefixCache, stats: EngineStats):
+        self.pool = pool
+        self.cache = cache
+        self.stats = stats
+
+    def attach(self, req: Req, match: MatchResult) -> None:
+        """Gives an admitted request its matched prefix: the (locked) tree pages, as computed."""
+        req.page_table = list(match.pages)
+        req.num_tree_pages = len(match.pages)
+        req.last_node = match.node
+        req.num_computed = match.num_tokens
+
+    def ensure_free(self, num: int) -> bool:
+        """Evicts unlocked cache pages until `num` pages are free; False if impossible."""
+        short = num - self.pool.allocator.num_free
+        if short > 0:
+            self.stats.evicted_pages += self.cache.evict(short)
+        return self.pool.allocator.num_free >= num
+
+    def grow(self, req: Req, num_new: int) -> bool:
+        """Allocates the pages `num_new` more tokens of `req` need; False if memory is short."""
+        missing = self.pool.num_pages_for(req.num_computed + num_new) - len(req.page_table)
+        if missing > 0:
+            if not self.ensure_free(missing):
+                return False
+            req.page_table = req.page_table + self.pool.allocator.allocate(missing).tolist()
+        return True
+
+    def release(self, req: Req) -> None:
+        """Gives the request's computed full pages to the tree and frees the rest."""
+        num_full = req.num_computed // self.pool.page_size
+        to_free = req.page_table[num_full:]
+        if num_full:
+            present = self.cache.insert(
+                req.seq_ids()[: num_full * self.pool.page_size],
+                req.page_table[:num_full],
+                req.namespace,
+            )
+            to_free += req.page_table[req.num_tree_pages : max(present // self.pool.page_size, 0)]
+        else:
+            to_free = req.own_pages()
+        self.pool.allocator.free(to_free)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.page_table, req.num_tree_pages, req.last_node = [], 0, None
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Puts a running request's computed full pages into the tree, so others can hit them."""
+        num_full = req.num_computed // self.pool.page_size
+        if not self.cache.shares_prefixes or num_full <= req.num_tree_pages:
+            return
+        seq = req.seq_ids()[: num_full * self.pool.page_size]
+        present = self.cache.insert(seq, req.page_table[:num_full], req.namespace)
+        match = self.cache.match_prefix(seq, req.namespace, max_tokens=len(seq))
+        self.pool.allocator.free(
+            req.page_table[req.num_tree_pages : present // self.pool.page_size]
+        )
+        self.cache.lock(match.node)
+        self.cache.unlock(req.last_node)
+        req.page_table = list(match.pages) + req.page_table[num_full:]
+        req.num_tree_pages, req.last_node = num_full, match.node
