@@ -10,6 +10,8 @@ Choices where OpenAI and vLLM leave room:
 - Streams are deltas; text that may still change (half a UTF-8 character, a tail that may
   start a stop string) is held back until it settles, so the chunks add up to the
   non-streamed text.
+- With tools (and tool_choice not "none"), a chat choice's text is split into content and
+  tool calls (tool_calls.py); a choice that made a call and stopped ends in "tool_calls".
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from radixserve.server.openai_protocol import (
     check_object,
     check_template_kwargs,
     parse_request,
-    render_chat,
     usage,
 )
 from radixserve.server.state import ServerState, read_json, state_of
+from radixserve.server.tool_calls import ToolCallParser, render_chat, tool_names
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +142,7 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
     """Token ids per prompt: the chat template's rendering, or the completion prompts."""
     tokenizer = state.tokenizer
     if parsed.chat:
-        text = render_chat(tokenizer, parsed.messages, parsed.template_kwargs)
+        text = render_chat(tokenizer, parsed.messages, parsed.template_kwargs, parsed.offered_tools)
         return [tokenizer.encode(text, add_special_tokens=False)]
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompt]
 
@@ -174,7 +176,11 @@ def with_default_max_tokens(state: ServerState, sampling: dict, prompt_len: int)
 def choice_trackers(
     state: ServerState, parsed: OpenAIRequest, ids: list[list[int]], reqs: list[Req]
 ) -> list[ChoiceTracker]:
-    """One tracker per choice; with `echo`, each starts with its prompt's text."""
+    """One tracker per choice; with `echo`, each starts with its prompt's text; with tools
+    offered, each splits its text into content and tool calls."""
+    if parsed.offered_tools:
+        names = tool_names(parsed.tools)
+        return [ToolCallTracker(req, state.tokenizer, names) for req in reqs]
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
@@ -338,6 +344,26 @@ class ChoiceTracker:
         offset, self.text_offset = self.text_offset, self.text_offset + len(token)
         top = None if top is None else [(self.tokenizer.decode([t]), _floor(v)) for v, t in top]
         return TokenLogprob(token, None if value is None else _floor(value), top, offset)
+
+
+class ToolCallTracker(ChoiceTracker):
+    """A chat choice that may call tools: its deltas carry content and complete tool calls."""
+
+    def __init__(self, req: Req, tokenizer, names: list[str]):
+        super().__init__(req, tokenizer)
+        self.parser = ToolCallParser(names)
+
+    def next_delta(self) -> Delta | None:
+        delta = super().next_delta()
+        if delta is None:
+            return None
+        parsed = self.parser.feed(delta.text, final=delta.finish_reason is not None)
+        finish = delta.finish_reason
+        if finish == "stop" and self.parser.num_calls:
+            finish = "tool_calls"
+        if not parsed.content and not parsed.calls and not delta.logprobs and finish is None:
+            return None
+        return Delta(parsed.content, delta.logprobs, finish, parsed.calls)
 
 
 def _floor(logprob: float) -> float:

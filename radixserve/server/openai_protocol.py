@@ -1,30 +1,44 @@
 """OpenAI's wire format: /v1/completions and /v1/chat/completions bodies in, responses out.
 
-Field names follow OpenAI, plus vLLM's and SGLang's extra sampling fields. A field this
-server does not know is rejected when it carries a value (null is fine), so nothing is
-silently accepted and ignored, except `user` and `parallel_tool_calls` (as in vLLM).
+Field names follow OpenAI, plus vLLM's and SGLang's extra sampling fields (`regex`,
+`json_schema`, `ebnf` constrain the output, like `response_format`; one constraint at most).
+A field this server does not know is rejected when it carries a value (null is fine), so
+nothing is silently accepted and ignored, except `user` and `parallel_tool_calls` (as in vLLM).
+Tools: see tool_calls.py.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from jinja2 import TemplateError
-
 from radixserve.engine.request import Req
+from radixserve.sampling.grammar import check_grammar
 from radixserve.server.errors import BadRequest
+from radixserve.server.tool_calls import (
+    ToolCall,
+    ToolChoice,
+    call_schema,
+    check_message_tool_calls,
+    check_tool_choice,
+    check_tools,
+)
 
 MAX_LOGPROBS = 20
 """Most top logprobs per token a request may ask for (vLLM's default max_logprobs)."""
 
 ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name")
+ROLE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 MIN_LOGPROB = -9999.0
 """OpenAI's floor for a logprob: JSON has no -Infinity."""
 
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
+"""vLLM's and SGLang's output constraints, copied into SamplingParams under the same name."""
 # Fields copied into SamplingParams under the same name.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
@@ -33,12 +47,12 @@ SAMPLING_FIELDS = (
 )  # fmt: skip
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
-    "stream_options", "cache_salt", "user",
+    "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-    "parallel_tool_calls",
+    "parallel_tool_calls", "tools", "tool_choice",
 }  # fmt: skip
 TOKENIZE_FIELDS = {
     "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -46,14 +60,8 @@ TOKENIZE_FIELDS = {
 }  # fmt: skip
 
 # OpenAI fields this server does not implement: accepted only at their no-op value.
-NO_OP_VALUES: dict[str, Any] = {
-    "best_of": 1,
-    "logit_bias": {},
-    "suffix": "",
-    "tools": [],
-    "tool_choice": "none",
-    "response_format": {"type": "text"},
-}
+NO_OP_VALUES: dict[str, Any] = {"best_of": 1, "logit_bias": {}, "suffix": ""}
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
 def bad_request(message: str, param: str | None = None) -> ValueError:
@@ -77,10 +85,17 @@ class OpenAIRequest:
     echo: bool = False
     cache_salt: Any = None
     max_tokens_name: str = "max_tokens"
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = ToolChoice("none")
 
     @property
     def n(self) -> int:
         return self.sampling.get("n", 1)
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows: none when tool_choice is "none"."""
+        return self.tools if self.tool_choice.mode != "none" else None
 
     def openai_message(self, message: str) -> str:
         """A core validation message with SGLang's field names turned into OpenAI's."""
@@ -110,6 +125,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         _parse_chat(body, parsed)
     else:
         _parse_completion(body, parsed)
+    _set_constraint(body, parsed)
     return parsed
 
 
@@ -130,6 +146,8 @@ def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
     if body.get("max_completion_tokens") is not None:
         parsed.sampling["max_new_tokens"] = body["max_completion_tokens"]
         parsed.max_tokens_name = "max_completion_tokens"
+    parsed.tools = check_tools(body.get("tools"))
+    parsed.tool_choice = check_tool_choice(body.get("tool_choice"), parsed.tools)
 
 
 def sampling_dict(body: dict) -> dict[str, Any]:
@@ -139,6 +157,77 @@ def sampling_dict(body: dict) -> dict[str, Any]:
     params["min_new_tokens"] = body.get("min_tokens")
     params["sampling_seed"] = body.get("seed")
     return {name: value for name, value in params.items() if value is not None}
+
+
+# ---- output constraints ------------------------------------------------------------------
+
+
+class Constraint(NamedTuple):
+    """An output constraint: the request field it came from, SamplingParams' kind, its spec."""
+
+    param: str
+    kind: str
+    spec: str | dict[str, Any]
+
+
+def _set_constraint(body: dict, parsed: OpenAIRequest) -> None:
+    """Copies the request's one output constraint, if any, into its sampling params."""
+    given = [check_response_format(body.get("response_format"))]
+    given += [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
+    given.append(forced_call_constraint(parsed))
+    given = [constraint for constraint in given if constraint is not None]
+    if len(given) > 1:
+        first, second = given[0].param, given[1].param
+        raise bad_request(
+            f"{second} cannot be combined with {first}: one constraint at most", second
+        )
+    if given:
+        parsed.sampling[given[0].kind] = given[0].spec
+
+
+def check_response_format(value: Any) -> Constraint | None:
+    """`response_format`: text (none), json_object (any object) or json_schema (its schema)."""
+    value = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+    if value is None or value == {"type": "text"}:
+        return None
+    if value == {"type": "json_object"}:
+        return Constraint("response_format", "json_schema", {"type": "object"})
+    if isinstance(value, dict) and value.get("type") == "json_schema" and len(value) == 2:
+        schema = _json_schema_format(value.get("json_schema"))
+        if schema is not None:
+            return Constraint("response_format", "json_schema", _checked_schema(schema))
+    raise bad_request(
+        "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+        "'json_schema', 'json_schema': {'name': str, 'schema': object, 'strict': bool}}; "
+        f"got {str(value)[:80]}",
+        param="response_format",
+    )
+
+
+def _json_schema_format(value: Any) -> dict[str, Any] | None:
+    """`response_format.json_schema`'s schema, or None if the object is malformed."""
+    if not isinstance(value, dict) or set(value) - JSON_SCHEMA_KEYS:
+        return None
+    name, schema, strict = value.get("name"), value.get("schema"), value.get("strict")
+    if not isinstance(name, str) or not isinstance(schema, dict):
+        return None
+    return schema if strict is None or isinstance(strict, bool) else None
+
+
+def _checked_schema(schema: dict[str, Any], param: str = "response_format") -> dict[str, Any]:
+    try:
+        check_grammar("json_schema", json.dumps(schema))
+    except ValueError as exc:
+        raise bad_request(f"{param} has an unusable JSON schema: {exc}", param=param) from exc
+    return schema
+
+
+def forced_call_constraint(parsed: OpenAIRequest) -> Constraint | None:
+    """tool_choice "required" or a named function: the output is one call (a JSON object)."""
+    if not parsed.tool_choice.forced:
+        return None
+    schema = call_schema(parsed.tools, parsed.tool_choice.name)
+    return Constraint("tool_choice", "json_schema", _checked_schema(schema, param="tools"))
 
 
 # ---- field checks ------------------------------------------------------------------------
@@ -230,7 +319,8 @@ def _is_int(value: Any) -> bool:
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: role, string content, optional name."""
+    """Messages as the chat template takes them: role, string content, optional name; an
+    assistant's tool_calls (content optional) and a tool result's tool_call_id."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of message objects", "messages")
     return [_check_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
@@ -239,18 +329,34 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
 def _check_message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object; got {message!r}", param=where)
-    for key, value in message.items():
-        if key not in ("role", "content", "name") and value is not None:
-            raise bad_request(f"{where}.{key} is not supported by this server", f"{where}.{key}")
     role = message.get("role")
     if role not in ROLES:
         raise bad_request(f"{where}.role must be one of {ROLES}; got {role!r}", f"{where}.role")
-    checked = {"role": role, "content": _content_text(message.get("content"), where)}
+    for key, value in message.items():
+        if key not in MESSAGE_KEYS + ROLE_KEYS.get(role, ()) and value is not None:
+            raise bad_request(f"{where}.{key} is not supported by this server", f"{where}.{key}")
+    checked = {"role": role} | _tool_fields(message, where)
+    content = message.get("content")
+    has_calls = "tool_calls" in checked
+    checked["content"] = "" if content is None and has_calls else _content_text(content, where)
     if message.get("name") is not None:
-        if not isinstance(message["name"], str):
-            raise bad_request(f"{where}.name must be a string", param=f"{where}.name")
-        checked["name"] = message["name"]
+        checked["name"] = _check_str(message["name"], f"{where}.name")
     return checked
+
+
+def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant's tool_calls (arguments decoded) or a tool result's tool_call_id."""
+    if message["role"] == "tool":
+        return {"tool_call_id": _check_str(message.get("tool_call_id"), f"{where}.tool_call_id")}
+    if message.get("tool_calls") in (None, []):  # some clients send [] for no calls
+        return {}
+    return {"tool_calls": check_message_tool_calls(message["tool_calls"], f"{where}.tool_calls")}
+
+
+def _check_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise bad_request(f"{where} must be a string; got {value!r}", param=where)
+    return value
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -280,17 +386,6 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-def render_chat(tokenizer, messages: list[dict], template_kwargs: dict[str, Any]) -> str:
-    """The conversation as the tokenizer's own chat template writes it."""
-    if tokenizer.chat_template is None:
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions")
-    kwargs = {"add_generation_prompt": True} | template_kwargs | {"tokenize": False}
-    try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
-    except (TemplateError, TypeError, ValueError) as exc:
-        raise bad_request(f"messages could not be rendered: {exc}", param="messages") from exc
-
-
 # ---- responses ---------------------------------------------------------------------------
 
 
@@ -310,6 +405,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class ResponseShape:
@@ -350,8 +446,12 @@ class ResponseShape:
             choice["text"] = delta.text
         elif chunk:
             choice["delta"] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                choice["delta"]["tool_calls"] = [
+                    c.to_openai(streamed=True) for c in delta.tool_calls
+                ]
         else:
-            choice["message"] = {"role": "assistant", "content": delta.text}
+            choice["message"] = chat_message(delta)
         choice["logprobs"] = self._logprobs(delta.logprobs)
         choice["finish_reason"] = delta.finish_reason
         return choice
@@ -360,6 +460,14 @@ class ResponseShape:
         if not self.with_logprobs:
             return None
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
+
+
+def chat_message(delta: Delta) -> dict[str, Any]:
+    """A whole chat choice's message; with tool calls, empty content is null (as OpenAI)."""
+    if not delta.tool_calls:
+        return {"role": "assistant", "content": delta.text}
+    calls = [call.to_openai() for call in delta.tool_calls]
+    return {"role": "assistant", "content": delta.text or None, "tool_calls": calls}
 
 
 def completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
