@@ -17,6 +17,7 @@ import xgrammar
 
 from conftest import VOCAB
 from radixserve.model.tokenizer import open_tokenizer
+from radixserve.server.chat_prompt import plain_tool_messages, render_chat, template_renders_tools
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import check_messages
 from radixserve.server.tool_calls import (
@@ -25,9 +26,6 @@ from radixserve.server.tool_calls import (
     check_tool_choice,
     check_tools,
     parse_tool_calls,
-    plain_tool_messages,
-    render_chat,
-    template_renders_tools,
 )
 
 MODEL = "tiny"

@@ -29,6 +29,7 @@ from aiohttp import web
 from radixserve.engine.output import output_text
 from radixserve.engine.request import Req
 from radixserve.engine.request_builder import GenerateArgs
+from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (
     MIN_LOGPROB,
@@ -48,7 +49,7 @@ from radixserve.server.openai_protocol import (
     usage,
 )
 from radixserve.server.state import ServerState, read_json, state_of
-from radixserve.server.tool_calls import ToolCallParser, render_chat, tool_names
+from radixserve.server.tool_calls import ToolCallParser, tool_names
 
 logger = logging.getLogger(__name__)
 

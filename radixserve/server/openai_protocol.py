@@ -1,7 +1,8 @@
 """OpenAI's wire format: /v1/completions and /v1/chat/completions bodies in, responses out.
 
 Field names follow OpenAI, plus vLLM's and SGLang's extra sampling fields (`regex`,
-`json_schema`, `ebnf` constrain the output, like `response_format`; one constraint at most).
+`json_schema`, `ebnf` constrain the output, like `response_format`; one constraint at most:
+see response_format.py).
 A field this server does not know is rejected when it carries a value (null is fine), so
 nothing is silently accepted and ignored, except `user` and `parallel_tool_calls` (as in vLLM).
 Tools: see tool_calls.py.
@@ -9,7 +10,6 @@ Tools: see tool_calls.py.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from radixserve.engine.request import Req
-from radixserve.sampling.grammar import check_grammar
 from radixserve.server.errors import BadRequest
+from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import (
     ToolCall,
     ToolChoice,
-    call_schema,
     check_message_tool_calls,
     check_tool_choice,
     check_tools,
@@ -37,8 +36,6 @@ ROLE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 MIN_LOGPROB = -9999.0
 """OpenAI's floor for a logprob: JSON has no -Infinity."""
 
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
-"""vLLM's and SGLang's output constraints, copied into SamplingParams under the same name."""
 # Fields copied into SamplingParams under the same name.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
@@ -61,7 +58,6 @@ TOKENIZE_FIELDS = {
 
 # OpenAI fields this server does not implement: accepted only at their no-op value.
 NO_OP_VALUES: dict[str, Any] = {"best_of": 1, "logit_bias": {}, "suffix": ""}
-JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
 def bad_request(message: str, param: str | None = None) -> ValueError:
@@ -125,7 +121,9 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         _parse_chat(body, parsed)
     else:
         _parse_completion(body, parsed)
-    _set_constraint(body, parsed)
+    constraint = output_constraint(body, parsed.tools, parsed.tool_choice)
+    if constraint is not None:
+        parsed.sampling[constraint.kind] = constraint.spec
     return parsed
 
 
@@ -157,77 +155,6 @@ def sampling_dict(body: dict) -> dict[str, Any]:
     params["min_new_tokens"] = body.get("min_tokens")
     params["sampling_seed"] = body.get("seed")
     return {name: value for name, value in params.items() if value is not None}
-
-
-# ---- output constraints ------------------------------------------------------------------
-
-
-class Constraint(NamedTuple):
-    """An output constraint: the request field it came from, SamplingParams' kind, its spec."""
-
-    param: str
-    kind: str
-    spec: str | dict[str, Any]
-
-
-def _set_constraint(body: dict, parsed: OpenAIRequest) -> None:
-    """Copies the request's one output constraint, if any, into its sampling params."""
-    given = [check_response_format(body.get("response_format"))]
-    given += [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
-    given.append(forced_call_constraint(parsed))
-    given = [constraint for constraint in given if constraint is not None]
-    if len(given) > 1:
-        first, second = given[0].param, given[1].param
-        raise bad_request(
-            f"{second} cannot be combined with {first}: one constraint at most", second
-        )
-    if given:
-        parsed.sampling[given[0].kind] = given[0].spec
-
-
-def check_response_format(value: Any) -> Constraint | None:
-    """`response_format`: text (none), json_object (any object) or json_schema (its schema)."""
-    value = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
-    if value is None or value == {"type": "text"}:
-        return None
-    if value == {"type": "json_object"}:
-        return Constraint("response_format", "json_schema", {"type": "object"})
-    if isinstance(value, dict) and value.get("type") == "json_schema" and len(value) == 2:
-        schema = _json_schema_format(value.get("json_schema"))
-        if schema is not None:
-            return Constraint("response_format", "json_schema", _checked_schema(schema))
-    raise bad_request(
-        "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
-        "'json_schema', 'json_schema': {'name': str, 'schema': object, 'strict': bool}}; "
-        f"got {str(value)[:80]}",
-        param="response_format",
-    )
-
-
-def _json_schema_format(value: Any) -> dict[str, Any] | None:
-    """`response_format.json_schema`'s schema, or None if the object is malformed."""
-    if not isinstance(value, dict) or set(value) - JSON_SCHEMA_KEYS:
-        return None
-    name, schema, strict = value.get("name"), value.get("schema"), value.get("strict")
-    if not isinstance(name, str) or not isinstance(schema, dict):
-        return None
-    return schema if strict is None or isinstance(strict, bool) else None
-
-
-def _checked_schema(schema: dict[str, Any], param: str = "response_format") -> dict[str, Any]:
-    try:
-        check_grammar("json_schema", json.dumps(schema))
-    except ValueError as exc:
-        raise bad_request(f"{param} has an unusable JSON schema: {exc}", param=param) from exc
-    return schema
-
-
-def forced_call_constraint(parsed: OpenAIRequest) -> Constraint | None:
-    """tool_choice "required" or a named function: the output is one call (a JSON object)."""
-    if not parsed.tool_choice.forced:
-        return None
-    schema = call_schema(parsed.tools, parsed.tool_choice.name)
-    return Constraint("tool_choice", "json_schema", _checked_schema(schema, param="tools"))
 
 
 # ---- field checks ------------------------------------------------------------------------

@@ -1,16 +1,6 @@
-"""Tool calling for /v1/chat/completions: checking `tools` and `tool_choice`, showing the
-tools to the model, forcing a call with a JSON schema, and finding calls in the output.
-
-Prompt. A chat template that renders `tools` (detected once per template by rendering a
-probe tool) gets the tools and the tool turns of the history as they are, with each call's
-arguments decoded to an object, as HF templates expect. Any other template gets plain text
-in the Hermes/Qwen style:
-- a system message (merged into the first one, if any) lists the tools, one JSON object per
-  line inside <tools></tools>, and asks for calls as
-  `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`;
-- an assistant turn's `tool_calls` become such blocks after its content;
-- `tool` turns become a user turn of `<tool_response>\\n...\\n</tool_response>` blocks
-  (consecutive results share one turn).
+"""Tool calling for /v1/chat/completions: checking `tools` and `tool_choice`, forcing a call
+with a JSON schema, and finding calls in the output. Showing the tools to the model: see
+chat_prompt.py.
 
 Output. `required` (or a named function) constrains the output to one bare JSON call,
 `{"name": ..., "arguments": {...}}`; `auto` generates freely. Either way `ToolCallParser`
@@ -32,8 +22,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import TemplateError
-
 from radixserve.server.errors import BadRequest
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -44,23 +32,6 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 CHOICE_MODES = ("none", "auto", "required")
 FUNCTION_FIELDS = {"name": str, "description": str, "parameters": dict, "strict": bool}
 TOOL_SHAPE = "{'type': 'function', 'function': {'name': str, 'description': str, 'parameters': {}}}"
-
-TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to help with the user's request. The functions are \
-listed below, one JSON object per line, inside <tools></tools> tags:
-<tools>
-{tools}
-</tools>
-
-To call a function, answer with a JSON object inside <tool_call></tool_call> tags, one \
-block per call:
-<tool_call>{{"name": <function-name>, "arguments": <arguments-json-object>}}</tool_call>
-Function results come back inside <tool_response></tool_response> tags."""
-
-PROBE_NAME = "radixserve_probe_tool"
-PROBE_TOOL = {"type": "function", "function": {"name": PROBE_NAME, "parameters": NO_PARAMETERS}}
-_renders_tools: dict[str, bool] = {}  # chat template source -> whether it renders `tools`
 
 
 # ---- request fields ----------------------------------------------------------------------
@@ -204,95 +175,6 @@ def _json_object(text: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return value if isinstance(value, dict) else None
-
-
-# ---- prompt ------------------------------------------------------------------------------
-
-
-def render_chat(
-    tokenizer,
-    messages: list[dict[str, Any]],
-    template_kwargs: dict[str, Any],
-    tools: list[dict[str, Any]] | None = None,
-) -> str:
-    """The conversation, with `tools` offered, as the chat template writes it; a template
-    that cannot render tools gets them, and the tool turns, as plain text."""
-    if tokenizer.chat_template is None:
-        raise BadRequest("this model's tokenizer has no chat template; use /v1/completions")
-    kwargs = {"add_generation_prompt": True} | template_kwargs | {"tokenize": False}
-    if (tools or _has_tool_turns(messages)) and not template_renders_tools(tokenizer):
-        messages, tools = plain_tool_messages(messages, tools), None
-    if tools:
-        kwargs["tools"] = tools
-    try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
-    except (TemplateError, TypeError, ValueError) as exc:
-        raise BadRequest(f"messages could not be rendered: {exc}", param="messages") from exc
-
-
-def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
-    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
-
-
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the chat template shows `tools` to the model (a probe tool's name appears)."""
-    key = str(tokenizer.chat_template)
-    if key not in _renders_tools:
-        probe = [{"role": "user", "content": "hi"}]
-        try:
-            text = tokenizer.apply_chat_template(probe, tools=[PROBE_TOOL], tokenize=False)
-        except (TemplateError, TypeError, ValueError):
-            text = ""
-        _renders_tools[key] = PROBE_NAME in text
-    return _renders_tools[key]
-
-
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The system text that lists the tools and the <tool_call> format (see module doc)."""
-    lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return TOOLS_PROMPT.format(tools=lines)
-
-
-def plain_tool_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> list[dict[str, Any]]:
-    """Messages for a template without tool support: tools in the system prompt, calls and
-    results as tagged text."""
-    converted: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if message["role"] == "tool" and i and messages[i - 1]["role"] == "tool":
-            joined = f"{converted[-1]['content']}\n{_result_block(message)}"
-            converted[-1] = converted[-1] | {"content": joined}
-        else:
-            converted.append(_plain_message(message))
-    return _with_system_text(converted, tools_system_prompt(tools)) if tools else converted
-
-
-def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
-    if message["role"] == "tool":
-        return {"role": "user", "content": _result_block(message)}
-    plain = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
-    calls = [format_call(c["function"]["name"], c["function"]["arguments"])
-             for c in message.get("tool_calls", [])]  # fmt: skip
-    plain["content"] = "\n".join(text for text in [message["content"], *calls] if text)
-    return plain
-
-
-def _result_block(message: dict[str, Any]) -> str:
-    return f"<tool_response>\n{message['content']}\n</tool_response>"
-
-
-def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    if messages and messages[0]["role"] == "system":
-        first = messages[0] | {"content": f"{messages[0]['content']}\n\n{text}"}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def format_call(name: str, arguments: dict[str, Any]) -> str:
-    """One call as the plain-text prompt format writes it."""
-    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_START}{call}{CALL_END}"
 
 
 # ---- output ------------------------------------------------------------------------------

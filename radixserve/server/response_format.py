@@ -1,0 +1,89 @@
+"""Output constraints: `response_format`, vLLM's and SGLang's `regex` / `json_schema` /
+`ebnf` extras, and a forced tool call, turned into SamplingParams' grammar field.
+
+A request carries one constraint at most; a second one is rejected, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+from radixserve.sampling.grammar import check_grammar
+from radixserve.server.errors import BadRequest
+from radixserve.server.tool_calls import ToolChoice, call_schema
+
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
+"""vLLM's and SGLang's output constraints, copied into SamplingParams under the same name."""
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+class Constraint(NamedTuple):
+    """An output constraint: the request field it came from, SamplingParams' kind, its spec."""
+
+    param: str
+    kind: str
+    spec: str | dict[str, Any]
+
+
+def output_constraint(
+    body: dict, tools: list[dict[str, Any]], tool_choice: ToolChoice
+) -> Constraint | None:
+    """The request's one output constraint, if any."""
+    given = [check_response_format(body.get("response_format"))]
+    given += [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
+    given.append(forced_call_constraint(tools, tool_choice))
+    given = [constraint for constraint in given if constraint is not None]
+    if len(given) > 1:
+        first, second = given[0].param, given[1].param
+        raise BadRequest(
+            f"{second} cannot be combined with {first}: one constraint at most", param=second
+        )
+    return given[0] if given else None
+
+
+def check_response_format(value: Any) -> Constraint | None:
+    """`response_format`: text (none), json_object (any object) or json_schema (its schema)."""
+    value = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+    if value is None or value == {"type": "text"}:
+        return None
+    if value == {"type": "json_object"}:
+        return Constraint("response_format", "json_schema", {"type": "object"})
+    if isinstance(value, dict) and value.get("type") == "json_schema" and len(value) == 2:
+        schema = _json_schema_format(value.get("json_schema"))
+        if schema is not None:
+            return Constraint("response_format", "json_schema", _checked_schema(schema))
+    raise BadRequest(
+        "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+        "'json_schema', 'json_schema': {'name': str, 'schema': object, 'strict': bool}}; "
+        f"got {str(value)[:80]}",
+        param="response_format",
+    )
+
+
+def _json_schema_format(value: Any) -> dict[str, Any] | None:
+    """`response_format.json_schema`'s schema, or None if the object is malformed."""
+    if not isinstance(value, dict) or set(value) - JSON_SCHEMA_KEYS:
+        return None
+    name, schema, strict = value.get("name"), value.get("schema"), value.get("strict")
+    if not isinstance(name, str) or not isinstance(schema, dict):
+        return None
+    return schema if strict is None or isinstance(strict, bool) else None
+
+
+def _checked_schema(schema: dict[str, Any], param: str = "response_format") -> dict[str, Any]:
+    try:
+        check_grammar("json_schema", json.dumps(schema))
+    except ValueError as exc:
+        raise BadRequest(f"{param} has an unusable JSON schema: {exc}", param=param) from exc
+    return schema
+
+
+def forced_call_constraint(
+    tools: list[dict[str, Any]], tool_choice: ToolChoice
+) -> Constraint | None:
+    """tool_choice "required" or a named function: the output is one call (a JSON object)."""
+    if not tool_choice.forced:
+        return None
+    schema = call_schema(tools, tool_choice.name)
+    return Constraint("tool_choice", "json_schema", _checked_schema(schema, param="tools"))
