@@ -147,30 +147,43 @@ class Engine:
 
     def _stream(self, reqs: list[Req], with_text: bool) -> Iterator[dict]:
         self._submit(reqs)
+        seen: dict[int, tuple] = {}
         try:
-            while not all(r.finished for r in reqs):
-                changed = self._step()
-                for req in reqs:
-                    if req in changed:
-                        yield format_output(req, self.tokenizer, with_text)
+            while True:
+                yield from self._progressed(reqs, seen, with_text)
+                if all(r.finished for r in reqs):
+                    return
+                self._step()
         finally:
-            for req in reqs:
-                if not req.finished:
-                    self.abort_request(req.rid)
+            self._abort_unfinished(reqs)
 
     async def _async_stream(self, reqs: list[Req], with_text: bool) -> AsyncIterator[dict]:
         self._submit(reqs)
         loop = asyncio.get_running_loop()
+        seen: dict[int, tuple] = {}
         try:
-            while not all(r.finished for r in reqs):
-                changed = await loop.run_in_executor(self._executor, self._step)
-                for req in reqs:
-                    if req in changed:
-                        yield format_output(req, self.tokenizer, with_text)
+            while True:
+                for output in self._progressed(reqs, seen, with_text):
+                    yield output
+                if all(r.finished for r in reqs):
+                    return
+                await loop.run_in_executor(self._executor, self._step)
         finally:
-            for req in reqs:
-                if not req.finished:
-                    self.abort_request(req.rid)
+            self._abort_unfinished(reqs)
+
+    def _progressed(self, reqs: list[Req], seen: dict[int, tuple], with_text: bool):
+        """Outputs of the requests that gained tokens or finished since last seen, whichever
+        thread's step advanced them (several threads may drive one engine)."""
+        for req in reqs:
+            state = (len(req.output_ids), req.finished)
+            if seen.get(id(req)) != state and (state[0] or req.finished):
+                seen[id(req)] = state
+                yield format_output(req, self.tokenizer, with_text)
+
+    def _abort_unfinished(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if not req.finished:
+                self.abort_request(req.rid)
 
 
 def _progress(total: int):

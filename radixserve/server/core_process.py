@@ -48,7 +48,7 @@ def core_info(core: EngineCore) -> dict[str, Any]:
     pool = core.runner.pool
     return {
         "model_name": core.loaded.name,
-        "tokenizer_path": str(core.loaded.tokenizer_path) if core.loaded.tokenizer_path else None,
+        "tokenizer_path": core.tokenizer.name_or_path,  # the default model's, when borrowed
         "architecture": core.loaded.config.architecture,
         "vocab_size": core.loaded.config.vocab_size,
         "context_length": core.context_length,

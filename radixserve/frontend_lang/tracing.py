@@ -1,0 +1,84 @@
+"""The constant prefix a program writes before its first model call, found by running it
+against a backend that stops at the first request. run_batch warms the prefix that all
+inputs share, once, before fanning out (SGLang's `extract_prefix_by_tracing` + precache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from radixserve.frontend_lang.backends import Backend, Output
+from radixserve.frontend_lang.executor import Executor
+from radixserve.frontend_lang.roles import ChatTemplate
+from radixserve.frontend_lang.sampling import GenParams
+from radixserve.frontend_lang.state import ProgramState
+
+MIN_PRECACHE_TOKENS = 16
+"""Shared prefixes shorter than this are not worth a separate warm-up request."""
+
+
+class StopTracing(Exception):
+    """Raised at the first model call of a traced program."""
+
+
+class TracingBackend(Backend):
+    """Tokenizer and chat template of a real backend; any request stops the trace."""
+
+    def __init__(self, real: Backend):
+        super().__init__()
+        self.real = real
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self.real.chat_template
+
+    @property
+    def tokenizer(self):
+        return self.real.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.real.encode(text)
+
+    def request(self, payload: dict[str, Any]) -> Output:
+        raise StopTracing
+
+    def request_stream(self, payload: dict[str, Any]) -> Iterator[Output]:
+        raise StopTracing
+
+    def flush_cache(self) -> bool:
+        raise StopTracing
+
+    def get_server_info(self) -> dict[str, Any]:
+        raise StopTracing
+
+
+def constant_prefix(func: Callable, backend: Backend, kwargs: dict, defaults: GenParams) -> str:
+    """The text `func(s, **kwargs)` writes before it first needs the model."""
+    executor = Executor(TracingBackend(backend), defaults)
+    try:
+        func(ProgramState(executor), **kwargs)
+    except Exception:  # StopTracing, or the program reading a value it never got; the real
+        pass  # run reports real errors
+    return executor.text
+
+
+def precache_shared_prefix(
+    func: Callable, backend: Backend, batch_kwargs: list[dict], defaults: GenParams
+) -> list[int]:
+    """Prefills the token prefix shared by every input's constant prefix; returns it."""
+    if len(batch_kwargs) < 2:
+        return []
+    shared: list[int] | None = None
+    for kwargs in batch_kwargs:
+        ids = backend.encode(constant_prefix(func, backend, kwargs, defaults))
+        shared = ids if shared is None else shared[: _common_prefix_len(shared, ids)]
+    if len(shared) < MIN_PRECACHE_TOKENS:
+        return []
+    backend.cache_prefix(input_ids=shared)
+    return shared
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -1,0 +1,114 @@
+"""Streaming programs: `run(stream=True)` returns at once; text_iter / text_async_iter yield
+pieces that grow the text and end equal to the final text or variable."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import radixserve.frontend_lang as sgl
+from conftest import make_engine
+from radixserve.frontend_lang import EngineBackend, RuntimeEndpoint
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    return RuntimeEndpoint(server.url)
+
+
+@pytest.fixture(params=["engine", "endpoint"])
+def backend(request, engine):
+    if request.param == "engine":
+        return EngineBackend(engine)
+    return request.getfixturevalue("endpoint")
+
+
+@sgl.function
+def chat(s, question):
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=8, **GREEDY))
+    s += sgl.user("Shorter?")
+    s += sgl.assistant(sgl.gen("short", max_tokens=3, **GREEDY))
+
+
+def test_text_iter_of_a_variable_grows_to_its_final_value(backend):
+    state = chat.run("Why is the sky blue?", backend=backend, stream=True)
+    pieces = list(state.text_iter("answer"))
+    assert len(pieces) > 1 and all(pieces)
+    assert "".join(pieces) == state["answer"]
+    assert state.get_meta_info("answer")["completion_tokens"] == 8
+    plain = chat.run("Why is the sky blue?", backend=backend)
+    assert plain["answer"] == state["answer"] and plain.text() == state.text()
+
+
+def test_text_iter_of_the_whole_text_ends_equal_to_text(backend):
+    state = chat.run("Hello", backend=backend, stream=True)
+    joined = ""
+    for piece in state.text_iter():
+        joined += piece
+        assert state.executor.text.startswith(joined) or state.executor.finished
+    assert joined == state.text()
+    assert state.messages()[-1] == {"role": "assistant", "content": state["short"].lstrip()}
+
+
+def test_text_async_iter(backend):
+    async def collect():
+        state = chat.run("Hi there", backend=backend, stream=True)
+        pieces = [p async for p in state.text_async_iter("answer")]
+        pairs = [p async for p in state.text_async_iter("short", return_meta_data=True)]
+        return state, pieces, pairs
+
+    state, pieces, pairs = asyncio.run(collect())
+    assert "".join(pieces) == state["answer"]
+    assert "".join(p for p, _ in pairs) == state["short"]
+    assert pairs[-1][1]["completion_tokens"] == 3
+
+
+def test_non_streamed_state_iterates_once(backend):
+    state = chat.run("Once", backend=backend)
+    assert list(state.text_iter()) == [state.text()]
+    assert list(state.text_iter("short")) == [state["short"]]
+
+
+def test_concurrent_streams_each_see_their_final_output(engine):
+    """Several streamed programs step the same engine from different threads; each must
+    still end with its complete output."""
+    backend = EngineBackend(engine)
+    states = [chat.run(f"Question {i}", backend=backend, stream=True) for i in range(4)]
+    results: dict[int, str] = {}
+
+    def drain(i: int) -> None:
+        results[i] = "".join(states[i].text_iter("answer"))
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, state in enumerate(states):
+        assert results[i] == state["answer"]
+        assert state.get_meta_info("answer")["finish_reason"]["type"] == "length"
+        assert state.get_meta_info("short")["completion_tokens"] == 3
+
+
+def test_an_error_in_a_streamed_program_surfaces_to_the_reader(backend):
+    @sgl.function
+    def broken(s):
+        s += "Hi" + sgl.gen("x", max_tokens=2, **GREEDY)
+        s += sgl.user_end()
+
+    state = broken.run(backend=backend, stream=True)
+    with pytest.raises(ValueError, match="role 'user' ends"):
+        list(state.text_iter())
+    assert isinstance(state.error(), ValueError)
