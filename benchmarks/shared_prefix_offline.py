@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from radixserve import Engine
+from radixserve.bench.hit_rate import max_hit_rate
 
 TOKEN_RANGE = (1000, 40000)  # ordinary tokens of the default model's vocabulary
 
@@ -44,19 +45,6 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
             prompts.append(system + [rng.randrange(*TOKEN_RANGE) for _ in range(args.question)])
     rng.shuffle(prompts)
     return prompts
-
-
-def max_hit_rate(prompts: list[list[int]], page_size: int) -> float:
-    """Best possible hit rate with an unbounded cache: pages whose whole prefix came before."""
-    seen: set[tuple[int, ...]] = set()
-    hits = 0
-    for prompt in prompts:
-        num_pages = (len(prompt) - 1) // page_size
-        for i in range(1, num_pages + 1):
-            key = tuple(prompt[: i * page_size])
-            hits += page_size * (key in seen)
-            seen.add(key)
-    return hits / sum(map(len, prompts))
 
 
 def run_system(name: str, prompts, args, **engine_args) -> dict:

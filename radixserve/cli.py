@@ -1,4 +1,4 @@
-"""`radixserve` command line: `generate` (offline batch) and `serve` (HTTP server)."""
+"""`radixserve` command line: `generate` (offline batch), `serve` (HTTP server), `bench`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from radixserve.bench.cli import add_bench_parser, run_bench
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServerConfig
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(srv, CacheConfig, "KV cache")
     add_dataclass_args(srv, SchedulerConfig, "scheduler")
+    add_bench_parser(sub)
     return parser
 
 
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args)
     return 2
 
 

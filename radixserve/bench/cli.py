@@ -1,0 +1,204 @@
+"""`radixserve bench serve` (a running server at --url) and `radixserve bench offline` (an
+in-process Engine). Options are generated from the dataclasses below, one docstring each."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from radixserve.bench.client import LoadShape
+from radixserve.cli_args import add_dataclass_args, field_names
+from radixserve.config import CacheConfig, SchedulerConfig
+
+
+@dataclass
+class WorkloadArgs:
+    """Which requests to send."""
+
+    workload: str = "shared-prefix"
+    """shared-prefix | multi-turn | agent | fork."""
+    preset: str = "default"
+    """default (GPU sizes) | small (about two minutes per system on 2 CPU cores)."""
+    workload_args: str | None = None
+    """Size overrides of the workload, e.g. num_groups=4,output_len=16."""
+    seed: int = 0
+    """Seed of the workload's text, order and arrival times."""
+
+
+@dataclass
+class ReportArgs:
+    """Where results go."""
+
+    out: str = "bench_results/bench"
+    """Folder for bench.json and the PNG plots."""
+    system: str | None = None
+    """Name of the measured system in the table and plots (default: the backend)."""
+    progress: bool = True
+    """Show a progress bar while requests run."""
+    log_level: str = "warning"
+    """debug | info | warning | error."""
+
+
+@dataclass
+class ServerTarget:
+    """The server under test."""
+
+    url: str = "http://127.0.0.1:30000"
+    """Base URL of the server."""
+    backend: str = "radixserve"
+    """radixserve | sglang (native /generate) | openai (/v1/completions)."""
+    model: str | None = None
+    """Model name for OpenAI-compatible servers (default: the first one /v1/models lists)."""
+    api_key: str | None = None
+    """Sent as `Authorization: Bearer <key>`."""
+    page_size: int | None = None
+    """Cache page size for the theoretical hit rate (default: the server's, else 16)."""
+    tokenizer: str | None = None
+    """Tokenizer folder for building prompts (default: the default model's, SmolLM2)."""
+
+
+@dataclass
+class EngineTarget:
+    """The in-process engine under test."""
+
+    model: str | None = None
+    """HF folder, .gguf file or built-in config name; default: SmolLM2."""
+    load_format: str = "auto"
+    """auto | safetensors | gguf | dummy."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+
+
+def add_bench_parser(sub) -> None:
+    """Adds `bench` with its modes to the `radixserve` subcommands."""
+    bench = sub.add_parser("bench", help="benchmark serving workloads (see `bench serve -h`)")
+    modes = bench.add_subparsers(dest="bench_command", required=True)
+    serve = modes.add_parser("serve", help="benchmark a running server at --url")
+    add_dataclass_args(serve, ServerTarget, "server")
+    _add_common_args(serve)
+    offline = modes.add_parser("offline", help="benchmark radixserve.Engine in-process")
+    add_dataclass_args(offline, EngineTarget, "model")
+    add_dataclass_args(offline, CacheConfig, "KV cache")
+    add_dataclass_args(offline, SchedulerConfig, "scheduler")
+    _add_common_args(offline)
+
+
+def _add_common_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, WorkloadArgs, "workload")
+    add_dataclass_args(parser, LoadShape, "load")
+    add_dataclass_args(parser, ReportArgs, "report")
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """An instance of dataclass `cls` from the parsed options of the same names."""
+    return cls(**{name: getattr(args, name) for name in field_names(cls)})
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of `radixserve bench ...`."""
+    if args.bench_command == "serve":
+        return run_serve_bench(args)
+    return run_offline_bench(args)
+
+
+def build_workloads(spec: WorkloadArgs, tokenizer, num_warmup: int):
+    """The measured workload and the warm-up one, from the options."""
+    from radixserve.bench.workloads import make_workload, parse_overrides, warmup_workload
+
+    try:
+        overrides = parse_overrides(spec.workload_args)
+        workload = make_workload(spec.workload, tokenizer, spec.seed, spec.preset, overrides)
+    except ValueError as exc:
+        raise SystemExit(f"radixserve bench: {exc}") from None
+    return workload, warmup_workload(tokenizer, num_warmup, spec.seed)
+
+
+def load_tokenizer(path: str | None):
+    from radixserve.bench.workloads import default_tokenizer
+
+    if path is None:
+        return default_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def common_args(args: argparse.Namespace) -> tuple[WorkloadArgs, LoadShape, ReportArgs]:
+    return from_args(WorkloadArgs, args), from_args(LoadShape, args), from_args(ReportArgs, args)
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    from radixserve.bench.backends import BACKENDS, make_backend
+    from radixserve.bench.client import run_online
+
+    spec, load, report = common_args(args)
+    target = from_args(ServerTarget, args)
+    if target.backend not in BACKENDS:
+        choices = ", ".join(BACKENDS)
+        raise SystemExit(f"radixserve bench: unknown backend {target.backend!r}; use {choices}")
+    tokenizer = load_tokenizer(target.tokenizer)
+    workload, warmup = build_workloads(spec, tokenizer, load.num_warmup)
+    backend = make_backend(target.backend, target.url, tokenizer, target.model, target.api_key)
+    run = asyncio.run(
+        run_online(workload, backend, load, spec.seed, warmup, target.page_size, report.system,
+                   report.progress)
+    )  # fmt: skip
+    target_info = dataclasses.asdict(target) | {"api_key": None}
+    return finish([run], report, run_config("serve", workload, load, target_info))
+
+
+def run_offline_bench(args: argparse.Namespace) -> int:
+    from radixserve.bench.offline import run_offline
+    from radixserve.engine.engine import Engine
+
+    spec, load, report = common_args(args)
+    if not math.isinf(load.request_rate):
+        raise SystemExit("radixserve bench offline: use --max-concurrency, not --request-rate")
+    engine_args = {
+        name: getattr(args, name)
+        for cls in (EngineTarget, CacheConfig, SchedulerConfig)
+        for name in field_names(cls)
+    }
+    engine = Engine(**engine_args)
+    try:
+        workload, warmup = build_workloads(spec, engine.tokenizer, load.num_warmup)
+        system = report.system or "offline"
+        run = run_offline(engine, workload, load.max_concurrency, warmup, system, report.progress)
+    finally:
+        engine.shutdown()
+    return finish([run], report, run_config("offline", workload, load, engine_args))
+
+
+def run_config(mode: str, workload, load: LoadShape, target: dict[str, Any]) -> dict[str, Any]:
+    """The configuration block of bench.json."""
+    return {
+        "mode": mode,
+        "workload": workload.name,
+        "workload_config": workload.config,
+        "num_requests": len(workload.requests),
+        "load": dataclasses.asdict(load),
+        "target": target,
+    }
+
+
+def finish(runs, report: ReportArgs, config: dict[str, Any]) -> int:
+    """Prints the table, writes the files; exit status 1 if a run completed nothing."""
+    from radixserve.bench.report import format_table, write_report
+
+    title = f"{config['workload']} ({config['workload_config'].get('preset')})"
+    print(format_table(runs, title))
+    for run in runs:
+        errors = [r.error for r in run.results if not r.success]
+        if errors:
+            print(f"{run.system}: {len(errors)} failed; first: {errors[0]}", file=sys.stderr)
+    paths = write_report(Path(report.out), runs, config)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all(r.metrics["completed"] > 0 for r in runs) else 1

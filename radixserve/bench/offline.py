@@ -1,0 +1,145 @@
+"""Offline mode: a workload through `radixserve.Engine` in-process, no HTTP.
+
+The run drives the engine's scheduler one step at a time, so every request's tokens are timed
+at the step that produced them, and a follow-up turn is submitted in the step right after its
+parent finished. Requests wait in workload order for one of `max_concurrency` slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from radixserve.bench.backends import greedy_params
+from radixserve.bench.client import LoadShape, load_metrics, progress_bar
+from radixserve.bench.metrics import compute_metrics, engine_counter_delta
+from radixserve.bench.record import BenchRun, RequestResult
+from radixserve.bench.workloads import Workload
+from radixserve.engine.request_builder import GenerateArgs
+
+
+class OfflineRun:
+    """Feeds a workload to an Engine's scheduler and records every request."""
+
+    def __init__(self, engine, workload: Workload, max_concurrency: int | None, bar):
+        self.engine, self.workload, self.bar = engine, workload, bar
+        num = len(workload.requests)
+        self.limit = max_concurrency or num
+        self.results = [RequestResult(i, turn=r.turn) for i, r in enumerate(workload.requests)]
+        self.prompts: list[list[int]] = [[] for _ in range(num)]
+        self.outputs: list[list[int]] = [[] for _ in range(num)]
+        self.pending = list(range(num))
+        self.finished = [False] * num
+        self.in_flight: dict[Any, int] = {}  # engine Req -> workload index
+        self.start = 0.0
+
+    def run(self) -> tuple[list[RequestResult], float]:
+        """Every request's result and the wall time from the first submission to the last."""
+        self.start = time.perf_counter()
+        while self.pending or self.in_flight:
+            self._submit_ready()
+            if self.in_flight:
+                changed = self.engine.scheduler.step()
+                self._record(changed, time.perf_counter() - self.start)
+        return self.results, time.perf_counter() - self.start
+
+    def _submit_ready(self) -> None:
+        waiting = []
+        for index in self.pending:
+            parent = self.workload.requests[index].parent
+            if parent is not None and not self.finished[parent]:
+                waiting.append(index)
+            elif parent is not None and not self.results[parent].success:
+                self._finish_failed(index, f"parent request {parent} failed")
+            elif len(self.in_flight) < self.limit:
+                self._submit(index)
+            else:
+                waiting.append(index)
+        self.pending = waiting
+
+    def _submit(self, index: int) -> None:
+        result = self.results[index]
+        prompt = self.workload.prompt_ids(index, self.prompts, self.outputs)
+        self.prompts[index] = result.prompt_ids = prompt
+        result.start_time = time.perf_counter() - self.start
+        params = greedy_params(self.workload.requests[index].output_len)
+        try:
+            reqs, _ = self.engine.builder.build(
+                GenerateArgs(input_ids=prompt, sampling_params=params)
+            )
+        except ValueError as exc:
+            return self._finish_failed(index, str(exc))
+        self.engine.scheduler.add_request(reqs[0])
+        self.in_flight[reqs[0]] = index
+
+    def _record(self, changed, elapsed: float) -> None:
+        for req in changed:
+            index = self.in_flight.get(req)
+            if index is None:
+                continue
+            result = self.results[index]
+            new = len(req.output_ids) - len(result.output_ids)
+            if new > 0:
+                result.add_chunk(elapsed - result.start_time, new)
+                result.output_ids = list(req.output_ids)
+            if req.finished:
+                self._finish(req, index, elapsed)
+
+    def _finish(self, req, index: int, elapsed: float) -> None:
+        result = self.results[index]
+        result.e2e = elapsed - result.start_time
+        result.prompt_len, result.output_len = len(req.input_ids), len(req.output_ids)
+        result.cached_tokens = req.cached_tokens
+        reason = req.finish_reason or {}
+        result.success = reason.get("type") != "abort"
+        result.error = "" if result.success else str(reason.get("message"))
+        self.outputs[index] = result.output_ids
+        del self.in_flight[req]
+        self.finished[index] = True
+        self.bar.update(1)
+
+    def _finish_failed(self, index: int, error: str) -> None:
+        self.results[index].fail(error)
+        self.finished[index] = True
+        self.bar.update(1)
+
+
+def warm_up_engine(engine, warmup: Workload | None) -> None:
+    """Runs the warm-up requests as one batch, then empties the prefix cache."""
+    if warmup is None or not warmup.requests:
+        return
+    prompts = warmup.prompts()
+    params = [greedy_params(r.output_len) for r in warmup.requests]
+    engine.generate(input_ids=prompts, sampling_params=params, progress_bar=False)
+    engine.flush_cache()
+
+
+def run_offline(
+    engine,
+    workload: Workload,
+    max_concurrency: int | None = None,
+    warmup: Workload | None = None,
+    system: str = "offline",
+    progress: bool = True,
+) -> BenchRun:
+    """Benchmarks a `radixserve.Engine` on `workload` (the caller owns and shuts the engine)."""
+    warm_up_engine(engine, warmup)
+    before = engine.get_stats()
+    with progress_bar(len(workload.requests), system, progress) as bar:
+        results, duration = OfflineRun(engine, workload, max_concurrency, bar).run()
+    metrics = compute_metrics(results, duration, engine.runner.pool.page_size)
+    metrics |= load_metrics(LoadShape(max_concurrency=max_concurrency))
+    return BenchRun(system, "offline", metrics, results, engine_info(engine, before))
+
+
+def engine_info(engine, before: dict) -> dict[str, Any]:
+    """The engine's model, device and configs, and its counters of the measured run."""
+    stats = engine.get_stats()
+    return {
+        "model": engine.model_name,
+        "device": str(engine.runner.device),
+        "scheduler": dataclasses.asdict(engine.scheduler.config),
+        "stats": stats,
+        "engine_counters": engine_counter_delta(before, stats),
+    }
