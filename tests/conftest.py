@@ -219,3 +219,31 @@ def server(tiny_chat_model):
     proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny")
     yield proc
     proc.stop()
+
+
+# ---- frontend language tests: each test runs on both backends ----
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    """One engine per test module (a module may override it, e.g. per test)."""
+    engine = make_engine(tiny_chat_model)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    from radixserve.frontend_lang import RuntimeEndpoint
+
+    return RuntimeEndpoint(server.url)
+
+
+@pytest.fixture(params=["engine", "endpoint"])
+def backend(request, engine):
+    """The in-process engine backend, then the HTTP one, for tests that take `backend`."""
+    from radixserve.frontend_lang import EngineBackend
+
+    if request.param == "engine":
+        return EngineBackend(engine)
+    return request.getfixturevalue("endpoint")

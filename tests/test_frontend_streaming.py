@@ -9,29 +9,9 @@ import threading
 import pytest
 
 import radixserve.frontend_lang as sgl
-from conftest import make_engine
-from radixserve.frontend_lang import EngineBackend, RuntimeEndpoint
+from radixserve.frontend_lang import EngineBackend
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_chat_model):
-    engine = make_engine(tiny_chat_model)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def endpoint(server):
-    return RuntimeEndpoint(server.url)
-
-
-@pytest.fixture(params=["engine", "endpoint"])
-def backend(request, engine):
-    if request.param == "engine":
-        return EngineBackend(engine)
-    return request.getfixturevalue("endpoint")
 
 
 @sgl.function
