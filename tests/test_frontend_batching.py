@@ -98,6 +98,26 @@ def test_fork_lambda_join_modes_and_copy(backend):
     assert isinstance(state["y"], list) and len(state["y"]) == 1
 
 
+def test_gather_replaces_a_name_reused_across_fork_levels(engine):
+    @sgl.function
+    def two_levels(s):
+        s += "Root."
+        for level in range(2):
+            forks = s.fork(2)
+            forks += lambda i, level=level: (
+                f" L{level}b{i}" + sgl.gen("step", max_tokens=2, **GREEDY)
+            )
+            expected = [f["step"] for f in forks]
+            forks.join()
+            assert s["step"] == expected  # the second level's values, not the first's
+            s += " next"
+        return expected
+
+    state = two_levels.run(backend=EngineBackend(engine))
+    assert len(state["step"]) == 2 and state["step"] == state.ret_value
+    assert len(state.get_meta_info("step")) == 2  # per-child meta info survives the gather
+
+
 # ---- run_batch ---------------------------------------------------------------------------
 
 

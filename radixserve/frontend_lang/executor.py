@@ -44,6 +44,7 @@ class Executor:
         self.var_scopes: dict[str, int] = {}
         self.stream_text: dict[str, str] = {}  # raw text of each gen while it streams
         self.done_vars: set[str] = set()
+        self.set_since_fork: set[str] = set()  # names this fork child assigned itself
         self.finished = False
         self.changed = threading.Condition()  # notified on every text or variable change
         self.worker = SerialWorker() if worker else None
@@ -106,6 +107,7 @@ class Executor:
             self.variables[name] = value
             self.meta_info[name] = meta
             self.done_vars.add(name)
+            self.set_since_fork.add(name)
             self.changed.notify_all()
 
     def _gen(self, expr: Gen) -> None:

@@ -183,7 +183,8 @@ class ProgramStateGroup:
     def _gather_variables(self) -> None:
         parent = self.src_state.executor
         parent.sync()
-        before = set(parent.variables)
-        for state in self.states:
-            for name in set(state.executor.variables) - before:
-                parent.variables.setdefault(name, []).append(state.executor.variables[name])
+        children = [state.executor for state in self.states]
+        names = set().union(*(child.set_since_fork for child in children))
+        for name in sorted(names):  # a name reused from an earlier fork level is replaced
+            parent.variables[name] = [child.variables.get(name) for child in children]
+            parent.meta_info[name] = [child.meta_info.get(name) for child in children]
