@@ -17,52 +17,7 @@ __all__ = [
 
 # The frontend language under SGLang's top-level names: `import radixserve as sgl` runs
 # programs written for `import sglang as sgl`.
-from radixserve.frontend_lang import (  # noqa: E402
-    EngineBackend,
-    RuntimeEndpoint,
-    assistant,
-    assistant_begin,
-    assistant_end,
-    flush_cache,
-    function,
-    gen,
-    gen_int,
-    gen_string,
-    get_server_info,
-    greedy_token_selection,
-    select,
-    set_default_backend,
-    system,
-    system_begin,
-    system_end,
-    token_length_normalized,
-    unconditional_likelihood_normalized,
-    user,
-    user_begin,
-    user_end,
-)
+from radixserve import frontend_lang as _frontend_lang  # noqa: E402
+from radixserve.frontend_lang import *  # noqa: E402, F403
 
-__all__ += [
-    "EngineBackend",
-    "RuntimeEndpoint",
-    "assistant",
-    "assistant_begin",
-    "assistant_end",
-    "flush_cache",
-    "function",
-    "gen",
-    "gen_int",
-    "gen_string",
-    "get_server_info",
-    "greedy_token_selection",
-    "select",
-    "set_default_backend",
-    "system",
-    "system_begin",
-    "system_end",
-    "token_length_normalized",
-    "unconditional_likelihood_normalized",
-    "user",
-    "user_begin",
-    "user_end",
-]
+__all__ += [name for name in _frontend_lang.__all__ if name not in __all__]
