@@ -64,8 +64,7 @@ class Engine:
             return self._stream(reqs, return_text_in_logprobs)
         self._submit(reqs)
         self._run_until_finished(reqs, progress_bar)
-        outputs = [format_output(r, self.tokenizer, return_text_in_logprobs) for r in reqs]
-        return outputs if batched or len(outputs) > 1 else outputs[0]
+        return self._outputs(reqs, batched, return_text_in_logprobs)
 
     async def async_generate(
         self,
@@ -91,7 +90,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         while not all(r.finished for r in reqs):
             await loop.run_in_executor(self._executor, self._step)
-        outputs = [format_output(r, self.tokenizer, return_text_in_logprobs) for r in reqs]
+        return self._outputs(reqs, batched, return_text_in_logprobs)
+
+    def _outputs(self, reqs: list[Req], batched: bool, with_text: bool) -> dict | list[dict]:
+        """One dict for one prompt with n == 1; otherwise a list, in request order."""
+        outputs = [format_output(r, self.tokenizer, with_text) for r in reqs]
         return outputs if batched or len(outputs) > 1 else outputs[0]
 
     def abort_request(self, rid: str) -> None:

@@ -96,15 +96,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state.check_capacity(len(reqs))
     if stream:
         return await _stream_generate(request, state, reqs, with_text)
-    done = await asyncio.gather(*(_run(state, r) for r in reqs))
+    done = await asyncio.gather(*(state.run(r) for r in reqs))
     outputs = [format_output(r, state.tokenizer, with_text) for r in done]
     return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
-
-
-async def _run(state: ServerState, req: Req) -> Req:
-    async for _ in state.stream(req):
-        pass
-    return req
 
 
 async def _stream_generate(request, state: ServerState, reqs: list[Req], with_text: bool):
@@ -206,7 +200,7 @@ async def health_generate(request: web.Request) -> web.Response:
     state = state_of(request)
     req, _ = state.builder.build(GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 1}))
     try:
-        await asyncio.wait_for(_run(state, req[0]), 20.0)
+        await asyncio.wait_for(state.run(req[0]), 20.0)
     except asyncio.TimeoutError:
         return web.Response(status=503, text="generation timed out\n")
     return web.Response(text="")

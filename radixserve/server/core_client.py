@@ -117,11 +117,6 @@ class CoreClient:
             if not req.finished:
                 self.abort(req.rid)
 
-    async def run(self, req: Req) -> Req:
-        async for _ in self.stream(req):
-            pass
-        return req
-
     def abort(self, rid: str) -> None:
         self._send(AbortRequest(rid))
 

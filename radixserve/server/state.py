@@ -46,6 +46,12 @@ class ServerState:
         finally:
             self.metrics.on_finish(req)
 
+    async def run(self, req: Req) -> Req:
+        """Runs `req` to the end (recording its metrics); cancelling aborts it."""
+        async for _ in self.stream(req):
+            pass
+        return req
+
 
 async def read_json(request: web.Request) -> Any:
     try:
