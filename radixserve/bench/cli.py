@@ -1,5 +1,6 @@
-"""`radixserve bench serve` (a running server at --url) and `radixserve bench offline` (an
-in-process Engine). Options are generated from the dataclasses below, one docstring each."""
+"""`radixserve bench serve` (a running server at --url), `bench offline` (an in-process
+Engine) and `bench compare` (systems it starts itself, see compare.py). Options are generated
+from the dataclasses below, one docstring each."""
 
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def add_bench_parser(sub) -> None:
     add_dataclass_args(offline, CacheConfig, "KV cache")
     add_dataclass_args(offline, SchedulerConfig, "scheduler")
     _add_common_args(offline)
+    from radixserve.bench.compare import add_compare_parser
+
+    add_compare_parser(modes)
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +110,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """Entry point of `radixserve bench ...`."""
     if args.bench_command == "serve":
         return run_serve_bench(args)
+    if args.bench_command == "compare":
+        from radixserve.bench.compare import run_compare_bench
+
+        return run_compare_bench(args)
     return run_offline_bench(args)
 
 

@@ -1,0 +1,183 @@
+"""The systems `bench compare` measures, each a server it starts on a free loopback port.
+
+radixserve               radix cache, lpm scheduling (the product)
+radixserve-no-cache      --disable-radix-cache: every prompt token prefilled
+radixserve-fcfs          --schedule-policy fcfs: cache on, arrival order
+hf-transformers          `model.generate` on static batches (radixserve.bench.hf_server)
+llama-cpp                llama-cpp-python's OpenAI server on the same GGUF, when installed
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixserve.model.source import resolve_model
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: str
+    """radixserve | hf | llama-cpp: which server program runs."""
+    backend: str
+    """The bench backend that talks to it: radixserve (native /generate) or openai."""
+    flags: tuple[str, ...] = ()
+    """Extra command-line flags of its server."""
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    s.name: s
+    for s in (
+        SystemSpec("radixserve", "radixserve", "radixserve"),
+        SystemSpec("radixserve-no-cache", "radixserve", "radixserve", ("--disable-radix-cache",)),
+        SystemSpec("radixserve-fcfs", "radixserve", "radixserve", ("--schedule-policy", "fcfs")),
+        SystemSpec("hf-transformers", "hf", "radixserve"),
+        SystemSpec("llama-cpp", "llama-cpp", "openai"),
+    )
+}
+HEALTH_PATHS = {"radixserve": "/health", "hf": "/health", "llama-cpp": "/v1/models"}
+
+
+@dataclass
+class LaunchOptions:
+    """How `bench compare` starts its systems."""
+
+    model: str | None = None
+    """Model of every system: HF folder, .gguf or None for the default (SmolLM2)."""
+    server_args: str = ""
+    """Extra flags for every radixserve server, e.g. "--max-total-tokens 65536"."""
+    hf_max_batch_size: int | None = None
+    """Static batch size of the transformers baseline (default: --max-concurrency, else 16)."""
+    llama_cpp_ctx: int = 8192
+    """llama.cpp context length (n_ctx)."""
+    startup_timeout: float = 600.0
+    """Seconds a server may take to become ready."""
+
+
+def parse_systems(names: str) -> list[SystemSpec]:
+    """The systems named in a comma-separated list, in that order."""
+    specs = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name not in SYSTEMS:
+            raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+        specs.append(SYSTEMS[name])
+    if not specs:
+        raise ValueError("systems: name at least one system")
+    return specs
+
+
+def unavailable_reason(spec: SystemSpec, options: LaunchOptions) -> str | None:
+    """Why `spec` cannot run here, or None."""
+    if spec.kind == "llama-cpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            return "llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')"
+        if gguf_path(options.model) is None:
+            return "llama.cpp needs a .gguf model"
+    return None
+
+
+def gguf_path(model: str | None) -> Path | None:
+    source = resolve_model(model)
+    return source.path if source.kind == "gguf" else None
+
+
+def server_command(
+    spec: SystemSpec, options: LaunchOptions, port: int, max_batch: int
+) -> list[str]:
+    """The command line that serves `spec` on 127.0.0.1:`port`."""
+    model = [options.model] if options.model else []
+    if spec.kind == "radixserve":
+        flags = [*spec.flags, *shlex.split(options.server_args)]
+        serve = [sys.executable, "-m", "radixserve.cli", "serve", *model]
+        return [*serve, "--port", str(port), *flags]
+    if spec.kind == "hf":
+        model_flag = ["--model", options.model] if options.model else []
+        batch = ["--max-batch-size", str(options.hf_max_batch_size or max_batch)]
+        return [sys.executable, "-m", "radixserve.bench.hf_server", *model_flag, "--port",
+                str(port), *batch]  # fmt: skip
+    threads = str(os.cpu_count() or 1)
+    return [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path(options.model)),
+        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(options.llama_cpp_ctx),
+        "--n_threads", threads, "--n_threads_batch", threads, "--model_alias", spec.name,
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedServer:
+    """A server subprocess: started, polled until healthy, stopped with SIGTERM."""
+
+    def __init__(self, command: list[str], health_path: str, log_path: Path, port: int):
+        self.command, self.health_path, self.log_path = command, health_path, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float) -> None:
+        """Starts the process; raises RuntimeError (with its log's tail) unless it gets healthy."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self._healthy():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    def __enter__(self) -> ManagedServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(
+    spec: SystemSpec, options: LaunchOptions, max_batch: int, log_dir: Path
+) -> ManagedServer:
+    """Starts `spec` on a free port and waits until it answers its health check."""
+    port = free_port()
+    command = server_command(spec, options, port, max_batch)
+    server = ManagedServer(command, HEALTH_PATHS[spec.kind], log_dir / f"{spec.name}.log", port)
+    server.start(options.startup_timeout)
+    return server

@@ -1,0 +1,97 @@
+"""`radixserve bench compare`: the ideal-speedup arithmetic, the comparison rows, and a tiny
+end-to-end run that starts two radixserve servers itself and writes the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.bench.compare import TokenCosts, compare_runs, format_comparison, ideal_speedup
+from radixserve.bench.record import BenchRun
+from radixserve.bench.systems import LaunchOptions, parse_systems, unavailable_reason
+from radixserve.cli import main
+
+SHARED_PREFIX = "num_groups=2,prompts_per_group=3,system_len=64,question_len=8,output_len=4"
+
+
+def test_ideal_speedup_prices_prefill_and_decode():
+    costs = TokenCosts(prefill_s=0.002, decode_s=0.01)
+    # 1000 prompt tokens, 80% shareable, 10 output tokens:
+    # no sharing 1000*0.002 + 10*0.01 = 2.1 s; perfect sharing 200*0.002 + 0.1 = 0.5 s
+    assert ideal_speedup(1000, 0.8, 10, costs) == pytest.approx(2.1 / 0.5)
+    assert ideal_speedup(1000, 0.0, 10, costs) == pytest.approx(1.0)
+
+
+def _run(system: str, duration: float, **metrics) -> BenchRun:
+    base = {
+        "completed": 4,
+        "duration": duration,
+        "total_input_tokens": 1000,
+        "total_output_tokens": 10,
+        "max_cache_hit_rate": 0.8,
+        "cache_hit_rate_of_max": 0.99,
+    }
+    return BenchRun(system, "radixserve", base | metrics, [])  # fmt: skip
+
+
+def test_compare_runs_rows_targets_and_followup_ratio():
+    costs = TokenCosts(prefill_s=0.002, decode_s=0.01)
+    runs = [
+        _run("radixserve", 1.0, p99_ttft_followup_ms=10.0),
+        _run("radixserve-no-cache", 3.8, p99_ttft_followup_ms=50.0),
+        _run("hf-transformers", 5.0),
+        _run("llama-cpp", 1.5),
+        _run("radixserve-fcfs", 1.1),
+    ]
+    comparison = compare_runs(runs, costs)
+    ideal = 2.1 / 0.5
+    assert comparison["ideal_speedup"] == pytest.approx(ideal)
+    rows = {r["system"]: r for r in comparison["rows"]}
+    assert rows["radixserve-no-cache"]["speedup"] == pytest.approx(3.8)
+    assert rows["radixserve-no-cache"]["of_ideal"] == pytest.approx(3.8 / ideal)
+    assert rows["radixserve-no-cache"]["target"] == pytest.approx(0.85 * ideal)
+    assert rows["radixserve-no-cache"]["p99_ttft_followup_ratio"] == pytest.approx(0.2)
+    assert rows["hf-transformers"]["target"] == pytest.approx(ideal)
+    assert rows["llama-cpp"]["target"] == 2.0
+    assert "target" not in rows["radixserve-fcfs"]
+    table = format_comparison(comparison, costs)
+    assert "radixserve-no-cache" in table and "MISSED" in table  # llama-cpp: 1.5x < 2x
+    assert "hit rate / optimum: 0.990" in table
+
+
+def test_compare_runs_without_reference_or_costs():
+    assert compare_runs([_run("hf-transformers", 2.0)], None)["rows"] == []
+    rows = compare_runs([_run("radixserve", 1.0), _run("hf-transformers", 2.0)], None)["rows"]
+    assert rows[0]["ideal_speedup"] is None and rows[0]["speedup"] == pytest.approx(2.0)
+
+
+def test_systems_are_checked(tiny_chat_model):
+    with pytest.raises(ValueError, match="unknown system 'vllm'"):
+        parse_systems("radixserve,vllm")
+    llama = parse_systems("llama-cpp")[0]
+    reason = unavailable_reason(llama, LaunchOptions(model=tiny_chat_model))
+    assert reason is not None and ("gguf" in reason or "not installed" in reason)
+
+
+def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "compare"
+    argv = ["bench", "compare", "--systems", "radixserve,radixserve-no-cache",
+            "--model", tiny_chat_model, "--server-args", "--max-total-tokens 16384",
+            "--workload-args", SHARED_PREFIX, "--max-concurrency", "2", "--num-warmup", "1",
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "radixserve vs peers" in printed and "measured cost per token" in printed
+    report = json.loads((out / "bench.json").read_text())
+    runs = {r["system"]: r["metrics"] for r in report["runs"]}
+    assert set(runs) == {"radixserve", "radixserve-no-cache"}
+    assert runs["radixserve"]["completed"] == runs["radixserve-no-cache"]["completed"] == 6
+    assert runs["radixserve"]["total_cached_tokens"] > 0
+    assert runs["radixserve-no-cache"]["total_cached_tokens"] == 0
+    comparison = report["config"]["comparison"]
+    costs = report["config"]["token_costs"]
+    assert costs["prefill_s"] > 0 and costs["decode_s"] >= 0
+    assert comparison["ideal_speedup"] > 1
+    assert [r["system"] for r in comparison["rows"]] == ["radixserve-no-cache"]
+    assert (out / "logs" / "radixserve.log").exists()
