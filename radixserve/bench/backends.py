@@ -6,6 +6,7 @@ openai              POST /v1/completions with token-id prompts and
                     `stream_options.include_usage`; cached tokens from
                     `usage.prompt_tokens_details.cached_tokens`; the answer's ids are the
                     answer's text re-tokenized, as a chat client would resend it
+llama-cpp           the same against llama-cpp-python's server, with text prompts
 """
 
 from __future__ import annotations
@@ -166,7 +167,19 @@ class OpenAIBackend:
         return {"model": self.model}
 
 
-BACKENDS = ("radixserve", "sglang", "openai")
+class LlamaCppBackend(OpenAIBackend):
+    """llama-cpp-python's OpenAI server: text prompts only (it takes no token ids), EOS held
+    off by `min_tokens`, and llama.cpp's default repeat penalty turned off for plain greedy."""
+
+    name = "llama-cpp"
+
+    def payload(self, prompt: list[int], output_len: int) -> dict[str, Any]:
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        extra = {"prompt": text, "min_tokens": output_len, "repeat_penalty": 1.0}
+        return super().payload(prompt, output_len) | extra
+
+
+BACKENDS = ("radixserve", "sglang", "openai", "llama-cpp")
 
 
 def make_backend(name: str, url: str, tokenizer, model: str | None, api_key: str | None):
@@ -175,4 +188,6 @@ def make_backend(name: str, url: str, tokenizer, model: str | None, api_key: str
         return NativeBackend(url, name, api_key)
     if name == "openai":
         return OpenAIBackend(url, tokenizer, model, api_key)
+    if name == "llama-cpp":
+        return LlamaCppBackend(url, tokenizer, model, api_key)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -31,7 +31,7 @@ class SystemSpec:
     kind: str
     """radixserve | hf | llama-cpp: which server program runs."""
     backend: str
-    """The bench backend that talks to it: radixserve (native /generate) or openai."""
+    """The bench backend that talks to it (radixserve: native /generate)."""
     flags: tuple[str, ...] = ()
     """Extra command-line flags of its server."""
 
@@ -43,7 +43,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("radixserve-no-cache", "radixserve", "radixserve", ("--disable-radix-cache",)),
         SystemSpec("radixserve-fcfs", "radixserve", "radixserve", ("--schedule-policy", "fcfs")),
         SystemSpec("hf-transformers", "hf", "radixserve"),
-        SystemSpec("llama-cpp", "llama-cpp", "openai"),
+        SystemSpec("llama-cpp", "llama-cpp", "llama-cpp"),
     )
 }
 HEALTH_PATHS = {"radixserve": "/health", "hf": "/health", "llama-cpp": "/v1/models"}
@@ -111,6 +111,7 @@ def server_command(
         sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path(options.model)),
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(options.llama_cpp_ctx),
         "--n_threads", threads, "--n_threads_batch", threads, "--model_alias", spec.name,
+        "--interrupt_requests", "False",  # its default drops a running stream for a new request
     ]  # fmt: skip
 
 
