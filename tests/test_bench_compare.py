@@ -95,3 +95,24 @@ def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_pa
     assert comparison["ideal_speedup"] > 1
     assert [r["system"] for r in comparison["rows"]] == ["radixserve-no-cache"]
     assert (out / "logs" / "radixserve.log").exists()
+
+
+def test_llama_cpp_backend_sends_text_and_holds_off_eos():
+    from radixserve.bench.backends import make_backend
+    from radixserve.bench.workloads import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    backend = make_backend("llama-cpp", "http://127.0.0.1:1", tokenizer, "m", None)
+    body = backend.payload(ids, 7)
+    assert body["prompt"] == "The capital of France is"
+    assert (body["max_tokens"], body["min_tokens"], body["repeat_penalty"]) == (7, 7, 1.0)
+    assert body["temperature"] == 0.0 and body["stream"] is True
+
+
+def test_llama_cpp_command_keeps_concurrent_streams():
+    from radixserve.bench.systems import SYSTEMS, server_command
+
+    command = server_command(SYSTEMS["llama-cpp"], LaunchOptions(), 1234, 16)
+    assert command[command.index("--interrupt_requests") + 1] == "False"
+    assert command[command.index("--model") + 1].endswith(".gguf")
