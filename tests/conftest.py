@@ -177,17 +177,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A `radixserve serve` subprocess; `url` once ready, `stop()` sends SIGTERM."""
+    """A `radixserve serve` subprocess; `url` once ready, `stop()` sends SIGTERM. A subclass
+    may serve another program by overriding `command`."""
 
     def __init__(self, model: str, *flags: str):
         import subprocess
-        import sys
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", model, "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [*cmd, "--max-total-tokens", "16384", *flags],
+            [*self.command(model), "--port", str(self.port), *flags],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -200,6 +199,13 @@ class ServerProcess:
         else:
             raise RuntimeError("server did not start:\n" + "".join(self.log))
         threading.Thread(target=self._drain_output, daemon=True).start()
+
+    def command(self, model: str) -> list[str]:
+        """The program line before `--port PORT` and the flags."""
+        import sys
+
+        serve = [sys.executable, "-m", "radixserve.cli", "serve", model]
+        return [*serve, "--max-total-tokens", "16384"]
 
     def _drain_output(self) -> None:
         """Keeps reading the server's output so a chatty server never blocks on a full pipe."""

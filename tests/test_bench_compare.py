@@ -76,7 +76,7 @@ def test_systems_are_checked(tiny_chat_model):
 
 def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "compare"
-    argv = ["bench", "compare", "--systems", "radixserve,radixserve-no-cache",
+    argv = ["bench", "compare", "--systems", "radixserve,radixserve-no-cache,hf-transformers",
             "--model", tiny_chat_model, "--server-args", "--max-total-tokens 16384",
             "--workload-args", SHARED_PREFIX, "--max-concurrency", "2", "--num-warmup", "1",
             "--out", str(out), "--no-progress"]  # fmt: skip
@@ -85,15 +85,16 @@ def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_pa
     assert "radixserve vs peers" in printed and "measured cost per token" in printed
     report = json.loads((out / "bench.json").read_text())
     runs = {r["system"]: r["metrics"] for r in report["runs"]}
-    assert set(runs) == {"radixserve", "radixserve-no-cache"}
-    assert runs["radixserve"]["completed"] == runs["radixserve-no-cache"]["completed"] == 6
+    assert set(runs) == {"radixserve", "radixserve-no-cache", "hf-transformers"}
+    assert all(m["completed"] == 6 and m["total_output_tokens"] == 24 for m in runs.values())
     assert runs["radixserve"]["total_cached_tokens"] > 0
     assert runs["radixserve-no-cache"]["total_cached_tokens"] == 0
     comparison = report["config"]["comparison"]
     costs = report["config"]["token_costs"]
     assert costs["prefill_s"] > 0 and costs["decode_s"] >= 0
     assert comparison["ideal_speedup"] > 1
-    assert [r["system"] for r in comparison["rows"]] == ["radixserve-no-cache"]
+    rows = [r["system"] for r in comparison["rows"]]
+    assert rows == ["radixserve-no-cache", "hf-transformers"]
     assert (out / "logs" / "radixserve.log").exists()
 
 

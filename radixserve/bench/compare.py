@@ -219,16 +219,9 @@ def run_compare_bench(args: argparse.Namespace) -> int:
 
 def _tokenizer(options: LaunchOptions):
     """The tokenizer of the compared model (what every system's prompts are built with)."""
-    from radixserve.bench.cli import load_tokenizer
-    from radixserve.model.gguf_convert import converted_folder
-    from radixserve.model.loader import _has_tokenizer
-    from radixserve.model.source import resolve_model
+    from radixserve.model.tokenizer import model_tokenizer
 
-    source = resolve_model(options.model)
-    if options.model is None or source.kind == "builtin":
-        return load_tokenizer(None)
-    folder = converted_folder(source.path) if source.kind == "gguf" else source.path
-    return load_tokenizer(str(folder) if _has_tokenizer(folder) else None)
+    return model_tokenizer(options.model)
 
 
 def _measure_all(systems: list[SystemSpec], spec, load: LoadShape, report, options, compare):

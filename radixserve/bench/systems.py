@@ -103,7 +103,9 @@ def server_command(
         return [*serve, "--port", str(port), *flags]
     if spec.kind == "hf":
         model_flag = ["--model", options.model] if options.model else []
-        batch = ["--max-batch-size", str(options.hf_max_batch_size or max_batch)]
+        # requests sent together (the next wave of a concurrency-limited client) share a batch
+        wait = ["--batch-wait-ms", "100"]
+        batch = ["--max-batch-size", str(options.hf_max_batch_size or max_batch), *wait]
         return [sys.executable, "-m", "radixserve.bench.hf_server", *model_flag, "--port",
                 str(port), *batch]  # fmt: skip
     threads = str(os.cpu_count() or 1)

@@ -44,8 +44,13 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
     else:
         model.load_weights(_iter_safetensors(folder))
     model.eval()
-    tokenizer_path = folder if folder is not None and _has_tokenizer(folder) else None
+    tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
     return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
+
+
+def weights_folder(model: str | None) -> Path:
+    """The HF folder that holds `model`'s weights (a GGUF's converted, cached folder)."""
+    return _hf_folder(resolve_model(model), "auto")
 
 
 def _hf_folder(source: ModelSource, load_format: str) -> Path | None:
@@ -72,7 +77,8 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _has_tokenizer(folder: Path) -> bool:
+def has_tokenizer(folder: Path) -> bool:
+    """True if `folder` ships its own tokenizer files."""
     return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
 
 

@@ -7,8 +7,13 @@ import os
 from pathlib import Path
 
 from radixserve.model.gguf_convert import converted_folder
-from radixserve.model.loader import LoadedModel
-from radixserve.model.source import ModelLoadError, default_model_path
+from radixserve.model.loader import LoadedModel, has_tokenizer, read_hf_config, weights_folder
+from radixserve.model.source import (
+    ModelLoadError,
+    builtin_config,
+    default_model_path,
+    resolve_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -16,6 +21,16 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(loaded: LoadedModel):
     """The model's own tokenizer; a dummy built-in config borrows the default model's one."""
     return open_tokenizer(loaded.tokenizer_path, loaded.config.vocab_size, loaded.name)
+
+
+def model_tokenizer(model: str | None):
+    """The tokenizer radixserve uses for the `model` argument, without loading weights."""
+    source = resolve_model(model)
+    if source.kind == "builtin":
+        return open_tokenizer(None, builtin_config(source.name)["vocab_size"], source.name)
+    folder = weights_folder(model)
+    vocab_size = read_hf_config(folder)["vocab_size"]
+    return open_tokenizer(folder if has_tokenizer(folder) else None, vocab_size, source.name)
 
 
 def open_tokenizer(path: Path | str | None, vocab_size: int, model_name: str):
