@@ -93,12 +93,18 @@ def paged_decode_attention(
     sm_scale: float | None = None,
     split_len: int = 256,
     block_n: int = 32,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per request over its paged K/V. Returns [reqs, heads, dim]."""
+    """Attention of one query token per request over its paged K/V. Returns [reqs, heads, dim].
+
+    `num_splits` fixes the chunk count (CUDA graphs: no host sync, no data-dependent shape;
+    chunks past a sequence's end do no work); by default it follows the longest sequence.
+    """
     num_reqs, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    num_splits = max(1, triton.cdiv(int(seq_lens.max()), split_len))
+    if num_splits is None:
+        num_splits = max(1, triton.cdiv(int(seq_lens.max()), split_len))
     part_out = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                            device=q.device)  # fmt: skip
     part_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=q.device)

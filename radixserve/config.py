@@ -159,18 +159,23 @@ class LoadConfig:
 
 @dataclass
 class CacheConfig:
-    """Size and shape of the paged KV pool."""
+    """The paged KV pool and how the model runner reads it (attention backend, CUDA graphs)."""
 
     page_size: int = 16
     """Tokens per KV page. 16 keeps page tables and radix nodes small and suits GPU kernels."""
     max_total_tokens: int | None = None
     """KV pool capacity in tokens; default: sized from the memory budget."""
     mem_fraction_static: float = 0.85
-    """On CUDA: fraction of GPU memory for weights + KV pool."""
+    """On CUDA: fraction of GPU memory for weights + KV pool (+ CUDA graphs, estimated)."""
     cpu_kv_cache_gb: float = 4.0
     """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given."""
     attention_backend: str = "auto"
-    """auto (triton on CUDA, else torch_native) | torch_native (reference, any device) | triton."""
+    """auto (triton on CUDA, else torch_native) | torch_native (reference, any device) | triton |
+    flashinfer (CUDA, needs `pip install flashinfer-python`)."""
+    disable_cuda_graph: bool = False
+    """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
+    cuda_graph_max_bs: int = 256
+    """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
 
 
 @dataclass

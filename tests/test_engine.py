@@ -221,3 +221,12 @@ def test_one_token_prompt_has_its_null_input_logprob(tiny_chat_model):
         input_ids=[5], sampling_params=greedy(2), return_logprob=True, logprob_start_len=0
     )
     assert out["meta_info"]["input_token_logprobs"] == [[None, 5, None]]
+
+
+def test_context_length_beyond_max_position_embeddings_gets_rope_positions(tiny_chat_model):
+    """The RoPE table is reserved for the configured context up front (never grown from
+    positions read on the host), so a prompt past max_position_embeddings (2048) still runs."""
+    engine = make_engine(tiny_chat_model, context_length=2300)
+    out = engine.generate(input_ids=prompt_ids(3, 2200), sampling_params=greedy(4))
+    assert out["meta_info"]["prompt_tokens"] == 2200 and len(out["output_ids"]) == 4
+    engine.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -12,6 +13,9 @@ from radixserve.forward_batch import ForwardBatch
 
 class AttentionBackend(ABC):
     """One implementation per device/kernel family; the model calls `forward` per layer."""
+
+    supports_cuda_graph: bool = False
+    """Whether the runner may capture decode steps of this backend into CUDA graphs."""
 
     def __init__(self, pool: KVPool, sliding_window: int | None = None):
         self.pool = pool
@@ -30,3 +34,19 @@ class AttentionBackend(ABC):
         Writes k, v into their slots of `layer`, then returns attention output
         [num_tokens, num_heads, head_dim] where each token sees its request's positions <= its own.
         """
+
+    # ---- CUDA graphs (pure decode batches of a fixed size; see model/cuda_graph.py) ---------
+
+    def plan_graph_decode(self, batch: ForwardBatch, seq_lens: Sequence[int]) -> None:
+        """Host-side planning before a decode graph is captured or replayed (outside the graph).
+
+        `batch` holds the graph's static buffers (page_table: [bs, max_pages]); `seq_lens` are
+        the host-side lengths of its rows, padding rows included. Default: nothing to plan.
+        """
+        return None
+
+    def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        """`init_forward` for a captured decode step: runs inside the graph, so it may use only
+        device ops on the static buffers (`seq_lens`: [bs]) - no host syncs, no shapes that
+        depend on data - and each replay recomputes it."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -57,18 +57,41 @@ class TorchNativeBackend(AttentionBackend):
         decode = self._decode_group(batch, decode_reqs, starts) if decode_reqs else None
         batch.attn_metadata = _Metadata(decode=decode, extends=extends)
 
+    def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        # Every row spans the page table's whole capacity (a static shape); the mask trims it.
+        # This gathers max_pages * page_size positions per request, which is why the runner
+        # does not capture torch_native on CUDA (supports_cuda_graph stays False); the graph
+        # tests use it on CPU as the reference.
+        num_positions = batch.page_table.shape[1] * batch.page_size
+        token_idx = torch.arange(seq_lens.shape[0], device=seq_lens.device)
+        decode = self._masked_decode(batch.page_table, seq_lens, num_positions, batch.page_size,
+                                     token_idx)  # fmt: skip
+        batch.attn_metadata = _Metadata(decode=decode, extends=[])
+
     def _decode_group(
         self, batch: ForwardBatch, reqs: list[int], starts: list[int]
     ) -> _DecodeGroup:
         device = batch.page_table.device
-        seq_lens = torch.tensor([batch.seq_lens[i] for i in reqs], device=device)
-        positions = torch.arange(int(seq_lens.max()), device=device)
+        lens = [batch.seq_lens[i] for i in reqs]
         rows = batch.page_table[torch.tensor(reqs, device=device)]
+        token_idx = torch.tensor([starts[i] for i in reqs], device=device)
+        seq_lens = torch.tensor(lens, device=device)
+        return self._masked_decode(rows, seq_lens, max(lens), batch.page_size, token_idx)
+
+    def _masked_decode(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_positions: int,
+        page_size: int,
+        token_idx: torch.Tensor,
+    ) -> _DecodeGroup:
+        """Slots of positions [0, num_positions) of each row's pages, masked to its length."""
+        positions = torch.arange(num_positions, device=rows.device)
         valid = positions[None, :] < seq_lens[:, None]
         if self.sliding_window is not None:
             valid &= positions[None, :] > (seq_lens[:, None] - 1) - self.sliding_window
-        slots = torch.where(valid, _slots_of(rows, positions, batch.page_size), 0)
-        token_idx = torch.tensor([starts[i] for i in reqs], device=device)
+        slots = torch.where(valid, _slots_of(rows, positions, page_size), 0)
         return _DecodeGroup(token_idx=token_idx, slots=slots, mask=valid[:, None, None, :])
 
     def _extend_segment(self, batch: ForwardBatch, req: int, start: int) -> _ExtendSegment:

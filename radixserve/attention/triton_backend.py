@@ -14,6 +14,9 @@ import torch
 from radixserve.attention.base import AttentionBackend
 from radixserve.forward_batch import ForwardBatch
 
+SPLIT_LEN = 256  # positions per decode chunk (the kernel's default)
+MAX_GRAPH_SPLITS = 64  # under CUDA graphs: longer contexts get longer chunks, not more of them
+
 
 @dataclass
 class _Metadata:
@@ -23,9 +26,20 @@ class _Metadata:
     prefix_lens: torch.Tensor  # [num_reqs]
     extend_lens: torch.Tensor  # [num_reqs]
     max_extend_len: int
+    num_splits: int | None = None  # decode chunks; None: from the longest sequence (host sync)
+    split_len: int = SPLIT_LEN
+
+
+def graph_decode_splits(num_positions: int) -> tuple[int, int]:
+    """(num_splits, split_len) covering `num_positions` with a fixed chunk count."""
+    num_splits = min(-(-num_positions // SPLIT_LEN), MAX_GRAPH_SPLITS)
+    split_len = -(-num_positions // num_splits)
+    return num_splits, -(-split_len // 32) * 32  # whole blocks of the kernel's BLOCK_N
 
 
 class TritonBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, pool, sliding_window: int | None = None):
         super().__init__(pool, sliding_window)
         from radixserve_kernels import kv_store, paged_decode, paged_extend
@@ -48,6 +62,20 @@ class TritonBackend(AttentionBackend):
             max_extend_len=max_extend,
         )
 
+    def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        num_splits, split_len = graph_decode_splits(batch.page_table.shape[1] * batch.page_size)
+        ones = torch.ones_like(seq_lens)
+        batch.attn_metadata = _Metadata(
+            use_decode_kernel=self.sliding_window is None,
+            seq_lens=seq_lens,
+            q_starts=torch.cumsum(ones, 0) - ones,
+            prefix_lens=seq_lens - ones,
+            extend_lens=ones,
+            max_extend_len=1,
+            num_splits=num_splits,
+            split_len=split_len,
+        )
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -55,7 +83,10 @@ class TritonBackend(AttentionBackend):
         self._store_kv(k.contiguous(), v.contiguous(), k_pool, v_pool, batch.out_slots)
         meta: _Metadata = batch.attn_metadata
         if meta.use_decode_kernel:
-            return self._decode(q, k_pool, v_pool, batch.page_table, meta.seq_lens, batch.page_size)
+            return self._decode(
+                q, k_pool, v_pool, batch.page_table, meta.seq_lens, batch.page_size,
+                split_len=meta.split_len, num_splits=meta.num_splits,
+            )  # fmt: skip
         return self._extend(
             q, k_pool, v_pool, batch.page_table, meta.q_starts, meta.prefix_lens,
             meta.extend_lens, meta.max_extend_len, batch.page_size,

@@ -30,6 +30,10 @@ class EngineCore:
     ) -> EngineCore:
         scheduler_config.verify()
         loaded = load_model(load_config)
+        context_length = scheduler_config.context_length or loaded.config.max_position_embeddings
+        # the RoPE table is built before any CUDA graph captures it (positions are never
+        # read on the host to grow it later)
+        loaded.model.rotary.reserve(context_length, load_config.torch_device())
         runner = ModelRunner.from_loaded(loaded, load_config, cache_config)
         tokenizer = load_tokenizer(loaded)
         pool = runner.pool
@@ -40,7 +44,6 @@ class EngineCore:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         scheduler = Scheduler(runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer)
-        context_length = scheduler_config.context_length or loaded.config.max_position_embeddings
         return cls(loaded, runner, scheduler, tokenizer, context_length)
 
     @property

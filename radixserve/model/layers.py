@@ -69,7 +69,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Neox-style (rotate-half) RoPE with a cos/sin table built lazily on the positions' device."""
+    """Neox-style (rotate-half) RoPE with a cos/sin table built on the positions' device.
+
+    The table covers max_position_embeddings, or more if `reserve` asked for it up front:
+    positions are never read on the host (that would be a sync in every layer, and is
+    forbidden inside a CUDA graph).
+    """
 
     def __init__(self, config: ModelConfig):
         self.inv_freq = rope_inv_freq(config)
@@ -77,19 +82,20 @@ class RotaryEmbedding:
         self._cos: torch.Tensor | None = None  # [max_positions, head_dim] fp32
         self._sin: torch.Tensor | None = None
 
-    def _build(self, device: torch.device, num_positions: int) -> None:
-        t = torch.arange(num_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, self.inv_freq.to(device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos(), emb.sin()
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Builds the table on `device` for at least `num_positions` positions."""
+        self.max_positions = max(self.max_positions, num_positions)
+        if self._cos is None or self._cos.device != device or len(self._cos) < num_positions:
+            t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos(), emb.sin()
 
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, heads, head_dim], k: [num_tokens, kv_heads, head_dim]."""
-        needed = max(self.max_positions, int(positions.max()) + 1) if positions.numel() else 1
-        if self._cos is None or self._cos.device != positions.device or self._cos.shape[0] < needed:
-            self._build(positions.device, needed)
+        self.reserve(self.max_positions, positions.device)
         cos = self._cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self._sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,7 +1,13 @@
-"""ModelRunner: owns the model, the KV pool and the attention backend; ForwardBatch -> logits."""
+"""ModelRunner: owns the model, the KV pool and the attention backend; ForwardBatch -> logits.
+
+On CUDA, pure-decode batches of up to `cuda_graph_max_bs` requests replay captured CUDA graphs
+(model/cuda_graph.py); everything else, and everything on CPU, runs eagerly.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -11,8 +17,17 @@ from radixserve.attention import AttentionBackend, create_attention_backend
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.cuda_graph import (
+    DecodeGraphRunner,
+    GraphFactory,
+    capture_batch_sizes,
+    cuda_graph_factory,
+    estimate_graph_memory,
+)
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -28,6 +43,7 @@ class ModelRunner:
     config: ModelConfig
     pool: KVPool
     attn: AttentionBackend
+    decode_graphs: DecodeGraphRunner | None = None
 
     @classmethod
     def create(
@@ -46,23 +62,68 @@ class ModelRunner:
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
         device, dtype = load_config.torch_device(), load_config.torch_dtype()
-        budget = kv_budget_bytes(cache_config, device)
+        graphs = device.type == "cuda" and not cache_config.disable_cuda_graph
+        reserve = 0
+        if graphs:
+            sizes = capture_batch_sizes(cache_config.cuda_graph_max_bs)
+            reserve = estimate_graph_memory(loaded.config, sizes, dtype)
+        budget = kv_budget_bytes(cache_config, device, reserve_bytes=reserve)
         pool = KVPool.for_model(loaded.config, cache_config, dtype, device, budget_bytes=budget)
         attn = create_attention_backend(
             cache_config.attention_backend,
             pool,
             device,
             sliding_window=loaded.config.sliding_window,
+            num_heads=loaded.config.num_heads,
         )
-        return cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
+        runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
+        if graphs and not attn.supports_cuda_graph:
+            logger.info("CUDA graphs off: the %s backend has none", type(attn).__name__)
+        elif graphs:
+            runner.capture_decode_graphs(cache_config.cuda_graph_max_bs, expected_bytes=reserve)
+        return runner
 
     @property
     def device(self) -> torch.device:
         return self.pool.device
 
+    def graph_max_pages(self) -> int:
+        """Page-table width of the decode graphs: the longest sequence the model or pool allows."""
+        return self.pool.num_pages_for(
+            min(self.config.max_position_embeddings, self.pool.capacity_tokens)
+        )
+
+    @torch.inference_mode()
+    def capture_decode_graphs(
+        self, max_bs: int, new_graph: GraphFactory | None = None, expected_bytes: int = 0
+    ) -> None:
+        """Captures decode steps of up to `max_bs` requests: CUDA graphs, or a stand-in (tests)."""
+        graphs = DecodeGraphRunner(
+            self.model, self.attn, capture_batch_sizes(max_bs), self.graph_max_pages(),
+            self.pool.page_size, new_graph or cuda_graph_factory(),
+        )  # fmt: skip
+        start, free_before = time.perf_counter(), _free_memory(self.device)
+        graphs.capture()
+        used = free_before - _free_memory(self.device)
+        logger.info(
+            "captured %d decode graphs (batch 1..%d, %d pages) in %.1fs, %.2f GiB",
+            len(graphs.batch_sizes), max_bs, graphs.max_pages, time.perf_counter() - start,
+            used / GiB,
+        )  # fmt: skip
+        if expected_bytes and used > expected_bytes:
+            logger.warning(
+                "decode graphs took %.2f GiB, more than the %.2f GiB kept free for them; "
+                "lower mem_fraction_static if memory runs short",
+                used / GiB, expected_bytes / GiB,
+            )  # fmt: skip
+        self.decode_graphs = graphs
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Runs one forward over a mixed extend/decode batch, writing its K/V into the pool."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.replay(batch)
+            return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
         self.attn.init_forward(batch)
         hidden = self.model(batch, self.attn)
         last = self.model.compute_logits(hidden[batch.last_token_indices()])
@@ -70,19 +131,27 @@ class ModelRunner:
         return LogitsOutput(last=last, all=all_logits)
 
 
-def kv_budget_bytes(cache_config: CacheConfig, device: torch.device) -> int | None:
-    """Memory for the KV pool: what mem_fraction_static leaves after weights on CUDA,
-    cpu_kv_cache_gb on CPU; None when max_total_tokens sizes the pool instead."""
+def _free_memory(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
+def kv_budget_bytes(
+    cache_config: CacheConfig, device: torch.device, reserve_bytes: int = 0
+) -> int | None:
+    """Memory for the KV pool: on CUDA what mem_fraction_static leaves after the weights and
+    `reserve_bytes` (decode graphs), on CPU cpu_kv_cache_gb; None when max_total_tokens
+    sizes the pool instead."""
     if cache_config.max_total_tokens is not None:
         return None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = int(total * cache_config.mem_fraction_static) - used
+        budget = int(total * cache_config.mem_fraction_static) - used - reserve_bytes
         if budget <= 0:
             raise ValueError(
                 f"mem_fraction_static={cache_config.mem_fraction_static} leaves no memory for the "
-                f"KV pool ({used / GiB:.1f} GiB of {total / GiB:.1f} GiB already in use)"
+                f"KV pool ({used / GiB:.1f} GiB of {total / GiB:.1f} GiB already in use, "
+                f"{reserve_bytes / GiB:.1f} GiB kept for CUDA graphs)"
             )
         return budget
     return int(cache_config.cpu_kv_cache_gb * GiB)
