@@ -1,6 +1,7 @@
 """`radixserve bench serve` (a running server at --url), `bench offline` (an in-process
-Engine) and `bench compare` (systems it starts itself, see compare.py). Options are generated
-from the dataclasses below, one docstring each."""
+Engine), `bench compare` (systems it starts itself, see compare.py) and `bench simulate` (the
+scheduler with a cost model, see simulate.py). Options are generated from the dataclasses
+below, one docstring each."""
 
 from __future__ import annotations
 
@@ -91,8 +92,10 @@ def add_bench_parser(sub) -> None:
     add_dataclass_args(offline, SchedulerConfig, "scheduler")
     _add_common_args(offline)
     from radixserve.bench.compare import add_compare_parser
+    from radixserve.bench.simulate_cli import add_simulate_parser
 
     add_compare_parser(modes)
+    add_simulate_parser(modes)
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +117,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.compare import run_compare_bench
 
         return run_compare_bench(args)
+    if args.bench_command == "simulate":
+        from radixserve.bench.simulate_cli import run_simulate_bench
+
+        return run_simulate_bench(args)
     return run_offline_bench(args)
 
 

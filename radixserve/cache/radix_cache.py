@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import (
@@ -76,6 +77,7 @@ class RadixCache(PrefixCache):
 
     def _clear(self) -> None:
         self._roots: dict[str | None, TreeNode] = {None: TreeNode((), [], None)}
+        self._leaves: set[TreeNode] = set()  # childless non-root nodes: eviction candidates
         self._num_evictable = 0
         self._num_protected = 0
         self._clock = 0
@@ -94,7 +96,8 @@ class RadixCache(PrefixCache):
         if root is None or limit == 0:
             root = root if root is not None else self._roots[None]
             return MatchResult(pages=[], num_tokens=0, node=root)
-        node, num_tokens = self._walk(root, tuple(token_ids[:limit]))
+        key = token_ids if isinstance(token_ids, tuple) else tuple(token_ids[:limit])
+        node, num_tokens = self._walk(root, key, limit)
         return MatchResult(pages=self._path_pages(node), num_tokens=num_tokens, node=node)
 
     def insert(
@@ -110,30 +113,36 @@ class RadixCache(PrefixCache):
             self._add_leaf(node, key[num_cached:], new_pages)
         return num_cached
 
-    def _walk(self, root: TreeNode, key: tuple[int, ...]) -> tuple[TreeNode, int]:
-        """Follows `key` down from `root`, splitting where it ends inside a node; touches the path.
+    def _walk(
+        self, root: TreeNode, key: tuple[int, ...], end: int | None = None
+    ) -> tuple[TreeNode, int]:
+        """Follows `key[:end]` (`end` whole pages) down from `root`, splitting where it ends
+        inside a node; touches the path. A bound instead of a slice saves copying the key.
 
         Returns the deepest matched node and the matched length in tokens.
         """
         self._clock += 1
+        end = len(key) if end is None else end
         node, pos = root, 0
-        while pos < len(key):
+        while pos < end:
             child = node.children.get(key[pos : pos + self.page_size])
             if child is None:
                 break
-            num_matched = self._common_length(child.key, key, pos)
+            num_matched = self._common_length(child.key, key, pos, end)
             if num_matched < len(child.key):
                 child = self._split(child, num_matched)
             child.last_access = self._clock
             node, pos = child, pos + num_matched
         return node, pos
 
-    def _common_length(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Tokens, in whole pages, that `node_key` shares with `key[pos:]`."""
-        if key[pos : pos + len(node_key)] == node_key:
+    def _common_length(
+        self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int, end: int
+    ) -> int:
+        """Tokens, in whole pages, that `node_key` shares with `key[pos:end]`."""
+        if pos + len(node_key) <= end and key[pos : pos + len(node_key)] == node_key:
             return len(node_key)
         size = self.page_size
-        end = min(len(node_key), len(key) - pos)
+        end = min(len(node_key), end - pos)
         num = size  # the first page matched: it is the child's dict key
         while num + size <= end and node_key[num : num + size] == key[pos + num : pos + num + size]:
             num += size
@@ -157,11 +166,13 @@ class RadixCache(PrefixCache):
         leaf = TreeNode(key, pages, parent)
         leaf.last_access = self._clock
         parent.children[key[: self.page_size]] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
         self._num_evictable += len(pages)
 
     def _path_pages(self, node: TreeNode) -> list[int]:
         runs = [n.pages for n in node.path_to_root()]
-        return [page for run in reversed(runs) for page in run]
+        return list(chain.from_iterable(reversed(runs)))
 
     # ---- lock / unlock ----
 
@@ -206,15 +217,16 @@ class RadixCache(PrefixCache):
         return len(freed)
 
     def _evictable_leaves(self) -> Iterator[TreeNode]:
-        for node in self._nodes():
-            if not node.children and node.lock_count == 0 and not node.is_root:
-                yield node
+        return (leaf for leaf in self._leaves if leaf.lock_count == 0)
 
     def _detach_leaf(self, leaf: TreeNode) -> list[int]:
         """Takes an unlocked leaf out of the tree; returns its pages, for the caller to free."""
         self._num_evictable -= len(leaf.pages)
         del leaf.parent.children[leaf.key[: self.page_size]]
         leaf.evicted = True
+        self._leaves.discard(leaf)
+        if not leaf.parent.children and not leaf.parent.is_root:
+            self._leaves.add(leaf.parent)
         self._drop_empty_root(leaf.parent)
         return leaf.pages
 
@@ -271,6 +283,8 @@ class RadixCache(PrefixCache):
             )
         if any(n.lock_count < 0 for n in nodes):
             raise CacheIntegrityError("a node has a negative lock count")
+        if self._leaves != {n for n in nodes if not n.children and not n.is_root}:
+            raise CacheIntegrityError("the set of leaves disagrees with the tree")
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node of every namespace, roots included (depth first)."""

@@ -28,13 +28,14 @@ from radixserve.engine.stop import stop_string_hit
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
-from radixserve.sampling.sampler import SamplingBatch, sample
+from radixserve.sampling.sampler import SamplingBatch, is_plain_argmax, sample, sample_argmax
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_ESTIMATE_CLIP = 4096  # at most this many future tokens are reserved per request
 RETRACT_DECODE_STEPS = 20
 MAX_SORTED_QUEUE = 128  # longer waiting queues fall back to fcfs order, as in SGLang
+_NO_ROW = (None, 0, None)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class Scheduler:
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
         self.pages = ReqPages(self.pool, cache, self.stats)
+        self._page_row_memo: dict[Req, tuple[list[int], int, np.ndarray]] = {}
+        self._seq_keys: dict[Req, tuple[int, ...]] = {}
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
         self.new_token_ratio = self.init_new_token_ratio
@@ -154,17 +157,17 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def _schedule(self) -> list[Work]:
-        decodes = self._schedule_decodes()
+        decodes, prefilling = self._schedule_decodes()
         budget = self._prefill_budget()
         prefills: list[Work] = []
-        for req in [r for r in self.running if r.is_prefilling]:
+        for req in prefilling:
             if budget <= 0:
                 break
             num_new = min(req.num_uncomputed, budget)
             if self.pages.grow(req, num_new):
                 prefills.append(Work(req, num_new))
                 budget -= num_new
-        prefills += self._admit_waiting(budget, [w.req for w in prefills])
+        prefills += self._admit_waiting(budget, [w.req for w in prefills] + prefilling)
         return decodes + prefills
 
     def _prefill_budget(self) -> int:
@@ -172,24 +175,41 @@ class Scheduler:
         limit = self.config.max_prefill_tokens
         return limit if chunk < 0 else min(chunk, limit)
 
-    def _schedule_decodes(self) -> list[Work]:
-        """One token for every decoding request; retracts requests if pages run out."""
+    def _schedule_decodes(self) -> tuple[list[Work], list[Req]]:
+        """One token for every decoding request; retracts requests if pages run out.
+
+        Also returns the running requests that are still prefilling.
+        """
         while True:
-            decoding = [r for r in self.running if not r.is_prefilling]
+            decoding, prefilling = self._split_running()
             needing = [
                 r for r in decoding if r.num_computed + 1 > len(r.page_table) * self.page_size
             ]
             if self.pages.ensure_free(len(needing)) or not self._retract_one():
                 break
-        for req in needing:
-            req.page_table = req.page_table + self.pool.allocator.allocate(1).tolist()
-        return [Work(r, 1) for r in decoding]
+        if needing:  # one allocation; reversed, it hands out what allocate(1) each would
+            pages = self.pool.allocator.allocate(len(needing)).tolist()
+            for req, page in zip(needing, reversed(pages)):
+                req.page_table = req.page_table + [page]
+        return [Work(r, 1) for r in decoding], prefilling
+
+    def _split_running(self) -> tuple[list[Req], list[Req]]:
+        """The running requests that decode this step, and those still prefilling."""
+        decoding: list[Req] = []
+        prefilling: list[Req] = []
+        for req in self.running:
+            (prefilling if req.is_prefilling else decoding).append(req)
+        return decoding, prefilling
 
     def _admit_waiting(self, budget: int, leaders: list[Req]) -> list[Work]:
+        """Admits waiting requests in policy order; `leaders`: requests prefilling already."""
         for req in self.waiting:
             req.wait_steps += 1
-        if not self.waiting or budget <= 0:
-            return []
+        keys = self._seq_keys
+        self._seq_keys = {r: k for r, k in keys.items() if r.state is ReqState.WAITING}
+        full = len(self.running) >= self.config.max_running_requests
+        if not self.waiting or budget <= 0 or full:
+            return []  # nothing can join: skip ordering the queue, as SGLang does
         policy = self.config.schedule_policy
         if len(self.waiting) > MAX_SORTED_QUEUE:
             policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
@@ -197,16 +217,20 @@ class Scheduler:
         ordered = order_waiting(
             self.waiting, policy, matches, self.config.schedule_max_wait_steps, self.cache.parent_of
         )
-        leaders = leaders + [r for r in self.running if r.is_prefilling]
         admitted: list[Work] = []
-        reserved = self._reserved_pages()
+        reserved = None  # pages promised to running requests, computed once needed
+        evicted = self.stats.evicted_pages
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            match = matches.get(req) or self._match(req)
+            # An admission above may have evicted the node a queued match points to: match again.
+            fresh = self.stats.evicted_pages == evicted
+            match = (matches.get(req) if fresh else None) or self._match(req)
             starved = req.wait_steps >= self.config.schedule_max_wait_steps
             if not starved and self._follows_leader(req, match.num_tokens, leaders):
                 continue  # in-batch dedupe: the shared prefix is being computed; hit it later
+            if reserved is None:
+                reserved = self._reserved_pages()
             work = self._try_admit(req, match, budget, reserved)
             if work is None:
                 break
@@ -220,7 +244,17 @@ class Scheduler:
         limit = None
         if req.wants_input_logprobs:
             limit = min(req.logprob.start_len, req.seq_len - 1)
-        return self.cache.match_prefix(req.seq_ids(), req.namespace, max_tokens=limit)
+        return self.cache.match_prefix(self._seq_key(req), req.namespace, max_tokens=limit)
+
+    def _seq_key(self, req: Req) -> tuple[int, ...]:
+        """The request's sequence as a tuple, kept while it waits: lpm matches it every step.
+
+        A sequence only grows, so an unchanged length means unchanged tokens.
+        """
+        key = self._seq_keys.get(req)
+        if key is None or len(key) != req.seq_len:
+            key = self._seq_keys[req] = tuple(req.seq_ids())
+        return key
 
     def _follows_leader(self, req: Req, num_cached: int, leaders: list[Req]) -> bool:
         """True if a request already prefilling shares at least one uncached page with `req`."""
@@ -285,11 +319,10 @@ class Scheduler:
     # ---- forward and commit --------------------------------------------------------------
 
     def _forward(self, work: list[Work]):
-        seqs = [w.req.seq_ids() for w in work]
         batch = ForwardBatch.build(
-            [s[w.req.num_computed : w.req.num_computed + w.num_new] for s, w in zip(seqs, work)],
+            [_token_slice(w.req, w.req.num_computed, w.num_new) for w in work],
             [w.req.num_computed for w in work],
-            [w.req.page_table for w in work],
+            self._page_rows([w.req for w in work]),
             self.page_size,
             self.runner.device,
             return_all_logits=any(
@@ -300,26 +333,46 @@ class Scheduler:
         self.stats.forward_steps += 1
         return self.runner.forward(batch)
 
+    def _page_rows(self, reqs: list[Req]) -> list[np.ndarray]:
+        """Each request's page table as an array, converted again only when the table changed.
+
+        Page tables are replaced, never edited in place, so the list object identifies its
+        contents; requests that left the batch drop out of the memo.
+        """
+        memo, self._page_row_memo = self._page_row_memo, {}
+        rows = []
+        for req in reqs:
+            table, num, row = memo.get(req, _NO_ROW)
+            if table is not req.page_table or num != len(table):
+                table, num = req.page_table, len(req.page_table)
+                row = np.array(table, dtype=np.int64)
+            self._page_row_memo[req] = (table, num, row)
+            rows.append(row)
+        return rows
+
     def _commit(self, work: list[Work], logits, outputs: list[Req]) -> None:
         sampling = [
             i
             for i, w in enumerate(work)
             if w.num_new == w.req.num_uncomputed and w.req.params.max_new_tokens > 0
         ]
-        next_ids = self._sample([work[i].req for i in sampling], logits.last[sampling])
+        last = logits.last
+        if len(sampling) < len(work):
+            last = last[torch.tensor(sampling, dtype=torch.int64, device=last.device)]
+        next_ids = self._sample([work[i].req for i in sampling], last)
         tokens = dict(zip(sampling, next_ids))
         offset = 0
         for i, w in enumerate(work):
-            req = w.req
+            req, token = w.req, tokens.get(i)
             self._count_computed(w)
             if req.logprob is not None:
                 all_rows = None if logits.all is None else logits.all[offset : offset + w.num_new]
-                commit_logprobs(req, req.num_computed, all_rows, logits.last[i], tokens.get(i))
+                commit_logprobs(req, req.num_computed, all_rows, logits.last[i], token)
             offset += w.num_new
             req.num_computed += w.num_new
-            if i in tokens:
-                req.output_ids.append(tokens[i])
-                self._check_finish(req, tokens[i])
+            if token is not None:
+                req.output_ids.append(token)
+                self._check_finish(req, token)
             elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
                 req.finish({"type": "length", "length": 0})
             if req.finished:
@@ -338,6 +391,8 @@ class Scheduler:
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         if not reqs:
             return []
+        if all(r.grammar is None and is_plain_argmax(r.params, len(r.output_ids)) for r in reqs):
+            return sample_argmax(logits).tolist()  # the common greedy batch, without the build
         batch = SamplingBatch.build(
             [r.params for r in reqs],
             [r.seed for r in reqs],
@@ -348,10 +403,14 @@ class Scheduler:
             logits.device,
         )
         if any(r.grammar is not None for r in reqs):
+            logits = logits.clone()  # masked in place; logprobs read the unmasked logits
             self.grammar.mask_logits(logits, [r.grammar for r in reqs])
         return sample(logits, batch).tolist()
 
     def _min_tokens_stop_ids(self, req: Req) -> list[int]:
+        """Ids blocked while `req` is below min_new_tokens (none once it is past it)."""
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return []
         ids = list(req.params.stop_token_ids or [])
         return ids if req.params.ignore_eos else ids + list(self.eos_token_ids)
 
@@ -365,7 +424,7 @@ class Scheduler:
             not params.ignore_eos and token in self.eos_token_ids
         ):
             req.finish({"type": "stop", "matched": token})
-        elif matched := stop_string_hit(req, self.tokenizer):
+        elif params.stop and (matched := stop_string_hit(req, self.tokenizer)):
             req.finish({"type": "stop", "matched": matched})
         elif len(req.output_ids) >= params.max_new_tokens:
             req.finish({"type": "length", "length": params.max_new_tokens})
@@ -381,6 +440,16 @@ class Scheduler:
         total = sum(r.params.max_new_tokens for r in self.running)
         ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
         self.new_token_ratio = min(max(ratio, self.new_token_ratio), 1.0)
+
+
+def _token_slice(req: Req, start: int, num: int) -> list[int]:
+    """`req.seq_ids()[start : start + num]`, without copying the whole sequence."""
+    end, num_input = start + num, len(req.input_ids)
+    if end <= num_input:
+        return req.input_ids[start:end]
+    if start >= num_input:
+        return req.output_ids[start - num_input : end - num_input]
+    return req.input_ids[start:] + req.output_ids[: end - num_input]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

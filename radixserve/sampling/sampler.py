@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.sampling.params import SamplingParams
@@ -66,25 +67,23 @@ class SamplingBatch:
             )
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
-        floats = torch.tensor(
+        floats = _columns(  # one row per request, transposed: [6, B]
             [
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [p.repetition_penalty for p in params],
+                (p.temperature, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty,
+                 p.repetition_penalty)
+                for p in params
             ],
-            dtype=torch.float32,
-        ).to(device)
-        ints = torch.tensor(
+            np.float32,
+            device,
+        )  # fmt: skip
+        ints = _columns(  # [3, B]
             [
-                [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
-                [_as_int64(s) for s in seeds],
-                [len(o) for o in output_ids],
+                (vocab_size if p.top_k == -1 else min(p.top_k, vocab_size), _as_int64(s), len(o))
+                for p, s, o in zip(params, seeds, output_ids)
             ],
-            dtype=torch.int64,
-        ).to(device)
+            np.int64,
+            device,
+        )
         return cls(
             temperatures=floats[0],
             top_ps=floats[1],
@@ -122,6 +121,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if rows is None:
         return _draw(logits, batch, slice(None))
     return logits.argmax(dim=-1).index_copy(0, rows, _draw(logits[rows], batch, rows))
+
+
+def is_plain_argmax(params: SamplingParams, num_output_ids: int) -> bool:
+    """True if `sample` reduces to an argmax for this row: greedy, no penalties, and past
+    min_new_tokens (so nothing is masked); a batch of only such rows needs no SamplingBatch."""
+    return (
+        params.is_greedy
+        and params.repetition_penalty == 1
+        and params.frequency_penalty == 0
+        and params.presence_penalty == 0
+        and num_output_ids >= params.min_new_tokens
+    )
+
+
+def sample_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """What `sample` returns when every row `is_plain_argmax`. [B, V] -> [B] int64."""
+    return logits.float().argmax(dim=-1)
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice) -> torch.Tensor:
@@ -237,6 +253,12 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
 # ---- building helpers ----------------------------------------------------------------------
 
 
+def _columns(rows: list[tuple], dtype: type, device: torch.device | str) -> torch.Tensor:
+    """Per-request tuples as a [fields, B] tensor (through numpy: it converts Python numbers
+    several times faster than torch.tensor)."""
+    return torch.from_numpy(np.array(rows, dtype=dtype).T.copy()).to(device)
+
+
 def _sample_rows(greedy: list[bool], device: torch.device | str) -> torch.Tensor | None:
     if not any(greedy):
         return None
@@ -247,9 +269,9 @@ def _pad_ids(
     rows: list[Sequence[int]], vocab_size: int, device: torch.device | str
 ) -> torch.Tensor | None:
     """[B, max_len] int64 padded with vocab_size; None when every row is empty."""
-    width = max(len(r) for r in rows)
-    if width == 0:
+    if not any(rows):
         return None
+    width = max(map(len, rows))
     padded = [list(r) + [vocab_size] * (width - len(r)) for r in rows]
     return torch.tensor(padded, dtype=torch.int64).to(device)
 
@@ -299,7 +321,7 @@ def _min_tokens_ids(
     device: torch.device | str,
 ) -> torch.Tensor | None:
     rows = [s if len(o) < p.min_new_tokens else [] for p, o, s in zip(params, output_ids, stop_ids)]
-    for row in rows:
+    for row in filter(None, rows):
         if any(not 0 <= t < vocab_size for t in row):
             raise ValueError(f"stop ids for min_new_tokens must be in [0, {vocab_size}); got {row}")
     return _pad_ids(rows, vocab_size, device)
