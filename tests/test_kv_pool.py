@@ -87,3 +87,29 @@ def test_pool_sized_from_memory_budget():
 def test_pool_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="holds no page"):
         KVPool.for_model(_smollm_config(), CacheConfig(max_total_tokens=8), torch.float32, "cpu")
+
+
+def test_pages_are_zeroed_on_first_use_only():
+    """Attention that reads whole pages (masked tail included) must never meet garbage: a
+    page's K/V are zeroed the first time it is handed out, never again (no per-use memset)."""
+    pool = KVPool.for_model(
+        _smollm_config(), CacheConfig(max_total_tokens=64, page_size=16), torch.float32, "cpu"
+    )
+    for buf in (pool.k, pool.v):
+        buf[:, RESERVED_PAGES * 16 :] = float("nan")  # what uninitialized memory may hold
+
+    def page_kv(page: int) -> torch.Tensor:
+        return torch.stack(
+            [pool.k[:, page * 16 : (page + 1) * 16], pool.v[:, page * 16 : (page + 1) * 16]]
+        )
+
+    first = pool.allocator.allocate(2).tolist()
+    assert all(bool((page_kv(p) == 0).all()) for p in first)
+    untouched = [p for p in range(RESERVED_PAGES, pool.allocator.num_pages) if p not in first]
+    assert all(bool(page_kv(p).isnan().all()) for p in untouched)
+    pool.k[:, first[0] * 16] = 5.0  # a request wrote into it
+    pool.allocator.free([first[0]])
+    again = pool.allocator.allocate(1).tolist()
+    assert again == [first[0]] and bool((pool.k[:, first[0] * 16] == 5.0).all())
+    rest = pool.allocator.allocate(pool.allocator.num_free).tolist()
+    assert all(bool((page_kv(p) == 0).all()) for p in rest)

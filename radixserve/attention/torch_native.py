@@ -1,8 +1,9 @@
 """torch_native: the reference attention backend, plain PyTorch SDPA over gathered pages.
 
 Decode tokens (extend_len == 1) of all requests go through one padded SDPA call; each
-extend segment gets its own call with a causal mask offset by its cached prefix. Slot
-indices and masks are built once per batch and shared by all layers.
+extend segment gets its own call with a causal mask offset by its cached prefix. K/V are
+gathered a whole page at a time; page lists and masks are built once per batch and shared by
+all layers.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ from radixserve.forward_batch import ForwardBatch
 @dataclass
 class _DecodeGroup:
     token_idx: torch.Tensor  # [num_decode] index into the batch's flattened tokens
-    slots: torch.Tensor  # [num_decode, max_seq_len] pool slot of each position (0 where masked)
-    mask: torch.Tensor  # [num_decode, 1, 1, max_seq_len] bool, True = attend
+    pages: torch.Tensor  # [num_decode * num_pages] each request's first num_pages pages
+    num_pages: int
+    mask: torch.Tensor  # [num_decode, 1, 1, num_pages * page_size] bool, True = attend
 
 
 @dataclass
 class _ExtendSegment:
     start: int  # first token of the segment in the flattened batch
     end: int
-    slots: torch.Tensor | None  # [seq_len]; None: no cached prefix, attend to the fresh k/v
+    pages: torch.Tensor | None  # pages holding the whole sequence; None: no cached prefix,
+    # attend to the fresh k/v only
+    seq_len: int
     mask: torch.Tensor | None  # [extend_len, seq_len] bool; None: plain causal
 
 
@@ -37,10 +41,11 @@ class _Metadata:
     extends: list[_ExtendSegment]
 
 
-def _slots_of(page_row: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Pool slots of `positions` for request(s) whose pages are `page_row` ([..., max_pages])."""
-    pages = page_row[..., positions // page_size]
-    return pages * page_size + positions % page_size
+def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[num_slots, kv_heads, dim] pool -> [len(pages) * page_size, kv_heads, dim], whole pages
+    at a time (one contiguous copy per page: much cheaper on CPU than a per-token gather)."""
+    by_page = pool.view(-1, page_size * pool.shape[1] * pool.shape[2])
+    return by_page.index_select(0, pages).view(-1, pool.shape[1], pool.shape[2])
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -62,10 +67,9 @@ class TorchNativeBackend(AttentionBackend):
         # This gathers max_pages * page_size positions per request, which is why the runner
         # does not capture torch_native on CUDA (supports_cuda_graph stays False); the graph
         # tests use it on CPU as the reference.
-        num_positions = batch.page_table.shape[1] * batch.page_size
         token_idx = torch.arange(seq_lens.shape[0], device=seq_lens.device)
-        decode = self._masked_decode(batch.page_table, seq_lens, num_positions, batch.page_size,
-                                     token_idx)  # fmt: skip
+        decode = self._masked_decode(batch.page_table, seq_lens, batch.page_table.shape[1],
+                                     batch.page_size, token_idx)  # fmt: skip
         batch.attn_metadata = _Metadata(decode=decode, extends=[])
 
     def _decode_group(
@@ -76,37 +80,41 @@ class TorchNativeBackend(AttentionBackend):
         rows = batch.page_table[torch.tensor(reqs, device=device)]
         token_idx = torch.tensor([starts[i] for i in reqs], device=device)
         seq_lens = torch.tensor(lens, device=device)
-        return self._masked_decode(rows, seq_lens, max(lens), batch.page_size, token_idx)
+        num_pages = -(-max(lens) // batch.page_size)
+        return self._masked_decode(rows, seq_lens, num_pages, batch.page_size, token_idx)
 
     def _masked_decode(
         self,
         rows: torch.Tensor,
         seq_lens: torch.Tensor,
-        num_positions: int,
+        num_pages: int,
         page_size: int,
         token_idx: torch.Tensor,
     ) -> _DecodeGroup:
-        """Slots of positions [0, num_positions) of each row's pages, masked to its length."""
-        positions = torch.arange(num_positions, device=rows.device)
+        """The first `num_pages` pages of each row, positions masked to its length."""
+        positions = torch.arange(num_pages * page_size, device=rows.device)
         valid = positions[None, :] < seq_lens[:, None]
         if self.sliding_window is not None:
             valid &= positions[None, :] > (seq_lens[:, None] - 1) - self.sliding_window
-        slots = torch.where(valid, _slots_of(rows, positions, page_size), 0)
-        return _DecodeGroup(token_idx=token_idx, slots=slots, mask=valid[:, None, None, :])
+        pages = rows[:, :num_pages].reshape(-1)
+        return _DecodeGroup(token_idx, pages, num_pages, mask=valid[:, None, None, :])
 
     def _extend_segment(self, batch: ForwardBatch, req: int, start: int) -> _ExtendSegment:
         prefix_len, extend_len = batch.prefix_lens[req], batch.extend_lens[req]
         end = start + extend_len
+        seq_len = prefix_len + extend_len
         if prefix_len == 0 and self.sliding_window is None:
-            return _ExtendSegment(start, end, slots=None, mask=None)
+            return _ExtendSegment(start, end, pages=None, seq_len=seq_len, mask=None)
         device = batch.page_table.device
-        kv_pos = torch.arange(prefix_len + extend_len, device=device)
+        kv_pos = torch.arange(seq_len, device=device)
         q_pos = prefix_len + torch.arange(extend_len, device=device)[:, None]
         mask = kv_pos[None, :] <= q_pos
         if self.sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos - self.sliding_window
-        slots = _slots_of(batch.page_table[req], kv_pos, batch.page_size) if prefix_len else None
-        return _ExtendSegment(start, end, slots=slots, mask=mask)
+        pages = None
+        if prefix_len:
+            pages = batch.page_table[req, : -(-seq_len // batch.page_size)]
+        return _ExtendSegment(start, end, pages=pages, seq_len=seq_len, mask=mask)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -115,17 +123,23 @@ class TorchNativeBackend(AttentionBackend):
         k_pool, v_pool = self.pool.layer_kv(layer)
         meta: _Metadata = batch.attn_metadata
         out = torch.empty_like(q)
+        page_size = batch.page_size
         for seg in meta.extends:
-            if seg.slots is None:
+            if seg.pages is None:
                 ks, vs = k[seg.start : seg.end], v[seg.start : seg.end]
             else:
-                ks, vs = k_pool[seg.slots].to(q.dtype), v_pool[seg.slots].to(q.dtype)
+                ks = _gather_pages(k_pool, seg.pages, page_size)[: seg.seq_len].to(q.dtype)
+                vs = _gather_pages(v_pool, seg.pages, page_size)[: seg.seq_len].to(q.dtype)
             out[seg.start : seg.end] = _sdpa(q[seg.start : seg.end], ks, vs, seg.mask)
         if meta.decode is not None:
             dec = meta.decode
+            num = dec.token_idx.shape[0]
             qd = q[dec.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
-            kd = k_pool[dec.slots].to(q.dtype).transpose(1, 2)  # [num_decode, kv_heads, len, dim]
-            vd = v_pool[dec.slots].to(q.dtype).transpose(1, 2)
+            kd = _gather_pages(k_pool, dec.pages, page_size).to(q.dtype)
+            vd = _gather_pages(v_pool, dec.pages, page_size).to(q.dtype)
+            # [num_decode, kv_heads, num_pages * page_size, head_dim]
+            kd = kd.view(num, -1, *kd.shape[1:]).transpose(1, 2)
+            vd = vd.view(num, -1, *vd.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, enable_gqa=True)
             out[dec.token_idx] = o.squeeze(2)
         return out

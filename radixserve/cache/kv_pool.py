@@ -10,6 +10,7 @@ needs contiguous memory. Page 0 is reserved as a scratch page: padded entries of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,10 @@ class PageAllocator:
         self._num_free = num_pages - RESERVED_PAGES
         self._is_free = torch.ones(num_pages, dtype=torch.bool)
         self._is_free[:RESERVED_PAGES] = False
+        # Free-list entries below this index were never handed out (frees push above it).
+        self._untouched = self._num_free
+        self.on_first_use: Callable[[torch.Tensor], None] | None = None
+        """Called with pages handed out for the first time (the pool zeroes their K/V)."""
 
     @property
     def num_free(self) -> int:
@@ -57,6 +62,10 @@ class PageAllocator:
             )
         start = self._num_free - num
         pages = self._free[start : self._num_free].clone()
+        if start < self._untouched:
+            if self.on_first_use is not None:
+                self.on_first_use(self._free[start : self._untouched])
+            self._untouched = start
         self._num_free = start
         self._is_free[pages] = False
         return pages
@@ -103,14 +112,14 @@ class KVPool:
             shape.num_kv_heads,
             shape.head_dim,
         )
-        # Uninitialized (no multi-GB memset): every slot is written before it is read, and
-        # masked positions read the scratch page, zeroed so that masking never meets a NaN.
+        # Uninitialized (no multi-GB memset up front): a page is zeroed when first handed out,
+        # and the scratch page now, so that attention reading whole pages (masked positions
+        # included) never meets a NaN.
         self.k = torch.empty(dims, dtype=dtype, device=self.device)
         self.v = torch.empty(dims, dtype=dtype, device=self.device)
-        scratch = RESERVED_PAGES * shape.page_size
-        self.k[:, :scratch].zero_()
-        self.v[:, :scratch].zero_()
         self.allocator = PageAllocator(shape.num_pages)
+        self.allocator.on_first_use = self._zero_pages
+        self._zero_pages(torch.arange(RESERVED_PAGES))
 
     @classmethod
     def for_model(
@@ -160,6 +169,13 @@ class KVPool:
         if missing <= 0:
             return page_table
         return page_table + self.allocator.allocate(missing).tolist()
+
+    def _zero_pages(self, pages: torch.Tensor) -> None:
+        pages = pages.to(self.device)
+        for buf in (self.k, self.v):
+            buf.view(buf.shape[0], -1, self.page_size * buf.shape[2] * buf.shape[3]).index_fill_(
+                1, pages, 0
+            )
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each [num_slots, num_kv_heads, head_dim]."""
