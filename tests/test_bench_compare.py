@@ -42,7 +42,7 @@ def test_compare_runs_rows_targets_and_followup_ratio():
         _run("radixserve-no-cache", 3.8, p99_ttft_followup_ms=50.0),
         _run("hf-transformers", 5.0),
         _run("llama-cpp", 1.5),
-        _run("radixserve-fcfs", 1.1),
+        _run("radixserve-fcfs", 1.1, total_cached_tokens=800),
     ]
     comparison = compare_runs(runs, costs)
     ideal = 2.1 / 0.5
@@ -55,9 +55,20 @@ def test_compare_runs_rows_targets_and_followup_ratio():
     assert rows["hf-transformers"]["target"] == pytest.approx(ideal)
     assert rows["llama-cpp"]["target"] == 2.0
     assert "target" not in rows["radixserve-fcfs"]
+    assert rows["radixserve-fcfs"]["ideal_speedup"] is None  # it shares prefixes itself
     table = format_comparison(comparison, costs)
     assert "radixserve-no-cache" in table and "MISSED" in table  # llama-cpp: 1.5x < 2x
     assert "hit rate / optimum: 0.990" in table
+
+
+def test_probe_prompts_share_exactly_the_requested_prefix():
+    from radixserve.bench.compare import probe_workload
+
+    decode = probe_workload("d", 4, 40, 5, seed=0, shared_len=32).prompts()
+    assert all(len(p) == 40 and p[:32] == decode[0][:32] for p in decode)
+    assert len({p[32] for p in decode}) == 4
+    prefill = probe_workload("p", 4, 40, 1, seed=0).prompts()
+    assert len({p[0] for p in prefill}) == 4
 
 
 def test_compare_runs_without_reference_or_costs():
@@ -92,6 +103,8 @@ def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_pa
     comparison = report["config"]["comparison"]
     costs = report["config"]["token_costs"]
     assert costs["prefill_s"] > 0 and costs["decode_s"] >= 0
+    # the decode probe shared its prompts' prefix, so the radix server prefilled it once
+    assert costs["probe"]["decode_prefilled_tokens"] < 2 * costs["probe"]["prompt_len"]
     assert comparison["ideal_speedup"] > 1
     rows = [r["system"] for r in comparison["rows"]]
     assert rows == ["radixserve-no-cache", "hf-transformers"]

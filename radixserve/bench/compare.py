@@ -62,25 +62,35 @@ def ideal_speedup(
     return unshared / shared if shared > 0 else math.nan
 
 
-def probe_workload(name: str, num: int, prompt_len: int, output_len: int, seed: int):
-    """`num` unrelated random-token prompts (no two share a first token)."""
+def probe_workload(
+    name: str, num: int, prompt_len: int, output_len: int, seed: int, shared_len: int = 0
+):
+    """`num` random-token prompts of `prompt_len`: the first `shared_len` tokens common to all,
+    the rest (at least the first token after them) different in each."""
     from radixserve.bench.workloads import BenchRequest, Workload
 
     rng = random.Random(seed)
+    shared = [rng.randrange(1000, 30000) for _ in range(shared_len)]
     firsts = rng.sample(range(1000, 30000), num)
-    requests = [
-        BenchRequest(None, [first] + [rng.randrange(1000, 30000) for _ in range(prompt_len - 1)],
-                     output_len, conversation=i)
-        for i, first in enumerate(firsts)
-    ]  # fmt: skip
-    return Workload(name, requests, {"prompt_len": prompt_len, "output_len": output_len})
+    requests = []
+    for i, first in enumerate(firsts):
+        rest = [rng.randrange(1000, 30000) for _ in range(prompt_len - shared_len - 1)]
+        requests.append(BenchRequest(None, shared + [first] + rest, output_len, conversation=i))
+    config = {"prompt_len": prompt_len, "shared_len": shared_len, "output_len": output_len}
+    return Workload(name, requests, config)
 
 
 async def measure_token_costs(
     backend, num_prefill: int, prompt_len: int, concurrency: int, output_len: int, seed: int = 0
 ) -> TokenCosts:
-    """Prefill: `num_prefill` unrelated prompts with one output token each; decode:
-    `concurrency` short prompts decoding `output_len` tokens together."""
+    """Per-token costs at the workload's shape, on the server behind `backend`.
+
+    Prefill: `num_prefill` unrelated prompts of `prompt_len` tokens, one output token each.
+    Decode: `concurrency` prompts of `prompt_len` tokens decoding `output_len` tokens together,
+    so that attention reads contexts as long as the workload's; they share all but their last
+    8 tokens, so that a caching server prefills little, and what it does prefill (its own
+    count where it reports one) is priced at the prefill cost and taken out.
+    """
     from radixserve.bench.client import run_online
 
     prefill_run = await run_online(
@@ -88,10 +98,10 @@ async def measure_token_costs(
         LoadShape(max_concurrency=num_prefill, num_warmup=0), system="probe-prefill",
         progress=False,
     )  # fmt: skip
-    short = 8
+    shared_len = max(prompt_len - 8, 0)
     decode_run = await run_online(
-        probe_workload("probe-decode", concurrency, short, output_len, seed + 1), backend,
-        LoadShape(max_concurrency=concurrency, num_warmup=0), system="probe-decode",
+        probe_workload("probe-decode", concurrency, prompt_len, output_len, seed + 1, shared_len),
+        backend, LoadShape(max_concurrency=concurrency, num_warmup=0), system="probe-decode",
         progress=False,
     )  # fmt: skip
     for run in (prefill_run, decode_run):
@@ -100,12 +110,14 @@ async def measure_token_costs(
             raise RuntimeError(f"{run.system} failed: {first}")
     pm, dm = prefill_run.metrics, decode_run.metrics
     prefill_s = pm["duration"] / pm["total_input_tokens"]
-    decode_time = dm["duration"] - dm["total_input_tokens"] * prefill_s
+    counters = decode_run.info.get("engine_counters") or {}
+    prefilled = counters.get("prefill_tokens_computed", dm["total_input_tokens"])
+    decode_time = dm["duration"] - prefilled * prefill_s
     decode_s = max(decode_time, 0.0) / dm["total_output_tokens"]
     probe = {
         "num_prefill": num_prefill, "prompt_len": prompt_len, "concurrency": concurrency,
-        "output_len": output_len,
-        "prefill_duration": pm["duration"], "decode_duration": dm["duration"],
+        "output_len": output_len, "prefill_duration": pm["duration"],
+        "decode_duration": dm["duration"], "decode_prefilled_tokens": prefilled,
     }  # fmt: skip
     return TokenCosts(prefill_s, decode_s, probe)
 
@@ -128,8 +140,10 @@ def compare_runs(
         if run is ref or not run.metrics.get("completed"):
             continue
         speedup = run.metrics["duration"] / m["duration"]
-        row = {"system": run.system, "speedup": speedup, "ideal_speedup": ideal,
-               "of_ideal": speedup / ideal if ideal else None}  # fmt: skip
+        # the ideal is the limit over a system that shares no prefix; one that does has none
+        limit = ideal if not run.metrics.get("total_cached_tokens") else None
+        row = {"system": run.system, "speedup": speedup, "ideal_speedup": limit,
+               "of_ideal": speedup / limit if limit else None}  # fmt: skip
         target = SPEEDUP_TARGETS.get(run.system)
         if target is not None:
             value, relative = target
@@ -262,8 +276,8 @@ def _measure_all(systems: list[SystemSpec], spec, load: LoadShape, report, optio
 
 
 async def _calibrate(backend, workload, max_batch: int, seed: int) -> TokenCosts:
-    """Token costs at the workload's mean prompt and output lengths (prefill probe capped at
-    8192 tokens, so it stays short on a CPU)."""
+    """Token costs at the workload's mean prompt and output lengths and its concurrency
+    (the prefill probe capped at 8192 tokens, so it stays short on a CPU)."""
     prompts = workload.prompts()
     mean_prompt = sum(map(len, prompts)) // max(len(prompts), 1)
     mean_output = sum(r.output_len for r in workload.requests) // max(len(workload.requests), 1)
