@@ -3,7 +3,6 @@ hits, charges hand-computable virtual time, separates policies, and writes its r
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -12,7 +11,6 @@ from conftest import make_engine
 from radixserve.bench.offline import run_offline
 from radixserve.bench.sim_runner import CostModel
 from radixserve.bench.simulate import SimLoad, simulate
-from radixserve.bench.simulate_cli import add_simulate_parser, run_simulate_bench
 from radixserve.bench.workloads import BenchRequest, Workload, make_workload, parse_overrides
 from radixserve.config import CacheConfig, SchedulerConfig
 
@@ -135,13 +133,13 @@ def test_admission_that_evicts_a_queued_match_rematches_it(tokenizer, policy):
 
 
 def test_simulate_cli_writes_a_table_and_json(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    add_simulate_parser(parser.add_subparsers(dest="bench_command"))
+    from radixserve.cli import main
+
     out = tmp_path / "sim"
-    argv = ["simulate", "--workload", "multi-turn", "--workload-args", MULTI_TURN,
+    argv = ["bench", "simulate", "--workload", "multi-turn", "--workload-args", MULTI_TURN,
             "--policies", "lpm,fcfs", "--cache-tokens", "512,4096", "--request-rate", "2",
             "--out", str(out), "--no-progress"]  # fmt: skip
-    assert run_simulate_bench(parser.parse_args(argv)) == 0
+    assert main(argv) == 0  # through the `radixserve` command, as a user runs it
     table = capsys.readouterr().out
     assert "cpu@max" in table and table.count("lpm") == 2
     doc = json.loads((out / "simulate.json").read_text())

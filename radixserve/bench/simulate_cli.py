@@ -60,6 +60,8 @@ class SimulateArgs:
     """Folder for simulate.json."""
     progress: bool = True
     """Print a line per configuration as it finishes."""
+    log_level: str = "warning"
+    """debug | info | warning | error."""
 
 
 def add_simulate_parser(modes) -> None:
