@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from radixserve.bench.hf_batcher import HFModel, HFRequest, StaticBatcher, Step,
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.server.errors import BadRequest, error_response
+from radixserve.server.http_runner import serve_app
 from radixserve.server.state import read_json
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream"}
@@ -254,22 +254,12 @@ def build_app(server: HFServer) -> web.Application:
 
 
 async def serve(server: HFServer) -> int:
-    """Serves until SIGTERM or SIGINT; the running batch then stops at its next step."""
-    loop = asyncio.get_running_loop()
+    """Serves until SIGTERM or SIGINT; the running batch then stops at its next step (its
+    requests hear an abort)."""
     server.batcher.start()
-    runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
-    await runner.setup()
     host, port = server.config.host, server.config.port
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    print(f"hf-transformers baseline ready at http://{host}:{port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await site.stop()
-    await asyncio.to_thread(server.batcher.stop)  # in-flight requests hear an abort
-    await runner.cleanup()
+    await serve_app(build_app(server), host, port, "hf-transformers baseline",
+                    lambda: asyncio.to_thread(server.batcher.stop))  # fmt: skip
     return 0
 
 

@@ -141,8 +141,13 @@ def git_state() -> dict[str, Any]:
 
 def write_json(path: Path, runs: list[BenchRun], config: dict[str, Any]) -> Path:
     """`bench.json`: the run configuration, the environment, and every run with its requests."""
+    return write_results(path, config, [r.to_json() for r in runs])
+
+
+def write_results(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> Path:
+    """A results file: the configuration, the environment and one entry per run."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"config": config, "environment": environment(), "runs": [r.to_json() for r in runs]}
+    doc = {"config": config, "environment": environment(), "runs": runs}
     path.write_text(json.dumps(_strict_json(doc), indent=1, default=str))
     return path
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -229,20 +228,6 @@ def _cell(value: Any, fmt: str, scale: float) -> str:
 
 def write_json(path: Path, rows: list[dict[str, Any]], config: dict[str, Any]) -> Path:
     """The configuration, the environment and one summary per simulated configuration."""
-    from radixserve.bench.report import environment
+    from radixserve.bench.report import write_results
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"config": config, "environment": environment(), "runs": rows}
-    path.write_text(json.dumps(_finite(doc), indent=1))
-    return path
-
-
-def _finite(value: Any) -> Any:
-    """Non-finite floats as strings ("inf"), so that any JSON parser reads the file."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+    return write_results(path, config, rows)

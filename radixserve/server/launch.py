@@ -7,13 +7,12 @@ import logging
 import signal
 from typing import Any
 
-from aiohttp import web
-
 from radixserve.config import SchedulerConfig, ServerConfig
 from radixserve.engine.request_builder import RequestBuilder
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.server.app import ServerState, build_app
 from radixserve.server.core_client import CoreClient
+from radixserve.server.http_runner import serve_app
 from radixserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -58,19 +57,8 @@ async def _serve(client: CoreClient, info, engine_args, config: ServerConfig) ->
     loop = asyncio.get_running_loop()
     client.attach(loop)
     state = make_state(client, info, engine_args, config)
-    app = build_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    print(f"radixserve ready at http://{config.host}:{config.port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await site.stop()  # no new connections; in-flight requests may finish
-    await _drain(client)
-    await runner.cleanup()
+    await serve_app(build_app(state), config.host, config.port, "radixserve",
+                    lambda: _drain(client))  # fmt: skip
     return 0
 
 
