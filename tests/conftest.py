@@ -20,6 +20,7 @@ from transformers import (  # noqa: E402
     Qwen3Config,
 )
 
+from radixserve.bench.systems import free_port  # noqa: E402
 from radixserve.config import CacheConfig, LoadConfig  # noqa: E402
 from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.runner import ModelRunner  # noqa: E402
@@ -166,14 +167,6 @@ def greedy_generate(
 
 
 # ---- server tests: `radixserve serve` in a subprocess on a free loopback port ----
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
