@@ -12,20 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.config import SchedulerConfig
+from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.policy import order_waiting
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.stop import stop_string_hit
-from radixserve.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
 from radixserve.sampling.sampler import SamplingBatch, is_plain_argmax, sample, sample_argmax
@@ -35,15 +34,6 @@ logger = logging.getLogger(__name__)
 OUTPUT_ESTIMATE_CLIP = 4096  # at most this many future tokens are reserved per request
 RETRACT_DECODE_STEPS = 20
 MAX_SORTED_QUEUE = 128  # longer waiting queues fall back to fcfs order, as in SGLang
-_NO_ROW = (None, 0, None)
-
-
-@dataclass
-class Work:
-    """What one request computes in this step."""
-
-    req: Req
-    num_new: int
 
 
 class Scheduler:
@@ -70,7 +60,7 @@ class Scheduler:
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
         self.pages = ReqPages(self.pool, cache, self.stats)
-        self._page_row_memo: dict[Req, tuple[list[int], int, np.ndarray]] = {}
+        self.batches = BatchBuilder(self.page_size, runner.device)
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
@@ -319,36 +309,8 @@ class Scheduler:
     # ---- forward and commit --------------------------------------------------------------
 
     def _forward(self, work: list[Work]):
-        batch = ForwardBatch.build(
-            [_token_slice(w.req, w.req.num_computed, w.num_new) for w in work],
-            [w.req.num_computed for w in work],
-            self._page_rows([w.req for w in work]),
-            self.page_size,
-            self.runner.device,
-            return_all_logits=any(
-                w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids)
-                for w in work
-            ),
-        )
         self.stats.forward_steps += 1
-        return self.runner.forward(batch)
-
-    def _page_rows(self, reqs: list[Req]) -> list[np.ndarray]:
-        """Each request's page table as an array, converted again only when the table changed.
-
-        Page tables are replaced, never edited in place, so the list object identifies its
-        contents; requests that left the batch drop out of the memo.
-        """
-        memo, self._page_row_memo = self._page_row_memo, {}
-        rows = []
-        for req in reqs:
-            table, num, row = memo.get(req, _NO_ROW)
-            if table is not req.page_table or num != len(table):
-                table, num = req.page_table, len(req.page_table)
-                row = np.array(table, dtype=np.int64)
-            self._page_row_memo[req] = (table, num, row)
-            rows.append(row)
-        return rows
+        return self.runner.forward(self.batches.build(work))
 
     def _commit(self, work: list[Work], logits, outputs: list[Req]) -> None:
         sampling = [
@@ -440,16 +402,6 @@ class Scheduler:
         total = sum(r.params.max_new_tokens for r in self.running)
         ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
         self.new_token_ratio = min(max(ratio, self.new_token_ratio), 1.0)
-
-
-def _token_slice(req: Req, start: int, num: int) -> list[int]:
-    """`req.seq_ids()[start : start + num]`, without copying the whole sequence."""
-    end, num_input = start + num, len(req.input_ids)
-    if end <= num_input:
-        return req.input_ids[start:end]
-    if start >= num_input:
-        return req.output_ids[start - num_input : end - num_input]
-    return req.input_ids[start:] + req.output_ids[: end - num_input]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

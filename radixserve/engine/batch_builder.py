@@ -1,0 +1,69 @@
+"""BatchBuilder: one step's work as a ForwardBatch, converting each request's page table only
+when it changed (a decoding request's grows by one page every page_size steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixserve.engine.request import Req
+from radixserve.forward_batch import ForwardBatch
+
+_NO_ROW = (None, 0, None)
+
+
+@dataclass
+class Work:
+    """What one request computes in this step."""
+
+    req: Req
+    num_new: int
+
+
+class BatchBuilder:
+    def __init__(self, page_size: int, device: torch.device):
+        self.page_size, self.device = page_size, device
+        self._page_row_memo: dict[Req, tuple[list[int], int, np.ndarray]] = {}
+
+    def build(self, work: list[Work]) -> ForwardBatch:
+        """Each request's new tokens on top of its computed prefix, through its page table."""
+        return ForwardBatch.build(
+            [token_slice(w.req, w.req.num_computed, w.num_new) for w in work],
+            [w.req.num_computed for w in work],
+            self._page_rows([w.req for w in work]),
+            self.page_size,
+            self.device,
+            return_all_logits=any(
+                w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids)
+                for w in work
+            ),
+        )
+
+    def _page_rows(self, reqs: list[Req]) -> list[np.ndarray]:
+        """Each request's page table as an array, converted again only when the table changed.
+
+        Page tables are replaced, never edited in place, so the list object identifies its
+        contents; requests that left the batch drop out of the memo.
+        """
+        memo, self._page_row_memo = self._page_row_memo, {}
+        rows = []
+        for req in reqs:
+            table, num, row = memo.get(req, _NO_ROW)
+            if table is not req.page_table or num != len(table):
+                table, num = req.page_table, len(req.page_table)
+                row = np.array(table, dtype=np.int64)
+            self._page_row_memo[req] = (table, num, row)
+            rows.append(row)
+        return rows
+
+
+def token_slice(req: Req, start: int, num: int) -> list[int]:
+    """`req.seq_ids()[start : start + num]`, without copying the whole sequence."""
+    end, num_input = start + num, len(req.input_ids)
+    if end <= num_input:
+        return req.input_ids[start:end]
+    if start >= num_input:
+        return req.output_ids[start - num_input : end - num_input]
+    return req.input_ids[start:] + req.output_ids[: end - num_input]
