@@ -214,12 +214,15 @@ def run_compare_bench(args: argparse.Namespace) -> int:
         systems = parse_systems(compare.systems)
     except ValueError as exc:
         raise SystemExit(f"radixserve bench compare: {exc}") from None
-    runs, costs, skipped = _measure_all(systems, spec, load, report, options, compare)
+    from radixserve.bench.cli import build_workloads, finish
+    from radixserve.model.tokenizer import model_tokenizer
+
+    tokenizer = model_tokenizer(options.model)  # every system gets prompts built with it
+    workload, warmup = build_workloads(spec, tokenizer, load.num_warmup)
+    runs, costs, skipped = _measure_all(systems, workload, warmup, tokenizer, spec.seed, load,
+                                        report, options, compare)  # fmt: skip
     if not runs:
         raise SystemExit(f"radixserve bench compare: no system ran: {skipped}")
-    from radixserve.bench.cli import build_workloads, finish
-
-    workload, _ = build_workloads(spec, _tokenizer(options), 0)
     comparison = compare_runs(runs, costs)
     config = run_config("compare", workload, load, dataclasses.asdict(options))
     config |= {"skipped": skipped, "comparison": comparison,
@@ -231,21 +234,15 @@ def run_compare_bench(args: argparse.Namespace) -> int:
     return status
 
 
-def _tokenizer(options: LaunchOptions):
-    """The tokenizer of the compared model (what every system's prompts are built with)."""
-    from radixserve.model.tokenizer import model_tokenizer
-
-    return model_tokenizer(options.model)
-
-
-def _measure_all(systems: list[SystemSpec], spec, load: LoadShape, report, options, compare):
+def _measure_all(
+    systems: list[SystemSpec], workload, warmup, tokenizer, seed: int, load: LoadShape, report,
+    options: LaunchOptions, compare: CompareArgs,
+):  # fmt: skip
+    """Starts, measures and stops each system in turn; calibrates on the first radixserve."""
     from radixserve.bench.backends import make_backend
-    from radixserve.bench.cli import build_workloads
     from radixserve.bench.client import run_online
     from radixserve.bench.systems import launch, unavailable_reason
 
-    tokenizer = _tokenizer(options)
-    workload, warmup = build_workloads(spec, tokenizer, load.num_warmup)
     max_batch = load.max_concurrency or 16
     runs: list[BenchRun] = []
     skipped: dict[str, str] = {}
@@ -265,9 +262,9 @@ def _measure_all(systems: list[SystemSpec], spec, load: LoadShape, report, optio
         with server:
             backend = make_backend(system.backend, server.url, tokenizer, None, None)
             if compare.calibrate and costs is None and system.kind == "radixserve":
-                costs = asyncio.run(_calibrate(backend, workload, max_batch, spec.seed))
+                costs = asyncio.run(_calibrate(backend, workload, max_batch, seed))
             run = asyncio.run(
-                run_online(workload, backend, load, spec.seed, warmup, None, system.name,
+                run_online(workload, backend, load, seed, warmup, None, system.name,
                            report.progress)
             )  # fmt: skip
             run.info["command"] = server.command
