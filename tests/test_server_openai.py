@@ -15,7 +15,14 @@ import openai
 import pytest
 
 from conftest import VOCAB
-from radixserve.engine.request import Req
+from radixserve.engine.protocol import (
+    FinishAbort,
+    FinishLength,
+    FinishStop,
+    RequestOutput,
+    RequestSpec,
+)
+from radixserve.engine.result import RequestResult
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.openai_api import ChoiceTracker
@@ -355,22 +362,21 @@ def tokenizer():
     return open_tokenizer(None, VOCAB, MODEL)  # SmolLM2's, as the server fixture uses
 
 
-def track(tokenizer, text: str, finish: dict, num_tokens: int | None = None, **params):
-    """Feeds `text`'s tokens one at a time to a ChoiceTracker; returns its deltas."""
+def track(tokenizer, text: str, finish, num_tokens: int | None = None, **params):
+    """Feeds `text`'s tokens one delta at a time to a ChoiceTracker; returns its deltas."""
     ids = tokenizer.encode(text)[:num_tokens]
-    req = Req("r", [1], SamplingParams(**params), seed=0)
-    tracker, deltas = ChoiceTracker(req, tokenizer), []
+    result = RequestResult(RequestSpec("id", "r", [1], SamplingParams(**params), 0), tokenizer)
+    tracker, deltas = ChoiceTracker(result, tokenizer), []
     for i, token in enumerate(ids):
-        req.output_ids.append(token)
-        if i == len(ids) - 1:
-            req.finish(finish)
+        last = i == len(ids) - 1
+        result.apply(RequestOutput("id", [token], finish_reason=finish if last else None))
         deltas.append(tracker.next_delta())
     assert tracker.next_delta() is None
     return deltas
 
 
 def test_deltas_hold_back_half_characters(tokenizer):
-    deltas = track(tokenizer, "日本語 ok", {"type": "length"})
+    deltas = track(tokenizer, "日本語 ok", FinishLength(3))
     texts = [d.text for d in deltas if d is not None]
     assert "".join(texts) == "日本語 ok" and not any(t.endswith("\ufffd") for t in texts)
     assert [d.finish_reason for d in deltas if d is not None][-1] == "length"
@@ -378,7 +384,7 @@ def test_deltas_hold_back_half_characters(tokenizer):
 
 def test_deltas_hold_back_a_possible_stop_string(tokenizer):
     # tokens "a", "\n", "\n": the first newline may begin the stop "\n\n", so it waits
-    deltas = track(tokenizer, "a\n\nb", {"type": "stop", "matched": "\n\n"}, 3, stop="\n\n")
+    deltas = track(tokenizer, "a\n\nb", FinishStop("\n\n"), 3, stop="\n\n")
     assert [None if d is None else (d.text, d.finish_reason) for d in deltas] == [
         ("a", None),
         None,
@@ -387,5 +393,5 @@ def test_deltas_hold_back_a_possible_stop_string(tokenizer):
 
 
 def test_aborted_choice_finishes_with_abort(tokenizer):
-    deltas = track(tokenizer, "Hi", {"type": "abort", "message": "aborted by the client"})
+    deltas = track(tokenizer, "Hi", FinishAbort("aborted by the client"))
     assert deltas[-1].finish_reason == "abort"

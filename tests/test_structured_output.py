@@ -89,7 +89,9 @@ def test_bad_constraints_are_value_errors_naming_the_field(tiny_chat_model):
 
 def test_constrained_requests_survive_retraction_and_hit_the_compile_cache(tiny_chat_model):
     pattern = r"[a-z]{200,240}\."
-    engine = make_engine(tiny_chat_model, max_total_tokens=384, chunked_prefill_size=64)
+    # a low conservativeness admits on a small output estimate, so that decodes must retract
+    engine = make_engine(tiny_chat_model, max_total_tokens=384, chunked_prefill_size=64,
+                         schedule_conservativeness=0.1)  # fmt: skip
     params = greedy(300) | {"regex": pattern, "ignore_eos": False, "temperature": 1.0}
     outputs = engine.generate(input_ids=[prompt_ids(i, 24) for i in range(16)],
                               sampling_params=params)  # fmt: skip

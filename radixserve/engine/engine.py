@@ -1,18 +1,23 @@
-"""Engine: SGLang's offline API (generate, async_generate, flush_cache, get_stats) in-process."""
+"""Engine: SGLang's offline API (generate, async_generate, flush_cache, get_stats) in-process.
+
+Requests go through the same typed stream as the HTTP server's (engine/client.py): an
+`InProcessClient` runs the core on its own thread, so calls from many threads batch together.
+Synchronous calls run their stream on a private event loop thread.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
-from radixserve.engine.output import format_output
-from radixserve.engine.request import Req
+from radixserve.engine.inproc_client import InProcessClient
+from radixserve.engine.loop_thread import LoopThread
+from radixserve.engine.output import LogprobCursor, format_output
+from radixserve.engine.protocol import RequestSpec
 from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
+from radixserve.engine.result import RequestResult, ResultStream
 
 PROGRESS_BAR_MIN_BATCH = 32
 
@@ -35,8 +40,8 @@ class Engine:
             self.context_length,
             self.runner.pool.capacity_tokens,
         )
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-step")
+        self.client = InProcessClient(self.core)
+        self._loop = LoopThread()
         self._closed = False
 
     # ---- public API ----------------------------------------------------------------------
@@ -56,15 +61,15 @@ class Engine:
         progress_bar: bool | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
-        reqs, batched = self.builder.build(
-            GenerateArgs(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                         top_logprobs_num, rid, cache_salt)
+        specs, batched = self._build(
+            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+            top_logprobs_num, rid, cache_salt,
         )  # fmt: skip
         if stream:
-            return self._stream(reqs, return_text_in_logprobs)
-        self._submit(reqs)
-        self._run_until_finished(reqs, progress_bar)
-        return self._outputs(reqs, batched, return_text_in_logprobs)
+            return self._loop.iterate(self._stream(specs, return_text_in_logprobs))
+        show = len(specs) >= PROGRESS_BAR_MIN_BATCH if progress_bar is None else progress_bar
+        results = self._loop.run(self._run(specs, show))
+        return _shape(results, batched, return_text_in_logprobs)
 
     async def async_generate(
         self,
@@ -80,42 +85,35 @@ class Engine:
         stream: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
-        reqs, batched = self.builder.build(
-            GenerateArgs(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                         top_logprobs_num, rid, cache_salt)
+        specs, batched = self._build(
+            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+            top_logprobs_num, rid, cache_salt,
         )  # fmt: skip
         if stream:
-            return self._async_stream(reqs, return_text_in_logprobs)
-        self._submit(reqs)
-        loop = asyncio.get_running_loop()
-        while not all(r.finished for r in reqs):
-            await loop.run_in_executor(self._executor, self._step)
-        return self._outputs(reqs, batched, return_text_in_logprobs)
-
-    def _outputs(self, reqs: list[Req], batched: bool, with_text: bool) -> dict | list[dict]:
-        """One dict for one prompt with n == 1; otherwise a list, in request order."""
-        outputs = [format_output(r, self.tokenizer, with_text) for r in reqs]
-        return outputs if batched or len(outputs) > 1 else outputs[0]
+            return self._stream(specs, return_text_in_logprobs)
+        results = await self._run(specs, progress_bar=False)
+        return _shape(results, batched, return_text_in_logprobs)
 
     def abort_request(self, rid: str) -> None:
-        self.scheduler.abort_request(rid)
+        """Aborts the running request with this rid (or its n > 1 samples)."""
+        self.client.abort_rid(rid)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (False) while requests are queued or running."""
-        with self._lock:
-            return self.core.flush_cache()
+        return self._loop.run(self.client.flush_cache())
 
     def get_stats(self) -> dict[str, Any]:
-        return self.core.get_stats()
+        return self._loop.run(self.client.stats())
 
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
-        with self._lock:
-            self.core.check_integrity()
+        self._loop.run(self.client.check_integrity())
 
     def shutdown(self) -> None:
-        self._closed = True
-        self._executor.shutdown(wait=True)
+        if not self._closed:
+            self._closed = True
+            self.client.close()
+            self._loop.stop()
 
     def __enter__(self) -> Engine:
         return self
@@ -123,70 +121,51 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- driving the scheduler -----------------------------------------------------------
+    # ---- running requests ----------------------------------------------------------------
 
-    def _submit(self, reqs: list[Req]) -> None:
+    def _build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+               top_logprobs_num, rid, cache_salt) -> tuple[list[RequestSpec], bool]:  # fmt: skip
         if self._closed:
             raise RuntimeError("engine is shut down")
-        for req in reqs:
-            self.scheduler.add_request(req)
+        args = GenerateArgs(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            rid=rid,
+            cache_salt=cache_salt,
+        )
+        return self.builder.build(args)
 
-    def _step(self) -> list[Req]:
-        with self._lock:
-            return self.scheduler.step()
-
-    def _run_until_finished(self, reqs: list[Req], progress_bar: bool | None) -> None:
-        show = len(reqs) >= PROGRESS_BAR_MIN_BATCH if progress_bar is None else progress_bar
-        bar = _progress(len(reqs)) if show else None
-        done = 0
-        while done < len(reqs):
-            self._step()
-            now = sum(r.finished for r in reqs)
-            if bar is not None:
-                bar.update(now - done)
-            done = now
+    async def _run(self, specs: list[RequestSpec], progress_bar: bool) -> list[RequestResult]:
+        stream = ResultStream(self.client, specs, self.tokenizer)
+        bar = _progress(len(specs)) if progress_bar else None
+        async with stream:
+            async for _, result in stream:
+                stream.settle(result)
+                if bar is not None and result.finished:
+                    bar.update(1)
         if bar is not None:
             bar.close()
+        return stream.results
 
-    def _stream(self, reqs: list[Req], with_text: bool) -> Iterator[dict]:
-        self._submit(reqs)
-        seen: dict[int, tuple] = {}
-        try:
-            while True:
-                yield from self._progressed(reqs, seen, with_text)
-                if all(r.finished for r in reqs):
-                    return
-                self._step()
-        finally:
-            self._abort_unfinished(reqs)
+    async def _stream(self, specs: list[RequestSpec], with_text: bool) -> AsyncIterator[dict]:
+        """Cumulative outputs of every request that changed, as each step lands."""
+        stream = ResultStream(self.client, specs, self.tokenizer)
+        cursors = [LogprobCursor() for _ in specs]
+        async with stream:
+            async for index, result in stream:
+                stream.settle(result)
+                if result.output_ids or result.finished:
+                    yield format_output(result, with_text, cursors[index])
 
-    async def _async_stream(self, reqs: list[Req], with_text: bool) -> AsyncIterator[dict]:
-        self._submit(reqs)
-        loop = asyncio.get_running_loop()
-        seen: dict[int, tuple] = {}
-        try:
-            while True:
-                for output in self._progressed(reqs, seen, with_text):
-                    yield output
-                if all(r.finished for r in reqs):
-                    return
-                await loop.run_in_executor(self._executor, self._step)
-        finally:
-            self._abort_unfinished(reqs)
 
-    def _progressed(self, reqs: list[Req], seen: dict[int, tuple], with_text: bool):
-        """Outputs of the requests that gained tokens or finished since last seen, whichever
-        thread's step advanced them (several threads may drive one engine)."""
-        for req in reqs:
-            state = (len(req.output_ids), req.finished)
-            if seen.get(id(req)) != state and (state[0] or req.finished):
-                seen[id(req)] = state
-                yield format_output(req, self.tokenizer, with_text)
-
-    def _abort_unfinished(self, reqs: list[Req]) -> None:
-        for req in reqs:
-            if not req.finished:
-                self.abort_request(req.rid)
+def _shape(results: list[RequestResult], batched: bool, with_text: bool) -> dict | list[dict]:
+    """One dict for one prompt with n == 1; otherwise a list, in request order."""
+    outputs = [format_output(r, with_text) for r in results]
+    return outputs if batched or len(outputs) > 1 else outputs[0]
 
 
 def _progress(total: int):

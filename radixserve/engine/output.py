@@ -1,55 +1,63 @@
-"""Formats a request's state as SGLang's output dict: text, output_ids, meta_info."""
+"""SGLang's output dict (text, output_ids, meta_info) for a RequestResult.
+
+Streamed outputs (`LogprobCursor` given) carry the cumulative text and ids, as SGLang's do,
+but only the logprobs new since the previous chunk; `output_token_logprobs_length` is the
+cumulative count (== completion_tokens), as in SGLang.
+"""
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from typing import Any
 
-from radixserve.engine.detokenizer import IncrementalDetokenizer
-from radixserve.engine.request import Req
-from radixserve.engine.stop import hold_back_partial_stop, trim_stop
+from radixserve.engine.result import RequestResult
 
 
-def output_text(req: Req, tokenizer) -> str:
-    """The output text so far. While running it never ends in half a character or in what
-    may be the start of a stop string; once finished, the matched stop string is trimmed."""
-    params = req.params
-    if req.finished:
-        text = tokenizer.decode(req.output_ids, skip_special_tokens=params.skip_special_tokens)
-        return trim_stop(text, req.finish_reason, params.no_stop_trim)
-    if req.detokenizer is None:
-        req.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-    text = req.detokenizer.update(req.output_ids)
-    return text if params.no_stop_trim else hold_back_partial_stop(text, params.stop_strs)
+@dataclass
+class LogprobCursor:
+    """How many input and output logprobs a stream has sent."""
+
+    num_input: int = 0
+    num_output: int = 0
 
 
-def format_output(req: Req, tokenizer, with_text: bool = False) -> dict[str, Any]:
+def format_output(
+    result: RequestResult, with_text: bool = False, cursor: LogprobCursor | None = None
+) -> dict[str, Any]:
     """SGLang's output dict with the cumulative output so far."""
-    text = output_text(req, tokenizer)
-    end = req.finish_time if req.finish_time is not None else time.perf_counter()
+    text = result.text()
+    finish = result.finish_reason
     meta: dict[str, Any] = {
-        "id": req.rid,
-        "prompt_tokens": len(req.input_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": req.cached_tokens,
-        "finish_reason": req.finish_reason,
-        "e2e_latency": end - req.arrival_time,
+        "id": result.spec.rid,
+        "prompt_tokens": result.prompt_len,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": result.cached_tokens,
+        "num_retractions": result.num_retractions,
+        "finish_reason": None if finish is None else finish.to_dict(),
+        "e2e_latency": result.e2e_latency(),
     }
-    if req.logprob is not None:
-        meta |= _logprob_fields(req, tokenizer, with_text)
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    if result.spec.wants_logprobs:
+        meta |= _logprob_fields(result, with_text, cursor or LogprobCursor())
+        if cursor is not None:
+            cursor.num_input = len(result.input_logprobs)
+            cursor.num_output = len(result.output_logprobs)
+    return {"text": text, "output_ids": list(result.output_ids), "meta_info": meta}
 
 
-def _logprob_fields(req: Req, tokenizer, with_text: bool) -> dict[str, Any]:
-    def entry(value, token_id):
-        return [value, token_id, tokenizer.decode([token_id]) if with_text else None]
+def _logprob_fields(result: RequestResult, with_text: bool, since: LogprobCursor) -> dict:
+    decode = result.tokenizer.decode
+
+    def entries(rows):
+        return [[value, token, decode([token]) if with_text else None] for value, token in rows]
 
     def tops(rows):
-        return [None if row is None else [entry(v, t) for v, t in row] for row in rows]
+        return [None if row is None else entries(row) for row in rows]
 
+    i, o = since.num_input, since.num_output
     return {
-        "input_token_logprobs": [entry(v, t) for v, t in req.input_logprobs],
-        "output_token_logprobs": [entry(v, t) for v, t in req.output_logprobs],
-        "input_top_logprobs": tops(req.input_top_logprobs),
-        "output_top_logprobs": tops(req.output_top_logprobs),
+        "input_token_logprobs": entries(result.input_logprobs[i:]),
+        "output_token_logprobs": entries(result.output_logprobs[o:]),
+        "input_top_logprobs": tops(result.input_top_logprobs[i:]),
+        "output_top_logprobs": tops(result.output_top_logprobs[o:]),
+        "output_token_logprobs_length": len(result.output_logprobs),
     }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from radixserve.engine.protocol import FinishReason, RequestSpec
 from radixserve.sampling.params import SamplingParams
 
 
@@ -33,7 +34,8 @@ class LogprobRequest:
 
 @dataclass(eq=False)
 class Req:
-    rid: str
+    request_id: str  # unique within the engine
+    rid: str  # the caller's id, for logs
     input_ids: list[int]
     params: SamplingParams
     seed: int
@@ -50,7 +52,7 @@ class Req:
 
     # results and accounting
     cached_tokens: int = 0
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     abort_requested: bool = False
     wait_steps: int = 0
     num_retractions: int = 0
@@ -64,6 +66,21 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    @classmethod
+    def from_spec(cls, spec: RequestSpec) -> Req:
+        logprob = None
+        if spec.logprob_start_len is not None:
+            logprob = LogprobRequest(spec.logprob_start_len, spec.top_logprobs_num)
+        return cls(
+            request_id=spec.request_id,
+            rid=spec.rid,
+            input_ids=list(spec.input_ids),
+            params=spec.params,
+            seed=spec.seed,
+            namespace=spec.namespace,
+            logprob=logprob,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -92,7 +109,7 @@ class Req:
     def own_pages(self) -> list[int]:
         return self.page_table[self.num_tree_pages :]
 
-    def finish(self, reason: dict[str, Any]) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
         self.state = ReqState.FINISHED
         self.finish_time = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Turns API arguments (prompts or ids, sampling params, logprob options) into validated Reqs.
+"""Turns API arguments (prompts or ids, sampling params, logprob options) into validated
+RequestSpecs (one per output: n per prompt), each with a fresh unique request_id.
 
 Shared by the in-process Engine and the HTTP server, so both reject the same bad input
 with the same ValueError naming the offending parameter.
@@ -6,12 +7,13 @@ with the same ValueError naming the offending parameter.
 
 from __future__ import annotations
 
-import itertools
 import random
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.engine.request import LogprobRequest, Req
+from radixserve.engine.protocol import RequestSpec
+from radixserve.engine.request import LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams
 
@@ -37,9 +39,8 @@ class RequestBuilder:
         self.context_length = context_length
         self.capacity_tokens = capacity_tokens
         self._rng = random.Random()
-        self._counter = itertools.count(1)
 
-    def build(self, args: GenerateArgs) -> tuple[list[Req], bool]:
+    def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
         """Validated requests (n per prompt) and whether the input was a batch."""
         token_lists, batched = self._token_lists(args.text, args.input_ids)
         count = len(token_lists)
@@ -48,14 +49,14 @@ class RequestBuilder:
         salts = _per_prompt(args.cache_salt, count, "cache_salt")
         logprob = _logprob_request(args.return_logprob, args.logprob_start_len,
                                    args.top_logprobs_num)  # fmt: skip
-        reqs = []
+        specs = []
         for ids, params_dict, rid, salt in zip(token_lists, params_list, rids, salts):
             params = self.sampling_params(params_dict)
             self.check_length(ids, params)
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
-            reqs += [self.new_req(ids, params, rid, salt, logprob, i) for i in range(params.n)]
-        return reqs, batched
+            specs += [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
+        return specs, batched
 
     def sampling_params(self, params: dict | None) -> SamplingParams:
         if params is not None and not isinstance(params, dict):
@@ -104,19 +105,22 @@ class RequestBuilder:
                 f"the KV pool ({self.capacity_tokens} tokens); raise max_total_tokens"
             )
 
-    def new_req(self, ids, params, rid, salt, logprob, index: int = 0) -> Req:
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError(f"rid must be a string; got {rid!r}")
-        base = rid if rid is not None else f"req-{next(self._counter)}"
+    def new_spec(self, ids, params, rid, salt, logprob, index: int = 0) -> RequestSpec:
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError(f"rid must be a non-empty string; got {rid!r}")
+        request_id = uuid.uuid4().hex
+        base = rid if rid is not None else request_id
         seed = params.sampling_seed
         seed = self._rng.getrandbits(62) if seed is None else seed + index
-        return Req(
+        return RequestSpec(
+            request_id=request_id,
             rid=base if params.n == 1 else f"{base}-{index}",
             input_ids=ids,
             params=params,
             seed=seed,
             namespace=salt,
-            logprob=logprob,
+            logprob_start_len=None if logprob is None else logprob.start_len,
+            top_logprobs_num=0 if logprob is None else logprob.top_num,
         )
 
 

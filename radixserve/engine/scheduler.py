@@ -9,6 +9,7 @@ the tree, so later requests, and the next turn of a chat, hit them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -19,8 +20,15 @@ import torch
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import BatchBuilder, Work
+from radixserve.engine.faults import FaultInjector
 from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.policy import order_waiting
+from radixserve.engine.protocol import (
+    ABORTED_BY_CLIENT,
+    FinishAbort,
+    FinishLength,
+    FinishStop,
+)
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
@@ -65,6 +73,7 @@ class Scheduler:
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
         self.new_token_ratio = self.init_new_token_ratio
+        self.faults = FaultInjector.from_env()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -72,10 +81,26 @@ class Scheduler:
         """Queues a validated request; it joins the batch at the next step."""
         self.inbox.append(req)
 
-    def abort_request(self, rid: str) -> None:
-        for req in [*self.inbox, *self.compiling, *self.waiting, *self.running]:
-            if req.rid == rid:
+    def abort_request(self, request_id: str) -> None:
+        """Marks the request; it leaves the queue or the batch at the next step."""
+        for req in self._all_reqs():
+            if req.request_id == request_id:
                 req.abort_requested = True
+
+    def abort_all(self, message: str) -> list[Req]:
+        """Ends every request at once (a step failed in a way no request can be blamed for);
+        their pages go back to the tree or the allocator. Returns them."""
+        reqs = self._all_reqs()
+        for req in reqs:
+            if req.state is ReqState.RUNNING:
+                self.pages.release(req)
+            req.finish(FinishAbort(message, status_code=500))
+        self.inbox.clear()
+        self.compiling, self.waiting, self.running = [], [], []
+        return reqs
+
+    def _all_reqs(self) -> list[Req]:
+        return [*self.inbox, *self.compiling, *self.waiting, *self.running]
 
     def has_work(self) -> bool:
         return bool(self.inbox or self.compiling or self.waiting or self.running)
@@ -105,9 +130,16 @@ class Scheduler:
         self._handle_aborts(outputs)
         work = self._schedule()
         if work:
-            logits = self._forward(work)
-            self._commit(work, logits, outputs)
-        self._decay_new_token_ratio()
+            try:
+                logits = self._forward(work)
+            except Exception as exc:  # no one request to blame: the step's requests end
+                logger.exception("forward failed; aborting the step's %d requests", len(work))
+                for w in work:
+                    message = f"engine step failed: {type(exc).__name__}: {exc}"
+                    self._end_running(w.req, FinishAbort(message, status_code=500), outputs)
+            else:
+                self._commit(work, logits, outputs)
+            self._decay_new_token_ratio()  # per batch run, as SGLang (idle steps do not count)
         return outputs
 
     def _drain_inbox(self) -> None:
@@ -125,23 +157,31 @@ class Scheduler:
         for req in [r for r in self.compiling if r.grammar_future.done()]:
             self.compiling.remove(req)
             error = req.grammar_future.exception()
-            if error is not None:
-                req.finish({"type": "abort", "message": str(error)})
-                outputs.append(req)
-            else:
+            try:
+                if error is not None:
+                    raise error
                 req.grammar = self.grammar.matcher(req.grammar_future.result())
                 self.waiting.append(req)
+            except Exception as exc:
+                req.finish(FinishAbort(f"grammar failed: {exc}", status_code=400))
+                outputs.append(req)
             req.grammar_future = None
 
     def _handle_aborts(self, outputs: list[Req]) -> None:
         for req in [r for r in self.waiting + self.compiling if r.abort_requested]:
             (self.waiting if req in self.waiting else self.compiling).remove(req)
-            req.finish({"type": "abort", "message": "aborted by the client"})
+            req.finish(ABORTED_BY_CLIENT)
             outputs.append(req)
         for req in [r for r in self.running if r.abort_requested]:
+            self._end_running(req, ABORTED_BY_CLIENT, outputs)
+
+    def _end_running(self, req: Req, reason, outputs: list[Req]) -> None:
+        """Takes a running request out of the batch, its pages to the tree or the allocator."""
+        if req in self.running:
             self.pages.release(req)
             self.running.remove(req)
-            req.finish({"type": "abort", "message": "aborted by the client"})
+        req.finish(reason)
+        if req not in outputs:
             outputs.append(req)
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -310,6 +350,8 @@ class Scheduler:
 
     def _forward(self, work: list[Work]):
         self.stats.forward_steps += 1
+        if self.faults is not None:
+            self.faults.check("forward", (w.req.rid for w in work))
         return self.runner.forward(self.batches.build(work))
 
     def _commit(self, work: list[Work], logits, outputs: list[Req]) -> None:
@@ -321,28 +363,41 @@ class Scheduler:
         last = logits.last
         if len(sampling) < len(work):
             last = last[torch.tensor(sampling, dtype=torch.int64, device=last.device)]
-        next_ids = self._sample([work[i].req for i in sampling], last)
+        next_ids = self._sample_each([work[i].req for i in sampling], last)
         tokens = dict(zip(sampling, next_ids))
-        offset = 0
+        offsets = [0, *itertools.accumulate(w.num_new for w in work)]
         for i, w in enumerate(work):
-            req, token = w.req, tokens.get(i)
-            self._count_computed(w)
-            if req.logprob is not None:
-                all_rows = None if logits.all is None else logits.all[offset : offset + w.num_new]
-                commit_logprobs(req, req.num_computed, all_rows, logits.last[i], token)
-            offset += w.num_new
-            req.num_computed += w.num_new
-            if token is not None:
-                req.output_ids.append(token)
-                self._check_finish(req, token)
-            elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
-                req.finish({"type": "length", "length": 0})
-            if req.finished:
-                self.pages.release(req)
-                self.running.remove(req)
-            elif w.num_new > 1:
-                self.pages.cache_unfinished(req)
-            outputs.append(req)
+            if w.req.finished:  # its sampling failed
+                self._end_running(w.req, w.req.finish_reason, outputs)
+                continue
+            try:
+                self._commit_one(w, tokens.get(i), logits, i, offsets[i])
+            except Exception as exc:  # this request alone fails; the batch goes on
+                logger.exception("committing %s failed", w.req.rid)
+                message = f"{type(exc).__name__}: {exc}"
+                self._end_running(w.req, FinishAbort(message, status_code=500), outputs)
+                continue
+            outputs.append(w.req)
+
+    def _commit_one(self, w: Work, token: int | None, logits, index: int, offset: int) -> None:
+        req = w.req
+        if self.faults is not None:
+            self.faults.check("commit", [req.rid])
+        self._count_computed(w)
+        if req.logprob is not None:
+            all_rows = None if logits.all is None else logits.all[offset : offset + w.num_new]
+            commit_logprobs(req, req.num_computed, all_rows, logits.last[index], token)
+        req.num_computed += w.num_new
+        if token is not None:
+            req.output_ids.append(token)
+            self._check_finish(req, token)
+        elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
+            req.finish(FinishLength(0))
+        if req.finished:
+            self.pages.release(req)
+            self.running.remove(req)
+        elif w.num_new > 1:
+            self.pages.cache_unfinished(req)
 
     def _count_computed(self, w: Work) -> None:
         if w.num_new > 1 or not w.req.output_ids:
@@ -350,9 +405,27 @@ class Scheduler:
         else:
             self.stats.decode_tokens += w.num_new
 
+    def _sample_each(self, reqs: list[Req], logits: torch.Tensor) -> list[int | None]:
+        """Samples the batch; if that fails, each request alone, so that only the requests
+        whose sampling fails end (None: that request finished with an abort)."""
+        try:
+            return self._sample(reqs, logits)
+        except Exception:
+            logger.exception("batched sampling failed; sampling each request alone")
+        tokens: list[int | None] = []
+        for i, req in enumerate(reqs):
+            try:
+                tokens += self._sample([req], logits[i : i + 1])
+            except Exception as exc:
+                req.finish(FinishAbort(f"sampling failed: {exc}", status_code=500))
+                tokens.append(None)
+        return tokens
+
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         if not reqs:
             return []
+        if self.faults is not None:
+            self.faults.check("sample", (r.rid for r in reqs))
         if all(r.grammar is None and is_plain_argmax(r.params, len(r.output_ids)) for r in reqs):
             return sample_argmax(logits).tolist()  # the common greedy batch, without the build
         batch = SamplingBatch.build(
@@ -379,17 +452,17 @@ class Scheduler:
     def _check_finish(self, req: Req, token: int) -> None:
         params = req.params
         if req.grammar is not None and not req.grammar.accept_token(token):
-            req.finish({"type": "abort", "message": f"token {token} violates the grammar"})
+            req.finish(FinishAbort(f"token {token} violates the grammar", status_code=500))
         elif req.grammar is not None and req.grammar.is_terminated():
-            req.finish({"type": "stop", "matched": token})
+            req.finish(FinishStop(token))
         elif token in (params.stop_token_ids or ()) or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
-            req.finish({"type": "stop", "matched": token})
+            req.finish(FinishStop(token))
         elif params.stop and (matched := stop_string_hit(req, self.tokenizer)):
-            req.finish({"type": "stop", "matched": matched})
+            req.finish(FinishStop(matched))
         elif len(req.output_ids) >= params.max_new_tokens:
-            req.finish({"type": "length", "length": params.max_new_tokens})
+            req.finish(FinishLength(params.max_new_tokens))
 
     # ---- admission estimate --------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from radixserve.engine.protocol import FinishReason
 from radixserve.engine.request import Req
 
 TAIL_SLACK_TOKENS = 8
@@ -32,9 +33,9 @@ def hold_back_partial_stop(text: str, stops: list[str]) -> str:
     return text[:keep]
 
 
-def trim_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
+def trim_stop(text: str, finish_reason: FinishReason | None, no_stop_trim: bool) -> str:
     """Cuts the text at the matched stop string (SGLang's default), unless no_stop_trim."""
-    matched = (finish_reason or {}).get("matched")
+    matched = getattr(finish_reason, "matched", None)
     if no_stop_trim or not isinstance(matched, str):
         return text
     cut = text.find(matched)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.engine.output import format_output
-from radixserve.engine.request import Req
+from radixserve.engine.client import EngineBusyError, EngineDeadError
+from radixserve.engine.output import LogprobCursor, format_output
 from radixserve.engine.request_builder import GenerateArgs
+from radixserve.engine.result import ResultStream
 from radixserve.server import openai_api
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.state import ServerState, read_json, state_of
@@ -21,6 +23,8 @@ from radixserve.server.state import ServerState, read_json, state_of
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
@@ -37,6 +41,10 @@ async def error_middleware(request: web.Request, handler):
     except BadRequest as exc:
         headers = {"Retry-After": "1"} if exc.status == 503 else None
         return error_response(exc.status, str(exc), exc.param, headers)
+    except EngineBusyError as exc:
+        return error_response(503, str(exc), headers={"Retry-After": "1"})
+    except EngineDeadError as exc:
+        return error_response(503, f"engine core is not running: {exc}")
     except ValueError as exc:
         return error_response(400, str(exc))
     except web.HTTPRequestEntityTooLarge as exc:
@@ -92,42 +100,39 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     args, stream, with_text = parse_generate(await read_json(request))
-    reqs, batched = state.builder.build(args)
-    state.check_capacity(len(reqs))
+    specs, batched = await state.off_loop(state.builder.build, args)
+    results = state.open(specs)
     if stream:
-        return await _stream_generate(request, state, reqs, with_text)
-    done = await asyncio.gather(*(state.run(r) for r in reqs))
-    outputs = [format_output(r, state.tokenizer, with_text) for r in done]
+        return await _stream_generate(request, state, results, with_text)
+    done = await state.run(results)
+    outputs = [format_output(r, with_text) for r in done]
     return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 
 
-async def _stream_generate(request, state: ServerState, reqs: list[Req], with_text: bool):
+async def _stream_generate(request, state: ServerState, results: ResultStream, with_text: bool):
+    """SGLang's SSE: cumulative text per chunk, logprobs new since the last chunk; an engine
+    failure ends the stream with an error event."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, req: Req) -> None:
-        async for current in state.stream(req):
-            chunk = format_output(current, state.tokenizer, with_text)
-            if len(reqs) > 1:
-                chunk["index"] = index
-            await queue.put(chunk)
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-    finished = asyncio.gather(*tasks)
+    cursors = [LogprobCursor() for _ in results.results]
     try:
-        while not (finished.done() and queue.empty()):
-            getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                await response.write(f"data: {json.dumps(getter.result())}\n\n".encode())
-            else:
-                getter.cancel()
-        await response.write(b"data: [DONE]\n\n")
-    finally:
-        for task in tasks:
-            task.cancel()  # a disconnected client: the streams abort their requests
+        async with aclosing(state.iterate(results)) as updates:
+            async for index, result in updates:
+                if not (result.output_ids or result.finished):
+                    continue
+                chunk = format_output(result, with_text, cursors[index])
+                if len(cursors) > 1:
+                    chunk["index"] = index
+                await response.write(_sse(chunk))
+    except EngineDeadError as exc:
+        error = {"message": f"engine core is not running: {exc}", "code": 503}
+        await response.write(_sse({"error": error | {"type": "ServiceUnavailableError"}}))
+    await response.write(b"data: [DONE]\n\n")
     return response
+
+
+def _sse(body: Any) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -135,7 +140,7 @@ async def abort_request(request: web.Request) -> web.Response:
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string", param="rid")
-    state_of(request).client.abort(rid)
+    state_of(request).client.abort_rid(rid)
     return web.json_response({"success": True})
 
 
@@ -188,19 +193,25 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the engine core answers; 503 at once when it is gone."""
     state = state_of(request)
+    if state.client.dead:
+        reason = state.client.dead_reason
+        return web.Response(status=503, text=f"engine core is not running: {reason}\n")
     try:
-        await state.client.call("get_stats", timeout_s=5.0)
+        await state.client.call("get_stats", timeout_s=HEALTH_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError):
         return web.Response(status=503, text="engine core not responding\n")
     return web.Response(text="")
 
 
 async def health_generate(request: web.Request) -> web.Response:
+    """Generates one token (counted against the queue limit, like any request)."""
     state = state_of(request)
-    req, _ = state.builder.build(GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 1}))
+    args = GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 1})
+    specs, _ = state.builder.build(args)
     try:
-        await asyncio.wait_for(state.run(req[0]), 20.0)
+        await asyncio.wait_for(state.run(state.open(specs)), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
         return web.Response(status=503, text="generation timed out\n")
     return web.Response(text="")

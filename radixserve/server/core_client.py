@@ -1,51 +1,40 @@
-"""The server side of the core process: spawn it, send requests, route its updates.
+"""MultiprocessClient: the EngineClient whose core runs in its own process (`radixserve serve`).
 
-Each request is tracked as a `Req` in the server process too; the core's deltas are
-applied to it, so the same `format_output` serves the Engine and the HTTP API.
+Messages go out through a writer thread (a large batch never blocks the event loop on the
+pipe) and come back on the event loop, which routes each delta to its stream. If the core
+process exits, every stream and call fails with EngineDeadError at once and `on_dead`
+callbacks run (the server then answers 503 and exits).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import logging
 import multiprocessing as mp
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-from radixserve.engine.request import Req, ReqState
-from radixserve.server.core_process import run_core
-from radixserve.server.protocol import (
-    AbortRequest,
-    AddRequest,
-    Call,
+from radixserve.engine.client import EngineClient, EngineDeadError
+from radixserve.engine.protocol import (
     CallResult,
     Ready,
-    ReqUpdate,
-    StepUpdates,
+    StepOutputs,
     decode_from_core,
     encode,
 )
+from radixserve.server.core_process import run_core
 
 logger = logging.getLogger(__name__)
 
 
-class CoreDiedError(RuntimeError):
-    """The engine core process exited."""
-
-
-class CoreClient:
+class MultiprocessClient(EngineClient):
     def __init__(self, engine_kwargs: dict[str, Any], log_level: str = "warning"):
+        super().__init__()
         self.engine_kwargs = engine_kwargs
         self.log_level = log_level
         self.info: dict[str, Any] = {}
-        self._reqs: dict[str, tuple[Req, asyncio.Queue]] = {}
-        self._calls: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -63,7 +52,7 @@ class CoreClient:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.5):
             if not self._process.is_alive():
-                raise CoreDiedError(f"engine core exited with code {self._process.exitcode}")
+                raise EngineDeadError(f"engine core exited with code {self._process.exitcode}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine core not ready after {timeout_s:.0f}s")
         ready = decode_from_core(self._conn.recv_bytes())
@@ -78,7 +67,7 @@ class CoreClient:
         threading.Thread(target=self._send_loop, name="core-writer", daemon=True).start()
 
     def close(self) -> None:
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._conn.fileno())
         self._outbox.put(None)
         self._conn.close()
@@ -88,47 +77,11 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        return self._process.is_alive()
-
-    # ---- requests ------------------------------------------------------------------------
+        return self._process.is_alive() and not self.dead
 
     @property
-    def num_active(self) -> int:
-        return len(self._reqs)
-
-    def active_rids(self) -> list[str]:
-        return list(self._reqs)
-
-    async def stream(self, req: Req) -> AsyncIterator[Req]:
-        """Submits `req`; yields it after every update until it finishes (aborts if cancelled)."""
-        if req.rid in self._reqs:
-            raise ValueError(f"rid {req.rid!r} is already in use")
-        updates: asyncio.Queue = asyncio.Queue()
-        self._reqs[req.rid] = (req, updates)
-        self._send(_add_message(req))
-        try:
-            while not req.finished:
-                await updates.get()
-                while not updates.empty():  # several steps arrived: report the latest once
-                    updates.get_nowait()
-                yield req
-        finally:
-            self._reqs.pop(req.rid, None)
-            if not req.finished:
-                self.abort(req.rid)
-
-    def abort(self, rid: str) -> None:
-        self._send(AbortRequest(rid))
-
-    async def call(self, method: str, timeout_s: float = 30.0) -> Any:
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        self._send(Call(call_id, method))
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        finally:
-            self._calls.pop(call_id, None)
+    def pid(self) -> int | None:
+        return self._process.pid
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -147,57 +100,10 @@ class CoreClient:
             message = decode_from_core(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._loop.remove_reader(self._conn.fileno())
-            self._fail_all("engine core process exited")
+            self._process.join(timeout=1)
+            self._fail_all(f"engine core process exited (code {self._process.exitcode})")
             return
-        if isinstance(message, StepUpdates):
-            for update in message.updates:
-                self._apply(update)
+        if isinstance(message, StepOutputs):
+            self._deliver(message.outputs)
         elif isinstance(message, CallResult):
             self._resolve(message)
-
-    def _apply(self, update: ReqUpdate) -> None:
-        entry = self._reqs.get(update.rid)
-        if entry is None:
-            return
-        req, updates = entry
-        req.output_ids.extend(update.new_output_ids)
-        req.cached_tokens = update.cached_tokens
-        req.queue_time = update.queue_time
-        req.input_logprobs.extend(update.new_input_logprobs)
-        req.input_top_logprobs.extend(update.new_input_top_logprobs)
-        req.output_logprobs.extend(update.new_output_logprobs)
-        req.output_top_logprobs.extend(update.new_output_top_logprobs)
-        if req.state is ReqState.WAITING:
-            req.state = ReqState.RUNNING
-        if update.finish_reason is not None:
-            req.finish(update.finish_reason)
-        updates.put_nowait(update)
-
-    def _resolve(self, result: CallResult) -> None:
-        future = self._calls.get(result.call_id)
-        if future is None or future.done():
-            return
-        if result.error is not None:
-            future.set_exception(RuntimeError(result.error))
-        else:
-            future.set_result(result.value)
-
-    def _fail_all(self, message: str) -> None:
-        for req, updates in list(self._reqs.values()):
-            req.finish({"type": "abort", "message": message})
-            updates.put_nowait(None)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(CoreDiedError(message))
-
-
-def _add_message(req: Req) -> AddRequest:
-    return AddRequest(
-        rid=req.rid,
-        input_ids=req.input_ids,
-        sampling_params=dataclasses.asdict(req.params),
-        seed=req.seed,
-        namespace=req.namespace,
-        logprob_start_len=None if req.logprob is None else req.logprob.start_len,
-        top_logprobs_num=0 if req.logprob is None else req.logprob.top_num,
-    )

@@ -10,17 +10,23 @@ from aiohttp import web
 
 
 async def serve_app(
-    app: web.Application, host: str, port: int, name: str, drain: Callable[[], Awaitable]
+    app: web.Application,
+    host: str,
+    port: int,
+    name: str,
+    drain: Callable[[], Awaitable],
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serves `app`, printing "`name` ready at URL" once it listens; on a signal stops taking
-    connections, awaits `drain()` (in-flight requests finish or are aborted), then cleans up."""
+    """Serves `app`, printing "`name` ready at URL" once it listens; on a signal (or when
+    `stop` is set) stops taking connections, awaits `drain()` (in-flight requests finish or
+    are aborted), then cleans up."""
     loop = asyncio.get_running_loop()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     print(f"{name} ready at http://{host}:{port}", flush=True)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()

@@ -11,12 +11,16 @@ from radixserve.config import SchedulerConfig, ServerConfig
 from radixserve.engine.request_builder import RequestBuilder
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.server.app import ServerState, build_app
-from radixserve.server.core_client import CoreClient
+from radixserve.server.core_client import MultiprocessClient
 from radixserve.server.http_runner import serve_app
 from radixserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0
+DEAD_CORE_EXIT_S = 1.0
+"""After the engine core dies, the server answers 503 for this long, then exits non-zero so
+that a supervisor restarts it (in-flight requests have been failed already)."""
+DEAD_CORE_EXIT_CODE = 1
 
 
 def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
@@ -24,7 +28,7 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    client = CoreClient(engine_args, config.log_level)
+    client = MultiprocessClient(engine_args, config.log_level)
     info = client.start()
     try:
         return asyncio.run(_serve(client, info, engine_args, config))
@@ -53,21 +57,30 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
     )
 
 
-async def _serve(client: CoreClient, info, engine_args, config: ServerConfig) -> int:
+async def _serve(
+    client: MultiprocessClient, info, engine_args, config: ServerConfig
+) -> int:
     loop = asyncio.get_running_loop()
     client.attach(loop)
     state = make_state(client, info, engine_args, config)
-    await serve_app(build_app(state), config.host, config.port, "radixserve",
-                    lambda: _drain(client))  # fmt: skip
-    return 0
+    stop = asyncio.Event()
+    client.on_dead.append(lambda reason: _exit_soon(loop, stop, reason))
+    await serve_app(
+        build_app(state), config.host, config.port, "radixserve", lambda: _drain(client), stop
+    )
+    return DEAD_CORE_EXIT_CODE if client.dead else 0
 
 
-async def _drain(client: CoreClient) -> None:
+def _exit_soon(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, reason: str) -> None:
+    logger.error("%s; exiting in %.0f s", reason, DEAD_CORE_EXIT_S)
+    loop.call_later(DEAD_CORE_EXIT_S, stop.set)
+
+
+async def _drain(client: MultiprocessClient) -> None:
     """Lets in-flight requests finish for a while, then aborts the rest."""
     deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
     while client.num_active and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
-    for rid in list(client.active_rids()):
-        client.abort(rid)
+    client.abort(client.active_request_ids())
     while client.num_active and client.alive:
         await asyncio.sleep(0.05)

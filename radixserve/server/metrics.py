@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from radixserve.engine.request import Req
+from radixserve.engine.result import RequestResult
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -63,24 +63,24 @@ class ServerMetrics:
             ["finished_reason"],
             registry=self.registry,
         )
-        # id(req) -> [start time, last token time, tokens seen, queue time recorded]
+        # id(result) -> [start time, last token time, tokens seen, queue time recorded]
         self._timing: dict[int, list] = {}
 
     def _histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
         return Histogram(f"radixserve:{name}", doc, buckets=buckets, registry=self.registry)
 
-    def on_start(self, req: Req) -> None:
-        self._timing[id(req)] = [time.perf_counter(), None, 0, False]
+    def on_start(self, result: RequestResult) -> None:
+        self._timing[id(result)] = [time.perf_counter(), None, 0, False]
 
-    def on_update(self, req: Req) -> None:
-        timing = self._timing.get(id(req))
+    def on_update(self, result: RequestResult) -> None:
+        timing = self._timing.get(id(result))
         if timing is None:
             return
         now, (start, last, seen, queued) = time.perf_counter(), timing
-        if req.queue_time is not None and not queued:
-            self.queue.observe(req.queue_time)
+        if result.queue_time is not None and not queued:
+            self.queue.observe(result.queue_time)
             timing[3] = True
-        new = len(req.output_ids) - seen
+        new = len(result.output_ids) - seen
         if new <= 0:
             return
         if last is None:
@@ -88,13 +88,15 @@ class ServerMetrics:
         else:
             for _ in range(new):
                 self.itl.observe((now - last) / new)
-        timing[1], timing[2] = now, len(req.output_ids)
+        timing[1], timing[2] = now, len(result.output_ids)
 
-    def on_finish(self, req: Req) -> None:
-        timing = self._timing.pop(id(req), None)
-        if timing is not None:
-            self.e2e.observe(time.perf_counter() - timing[0])
-        reason = (req.finish_reason or {}).get("type", "abort")
+    def on_finish(self, result: RequestResult) -> None:
+        """Records a request's end once (later calls do nothing)."""
+        timing = self._timing.pop(id(result), None)
+        if timing is None:
+            return
+        self.e2e.observe(time.perf_counter() - timing[0])
+        reason = "abort" if result.finish_reason is None else result.finish_reason.kind
         self.finished.labels(finished_reason=reason).inc()
 
     def render(self, stats: dict[str, Any]) -> bytes:

@@ -20,15 +20,16 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from radixserve.engine.output import output_text
-from radixserve.engine.request import Req
+from radixserve.engine.client import EngineDeadError
+from radixserve.engine.protocol import RequestSpec
 from radixserve.engine.request_builder import GenerateArgs
+from radixserve.engine.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (
@@ -90,16 +91,15 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
     parsed = parse_request(await read_json(request), chat)
     check_model_name(state, parsed.model)
-    ids = prompt_ids(state, parsed)
-    reqs = build_reqs(state, parsed, ids)
-    state.check_capacity(len(reqs))
-    trackers = choice_trackers(state, parsed, ids, reqs)
+    ids = await state.off_loop(prompt_ids, state, parsed)
+    stream = state.open(build_specs(state, parsed, ids))
+    trackers = choice_trackers(state, parsed, ids, stream.results)
     shape = ResponseShape(parsed, state.served_model_name)
     if parsed.stream:
-        return await stream_response(request, state, shape, trackers, parsed)
-    await run_all(state, reqs)
+        return await stream_response(request, state, shape, trackers, parsed, stream)
+    results = await state.run(stream)
     deltas = [tracker.next_delta() for tracker in trackers]
-    return web.json_response(shape.response(deltas, usage(reqs, parsed.n)))
+    return web.json_response(shape.response(deltas, usage(results, parsed.n)))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -148,7 +148,9 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompt]
 
 
-def build_reqs(state: ServerState, parsed: OpenAIRequest, ids: list[list[int]]) -> list[Req]:
+def build_specs(
+    state: ServerState, parsed: OpenAIRequest, ids: list[list[int]]
+) -> list[RequestSpec]:
     """n requests per prompt, in choice order (prompt p, sample i -> index p*n + i)."""
     logprobs = parsed.logprobs is not None
     args = GenerateArgs(
@@ -175,17 +177,22 @@ def with_default_max_tokens(state: ServerState, sampling: dict, prompt_len: int)
 
 
 def choice_trackers(
-    state: ServerState, parsed: OpenAIRequest, ids: list[list[int]], reqs: list[Req]
+    state: ServerState,
+    parsed: OpenAIRequest,
+    ids: list[list[int]],
+    results: list[RequestResult],
 ) -> list[ChoiceTracker]:
     """One tracker per choice; with `echo`, each starts with its prompt's text; with tools
     offered, each splits its text into content and tool calls."""
     if parsed.offered_tools:
         names = tool_names(parsed.tools)
-        return [ToolCallTracker(req, state.tokenizer, names) for req in reqs]
+        return [ToolCallTracker(r, state.tokenizer, names) for r in results]
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
-    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n]) for i, r in enumerate(reqs)]
+    return [
+        ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n]) for i, r in enumerate(results)
+    ]
 
 
 def tokenize_body(tokenizer, body: dict) -> list[int]:
@@ -208,50 +215,13 @@ def tokenize_body(tokenizer, body: dict) -> list[int]:
 # ---- running -----------------------------------------------------------------------------
 
 
-async def run_all(state: ServerState, reqs: list[Req]) -> None:
-    """Runs `reqs` to the end; cancelling the caller aborts them."""
-    async with aclosing(merged_updates(state, reqs)) as updates:
-        async for _ in updates:
-            pass
-
-
-async def merged_updates(state: ServerState, reqs: list[Req]) -> AsyncIterator[int]:
-    """Runs all `reqs` at once, yielding the index of each one that changed."""
-    queue: asyncio.Queue[int | BaseException | None] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(state, req, i, queue)) for i, req in enumerate(reqs)]
-    try:
-        num_running = len(tasks)
-        while num_running:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                num_running -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()  # aborts the requests still running
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _pump(state: ServerState, req: Req, index: int, queue: asyncio.Queue) -> None:
-    try:
-        async with aclosing(state.stream(req)) as updates:
-            async for _ in updates:
-                queue.put_nowait(index)
-    except Exception as exc:  # handed to the consumer, which raises it
-        queue.put_nowait(exc)
-    finally:
-        queue.put_nowait(None)
-
-
 async def stream_response(
     request: web.Request,
     state: ServerState,
     shape: ResponseShape,
     trackers: list[ChoiceTracker],
     parsed: OpenAIRequest,
+    stream: ResultStream,
 ) -> web.StreamResponse:
     """Server-sent events: role chunks (chat), deltas, usage (if asked), then [DONE]."""
     response = web.StreamResponse(
@@ -265,9 +235,9 @@ async def stream_response(
     if shape.chat:
         for index in range(len(trackers)):
             await send(shape.role_chunk(index))
-    await _send_deltas(state, shape, trackers, send)
+    await _send_deltas(state, shape, trackers, stream, send)
     if parsed.include_usage:
-        await send(shape.usage_chunk(usage([t.req for t in trackers], parsed.n)))
+        await send(shape.usage_chunk(usage(stream.results, parsed.n)))
     await response.write(b"data: [DONE]\n\n")
     return response
 
@@ -276,35 +246,37 @@ async def _send_deltas(
     state: ServerState,
     shape: ResponseShape,
     trackers: list[ChoiceTracker],
+    stream: ResultStream,
     send: Callable[[dict[str, Any]], Awaitable[None]],
 ) -> None:
-    """Streams each choice's deltas; an internal error becomes an error event."""
+    """Streams each choice's deltas; an engine or internal error becomes an error event."""
     try:
-        async with aclosing(merged_updates(state, [t.req for t in trackers])) as updates:
-            async for index in updates:
+        async with aclosing(state.iterate(stream)) as updates:
+            async for index, _ in updates:
                 delta = trackers[index].next_delta()
                 if delta is not None:
                     await send(shape.chunk(index, delta))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
+    except EngineDeadError as exc:
+        await send(error_event(f"engine core is not running: {exc}", 503))
     except Exception:
         logger.exception("internal error while streaming %s", shape.id)
-        message = "internal server error"
-        error = {"message": message, "type": "InternalServerError", "param": None, "code": 500}
-        await send({"error": error})
+        await send(error_event("internal server error", 500))
 
 
 # ---- choices -----------------------------------------------------------------------------
 
 
 class ChoiceTracker:
-    """Turns one Req's cumulative output into OpenAI deltas: new text, logprobs, finish."""
+    """Turns one request's cumulative result into OpenAI deltas: new text, logprobs, finish."""
 
-    def __init__(self, req: Req, tokenizer, echo_text: str = ""):
-        self.req = req
+    def __init__(self, result: RequestResult, tokenizer, echo_text: str = ""):
+        self.result = result
         self.tokenizer = tokenizer
         self.pending_text = echo_text  # sent with the first delta
-        self.echo_logprobs = req.wants_input_logprobs
+        start = result.spec.logprob_start_len
+        self.echo_logprobs = start is not None and start >= 0
         self.sent_text = ""
         self.num_sent_logprobs = 0
         self.text_offset = 0
@@ -315,15 +287,15 @@ class ChoiceTracker:
         if self.finished:
             return None
         text = self._new_text()
-        logprobs = self._new_logprobs() if self.req.logprob is not None else []
-        finish = finish_reason(self.req)
+        logprobs = self._new_logprobs() if self.result.spec.wants_logprobs else []
+        finish = finish_reason(self.result)
         self.finished = finish is not None
         if not text and not logprobs and finish is None:
             return None
         return Delta(text, logprobs, finish)
 
     def _new_text(self) -> str:
-        text = output_text(self.req, self.tokenizer)
+        text = self.result.text()
         new = text[len(self.sent_text) :]
         if new:
             self.sent_text = text
@@ -331,12 +303,12 @@ class ChoiceTracker:
         return new
 
     def _new_logprobs(self) -> list[TokenLogprob]:
-        req = self.req
-        inputs, input_tops = req.input_logprobs, req.input_top_logprobs
-        if self.echo_logprobs and not inputs and len(req.input_ids) == 1:
+        result = self.result
+        inputs, input_tops = result.input_logprobs, result.input_top_logprobs
+        if self.echo_logprobs and not inputs and result.prompt_len == 1:
             # The core scores no position of a one-token prompt, not even the first (None).
-            inputs, input_tops = [(None, req.input_ids[0])], [None]
-        values, tops = inputs + req.output_logprobs, input_tops + req.output_top_logprobs
+            inputs, input_tops = [(None, result.spec.input_ids[0])], [None]
+        values, tops = inputs + result.output_logprobs, input_tops + result.output_top_logprobs
         start, self.num_sent_logprobs = self.num_sent_logprobs, len(values)
         return [self._entry(v, t, top) for (v, t), top in zip(values[start:], tops[start:])]
 
@@ -350,8 +322,8 @@ class ChoiceTracker:
 class ToolCallTracker(ChoiceTracker):
     """A chat choice that may call tools: its deltas carry content and complete tool calls."""
 
-    def __init__(self, req: Req, tokenizer, names: list[str]):
-        super().__init__(req, tokenizer)
+    def __init__(self, result: RequestResult, tokenizer, names: list[str]):
+        super().__init__(result, tokenizer)
         self.parser = ToolCallParser(names)
 
     def next_delta(self) -> Delta | None:
@@ -371,6 +343,12 @@ def _floor(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def finish_reason(req: Req) -> str | None:
+def finish_reason(result: RequestResult) -> str | None:
     """OpenAI's finish_reason: "stop", "length", or vLLM's "abort"; None while running."""
-    return None if req.finish_reason is None else req.finish_reason.get("type", "abort")
+    return None if result.finish_reason is None else result.finish_reason.kind
+
+
+def error_event(message: str, status: int) -> dict[str, Any]:
+    """A stream's last event when it cannot go on."""
+    kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from radixserve.engine.request import Req
+from radixserve.engine.result import RequestResult
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import (
@@ -422,11 +422,12 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def usage(reqs: list[Req], n: int) -> dict[str, int | dict[str, int]]:
-    """Token counts; a prompt sampled n times (reqs p*n .. p*n+n-1) counts once."""
-    num_prompt = sum(len(req.input_ids) for req in reqs[::n])
-    num_completion = sum(len(req.output_ids) for req in reqs)
-    num_cached = sum(max(r.cached_tokens for r in reqs[i : i + n]) for i in range(0, len(reqs), n))
+def usage(results: list[RequestResult], n: int) -> dict[str, int | dict[str, int]]:
+    """Token counts; a prompt sampled n times (results p*n .. p*n+n-1) counts once."""
+    num_prompt = sum(r.prompt_len for r in results[::n])
+    num_completion = sum(len(r.output_ids) for r in results)
+    groups = range(0, len(results), n)
+    num_cached = sum(max(r.cached_tokens for r in results[i : i + n]) for i in groups)
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,

@@ -1,25 +1,31 @@
-"""What every HTTP handler shares: the core client, request builder, tokenizer, metrics."""
+"""What every HTTP handler shares: the engine client, request builder, tokenizer, metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from radixserve.config import ServerConfig
-from radixserve.engine.request import Req
+from radixserve.engine.client import EngineClient
+from radixserve.engine.protocol import RequestSpec
 from radixserve.engine.request_builder import RequestBuilder
-from radixserve.server.core_client import CoreClient
+from radixserve.engine.result import RequestResult, ResultStream
 from radixserve.server.errors import BadRequest
 from radixserve.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+TOKENIZER_THREADS = 2
 
 
 @dataclass
 class ServerState:
-    client: CoreClient
+    client: EngineClient
     builder: RequestBuilder
     tokenizer: Any
     config: ServerConfig
@@ -28,29 +34,47 @@ class ServerState:
     served_model_name: str
     max_running_requests: int
     metrics: ServerMetrics
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "radixserve-tokenize")
+    )
 
-    def check_capacity(self, num_new: int = 1) -> None:
-        """503 when `num_new` more requests would exceed running + queued limits."""
-        limit = self.max_running_requests + self.config.max_queued_requests
-        if self.client.num_active + num_new > limit:
-            raise BadRequest("too many queued requests; retry later", status=503)
+    @property
+    def max_active(self) -> int:
+        """Requests allowed at once: the running batch plus the queue."""
+        return self.max_running_requests + self.config.max_queued_requests
 
-    async def stream(self, req: Req):
-        """Runs `req` on the core, yielding it after each update; records its metrics."""
-        self.metrics.on_start(req)
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs tokenization or template rendering off the event loop, so that one huge
+        prompt never stalls the other streams."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def open(self, specs: list[RequestSpec]) -> ResultStream:
+        """Submits `specs` now: capacity check and registration happen together (a burst can
+        not exceed the limit); 503 when full or when the engine core is gone."""
+        return ResultStream(self.client, specs, self.tokenizer, self.max_active)
+
+    async def iterate(self, stream: ResultStream) -> AsyncIterator[tuple[int, RequestResult]]:
+        """(index, result) as each request changes, with its metrics recorded; leaving early
+        (client gone, error) aborts the unfinished requests."""
+        for result in stream.results:
+            self.metrics.on_start(result)
         try:
-            async with aclosing(self.client.stream(req)) as updates:
-                async for state in updates:
-                    self.metrics.on_update(req)
-                    yield state
+            async with stream:
+                async for index, result in stream:
+                    stream.settle(result)
+                    self.metrics.on_update(result)
+                    if result.finished:
+                        self.metrics.on_finish(result)
+                    yield index, result
         finally:
-            self.metrics.on_finish(req)
+            for result in stream.results:
+                self.metrics.on_finish(result)
 
-    async def run(self, req: Req) -> Req:
-        """Runs `req` to the end (recording its metrics); cancelling aborts it."""
-        async for _ in self.stream(req):
+    async def run(self, stream: ResultStream) -> list[RequestResult]:
+        """Runs every request of `stream` to the end; cancelling aborts them."""
+        async for _ in self.iterate(stream):
             pass
-        return req
+        return stream.results
 
 
 async def read_json(request: web.Request) -> Any:

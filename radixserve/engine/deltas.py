@@ -1,0 +1,45 @@
+"""The core side of the request stream: what a step added to a `Req`, as a `RequestOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.engine.protocol import RequestOutput
+from radixserve.engine.request import Req
+
+
+@dataclass
+class _Sent:
+    """How much of a request's output its caller has been sent."""
+
+    output: int = 0
+    input_logprobs: int = 0
+    output_logprobs: int = 0
+
+
+class DeltaTracker:
+    """Remembers what each request's caller has seen; forgets a request once it finished."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+
+    def delta(self, req: Req) -> RequestOutput:
+        sent = self._sent.setdefault(req.request_id, _Sent())
+        output = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=req.output_ids[sent.output :],
+            cached_tokens=req.cached_tokens,
+            queue_time=req.queue_time,
+            num_retractions=req.num_retractions,
+            finish_reason=req.finish_reason,
+            new_input_logprobs=req.input_logprobs[sent.input_logprobs :],
+            new_input_top_logprobs=req.input_top_logprobs[sent.input_logprobs :],
+            new_output_logprobs=req.output_logprobs[sent.output_logprobs :],
+            new_output_top_logprobs=req.output_top_logprobs[sent.output_logprobs :],
+        )
+        sent.output = len(req.output_ids)
+        sent.input_logprobs = len(req.input_logprobs)
+        sent.output_logprobs = len(req.output_logprobs)
+        if req.finished:
+            del self._sent[req.request_id]
+        return output
