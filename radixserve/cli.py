@@ -7,9 +7,9 @@ import logging
 import sys
 import time
 
-from radixserve.bench.cli import add_bench_parser, run_bench
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServerConfig
+from radixserve_bench.cli import add_bench_parser, run_bench
 
 
 def build_parser() -> argparse.ArgumentParser:

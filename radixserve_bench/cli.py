@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.client import LoadShape
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve_bench.client import LoadShape
 
 
 @dataclass
@@ -91,8 +91,8 @@ def add_bench_parser(sub) -> None:
     add_dataclass_args(offline, CacheConfig, "KV cache")
     add_dataclass_args(offline, SchedulerConfig, "scheduler")
     _add_common_args(offline)
-    from radixserve.bench.compare import add_compare_parser
-    from radixserve.bench.simulate_cli import add_simulate_parser
+    from radixserve_bench.compare import add_compare_parser
+    from radixserve_bench.simulate_cli import add_simulate_parser
 
     add_compare_parser(modes)
     add_simulate_parser(modes)
@@ -114,11 +114,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         return run_serve_bench(args)
     if args.bench_command == "compare":
-        from radixserve.bench.compare import run_compare_bench
+        from radixserve_bench.compare import run_compare_bench
 
         return run_compare_bench(args)
     if args.bench_command == "simulate":
-        from radixserve.bench.simulate_cli import run_simulate_bench
+        from radixserve_bench.simulate_cli import run_simulate_bench
 
         return run_simulate_bench(args)
     return run_offline_bench(args)
@@ -126,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def build_workloads(spec: WorkloadArgs, tokenizer, num_warmup: int):
     """The measured workload and the warm-up one, from the options."""
-    from radixserve.bench.workloads import make_workload, parse_overrides, warmup_workload
+    from radixserve_bench.workloads import make_workload, parse_overrides, warmup_workload
 
     try:
         overrides = parse_overrides(spec.workload_args)
@@ -137,7 +137,7 @@ def build_workloads(spec: WorkloadArgs, tokenizer, num_warmup: int):
 
 
 def load_tokenizer(path: str | None):
-    from radixserve.bench.workloads import default_tokenizer
+    from radixserve_bench.workloads import default_tokenizer
 
     if path is None:
         return default_tokenizer()
@@ -151,8 +151,8 @@ def common_args(args: argparse.Namespace) -> tuple[WorkloadArgs, LoadShape, Repo
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from radixserve.bench.backends import BACKENDS, make_backend
-    from radixserve.bench.client import run_online
+    from radixserve_bench.backends import BACKENDS, make_backend
+    from radixserve_bench.client import run_online
 
     spec, load, report = common_args(args)
     target = from_args(ServerTarget, args)
@@ -171,8 +171,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
-    from radixserve.bench.offline import run_offline
     from radixserve.engine.engine import Engine
+    from radixserve_bench.offline import run_offline
 
     spec, load, report = common_args(args)
     if not math.isinf(load.request_rate):
@@ -206,7 +206,7 @@ def run_config(mode: str, workload, load: LoadShape, target: dict[str, Any]) -> 
 
 def finish(runs, report: ReportArgs, config: dict[str, Any]) -> int:
     """Prints the table, writes the files; exit status 1 if a run completed nothing."""
-    from radixserve.bench.report import format_table, write_report
+    from radixserve_bench.report import format_table, write_report
 
     title = f"{config['workload']} ({config['workload_config'].get('preset')})"
     print(format_table(runs, title))
