@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import math
 import sys
 from dataclasses import dataclass
@@ -79,10 +80,11 @@ class EngineTarget:
     """auto | cpu | cuda."""
 
 
-def add_bench_parser(sub) -> None:
-    """Adds `bench` with its modes to the `radixserve` subcommands."""
-    bench = sub.add_parser("bench", help="benchmark serving workloads (see `bench serve -h`)")
-    modes = bench.add_subparsers(dest="bench_command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The `radixserve bench` parser, one subcommand per mode."""
+    about = "Benchmark serving workloads; `radixserve bench MODE -h` lists a mode's options."
+    parser = argparse.ArgumentParser(prog="radixserve bench", description=about)
+    modes = parser.add_subparsers(dest="bench_command", required=True)
     serve = modes.add_parser("serve", help="benchmark a running server at --url")
     add_dataclass_args(serve, ServerTarget, "server")
     _add_common_args(serve)
@@ -96,6 +98,14 @@ def add_bench_parser(sub) -> None:
 
     add_compare_parser(modes)
     add_simulate_parser(modes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `radixserve bench ...`; `argv` is what follows `bench`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return run_bench(args)
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +120,7 @@ def from_args(cls: type, args: argparse.Namespace):
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Entry point of `radixserve bench ...`."""
+    """Runs the parsed mode."""
     if args.bench_command == "serve":
         return run_serve_bench(args)
     if args.bench_command == "compare":
