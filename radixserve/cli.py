@@ -91,8 +91,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_bench(argv: list[str]) -> int:
     """`radixserve bench ...`: the bench is a tool beside the runtime, imported only here."""
-    from radixserve_bench.cli import main as bench_main
-
+    try:
+        from radixserve_bench.cli import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "radixserve_bench":
+            raise
+        # an editable install made before the bench moved out maps only `radixserve`
+        message = "radixserve bench: radixserve_bench is not installed; run `pip install -e .`"
+        raise SystemExit(f"{message} (or scripts/install.sh) again") from None
     return bench_main(argv)
 
 

@@ -106,3 +106,20 @@ def test_bench_without_a_mode_is_a_usage_error(capsys):
         main(["bench"])
     assert exit_info.value.code == 2
     assert "radixserve bench" in capsys.readouterr().err
+
+
+class HideBench:
+    """A meta path finder that makes radixserve_bench look not installed."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name == "radixserve_bench":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def test_bench_missing_says_to_reinstall(monkeypatch):
+    for name in [m for m in sys.modules if m.startswith("radixserve_bench")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [HideBench(), *sys.meta_path])
+    with pytest.raises(SystemExit, match="radixserve_bench is not installed"):
+        main(["bench", "--help"])
