@@ -13,7 +13,7 @@ test:
 	.venv/bin/python -m pytest -q
 
 lint:
-	.venv/bin/ruff check radixserve kernels tests benchmarks
+	.venv/bin/ruff check radixserve radixserve_bench kernels tests benchmarks
 
 bench-forward:
 	.venv/bin/python benchmarks/forward_micro.py

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from radixserve import Engine
-from radixserve.bench.hit_rate import max_hit_rate
+from radixserve_bench.hit_rate import max_hit_rate
 
 TOKEN_RANGE = (1000, 40000)  # ordinary tokens of the default model's vocabulary
 

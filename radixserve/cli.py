@@ -1,4 +1,5 @@
-"""`radixserve` command line: `generate` (offline batch), `serve` (HTTP server), `bench`."""
+"""`radixserve` command line: `generate` (offline batch), `serve` (HTTP server), `bench`
+(the benchmarks, a separate package)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import logging
 import sys
 import time
 
-from radixserve.bench.cli import add_bench_parser, run_bench
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServerConfig
 
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(srv, CacheConfig, "KV cache")
     add_dataclass_args(srv, SchedulerConfig, "scheduler")
-    add_bench_parser(sub)
+    # listed for --help only: main hands everything after `bench` to radixserve_bench
+    sub.add_parser("bench", add_help=False, help="benchmark serving workloads (see `bench -h`)")
     return parser
 
 
@@ -88,15 +89,29 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(argv: list[str]) -> int:
+    """`radixserve bench ...`: the bench is a tool beside the runtime, imported only here."""
+    try:
+        from radixserve_bench.cli import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "radixserve_bench":
+            raise
+        # an editable install made before the bench moved out maps only `radixserve`
+        message = "radixserve bench: radixserve_bench is not installed; run `pip install -e .`"
+        raise SystemExit(f"{message} (or scripts/install.sh) again") from None
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the only top-level option is -h, so the command comes first
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
-    if args.command == "bench":
-        return run_bench(args)
     return 2
 
 

@@ -20,10 +20,10 @@ from transformers import (  # noqa: E402
     Qwen3Config,
 )
 
-from radixserve.bench.systems import free_port  # noqa: E402
 from radixserve.config import CacheConfig, LoadConfig  # noqa: E402
 from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.runner import ModelRunner  # noqa: E402
+from radixserve_bench.systems import free_port  # noqa: E402
 
 TINY = dict(
     hidden_size=64,

@@ -1,4 +1,4 @@
-"""radixserve.bench without a server: workloads, theoretical hit rates, metrics, report files."""
+"""radixserve_bench without a server: workloads, theoretical hit rates, metrics, report files."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from radixserve.bench.client import arrival_times
-from radixserve.bench.hit_rate import PageTrie, max_hit_rate, max_hit_tokens
-from radixserve.bench.metrics import (
+from radixserve_bench.client import arrival_times
+from radixserve_bench.hit_rate import PageTrie, max_hit_rate, max_hit_tokens
+from radixserve_bench.metrics import (
     compute_metrics,
     latency_stats,
     peak_concurrency,
@@ -18,9 +18,9 @@ from radixserve.bench.metrics import (
     request_itls,
     request_tpot,
 )
-from radixserve.bench.record import BenchRun, RequestResult
-from radixserve.bench.report import format_table, write_report
-from radixserve.bench.workloads import (
+from radixserve_bench.record import BenchRun, RequestResult
+from radixserve_bench.report import format_table, write_report
+from radixserve_bench.workloads import (
     WORKLOADS,
     BenchRequest,
     Workload,
@@ -40,7 +40,7 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from radixserve.bench.workloads import default_tokenizer
+    from radixserve_bench.workloads import default_tokenizer
 
     return default_tokenizer()
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from radixserve.bench.compare import TokenCosts, compare_runs, format_comparison, ideal_speedup
-from radixserve.bench.record import BenchRun
-from radixserve.bench.systems import LaunchOptions, parse_systems, unavailable_reason
 from radixserve.cli import main
+from radixserve_bench.compare import TokenCosts, compare_runs, format_comparison, ideal_speedup
+from radixserve_bench.record import BenchRun
+from radixserve_bench.systems import LaunchOptions, parse_systems, unavailable_reason
 
 SHARED_PREFIX = "num_groups=2,prompts_per_group=3,system_len=64,question_len=8,output_len=4"
 
@@ -62,7 +62,7 @@ def test_compare_runs_rows_targets_and_followup_ratio():
 
 
 def test_probe_prompts_share_exactly_the_requested_prefix():
-    from radixserve.bench.compare import probe_workload
+    from radixserve_bench.compare import probe_workload
 
     decode = probe_workload("d", 4, 40, 5, seed=0, shared_len=32).prompts()
     assert all(len(p) == 40 and p[:32] == decode[0][:32] for p in decode)
@@ -112,8 +112,8 @@ def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_pa
 
 
 def test_llama_cpp_backend_sends_text_and_holds_off_eos():
-    from radixserve.bench.backends import make_backend
-    from radixserve.bench.workloads import default_tokenizer
+    from radixserve_bench.backends import make_backend
+    from radixserve_bench.workloads import default_tokenizer
 
     tokenizer = default_tokenizer()
     ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
@@ -125,7 +125,7 @@ def test_llama_cpp_backend_sends_text_and_holds_off_eos():
 
 
 def test_llama_cpp_command_keeps_concurrent_streams():
-    from radixserve.bench.systems import SYSTEMS, server_command
+    from radixserve_bench.systems import SYSTEMS, server_command
 
     command = server_command(SYSTEMS["llama-cpp"], LaunchOptions(), 1234, 16)
     assert command[command.index("--interrupt_requests") + 1] == "False"

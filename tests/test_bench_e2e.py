@@ -8,9 +8,9 @@ import json
 import pytest
 
 from conftest import make_engine
-from radixserve.bench.offline import run_offline
-from radixserve.bench.workloads import make_workload, parse_overrides
 from radixserve.cli import main
+from radixserve_bench.offline import run_offline
+from radixserve_bench.workloads import make_workload, parse_overrides
 
 SHARED_PREFIX = "num_groups=2,prompts_per_group=3,system_len=64,question_len=8,output_len=4"
 MULTI_TURN = "num_conversations=2,num_turns=3,system_len=32,user_len=8,output_len=6"

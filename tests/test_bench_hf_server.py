@@ -1,4 +1,4 @@
-"""The HF transformers baseline server (radixserve.bench.hf_server) in a subprocess: greedy
+"""The HF transformers baseline server (radixserve_bench.hf_server) in a subprocess: greedy
 output equal to transformers' own `generate`, alone and in left-padded static batches,
 streaming, exact lengths, errors, and the bench client against it."""
 
@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from conftest import ServerProcess, hf_model, prompt_ids
-from radixserve.bench.backends import NativeBackend
-from radixserve.bench.client import LoadShape, run_online
-from radixserve.bench.hf_batcher import HFRequest, RowsDone, RowStreamer, left_pad
-from radixserve.bench.workloads import default_tokenizer, make_workload, parse_overrides
+from radixserve_bench.backends import NativeBackend
+from radixserve_bench.client import LoadShape, run_online
+from radixserve_bench.hf_batcher import HFRequest, RowsDone, RowStreamer, left_pad
+from radixserve_bench.workloads import default_tokenizer, make_workload, parse_overrides
 
 MAX_BATCH = 4
 
 
 class HFServerProcess(ServerProcess):
     def command(self, model: str) -> list[str]:
-        return [sys.executable, "-m", "radixserve.bench.hf_server", "--model", model]
+        return [sys.executable, "-m", "radixserve_bench.hf_server", "--model", model]
 
 
 @pytest.fixture(scope="module")

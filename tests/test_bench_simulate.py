@@ -8,11 +8,11 @@ import json
 import pytest
 
 from conftest import make_engine
-from radixserve.bench.offline import run_offline
-from radixserve.bench.sim_runner import CostModel
-from radixserve.bench.simulate import SimLoad, simulate
-from radixserve.bench.workloads import BenchRequest, Workload, make_workload, parse_overrides
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve_bench.offline import run_offline
+from radixserve_bench.sim_runner import CostModel
+from radixserve_bench.simulate import SimLoad, simulate
+from radixserve_bench.workloads import BenchRequest, Workload, make_workload, parse_overrides
 
 SHARED_PREFIX = "num_groups=3,prompts_per_group=4,system_len=64,question_len=8,output_len=4"
 MULTI_TURN = "num_conversations=3,num_turns=3,system_len=32,user_len=8,output_len=6"
@@ -21,7 +21,7 @@ LONG_ANSWERS = "num_conversations=4,num_turns=2,system_len=16,user_len=8,output_
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from radixserve.bench.workloads import default_tokenizer
+    from radixserve_bench.workloads import default_tokenizer
 
     return default_tokenizer()
 

@@ -439,10 +439,10 @@ class WordTokenizer:
 
 @section("shared_prefix", min_left_s=45)
 def shared_prefix(run: Run) -> dict:
-    from radixserve.bench.hit_rate import max_hit_rate
-    from radixserve.bench.workloads import make_workload
     from radixserve.config import CacheConfig, LoadConfig
     from radixserve.model.runner import ModelRunner
+    from radixserve_bench.hit_rate import max_hit_rate
+    from radixserve_bench.workloads import make_workload
 
     if run.loaded is None:
         return {"skipped": "the engine section did not load the model"}

@@ -3,7 +3,7 @@
 radixserve               radix cache, lpm scheduling (the product)
 radixserve-no-cache      --disable-radix-cache: every prompt token prefilled
 radixserve-fcfs          --schedule-policy fcfs: cache on, arrival order
-hf-transformers          `model.generate` on static batches (radixserve.bench.hf_server)
+hf-transformers          `model.generate` on static batches (radixserve_bench.hf_server)
 llama-cpp                llama-cpp-python's OpenAI server on the same GGUF, when installed
 """
 
@@ -106,7 +106,7 @@ def server_command(
         # requests sent together (the next wave of a concurrency-limited client) share a batch
         wait = ["--batch-wait-ms", "100"]
         batch = ["--max-batch-size", str(options.hf_max_batch_size or max_batch), *wait]
-        return [sys.executable, "-m", "radixserve.bench.hf_server", *model_flag, "--port",
+        return [sys.executable, "-m", "radixserve_bench.hf_server", *model_flag, "--port",
                 str(port), *batch]  # fmt: skip
     threads = str(os.cpu_count() or 1)
     return [

@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.client import LoadShape
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve_bench.client import LoadShape
 
 
 @dataclass
@@ -79,10 +80,11 @@ class EngineTarget:
     """auto | cpu | cuda."""
 
 
-def add_bench_parser(sub) -> None:
-    """Adds `bench` with its modes to the `radixserve` subcommands."""
-    bench = sub.add_parser("bench", help="benchmark serving workloads (see `bench serve -h`)")
-    modes = bench.add_subparsers(dest="bench_command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The `radixserve bench` parser, one subcommand per mode."""
+    about = "Benchmark serving workloads; `radixserve bench MODE -h` lists a mode's options."
+    parser = argparse.ArgumentParser(prog="radixserve bench", description=about)
+    modes = parser.add_subparsers(dest="bench_command", required=True)
     serve = modes.add_parser("serve", help="benchmark a running server at --url")
     add_dataclass_args(serve, ServerTarget, "server")
     _add_common_args(serve)
@@ -91,11 +93,19 @@ def add_bench_parser(sub) -> None:
     add_dataclass_args(offline, CacheConfig, "KV cache")
     add_dataclass_args(offline, SchedulerConfig, "scheduler")
     _add_common_args(offline)
-    from radixserve.bench.compare import add_compare_parser
-    from radixserve.bench.simulate_cli import add_simulate_parser
+    from radixserve_bench.compare import add_compare_parser
+    from radixserve_bench.simulate_cli import add_simulate_parser
 
     add_compare_parser(modes)
     add_simulate_parser(modes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `radixserve bench ...`; `argv` is what follows `bench`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return run_bench(args)
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -110,15 +120,15 @@ def from_args(cls: type, args: argparse.Namespace):
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Entry point of `radixserve bench ...`."""
+    """Runs the parsed mode."""
     if args.bench_command == "serve":
         return run_serve_bench(args)
     if args.bench_command == "compare":
-        from radixserve.bench.compare import run_compare_bench
+        from radixserve_bench.compare import run_compare_bench
 
         return run_compare_bench(args)
     if args.bench_command == "simulate":
-        from radixserve.bench.simulate_cli import run_simulate_bench
+        from radixserve_bench.simulate_cli import run_simulate_bench
 
         return run_simulate_bench(args)
     return run_offline_bench(args)
@@ -126,7 +136,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def build_workloads(spec: WorkloadArgs, tokenizer, num_warmup: int):
     """The measured workload and the warm-up one, from the options."""
-    from radixserve.bench.workloads import make_workload, parse_overrides, warmup_workload
+    from radixserve_bench.workloads import make_workload, parse_overrides, warmup_workload
 
     try:
         overrides = parse_overrides(spec.workload_args)
@@ -137,7 +147,7 @@ def build_workloads(spec: WorkloadArgs, tokenizer, num_warmup: int):
 
 
 def load_tokenizer(path: str | None):
-    from radixserve.bench.workloads import default_tokenizer
+    from radixserve_bench.workloads import default_tokenizer
 
     if path is None:
         return default_tokenizer()
@@ -151,8 +161,8 @@ def common_args(args: argparse.Namespace) -> tuple[WorkloadArgs, LoadShape, Repo
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from radixserve.bench.backends import BACKENDS, make_backend
-    from radixserve.bench.client import run_online
+    from radixserve_bench.backends import BACKENDS, make_backend
+    from radixserve_bench.client import run_online
 
     spec, load, report = common_args(args)
     target = from_args(ServerTarget, args)
@@ -171,8 +181,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
-    from radixserve.bench.offline import run_offline
     from radixserve.engine.engine import Engine
+    from radixserve_bench.offline import run_offline
 
     spec, load, report = common_args(args)
     if not math.isinf(load.request_rate):
@@ -206,7 +216,7 @@ def run_config(mode: str, workload, load: LoadShape, target: dict[str, Any]) -> 
 
 def finish(runs, report: ReportArgs, config: dict[str, Any]) -> int:
     """Prints the table, writes the files; exit status 1 if a run completed nothing."""
-    from radixserve.bench.report import format_table, write_report
+    from radixserve_bench.report import format_table, write_report
 
     title = f"{config['workload']} ({config['workload_config'].get('preset')})"
     print(format_table(runs, title))

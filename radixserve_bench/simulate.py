@@ -19,15 +19,15 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from radixserve.bench.backends import greedy_params
-from radixserve.bench.client import arrival_times
-from radixserve.bench.sim_runner import CostModel, SimRunner
-from radixserve.bench.workloads import Workload
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
+from radixserve_bench.backends import greedy_params
+from radixserve_bench.client import arrival_times
+from radixserve_bench.sim_runner import CostModel, SimRunner
+from radixserve_bench.workloads import Workload
 
 MAX_IDLE_STEPS = 1000  # steps in a row without a forward: the scheduler is stuck
 

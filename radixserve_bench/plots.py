@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.bench.record import BenchRun
+from radixserve_bench.record import BenchRun
 
 
 def _pyplot():

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from radixserve.bench.record import RequestResult
+from radixserve_bench.record import RequestResult
 
 
 async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.client import LoadShape
-from radixserve.bench.record import BenchRun
-from radixserve.bench.systems import LaunchOptions, SystemSpec
+from radixserve_bench.client import LoadShape
+from radixserve_bench.record import BenchRun
+from radixserve_bench.systems import LaunchOptions, SystemSpec
 
 REFERENCE = "radixserve"
 # Where a system has a target in the benchmark issue: (speedup target, in units of the ideal?)
@@ -67,7 +67,7 @@ def probe_workload(
 ):
     """`num` random-token prompts of `prompt_len`: the first `shared_len` tokens common to all,
     the rest (at least the first token after them) different in each."""
-    from radixserve.bench.workloads import BenchRequest, Workload
+    from radixserve_bench.workloads import BenchRequest, Workload
 
     rng = random.Random(seed)
     shared = [rng.randrange(1000, 30000) for _ in range(shared_len)]
@@ -91,7 +91,7 @@ async def measure_token_costs(
     8 tokens, so that a caching server prefills little, and what it does prefill (its own
     count where it reports one) is priced at the prefill cost and taken out.
     """
-    from radixserve.bench.client import run_online
+    from radixserve_bench.client import run_online
 
     prefill_run = await run_online(
         probe_workload("probe-prefill", num_prefill, prompt_len, 1, seed), backend,
@@ -194,8 +194,8 @@ def format_comparison(comparison: dict[str, Any], costs: TokenCosts | None) -> s
 
 def add_compare_parser(modes) -> None:
     """`bench compare` and its options."""
-    from radixserve.bench.cli import _add_common_args
     from radixserve.cli_args import add_dataclass_args
+    from radixserve_bench.cli import _add_common_args
 
     parser = modes.add_parser("compare", help="start several systems and measure them side by side")
     add_dataclass_args(parser, CompareArgs, "systems")
@@ -205,8 +205,8 @@ def add_compare_parser(modes) -> None:
 
 def run_compare_bench(args: argparse.Namespace) -> int:
     """Entry point of `radixserve bench compare`."""
-    from radixserve.bench.cli import common_args, from_args, run_config
-    from radixserve.bench.systems import parse_systems
+    from radixserve_bench.cli import common_args, from_args, run_config
+    from radixserve_bench.systems import parse_systems
 
     spec, load, report = common_args(args)
     options, compare = from_args(LaunchOptions, args), from_args(CompareArgs, args)
@@ -214,8 +214,8 @@ def run_compare_bench(args: argparse.Namespace) -> int:
         systems = parse_systems(compare.systems)
     except ValueError as exc:
         raise SystemExit(f"radixserve bench compare: {exc}") from None
-    from radixserve.bench.cli import build_workloads, finish
     from radixserve.model.tokenizer import model_tokenizer
+    from radixserve_bench.cli import build_workloads, finish
 
     tokenizer = model_tokenizer(options.model)  # every system gets prompts built with it
     workload, warmup = build_workloads(spec, tokenizer, load.num_warmup)
@@ -239,9 +239,9 @@ def _measure_all(
     options: LaunchOptions, compare: CompareArgs,
 ):  # fmt: skip
     """Starts, measures and stops each system in turn; calibrates on the first radixserve."""
-    from radixserve.bench.backends import make_backend
-    from radixserve.bench.client import run_online
-    from radixserve.bench.systems import launch, unavailable_reason
+    from radixserve_bench.backends import make_backend
+    from radixserve_bench.client import run_online
+    from radixserve_bench.systems import launch, unavailable_reason
 
     max_batch = load.max_concurrency or 16
     runs: list[BenchRun] = []

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from radixserve.bench.text import TextSource
+from radixserve_bench.text import TextSource
 
 
 @dataclass(frozen=True)

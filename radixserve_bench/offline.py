@@ -11,12 +11,12 @@ import dataclasses
 import time
 from typing import Any
 
-from radixserve.bench.backends import greedy_params
-from radixserve.bench.client import LoadShape, load_metrics, progress_bar
-from radixserve.bench.metrics import compute_metrics, engine_counter_delta
-from radixserve.bench.record import BenchRun, RequestResult
-from radixserve.bench.workloads import Workload
 from radixserve.engine.request_builder import GenerateArgs
+from radixserve_bench.backends import greedy_params
+from radixserve_bench.client import LoadShape, load_metrics, progress_bar
+from radixserve_bench.metrics import compute_metrics, engine_counter_delta
+from radixserve_bench.record import BenchRun, RequestResult
+from radixserve_bench.workloads import Workload
 
 
 class OfflineRun:

@@ -1,7 +1,7 @@
 """HF transformers baseline server for `radixserve bench compare`: the part of SGLang's native
 API the bench client uses, served by plain `model.generate` on static batches.
 
-    python -m radixserve.bench.hf_server [--model M] [--port P] [--max-batch-size 16]
+    python -m radixserve_bench.hf_server [--model M] [--port P] [--max-batch-size 16]
 
 POST /generate   {"input_ids" | "text", "sampling_params": {"temperature": 0, "max_new_tokens",
                  "ignore_eos"}, "stream"}; greedy only, one prompt per request
@@ -22,12 +22,12 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.bench.hf_batcher import HFModel, HFRequest, StaticBatcher, Step, load_hf_model
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.http_runner import serve_app
 from radixserve.server.state import read_json
+from radixserve_bench.hf_batcher import HFModel, HFRequest, StaticBatcher, Step, load_hf_model
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream"}
 # Greedy decoding takes the argmax, which top_p / top_k / min_p always keep: they are no-ops.
@@ -265,7 +265,7 @@ async def serve(server: HFServer) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m radixserve.bench.hf_server", description=__doc__.split("\n\n")[0]
+        prog="python -m radixserve_bench.hf_server", description=__doc__.split("\n\n")[0]
     )
     add_dataclass_args(parser, HFServerConfig, "server")
     args = parser.parse_args(argv)

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.record import BenchRun
+from radixserve_bench.record import BenchRun
 
 SECTIONS: list[tuple[str, list[tuple[str, str, str]]]] = [
     ("Serving Benchmark Result", [
@@ -121,7 +121,7 @@ def package_version(name: str) -> str | None:
 
 def git_state() -> dict[str, Any]:
     """The commit of the radixserve checkout, and whether it had local changes."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
         try:
@@ -165,7 +165,7 @@ def _strict_json(value: Any) -> Any:
 
 def write_report(out_dir: Path | str, runs: list[BenchRun], config: dict[str, Any]) -> list[Path]:
     """Writes bench.json and the plots into `out_dir`; returns the paths written."""
-    from radixserve.bench.plots import write_plots
+    from radixserve_bench.plots import write_plots
 
     out_dir = Path(out_dir)
     paths = [write_json(out_dir / "bench.json", runs, config)]

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.bench.cli import WorkloadArgs, build_workloads, from_args, load_tokenizer
-from radixserve.bench.hit_rate import max_hit_rate
-from radixserve.bench.metrics import latency_stats
-from radixserve.bench.sim_runner import CostModel
-from radixserve.bench.simulate import SimLoad, SimResult, simulate
 from radixserve.cli_args import add_dataclass_args
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve_bench.cli import WorkloadArgs, build_workloads, from_args, load_tokenizer
+from radixserve_bench.hit_rate import max_hit_rate
+from radixserve_bench.metrics import latency_stats
+from radixserve_bench.sim_runner import CostModel
+from radixserve_bench.simulate import SimLoad, SimResult, simulate
 
 AT_MAX_BATCH = 0.9  # steps with at least this share of the largest batch count as "at max"
 CPU_BUCKET = 32  # per-step CPU time is also reported per bucket of this many batch requests
@@ -228,6 +228,6 @@ def _cell(value: Any, fmt: str, scale: float) -> str:
 
 def write_json(path: Path, rows: list[dict[str, Any]], config: dict[str, Any]) -> Path:
     """The configuration, the environment and one summary per simulated configuration."""
-    from radixserve.bench.report import write_results
+    from radixserve_bench.report import write_results
 
     return write_results(path, config, rows)

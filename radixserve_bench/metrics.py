@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixserve.bench.hit_rate import max_hit_rate
-from radixserve.bench.record import RequestResult
+from radixserve_bench.hit_rate import max_hit_rate
+from radixserve_bench.record import RequestResult
 
 PERCENTILES = (50, 90, 99)
 

@@ -17,9 +17,9 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from radixserve.bench.metrics import compute_metrics, engine_counter_delta
-from radixserve.bench.record import BenchRun, RequestResult
-from radixserve.bench.workloads import Workload
+from radixserve_bench.metrics import compute_metrics, engine_counter_delta
+from radixserve_bench.record import BenchRun, RequestResult
+from radixserve_bench.workloads import Workload
 
 DEFAULT_PAGE_SIZE = 16
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError)
