@@ -1,16 +1,21 @@
 """Offline mode: a workload through `radixserve.Engine` in-process, no HTTP.
 
-The run drives the engine's scheduler one step at a time, so every request's tokens are timed
-at the step that produced them, and a follow-up turn is submitted in the step right after its
-parent finished. Requests wait in workload order for one of `max_concurrency` slots.
+Requests go through the engine's request stream, driven in lockstep (`client.lockstep()`:
+the core thread stops and this loop steps the core itself, submitting in between): every
+request's tokens are timed at the step that produced them, and a follow-up turn is submitted
+in the step right after its parent finished, so `bench simulate` can reproduce the run
+exactly. Requests wait in workload order for one of `max_concurrency` slots.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
 
+from radixserve.engine.client import OutputStream
+from radixserve.engine.protocol import FinishAbort, RequestOutput
 from radixserve.engine.request_builder import GenerateArgs
 from radixserve_bench.backends import greedy_params
 from radixserve_bench.client import LoadShape, load_metrics, progress_bar
@@ -20,7 +25,7 @@ from radixserve_bench.workloads import Workload
 
 
 class OfflineRun:
-    """Feeds a workload to an Engine's scheduler and records every request."""
+    """Feeds a workload to an Engine's request stream and records every request."""
 
     def __init__(self, engine, workload: Workload, max_concurrency: int | None, bar):
         self.engine, self.workload, self.bar = engine, workload, bar
@@ -31,17 +36,30 @@ class OfflineRun:
         self.outputs: list[list[int]] = [[] for _ in range(num)]
         self.pending = list(range(num))
         self.finished = [False] * num
-        self.in_flight: dict[Any, int] = {}  # engine Req -> workload index
+        self.in_flight: set[int] = set()
         self.start = 0.0
 
     def run(self) -> tuple[list[RequestResult], float]:
         """Every request's result and the wall time from the first submission to the last."""
+        return asyncio.run(self._run())
+
+    async def _run(self) -> tuple[list[RequestResult], float]:
+        with self.engine.client.lockstep() as self.client:
+            return await self._run_steps()
+
+    async def _run_steps(self) -> tuple[list[RequestResult], float]:
+        self.streams: dict[int, OutputStream] = {}
         self.start = time.perf_counter()
-        while self.pending or self.in_flight:
+        self._submit_ready()
+        while self.in_flight:
+            self.client.step()
+            await asyncio.sleep(0)  # lets the step's deltas reach the streams' queues
+            elapsed = time.perf_counter() - self.start
+            for index in sorted(self.in_flight):
+                queue = self.streams[index].queue
+                while not queue.empty():
+                    self._record(index, queue.get_nowait()[1], elapsed)
             self._submit_ready()
-            if self.in_flight:
-                changed = self.engine.scheduler.step()
-                self._record(changed, time.perf_counter() - self.start)
         return self.results, time.perf_counter() - self.start
 
     def _submit_ready(self) -> None:
@@ -65,37 +83,32 @@ class OfflineRun:
         result.start_time = time.perf_counter() - self.start
         params = greedy_params(self.workload.requests[index].output_len)
         try:
-            reqs, _ = self.engine.builder.build(
+            specs, _ = self.engine.builder.build(
                 GenerateArgs(input_ids=prompt, sampling_params=params)
             )
         except ValueError as exc:
             return self._finish_failed(index, str(exc))
-        self.engine.scheduler.add_request(reqs[0])
-        self.in_flight[reqs[0]] = index
+        self.in_flight.add(index)
+        self.streams[index] = self.client.submit(specs)
 
-    def _record(self, changed, elapsed: float) -> None:
-        for req in changed:
-            index = self.in_flight.get(req)
-            if index is None:
-                continue
-            result = self.results[index]
-            new = len(req.output_ids) - len(result.output_ids)
-            if new > 0:
-                result.add_chunk(elapsed - result.start_time, new)
-                result.output_ids = list(req.output_ids)
-            if req.finished:
-                self._finish(req, index, elapsed)
+    def _record(self, index: int, output: RequestOutput, elapsed: float) -> None:
+        result = self.results[index]
+        if output.new_token_ids:
+            result.add_chunk(elapsed - result.start_time, len(output.new_token_ids))
+            result.output_ids = result.output_ids + output.new_token_ids
+        result.cached_tokens = output.cached_tokens
+        if output.finish_reason is not None:
+            self._finish(index, output, elapsed)
 
-    def _finish(self, req, index: int, elapsed: float) -> None:
+    def _finish(self, index: int, output: RequestOutput, elapsed: float) -> None:
         result = self.results[index]
         result.e2e = elapsed - result.start_time
-        result.prompt_len, result.output_len = len(req.input_ids), len(req.output_ids)
-        result.cached_tokens = req.cached_tokens
-        reason = req.finish_reason or {}
-        result.success = reason.get("type") != "abort"
-        result.error = "" if result.success else str(reason.get("message"))
+        result.prompt_len, result.output_len = len(self.prompts[index]), len(result.output_ids)
+        aborted = isinstance(output.finish_reason, FinishAbort)
+        result.success = not aborted
+        result.error = output.finish_reason.message if aborted else ""
         self.outputs[index] = result.output_ids
-        del self.in_flight[req]
+        self.in_flight.discard(index)
         self.finished[index] = True
         self.bar.update(1)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.engine.protocol import FinishAbort
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
@@ -154,7 +155,8 @@ class Simulation:
         if error:
             return self._fail(index, error)
         self.num_submitted += 1
-        req = Req(str(index), prompt, params, seed=0, arrival_time=float(self.num_submitted))
+        req = Req(str(index), str(index), prompt, params, seed=0,
+                  arrival_time=float(self.num_submitted))  # fmt: skip
         self.scheduler.add_request(req)
         self.in_flight[req] = index
 
@@ -204,8 +206,8 @@ class Simulation:
             del self.in_flight[req]
             times.finished = self.now
             self.outputs[index] = list(req.output_ids)
-            if (req.finish_reason or {}).get("type") == "abort":
-                return self._fail(index, str(req.finish_reason.get("message")))
+            if isinstance(req.finish_reason, FinishAbort):
+                return self._fail(index, req.finish_reason.message)
             for child in self.children[index]:
                 self._make_ready(child, max(self.slots[child], self.now))
 

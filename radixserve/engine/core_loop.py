@@ -47,11 +47,20 @@ class CoreLoop:
 
     def run(self) -> None:
         """Serves until the transport closes."""
-        while (messages := self.transport.receive(self._timeout())) is not None:
-            for message in messages:
-                self._handle(message)
-            if self.core.scheduler.has_work():
-                self._step()
+        while self.run_once(self._timeout()):
+            pass
+
+    def run_once(self, timeout: float | None = 0) -> bool:
+        """Handles the messages that arrive within `timeout`, then steps once if there is
+        work; False once the transport has closed."""
+        messages = self.transport.receive(timeout)
+        if messages is None:
+            return False
+        for message in messages:
+            self._handle(message)
+        if self.core.scheduler.has_work():
+            self._step()
+        return True
 
     def _timeout(self) -> float | None:
         if not self.core.scheduler.has_work():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from radixserve.engine.client import EngineClient
 from radixserve.engine.core import EngineCore
@@ -18,12 +20,17 @@ from radixserve.engine.protocol import CallResult, FromCore, StepOutputs, ToCore
 logger = logging.getLogger(__name__)
 
 
+_PAUSE = object()
+
+
 class _QueueTransport:
-    """Messages in through a thread-safe queue (None closes); out through a callback."""
+    """Messages in through a thread-safe queue (None closes, _PAUSE ends the thread's loop
+    for a lockstep block); out through a callback."""
 
     def __init__(self, inbox: queue.SimpleQueue, client: InProcessClient):
         self.inbox = inbox
         self.client = client
+        self.paused = False
 
     def receive(self, timeout: float | None) -> list[ToCore] | None:
         try:
@@ -31,8 +38,14 @@ class _QueueTransport:
         except queue.Empty:
             return []
         messages = [first]
-        while not self.inbox.empty():
+        while not self.inbox.empty() and messages[-1] is not _PAUSE:
             messages.append(self.inbox.get_nowait())
+        if messages[-1] is _PAUSE:
+            self.paused = True
+            messages.pop()
+            for message in messages:  # handled by the lockstep driver's first step
+                self.inbox.put(message)
+            return None
         return None if any(m is None for m in messages) else messages
 
     def send(self, message: FromCore) -> None:
@@ -44,20 +57,50 @@ class InProcessClient(EngineClient):
         super().__init__()
         self.core = core
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._transport = _QueueTransport(self._inbox, self)
+        self._loop = CoreLoop(core, self._transport)
+        self._thread: threading.Thread | None = None
+        self._start_thread()
+
+    @contextmanager
+    def lockstep(self) -> Iterator[InProcessClient]:
+        """Stops the core thread for the block: inside it only `step()` advances the core
+        (drivers that act between steps, e.g. the offline benchmark's follow-up turns)."""
+        self._stop_thread()
+        try:
+            yield self
+        finally:
+            self._start_thread()
+
+    def step(self) -> None:
+        """Handles what was sent, then runs one scheduler step (inside `lockstep()` only)."""
+        if self._thread is not None:
+            raise RuntimeError("step() advances the core only inside lockstep()")
+        self._loop.run_once(0)
+
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="radixserve-core", daemon=True)
         self._thread.start()
+
+    def _stop_thread(self) -> None:
+        self._inbox.put(_PAUSE)
+        self._thread.join()
+        self._thread = None
 
     def _send(self, message) -> None:
         self._inbox.put(message)
 
     def _run(self) -> None:
         try:
-            CoreLoop(self.core, _QueueTransport(self._inbox, self)).run()
+            self._loop.run()
         except BaseException as exc:
             logger.exception("engine core thread failed")
             self._fail_all(f"engine core failed: {type(exc).__name__}: {exc}")
             return
-        self._fail_all("engine is shut down")
+        if self._transport.paused:
+            self._transport.paused = False
+        else:
+            self._fail_all("engine is shut down")
 
     def _on_message(self, message: FromCore) -> None:
         if isinstance(message, StepOutputs):
@@ -68,4 +111,5 @@ class InProcessClient(EngineClient):
     def close(self) -> None:
         """Stops the core thread once it has handled what was sent before."""
         self._inbox.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
