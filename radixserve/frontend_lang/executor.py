@@ -100,15 +100,20 @@ class Executor:
             self.text += text
             self.changed.notify_all()
 
+    def set_var(self, name: str, value: Any) -> None:
+        """Sets a variable (a join gathers it like a generated one); its meta info stays."""
+        with self.changed:
+            self.variables[name] = value
+            self.done_vars.add(name)
+            self.set_since_fork.add(name)
+            self.changed.notify_all()
+
     def _set_var(self, name: str | None, value: Any, meta: Any = None) -> None:
         if name is None:
             return
         with self.changed:
-            self.variables[name] = value
             self.meta_info[name] = meta
-            self.done_vars.add(name)
-            self.set_since_fork.add(name)
-            self.changed.notify_all()
+            self.set_var(name, value)
 
     def _gen(self, expr: Gen) -> None:
         params = expr.params.merged_over(self.defaults)

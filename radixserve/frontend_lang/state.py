@@ -16,7 +16,8 @@ JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
 class ProgramState:
-    """`s += expr` appends; `s["name"]` reads a variable, waiting until it is set."""
+    """`s += expr` appends; `s["name"]` reads a variable, waiting until it is set;
+    `s["name"] = value` sets one."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
@@ -31,6 +32,9 @@ class ProgramState:
     def __getitem__(self, name: str) -> Any:
         return self.get_var(name)
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
     def __contains__(self, name: str) -> bool:
         self.sync()
         return name in self.executor.variables
@@ -42,8 +46,9 @@ class ProgramState:
         return self.executor.variables[name]
 
     def set_var(self, name: str, value: Any) -> None:
+        """Sets variable `name` after everything appended so far has run."""
         self.sync()
-        self.executor.variables[name] = value
+        self.executor.set_var(name, value)
 
     def get_meta_info(self, name: str) -> Any:
         """What the backend reported for variable `name` (logprobs, cached_tokens, ...)."""
