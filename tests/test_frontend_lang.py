@@ -271,9 +271,9 @@ def test_unreachable_backend_names_the_url():
 
 
 def test_no_backend_is_a_clear_error(monkeypatch):
-    from radixserve.frontend_lang import program
+    from radixserve.frontend_lang.global_config import global_config
 
-    monkeypatch.setattr(program, "_default_backend", None)
+    monkeypatch.setattr(global_config, "default_backend", None)
     with pytest.raises(ValueError, match="set_default_backend"):
         complete.run(prompt="Hi")
 
