@@ -98,6 +98,30 @@ def test_fork_lambda_join_modes_and_copy(backend):
     assert isinstance(state["y"], list) and len(state["y"]) == 1
 
 
+@sgl.function
+def parallel_encoding(s):
+    """Encode two documents in parallel from a shared preamble, then answer over both."""
+    s += PREAMBLE
+    forks = s.fork(2)
+    forks += lambda i: f"Document {i}: " + sgl.gen("doc", max_tokens=4, **GREEDY) + "\n"
+    fork_texts = [f.text() for f in forks]
+    forks.join(mode="concate_and_append")
+    s += "Answer:" + sgl.gen("answer", max_tokens=4, **GREEDY)
+    return fork_texts
+
+
+def test_parallel_encoding_answers_over_the_exactly_joined_text(backend):
+    """concate_and_append joins the forks' texts; the answer is the plain greedy continuation
+    of the joined text (exact, not spliced KV), served from the cached preamble."""
+    state = parallel_encoding.run(backend=backend)
+    joined = PREAMBLE + "".join(t[len(PREAMBLE) :] for t in state.ret_value) + "Answer:"
+    assert state.text() == joined + state["answer"]
+    params = {"max_new_tokens": 4} | GREEDY
+    assert state["answer"] == backend.generate(joined, params, {})["text"]
+    cached = state.get_meta_info("answer")["cached_tokens"]
+    assert cached >= len(backend.encode(PREAMBLE)) // PAGE * PAGE > 0
+
+
 def test_gather_replaces_a_name_reused_across_fork_levels(engine):
     @sgl.function
     def two_levels(s):

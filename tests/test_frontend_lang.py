@@ -271,9 +271,9 @@ def test_unreachable_backend_names_the_url():
 
 
 def test_no_backend_is_a_clear_error(monkeypatch):
-    from radixserve.frontend_lang import program
+    from radixserve.frontend_lang.global_config import global_config
 
-    monkeypatch.setattr(program, "_default_backend", None)
+    monkeypatch.setattr(global_config, "default_backend", None)
     with pytest.raises(ValueError, match="set_default_backend"):
         complete.run(prompt="Hi")
 
@@ -310,6 +310,32 @@ def test_var_scope_captures_the_text_of_a_block(backend):
 
     state = scoped.run(backend=backend)
     assert state.text() == "Intro. " + state["body"] and state["body"].startswith("Line:")
+
+
+def test_item_assignment_sets_a_variable_as_set_var_does(backend):
+    """`s["x"] = v` is SGLang's set_var: it replaces a generated value or adds a new one, in
+    the program and in a fork child (which a join then gathers like a generated variable)."""
+
+    @sgl.function
+    def annotated(s):
+        s += "Hi" + sgl.gen("x", max_tokens=2, **GREEDY)
+        raw = s["x"]
+        s["x"] = raw.upper()
+        s["note"] = {"len": len(raw)}
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f["k"] = i
+        forks.join()
+        return raw
+
+    state = annotated.run(backend=backend)
+    raw = state.ret_value
+    assert state["x"] == raw.upper() and state.text() == "Hi" + raw
+    assert state.get_meta_info("x")["completion_tokens"] == 2  # the gen's meta info stays
+    assert "note" in state and state["note"] == {"len": len(raw)}
+    assert state["k"] == [0, 1]
+    state["late"] = 1  # after the run, on the returned state
+    assert state.get_var("late") == 1
 
 
 def test_runtime_endpoint_sends_the_api_key_and_reports_http_errors():

@@ -1,6 +1,8 @@
 """The frontend language: SGLang's `@function` / gen / select / roles / fork, compiled onto
 the batching engine. A program written for `sglang` runs with `import radixserve as sgl`
-(or `from radixserve import frontend_lang as sgl`)."""
+(or `from radixserve import frontend_lang as sgl`). Every public name of SGLang's frontend
+exists here; the few radixserve does not implement (unsupported.py) raise
+NotImplementedError saying so."""
 
 from radixserve.engine.engine import Engine
 from radixserve.frontend_lang.api import (
@@ -28,6 +30,7 @@ from radixserve.frontend_lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from radixserve.frontend_lang.global_config import GlobalConfig, global_config
 from radixserve.frontend_lang.program import (
     SglFunction,
     function,
@@ -37,18 +40,38 @@ from radixserve.frontend_lang.program import (
 from radixserve.frontend_lang.roles import ChatTemplate
 from radixserve.frontend_lang.runtime_endpoint import RuntimeEndpoint
 from radixserve.frontend_lang.state import ProgramState, ProgramStateGroup
+from radixserve.frontend_lang.unsupported import (
+    Anthropic,
+    Crusoe,
+    LiteLLM,
+    OpenAI,
+    Runtime,
+    ServerArgs,
+    VertexAI,
+    image,
+    separate_reasoning,
+    video,
+)
 
 __all__ = [
+    "Anthropic",
     "Backend",
     "ChatTemplate",
     "ChoicesDecision",
     "ChoicesSamplingMethod",
+    "Crusoe",
     "Engine",
     "EngineBackend",
+    "GlobalConfig",
+    "LiteLLM",
+    "OpenAI",
     "ProgramState",
     "ProgramStateGroup",
+    "Runtime",
     "RuntimeEndpoint",
+    "ServerArgs",
     "SglFunction",
+    "VertexAI",
     "assistant",
     "assistant_begin",
     "assistant_end",
@@ -59,8 +82,11 @@ __all__ = [
     "gen_string",
     "get_default_backend",
     "get_server_info",
+    "global_config",
     "greedy_token_selection",
+    "image",
     "select",
+    "separate_reasoning",
     "set_default_backend",
     "system",
     "system_begin",
@@ -70,4 +96,5 @@ __all__ = [
     "user",
     "user_begin",
     "user_end",
+    "video",
 ]

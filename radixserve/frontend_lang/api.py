@@ -61,14 +61,50 @@ def _typed_gen(name: str | None, params: GenParams, dtype: type | str | None) ->
     return Gen(name, params, resolved)
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, **options: Any) -> Expr:
+def gen_int(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+) -> Expr:
     """gen constrained to an integer (regex -?\\d+); the variable is an int."""
-    return gen(name, max_tokens, dtype=int, **options)
+    return gen(**locals(), dtype=int)
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, **options: Any) -> Expr:
+def gen_string(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+) -> Expr:
     """gen constrained to a double-quoted string, as SGLang's (the quotes are kept)."""
-    return gen(name, max_tokens, dtype=str, **options)
+    return gen(**locals(), dtype=str)
 
 
 def select(
@@ -89,21 +125,21 @@ def select(
 # ---- roles -------------------------------------------------------------------------------
 
 
-def _role(role: str, expr: Expr | str | None) -> ExprList:
+def _role_common(name: str, expr: Expr | str | None = None) -> ExprList:
     inner = [] if expr is None else [to_expr(expr)]
-    return ExprList([RoleBegin(role), *inner, RoleEnd(role)])
+    return ExprList([RoleBegin(name), *inner, RoleEnd(name)])
 
 
 def system(expr: Expr | str | None = None) -> ExprList:
-    return _role("system", expr)
+    return _role_common("system", expr)
 
 
 def user(expr: Expr | str | None = None) -> ExprList:
-    return _role("user", expr)
+    return _role_common("user", expr)
 
 
 def assistant(expr: Expr | str | None = None) -> ExprList:
-    return _role("assistant", expr)
+    return _role_common("assistant", expr)
 
 
 def system_begin() -> Expr:

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from radixserve.frontend_lang.backends import Backend
+from radixserve.frontend_lang.global_config import global_config
 from radixserve.frontend_lang.ir import (
     Expr,
     ExprList,
@@ -26,6 +27,14 @@ from radixserve.frontend_lang.ir import (
 from radixserve.frontend_lang.sampling import GenParams, convert_value
 from radixserve.frontend_lang.select import select_choice
 from radixserve.frontend_lang.worker import SerialWorker
+
+
+def _detokenize_options() -> dict[str, bool]:
+    """Sent with every gen, as SGLang's frontend does."""
+    return {
+        "skip_special_tokens": global_config.skip_special_tokens_in_output,
+        "spaces_between_special_tokens": global_config.spaces_between_special_tokens_in_out,
+    }
 
 
 class Executor:
@@ -100,20 +109,26 @@ class Executor:
             self.text += text
             self.changed.notify_all()
 
-    def _set_var(self, name: str | None, value: Any, meta: Any = None) -> None:
-        if name is None:
-            return
+    def set_var(self, name: str, value: Any) -> None:
+        """Sets a variable (a join gathers it like a generated one); its meta info stays."""
         with self.changed:
             self.variables[name] = value
-            self.meta_info[name] = meta
             self.done_vars.add(name)
             self.set_since_fork.add(name)
             self.changed.notify_all()
 
+    def _set_var(self, name: str | None, value: Any, meta: Any = None) -> None:
+        if name is None:
+            return
+        with self.changed:
+            self.meta_info[name] = meta
+            self.set_var(name, value)
+
     def _gen(self, expr: Gen) -> None:
         params = expr.params.merged_over(self.defaults)
         params = params.with_stop(self.backend.chat_template.stop_str)
-        sampling, logprob = params.sampling_params(), params.logprob_options()
+        sampling = params.sampling_params() | _detokenize_options()
+        logprob = params.logprob_options()
         if (params.n or 1) > 1:
             self._gen_samples(expr, sampling, logprob)
             return

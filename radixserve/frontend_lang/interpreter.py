@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from radixserve.frontend_lang.backends import Backend
 from radixserve.frontend_lang.executor import Executor
+from radixserve.frontend_lang.global_config import global_config
 from radixserve.frontend_lang.sampling import GenParams
 from radixserve.frontend_lang.state import ProgramState
 from radixserve.frontend_lang.tracing import precache_shared_prefix
@@ -29,6 +30,8 @@ def run_program(func: Callable, backend: Backend, args: tuple, kwargs: dict,
             state.ret_value = func(state, *args, **kwargs)
         finally:
             executor.finish()
+        if global_config.verbosity >= 2:
+            print(state.text())
 
     executor.run_task(body)
     return state
@@ -44,7 +47,8 @@ def run_program_batch(
     generator_style: bool = False,
 ) -> list[ProgramState] | Iterator[ProgramState]:
     """Runs one program per kwargs dict, concurrently; results in input order."""
-    precache_shared_prefix(func, backend, batch_kwargs, defaults)
+    if global_config.enable_precache_with_tracing:
+        precache_shared_prefix(func, backend, batch_kwargs, defaults)
     pool = ThreadPoolExecutor(resolve_num_threads(num_threads, len(batch_kwargs)))
     futures = [pool.submit(run_program, func, backend, (), kw, defaults) for kw in batch_kwargs]
     results = _collect(futures, pool, progress_bar)

@@ -13,10 +13,21 @@ from radixserve.frontend_lang.ir import to_expr as _to_expr
 from radixserve.frontend_lang.streaming import iter_text, iter_var
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
+GroupAppend = Expr | str | Callable[[int], Expr | str] | list[Expr | str] | tuple
+
+
+def _reject_position_ids_offset(method: str, position_ids_offset: list[int] | None) -> None:
+    """SGLang takes this argument and never uses it; saying so beats ignoring it silently."""
+    if position_ids_offset is not None:
+        raise NotImplementedError(
+            f"{method}(position_ids_offset=...): forks continue at their parent's positions "
+            f"(SGLang's interpreter ignores this argument too)"
+        )
 
 
 class ProgramState:
-    """`s += expr` appends; `s["name"]` reads a variable, waiting until it is set."""
+    """`s += expr` appends; `s["name"]` reads a variable, waiting until it is set;
+    `s["name"] = value` sets one."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
@@ -31,6 +42,9 @@ class ProgramState:
     def __getitem__(self, name: str) -> Any:
         return self.get_var(name)
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
     def __contains__(self, name: str) -> bool:
         self.sync()
         return name in self.executor.variables
@@ -42,8 +56,9 @@ class ProgramState:
         return self.executor.variables[name]
 
     def set_var(self, name: str, value: Any) -> None:
+        """Sets variable `name` after everything appended so far has run."""
         self.sync()
-        self.executor.variables[name] = value
+        self.executor.set_var(name, value)
 
     def get_meta_info(self, name: str) -> Any:
         """What the backend reported for variable `name` (logprobs, cached_tokens, ...)."""
@@ -68,20 +83,22 @@ class ProgramState:
     # ---- roles and scopes ----------------------------------------------------------------
 
     def system(self, expr: Expr | str | None = None):
-        return self._role("system", expr)
+        return self._role_common("system", expr)
 
     def user(self, expr: Expr | str | None = None):
-        return self._role("user", expr)
+        return self._role_common("user", expr)
 
     def assistant(self, expr: Expr | str | None = None):
-        return self._role("assistant", expr)
+        return self._role_common("assistant", expr)
 
-    def _role(self, role: str, expr: Expr | str | None):
-        """`s.user("hi")` appends the whole turn; `with s.user():` wraps a block."""
+    def _role_common(self, name: str, expr: Expr | str | None = None):
+        """`s.user("hi")` appends the whole turn (and returns it); `with s.user():` wraps a
+        block."""
         if expr is not None:
-            self.executor.submit(RoleBegin(role) + _to_expr(expr) + RoleEnd(role))
-            return None
-        return self._scope(RoleBegin(role), RoleEnd(role))
+            turn = RoleBegin(name) + _to_expr(expr) + RoleEnd(name)
+            self.executor.submit(turn)
+            return turn
+        return self._scope(RoleBegin(name), RoleEnd(name))
 
     def var_scope(self, name: str):
         """`with s.var_scope("x"):` stores the text appended inside the block in `x`."""
@@ -95,16 +112,20 @@ class ProgramState:
 
     # ---- fork ----------------------------------------------------------------------------
 
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    def fork(
+        self, size: int = 1, position_ids_offset: list[int] | None = None
+    ) -> ProgramStateGroup:
         """`size` copies that continue from here concurrently; the prefix is cached once."""
+        _reject_position_ids_offset("fork", position_ids_offset)
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"fork size must be an int >= 1; got {size!r}")
         children = [ProgramState(e) for e in self.executor.fork(size)]
         return ProgramStateGroup(children, self)
 
     @contextmanager
-    def copy(self):
+    def copy(self, position_ids_offset: list[int] | None = None):
         """`with s.copy() as c:` a fork(1) joined on exit."""
+        _reject_position_ids_offset("copy", position_ids_offset)
         group = self.fork(1)
         try:
             yield group[0]
@@ -140,15 +161,21 @@ class ProgramState:
 
 
 class ProgramStateGroup:
-    """The states of a fork. `group += expr` (or `lambda i: expr`) appends to every child."""
+    """The states of a fork. `group += expr` appends to every child; `lambda i: expr`, or a
+    list with one expression per child, appends a different one to each."""
 
-    def __init__(self, states: list[ProgramState], src_state: ProgramState):
+    def __init__(self, states: list[ProgramState], src_state: ProgramState | None = None):
         self.states = states
         self.src_state = src_state
 
-    def __iadd__(self, other: Expr | str | Callable[[int], Expr | str]) -> ProgramStateGroup:
+    def __iadd__(self, other: GroupAppend) -> ProgramStateGroup:
+        if isinstance(other, (list, tuple)) and len(other) != len(self.states):
+            raise ValueError(f"appending {len(other)} expressions to {len(self.states)} forks")
         for i, state in enumerate(self.states):
-            state += other(i) if callable(other) else other
+            if callable(other):
+                state += other(i)
+            else:
+                state += other[i] if isinstance(other, (list, tuple)) else other
         return self
 
     def __getitem__(self, i: int) -> ProgramState:
@@ -169,6 +196,8 @@ class ProgramStateGroup:
         (one entry per child); concate_and_append: each child's new text is appended."""
         if mode not in JOIN_MODES:
             raise ValueError(f"join mode must be one of {JOIN_MODES}; got {mode!r}")
+        if self.src_state is None:
+            raise ValueError("join needs the state the group was forked from (src_state)")
         for state in self.states:
             state.sync()
         if mode == "gather_variable":

@@ -10,16 +10,33 @@ from typing import Any
 
 from radixserve.frontend_lang.backends import Backend, Output
 from radixserve.frontend_lang.executor import Executor
+from radixserve.frontend_lang.ir import Expr
 from radixserve.frontend_lang.roles import ChatTemplate
 from radixserve.frontend_lang.sampling import GenParams
 from radixserve.frontend_lang.state import ProgramState
 
 MIN_PRECACHE_TOKENS = 16
 """Shared prefixes shorter than this are not worth a separate warm-up request."""
+MIN_CACHE_PROGRAM_CHARS = 64
+"""SglFunction.cache() prefills a constant prefix longer than this (SGLang's cache_program)."""
 
 
 class StopTracing(Exception):
     """Raised at the first model call of a traced program."""
+
+
+class UnknownArgument(Expr):
+    """A program argument whose value tracing does not know (SGLang's SglArgument). Text
+    concatenated with it becomes an expression list, whose constant head is appended before
+    the executor stops at this expression, which it has no handler for; formatting or
+    inspecting it (f-string, str, bool, len, ==) stops the trace at once."""
+
+    def _stop(self, *args: Any, **kwargs: Any):
+        raise StopTracing
+
+    __str__ = __format__ = __bool__ = __len__ = __iter__ = __getitem__ = _stop
+    __getattr__ = __eq__ = __ne__ = _stop
+    __hash__ = object.__hash__
 
 
 class TracingBackend(Backend):
@@ -61,6 +78,17 @@ def constant_prefix(func: Callable, backend: Backend, kwargs: dict, defaults: Ge
     except Exception:  # StopTracing, or the program reading a value it never got; the real
         pass  # run reports real errors
     return executor.text
+
+
+def cache_program(
+    func: Callable, backend: Backend, arg_names: list[str], bound: dict[str, Any]
+) -> str:
+    """Prefills the constant prefix of `func` (its unbound arguments unknown); returns it."""
+    kwargs = {name: bound.get(name, UnknownArgument()) for name in arg_names}
+    prefix = constant_prefix(func, backend, kwargs, GenParams())
+    if len(prefix) > MIN_CACHE_PROGRAM_CHARS:
+        backend.cache_prefix(text=prefix)
+    return prefix
 
 
 def precache_shared_prefix(

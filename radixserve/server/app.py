@@ -151,12 +151,25 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def concate_and_append_request(request: web.Request) -> web.Response:
-    raise BadRequest(
-        "concate_and_append_request is not supported: the KV of a finished request was computed "
-        "at its own positions and context, so appending it to another request's context cannot "
-        "be exact; resend the joined text instead (the radix cache still reuses its prefix)",
-        param="src_rids",
-    )
+    """Accepts SGLang's parallel-encoding join and does nothing, exactly.
+
+    SGLang's frontend, on `forks.join("concate_and_append")`, has already appended the forks'
+    texts to the parent's text when it posts here (and waits forever on any non-200 answer).
+    Splicing the forks' KV after the parent's would be approximate: each fork's KV was
+    computed at its own positions, attending to the parent's prefix but not to its siblings.
+    The parent's next call sends the joined text instead; the radix tree serves the cached
+    common prefix and computes the rest exactly, at the right positions. The rids are the
+    client's program-state ids, never request ids here, so there is nothing to look up.
+    """
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", param="body")
+    src_rids = body.get("src_rids")
+    if not (isinstance(src_rids, list) and src_rids and all(isinstance(r, str) for r in src_rids)):
+        raise BadRequest("src_rids must be a non-empty list of strings", param="src_rids")
+    if not isinstance(body.get("dst_rid"), str):
+        raise BadRequest("dst_rid must be a string", param="dst_rid")
+    return web.json_response({"success": True})
 
 
 # ---- info and health ---------------------------------------------------------------------
