@@ -92,3 +92,32 @@ def test_an_error_in_a_streamed_program_surfaces_to_the_reader(backend):
     with pytest.raises(ValueError, match="role 'user' ends"):
         list(state.text_iter())
     assert isinstance(state.error(), ValueError)
+
+
+@sgl.function
+def scored(s, question):
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=6, return_logprob=True, top_logprobs_num=2,
+                               **GREEDY))  # fmt: skip
+
+
+def test_text_async_iter_meta_carries_each_chunks_logprobs(backend):
+    """SGLang's contract: each (piece, meta) holds the logprobs new in that chunk, and
+    output_token_logprobs_length counts them all; the variable's meta holds them all."""
+
+    async def collect():
+        state = scored.run("Why?", backend=backend, stream=True)
+        return state, [p async for p in state.text_async_iter("answer", return_meta_data=True)]
+
+    state, pairs = asyncio.run(collect())
+    assert len(pairs) > 1 and "".join(p for p, _ in pairs) == state["answer"]
+    whole = state.get_meta_info("answer")
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert [e for _, meta in pairs for e in meta[key]] == whole[key]
+    assert len(whole["output_token_logprobs"]) == 6
+    for _, meta in pairs:
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"]
+    plain = scored.run("Why?", backend=backend).get_meta_info("answer")
+    assert [e[:2] for e in plain["output_token_logprobs"]] == [
+        e[:2] for e in whole["output_token_logprobs"]
+    ]

@@ -52,6 +52,7 @@ class Executor:
         self.fork_start_text_pos = 0
         self.var_scopes: dict[str, int] = {}
         self.stream_text: dict[str, str] = {}  # raw text of each gen while it streams
+        self.stream_chunks: dict[str, list[tuple[str, dict]]] = {}  # (text so far, chunk meta)
         self.done_vars: set[str] = set()
         self.set_since_fork: set[str] = set()  # names this fork child assigned itself
         self.finished = False
@@ -150,16 +151,19 @@ class Executor:
         self._set_var(expr.name, values, [o["meta_info"] for o in outs])
 
     def _gen_streamed(self, name: str | None, sampling: dict, logprob: dict) -> dict:
-        base, out = self.text, None
+        """Streams a gen; the variable's final meta holds every chunk's logprobs."""
+        base, out, chunks = self.text, None, []
         for out in self.backend.generate_stream(base, sampling, logprob):
             with self.changed:
                 self.text = base + out["text"]
+                chunks.append((out["text"], out["meta_info"]))
                 if name is not None:
                     self.stream_text[name] = out["text"]
+                    self.stream_chunks[name] = chunks
                 self.changed.notify_all()
         if out is None:
             raise RuntimeError("the backend's stream ended without an output")
-        return out
+        return {"text": out["text"], "meta_info": merge_stream_meta([m for _, m in chunks])}
 
     def _select(self, expr: Select) -> None:
         decision = select_choice(self.backend, self.text, expr.choices, expr.method)
@@ -207,3 +211,21 @@ class Executor:
         child.messages = list(self.messages)
         child.cur_role, child.cur_role_begin_pos = self.cur_role, self.cur_role_begin_pos
         return child
+
+
+STREAMED_LIST_KEYS = (
+    "input_token_logprobs",
+    "output_token_logprobs",
+    "input_top_logprobs",
+    "output_top_logprobs",
+)
+
+
+def merge_stream_meta(metas: list[dict]) -> dict:
+    """The meta of a whole streamed gen: the last chunk's, with every chunk's logprobs (a
+    stream sends each logprob once, in the chunk that produced it)."""
+    merged = dict(metas[-1])
+    for key in STREAMED_LIST_KEYS:
+        if key in merged:
+            merged[key] = [entry for meta in metas for entry in meta.get(key, [])]
+    return merged

@@ -10,7 +10,7 @@ from typing import Any
 from radixserve.frontend_lang.executor import Executor
 from radixserve.frontend_lang.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
 from radixserve.frontend_lang.ir import to_expr as _to_expr
-from radixserve.frontend_lang.streaming import iter_text, iter_var
+from radixserve.frontend_lang.streaming import iter_text, iter_var, iter_var_chunks
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
 GroupAppend = Expr | str | Callable[[int], Expr | str] | list[Expr | str] | tuple
@@ -146,15 +146,16 @@ class ProgramState:
     async def text_async_iter(
         self, var_name: str | None = None, return_meta_data: bool = False
     ) -> AsyncIterator[Any]:
-        """text_iter for asyncio; with return_meta_data and a variable, (piece, meta) pairs."""
+        """text_iter for asyncio; with return_meta_data and a variable, (piece, meta_info)
+        pairs, one per streamed chunk, each meta with only that chunk's logprobs (SGLang's)."""
         loop = asyncio.get_running_loop()
-        pieces = self.text_iter(var_name)
+        if return_meta_data and var_name is not None:
+            pieces = iter_var_chunks(self.executor, var_name)
+        else:
+            pieces = self.text_iter(var_name)
         done = object()
         while (piece := await loop.run_in_executor(None, next, pieces, done)) is not done:
-            if return_meta_data and var_name is not None:
-                yield piece, self.executor.meta_info.get(var_name)
-            else:
-                yield piece
+            yield piece
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"

@@ -47,3 +47,26 @@ def _var_text(ex: Executor, name: str) -> str:
     """The final value if it is text, else the raw generated text so far."""
     value = ex.variables.get(name) if name in ex.done_vars else None
     return value if isinstance(value, str) else ex.stream_text.get(name, "")
+
+
+def iter_var_chunks(ex: Executor, name: str) -> Iterator[tuple[str, dict | None]]:
+    """Variable `name` as (new text, meta_info) per streamed chunk: each meta holds only the
+    logprobs new in its chunk, as SGLang's streams do. A gen that was not streamed (or that
+    ended before being read) gives its whole text and meta once."""
+    pos = num = 0
+    while True:
+        with ex.changed:
+            ex.changed.wait_for(lambda num=num: _chunks_changed(ex, name, num))
+            chunks = ex.stream_chunks.get(name, [])[num:]
+            done = name in ex.done_vars or ex.finished
+        for text, meta in chunks:
+            yield text[pos:], meta
+            pos, num = len(text), num + 1
+        if done and not chunks:
+            if num == 0 and name in ex.done_vars:
+                yield _var_text(ex, name), ex.meta_info.get(name)
+            return
+
+
+def _chunks_changed(ex: Executor, name: str, num: int) -> bool:
+    return len(ex.stream_chunks.get(name, [])) > num or name in ex.done_vars or ex.finished
