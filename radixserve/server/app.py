@@ -230,6 +230,20 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+async def check_integrity(request: web.Request) -> web.Response:
+    """Admin check (soak tests): every KV page is free, owned by the radix tree, or held by a
+    running request. 200 with the pool's counts, or 500 naming what broke."""
+    state = state_of(request)
+    try:
+        await state.client.check_integrity()
+    except RuntimeError as exc:
+        return error_response(500, f"integrity check failed: {exc}")
+    stats = await state.client.stats()
+    keys = ("pool_capacity_pages", "pool_free_pages", "tree_pages", "num_running_reqs",
+            "num_waiting_reqs")  # fmt: skip
+    return web.json_response({"ok": True, **{k: stats[k] for k in keys}})
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = state_of(request)
     body = state.metrics.render(await state.client.call("get_stats"))
@@ -251,5 +265,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
     return app
