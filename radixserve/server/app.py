@@ -236,6 +236,8 @@ async def check_integrity(request: web.Request) -> web.Response:
     state = state_of(request)
     try:
         await state.client.check_integrity()
+    except EngineDeadError:
+        raise
     except RuntimeError as exc:
         return error_response(500, f"integrity check failed: {exc}")
     stats = await state.client.stats()
