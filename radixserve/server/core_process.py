@@ -43,6 +43,7 @@ def core_info(core: EngineCore) -> dict[str, Any]:
         "page_size": pool.page_size,
         "device": str(core.runner.device),
         "dtype": str(pool.dtype).removeprefix("torch."),
+        "pid": os.getpid(),
     }
 
 
