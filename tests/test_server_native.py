@@ -149,6 +149,12 @@ BAD_GENERATE = [
     ({"input_ids": [-1]}, "input_ids"),
     ({"input_ids": [10**9]}, "input_ids"),
     ({"input_ids": [1] * 5000}, "context length"),
+    (
+        {"input_ids": [1] * 30, "sampling_params": {"max_new_tokens": 5000}},
+        "max_new_tokens is 5000 but the context length is 2048 and the prompt has 30 tokens: "
+        "at most 2018 tokens can be generated",
+    ),
+    ({"input_ids": [1] * 2000}, "max_new_tokens is 128"),  # SGLang's default max_new_tokens
     ({"text": "a", "sampling_params": "hot"}, "sampling_params"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
@@ -206,6 +212,12 @@ def test_bad_generate_requests_get_4xx_naming_the_field(server):
     assert status == 413
     assert run(get(server.url + "/health"))[0] == 200
     assert run(get(server.url + "/health_generate"))[0] == 200
+
+
+def test_max_new_tokens_may_fill_the_context_exactly(server):
+    body = {"input_ids": [1] * 2040, "sampling_params": GREEDY}  # 2040 + 8 = 2048
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200 and len(out["output_ids"]) == 8
 
 
 def test_info_endpoints(server):

@@ -117,6 +117,27 @@ def test_default_max_tokens_fills_the_context(client, server):
     assert response.choices[0].finish_reason == "length"
 
 
+def test_max_tokens_beyond_the_context_is_rejected_not_clipped(client, server):
+    prompt = [5] * 2040
+    assert complete(client, prompt=prompt, max_tokens=8).usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(client, prompt=prompt, max_tokens=9)
+    assert exc.value.param == "max_tokens"
+    assert exc.value.body["message"] == (
+        "max_tokens is 9 but the context length is 2048 and the prompt has 2040 tokens: "
+        "at most 8 tokens can be generated"
+    )
+    _, tokens = post(server, "/tokenize", {"messages": user("Hi")})
+    room = 2048 - tokens["count"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            chat(client, messages=user("Hi"), **{"max_tokens": None, name: 5000})
+        assert exc.value.param == name
+        message = exc.value.body["message"]
+        assert message.startswith(f"{name} is 5000 but the context length is 2048")
+        assert message.endswith(f"at most {room} tokens can be generated")
+
+
 # ---- streaming ---------------------------------------------------------------------------
 
 

@@ -90,18 +90,29 @@ class RequestBuilder:
             raise ValueError(f"input_ids must lie in [0, {self.vocab_size})")
 
     def check_length(self, ids: list[int], params: SamplingParams) -> None:
-        """Rejects empty or over-long prompts; clips max_new_tokens to the context length."""
+        """Rejects empty or over-long prompts, and max_new_tokens beyond what the context or
+        the KV pool leaves: never clips it (vLLM answers a 400 naming both numbers)."""
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
         if len(ids) >= self.context_length:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context length is {self.context_length}"
             )
-        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(ids))
+        self.check_max_new_tokens(len(ids), params.max_new_tokens)
         if len(ids) + params.max_new_tokens > self.capacity_tokens:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the KV pool ({self.capacity_tokens} tokens); raise max_total_tokens"
+            )
+
+    def check_max_new_tokens(self, num_prompt: int, max_new_tokens: int) -> None:
+        """Rejects a max_new_tokens that does not fit in the context after the prompt."""
+        room = self.context_length - num_prompt
+        if max_new_tokens > room:
+            raise ValueError(
+                f"max_new_tokens is {max_new_tokens} but the context length is "
+                f"{self.context_length} and the prompt has {num_prompt} tokens: at most {room} "
+                "tokens can be generated"
             )
 
     def new_req(self, ids, params, rid, salt, logprob, index: int = 0) -> Req:
