@@ -220,6 +220,13 @@ def test_max_new_tokens_may_fill_the_context_exactly(server):
     assert status == 200 and len(out["output_ids"]) == 8
 
 
+def test_native_temperature_has_no_upper_bound(server):
+    """SGLang's sampling_params.temperature is only >= 0; OpenAI's [0, 2] bound is not native."""
+    body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"temperature": 5.0}}
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200 and len(out["output_ids"]) == 8
+
+
 def test_info_endpoints(server):
     status, info = run(get(server.url + "/get_model_info"))
     assert status == 200 and info["is_generation"] is True and info["model_path"]

@@ -309,6 +309,7 @@ def test_unknown_model_is_not_found(client):
     ("kwargs", "field"),
     [
         ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"n": 0}, "n"),
@@ -337,6 +338,8 @@ def test_bad_completion_values_name_the_field(client, kwargs, field):
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
         ({"max_completion_tokens": -2}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"extra_body": {"chat_template_kwargs": [1]}}, "chat_template_kwargs"),
@@ -346,6 +349,12 @@ def test_bad_chat_values_name_the_field(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(client, **({"messages": user("Hi")} | kwargs))
     assert field in exc.value.message and exc.value.param == field
+
+
+def test_temperature_bounds_are_inclusive(client):
+    for temperature in (0, 2):
+        assert complete(client, prompt="Hi", temperature=temperature).choices[0].text
+        assert chat(client, messages=user("Hi"), temperature=temperature).choices[0].message
 
 
 # ---- tokenize ----------------------------------------------------------------------------
