@@ -184,6 +184,12 @@ BAD_GENERATE = [
     ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
     ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
     ({"text": "a", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 2.5}, "top_logprobs_num"),
+    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),  # checked without logprobs too
+    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": "a", "sampling_params": {"n": -1}}, "n"),
+    ({"text": "a", "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens"),
     ({"text": "a", "rid": 5}, "rid"),
     ({"text": ["a", "b"], "rid": "one"}, "rid"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
@@ -225,6 +231,14 @@ def test_native_temperature_has_no_upper_bound(server):
     body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"temperature": 5.0}}
     status, out = run(post(server.url + "/generate", body))
     assert status == 200 and len(out["output_ids"]) == 8
+
+
+def test_top_logprobs_num_up_to_the_bound(server):
+    body = {"input_ids": prompt_ids(2), "sampling_params": GREEDY | {"max_new_tokens": 2},
+            "return_logprob": True, "top_logprobs_num": 20}  # fmt: skip
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200
+    assert [len(top) for top in out["meta_info"]["output_top_logprobs"]] == [20, 20]
 
 
 def test_info_endpoints(server):

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.engine.request import LogprobRequest, Req
+from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest, Req
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams
 
@@ -142,14 +142,20 @@ def _per_prompt(value, count: int, name: str) -> list:
 
 
 def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | None:
+    """The logprobs asked for; the options are checked even when return_logprob is false,
+    so a bad value is never silently accepted."""
     if not isinstance(return_logprob, bool):
         raise ValueError(f"return_logprob must be a boolean; got {return_logprob!r}")
-    if not return_logprob:
-        return None
     start_len = -1 if start_len is None else start_len
     top_num = 0 if top_num is None else top_num
-    if not isinstance(start_len, int) or isinstance(start_len, bool) or start_len < -1:
+    if not _is_int(start_len) or start_len < -1:
         raise ValueError(f"logprob_start_len must be an int >= -1; got {start_len!r}")
-    if not isinstance(top_num, int) or isinstance(top_num, bool) or top_num < 0:
-        raise ValueError(f"top_logprobs_num must be an int >= 0; got {top_num!r}")
+    if not _is_int(top_num) or not 0 <= top_num <= MAX_LOGPROBS:
+        raise ValueError(f"top_logprobs_num must be an int in [0, {MAX_LOGPROBS}]; got {top_num!r}")
+    if not return_logprob:
+        return None
     return LogprobRequest(start_len=start_len, top_num=top_num)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from radixserve.engine.request import Req
+from radixserve.engine.request import MAX_LOGPROBS, Req
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import (
@@ -26,9 +26,6 @@ from radixserve.server.tool_calls import (
     check_tool_choice,
     check_tools,
 )
-
-MAX_LOGPROBS = 20
-"""Most top logprobs per token a request may ask for (vLLM's default max_logprobs)."""
 
 MAX_TEMPERATURE = 2.0
 """OpenAI's upper bound on temperature, which vLLM's OpenAI server keeps; SGLang's has none."""
