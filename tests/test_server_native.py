@@ -241,6 +241,22 @@ def test_top_logprobs_num_up_to_the_bound(server):
     assert [len(top) for top in out["meta_info"]["output_top_logprobs"]] == [20, 20]
 
 
+def test_seeds_beyond_64_bits_sample_like_their_low_64_bits(server):
+    """A seed past 64 bits once failed to reach the core (a 500 and a request never freed)."""
+
+    def output(seed: int) -> list[int]:
+        params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+        body = {"input_ids": prompt_ids(3), "sampling_params": params | {"sampling_seed": seed}}
+        status, out = run(post(server.url + "/generate", body))
+        assert status == 200, out
+        return out["output_ids"]
+
+    assert output(2**64 + 5) == output(5)
+    assert output(-1) == output(2**64 - 1)
+    _, info = run(get(server.url + "/server_info"))
+    assert info["num_active_requests"] == 0
+
+
 def test_info_endpoints(server):
     status, info = run(get(server.url + "/get_model_info"))
     assert status == 200 and info["is_generation"] is True and info["model_path"]

@@ -351,6 +351,12 @@ def test_bad_chat_values_name_the_field(client, kwargs, field):
     assert field in exc.value.message and exc.value.param == field
 
 
+def test_seed_beyond_64_bits_is_used_modulo_2_64(client):
+    texts = [complete(client, prompt="Hi", temperature=1.0, seed=s).choices[0].text
+             for s in (7, 2**70 + 7)]  # fmt: skip
+    assert texts[0] == texts[1]
+
+
 def test_temperature_bounds_are_inclusive(client):
     for temperature in (0, 2):
         assert complete(client, prompt="Hi", temperature=temperature).choices[0].text

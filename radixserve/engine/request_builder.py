@@ -15,6 +15,10 @@ from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest, Req
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams
 
+SEED_MASK = (1 << 64) - 1
+"""The sampler hashes a seed's low 64 bits, so any int seed is kept as just those: the same
+draws, and a value the engine core message (msgpack, 64 bits) can carry."""
+
 
 @dataclass
 class GenerateArgs:
@@ -62,6 +66,8 @@ class RequestBuilder:
             raise ValueError(f"sampling_params must be an object; got {type(params).__name__}")
         parsed = SamplingParams.from_dict(params)
         parsed.verify(self.vocab_size)
+        if parsed.sampling_seed is not None:
+            parsed.sampling_seed &= SEED_MASK
         if parsed.grammar is not None:
             check_grammar(*parsed.grammar)
         return parsed
@@ -120,7 +126,7 @@ class RequestBuilder:
             raise ValueError(f"rid must be a string; got {rid!r}")
         base = rid if rid is not None else f"req-{next(self._counter)}"
         seed = params.sampling_seed
-        seed = self._rng.getrandbits(62) if seed is None else seed + index
+        seed = self._rng.getrandbits(62) if seed is None else (seed + index) & SEED_MASK
         return Req(
             rid=base if params.n == 1 else f"{base}-{index}",
             input_ids=ids,
