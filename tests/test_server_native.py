@@ -334,3 +334,5 @@ def test_sigterm_during_a_request_exits_cleanly(tiny_chat_model):
 def test_wrong_method_is_a_json_405(server):
     status, reply = run(get(server.url + "/generate"))
     assert status == 405 and reply["error"]["code"] == 405
+    status, reply = run(get(server.url + "/flush_cache"))  # a GET must not change state
+    assert status == 405 and reply["error"]["code"] == 405

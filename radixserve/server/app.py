@@ -218,7 +218,7 @@ def build_app(state: ServerState) -> web.Application:
     app["state"] = state
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
-    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", flush_cache)  # it changes state: never on a GET
     app.router.add_post("/concate_and_append_request", concate_and_append_request)
     for path in ("/get_model_info", "/model_info"):
         app.router.add_get(path, model_info)
