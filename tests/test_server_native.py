@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+from types import SimpleNamespace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerProcess, prompt_ids
+from radixserve.config import ServerConfig
+from radixserve.server.app import api_key_matches, build_app
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -312,6 +316,67 @@ def test_api_key_and_queue_limit(tiny_chat_model):
         assert first_status == 200 and status == 503 and retry_after
     finally:
         assert proc.stop() == 0
+
+
+KNOWN_ROUTES = {
+    "/generate", "/abort_request", "/flush_cache", "/concate_and_append_request",
+    "/get_model_info", "/model_info", "/server_info", "/get_server_info", "/health_generate",
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+}  # fmt: skip
+OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
+
+
+def app_routes() -> list[tuple[str, str]]:
+    """Every (method, path) the server answers, read from build_app's router, so a route
+    added later is walked too."""
+    app = build_app(SimpleNamespace(config=ServerConfig()))
+    return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
+    routes = app_routes()
+    assert {path for _, path in routes} == KNOWN_ROUTES | OPEN_ROUTES
+    assert {method for method, _ in routes} == {"GET", "HEAD", "POST"}
+    proc = ServerProcess(tiny_chat_model, "--api-key", "sekret")
+
+    async def status(session, method: str, path: str, authorization: str | None) -> int:
+        headers = {} if authorization is None else {"Authorization": authorization}
+        body = {} if method == "POST" else None
+        async with session.request(method, proc.url + path, headers=headers, json=body) as r:
+            return r.status
+
+    async def walk() -> list:
+        wrong = (None, "Bearer wrong", "Bearer sekre", "sekret", "bearer sekret")
+        failures = []
+        async with aiohttp.ClientSession() as session:
+            for method, path in routes:
+                without = [await status(session, method, path, auth) for auth in wrong]
+                with_key = await status(session, method, path, "Bearer sekret")
+                guarded = path not in OPEN_ROUTES
+                ok = with_key != 401 and without == [401] * len(wrong) if guarded else (
+                    with_key == 200 and without == [200] * len(wrong))  # fmt: skip
+                if not ok:
+                    failures.append((method, path, without, with_key))
+        return failures
+
+    try:
+        assert run(walk()) == []
+    finally:
+        assert proc.stop() == 0
+
+
+def test_api_key_is_compared_in_constant_time(monkeypatch):
+    compared, real = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("radixserve.server.app.hmac.compare_digest", compare_digest)
+    assert api_key_matches("Bearer k3y", "k3y") and compared
+    assert not api_key_matches("Bearer k3", "k3y")
+    assert not api_key_matches("Bearer k3y\u00e9", "k3y")  # not ASCII: False, not a TypeError
+    assert len(compared) == 3
 
 
 def test_sigterm_during_a_request_exits_cleanly(tiny_chat_model):

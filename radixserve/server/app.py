@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from dataclasses import asdict
@@ -20,7 +21,9 @@ from radixserve.server.state import ServerState, read_json, state_of
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+OPEN_PATHS = ("/health", "/metrics")
+"""The only paths served without the API key: probes and scrapers carry none. Not
+/health_generate: it runs a generation on the GPU."""
 GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
@@ -56,9 +59,16 @@ async def error_middleware(request: web.Request, handler):
 async def auth_middleware(request: web.Request, handler):
     key = state_of(request).config.api_key
     if key and request.path not in OPEN_PATHS:
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
+        if not api_key_matches(request.headers.get("Authorization", ""), key):
             return error_response(401, "missing or invalid API key", param="Authorization")
     return await handler(request)
+
+
+def api_key_matches(authorization: str, key: str) -> bool:
+    """Whether the Authorization header is `Bearer <key>`, compared in constant time so the
+    answer's timing tells nothing about how much of a guess was right."""
+    given = authorization.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 # ---- native API --------------------------------------------------------------------------
