@@ -261,6 +261,51 @@ def test_seeds_beyond_64_bits_sample_like_their_low_64_bits(server):
     assert info["num_active_requests"] == 0
 
 
+MAX_BODY = 32 << 20  # the default --max-body-mb
+
+
+async def send_head(port: int, content_length: int) -> tuple[int, dict]:
+    """POSTs /generate announcing `content_length` bytes but sends one; returns the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {content_length}\r\n\r\n{{")  # fmt: skip
+    writer.write(head.encode())
+    try:
+        response_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        status_line, *header_lines = response_head.decode().strip().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in header_lines)
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+    finally:
+        writer.close()
+    assert headers.get("connection") == "close"  # the unread body is not kept for a next request
+    return int(status_line.split()[1]), json.loads(body)
+
+
+def test_body_size_is_checked_before_the_body_is_read(server):
+    """A too-long Content-Length is answered at once: without the check, the server would
+    wait (here forever) for the body it was promised."""
+    status, reply = run(send_head(server.port, MAX_BODY + 1))
+    assert status == 413 and reply["error"]["param"] == "body"
+    assert f"{MAX_BODY + 1} bytes" in reply["error"]["message"]
+
+    async def post_chunked() -> tuple[int, dict]:  # no Content-Length: client_max_size bounds it
+        async def chunks():
+            for _ in range(33):
+                yield b" " * (1 << 20)
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/generate", data=chunks()) as resp:
+                assert resp.request_info.headers.get("Transfer-Encoding") == "chunked"
+                return resp.status, await resp.json()
+
+    status, reply = run(post_chunked())
+    assert status == 413 and reply["error"]["param"] == "body"
+    body = json.dumps({"input_ids": prompt_ids(1), "sampling_params": GREEDY})
+    padded = body.encode().ljust(MAX_BODY, b" ")  # exactly at the limit: accepted
+    status, reply = run(post(server.url + "/generate", padded))
+    assert status == 200 and len(reply["output_ids"]) == 8
+
+
 def test_info_endpoints(server):
     status, info = run(get(server.url + "/get_model_info"))
     assert status == 200 and info["is_generation"] is True and info["model_path"]

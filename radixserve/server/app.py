@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.config import ServerConfig
 from radixserve.engine.output import format_output
 from radixserve.engine.request import Req
 from radixserve.engine.request_builder import GenerateArgs
@@ -69,6 +70,24 @@ def api_key_matches(authorization: str, key: str) -> bool:
     answer's timing tells nothing about how much of a guess was right."""
     given = authorization.encode("utf-8", "surrogateescape")
     return hmac.compare_digest(given, f"Bearer {key}".encode())
+
+
+@web.middleware
+async def body_size_middleware(request: web.Request, handler):
+    """A body whose Content-Length is over the limit is a 413 before any of it is read;
+    a chunked body (no Content-Length) is bounded by aiohttp's client_max_size as it is read."""
+    limit = max_body_bytes(state_of(request).config)
+    length = request.content_length
+    if length is not None and length > limit:
+        message = f"request body is {length} bytes; the limit is {limit} bytes (--max-body-mb)"
+        response = error_response(413, message, param="body")
+        response.force_close()  # the body stays unread: do not keep the connection
+        return response
+    return await handler(request)
+
+
+def max_body_bytes(config: ServerConfig) -> int:
+    return int(config.max_body_mb * (1 << 20))
 
 
 # ---- native API --------------------------------------------------------------------------
@@ -223,8 +242,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    max_size = int(state.config.max_body_mb * (1 << 20))
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=max_size)
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware, body_size_middleware],
+        client_max_size=max_body_bytes(state.config),
+    )
     app["state"] = state
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
