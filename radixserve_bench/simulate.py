@@ -167,7 +167,13 @@ class Simulation:
                 return (
                     f"prompt has {len(prompt)} tokens; the context length is {self.context_length}"
                 )
-            params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(prompt))
+            room = self.context_length - len(prompt)
+            if params.max_new_tokens > room:
+                return (
+                    f"max_new_tokens is {params.max_new_tokens} but the context length is "
+                    f"{self.context_length} and the prompt has {len(prompt)} tokens: at most "
+                    f"{room} tokens can be generated"
+                )
         if len(prompt) + params.max_new_tokens > self.runner.pool.capacity_tokens:
             return (
                 f"prompt + max_new_tokens exceed the KV pool ({self.runner.pool.capacity_tokens})"

@@ -178,6 +178,7 @@ def test_async_stream_yields_cumulative_outputs(tiny_chat_model):
     "kwargs, match",
     [
         ({"input_ids": [1] * 3000}, "context length"),
+        ({"input_ids": [1] * 30, "sampling_params": {"max_new_tokens": 2019}}, "at most 2018"),
         ({"input_ids": []}, "empty"),
         ({"input_ids": [VOCAB]}, "input_ids"),
         ({"prompt": "a", "input_ids": [1]}, "exactly one"),

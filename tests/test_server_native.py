@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+from types import SimpleNamespace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerProcess, prompt_ids
+from radixserve.config import ServerConfig
+from radixserve.server.app import api_key_matches, build_app
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -149,6 +153,12 @@ BAD_GENERATE = [
     ({"input_ids": [-1]}, "input_ids"),
     ({"input_ids": [10**9]}, "input_ids"),
     ({"input_ids": [1] * 5000}, "context length"),
+    (
+        {"input_ids": [1] * 30, "sampling_params": {"max_new_tokens": 5000}},
+        "max_new_tokens is 5000 but the context length is 2048 and the prompt has 30 tokens: "
+        "at most 2018 tokens can be generated",
+    ),
+    ({"input_ids": [1] * 2000}, "max_new_tokens is 128"),  # SGLang's default max_new_tokens
     ({"text": "a", "sampling_params": "hot"}, "sampling_params"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
@@ -178,6 +188,12 @@ BAD_GENERATE = [
     ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
     ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
     ({"text": "a", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 2.5}, "top_logprobs_num"),
+    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),  # checked without logprobs too
+    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": "a", "sampling_params": {"n": -1}}, "n"),
+    ({"text": "a", "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens"),
     ({"text": "a", "rid": 5}, "rid"),
     ({"text": ["a", "b"], "rid": "one"}, "rid"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
@@ -225,6 +241,87 @@ def test_concate_and_append_request_is_accepted_and_validated(server):
         status, reply = run(post(url, body))
         assert status == 400 and reply["error"]["param"] == field, (body, reply)
         assert field in reply["error"]["message"] or field == "body"
+
+def test_max_new_tokens_may_fill_the_context_exactly(server):
+    body = {"input_ids": [1] * 2040, "sampling_params": GREEDY}  # 2040 + 8 = 2048
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200 and len(out["output_ids"]) == 8
+
+
+def test_native_temperature_has_no_upper_bound(server):
+    """SGLang's sampling_params.temperature is only >= 0; OpenAI's [0, 2] bound is not native."""
+    body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"temperature": 5.0}}
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200 and len(out["output_ids"]) == 8
+
+
+def test_top_logprobs_num_up_to_the_bound(server):
+    body = {"input_ids": prompt_ids(2), "sampling_params": GREEDY | {"max_new_tokens": 2},
+            "return_logprob": True, "top_logprobs_num": 20}  # fmt: skip
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200
+    assert [len(top) for top in out["meta_info"]["output_top_logprobs"]] == [20, 20]
+
+
+def test_seeds_beyond_64_bits_sample_like_their_low_64_bits(server):
+    """A seed past 64 bits once failed to reach the core (a 500 and a request never freed)."""
+
+    def output(seed: int) -> list[int]:
+        params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+        body = {"input_ids": prompt_ids(3), "sampling_params": params | {"sampling_seed": seed}}
+        status, out = run(post(server.url + "/generate", body))
+        assert status == 200, out
+        return out["output_ids"]
+
+    assert output(2**64 + 5) == output(5)
+    assert output(-1) == output(2**64 - 1)
+    _, info = run(get(server.url + "/server_info"))
+    assert info["num_active_requests"] == 0
+
+
+MAX_BODY = 32 << 20  # the default --max-body-mb
+
+
+async def send_head(port: int, content_length: int) -> tuple[int, dict]:
+    """POSTs /generate announcing `content_length` bytes but sends one; returns the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {content_length}\r\n\r\n{{")  # fmt: skip
+    writer.write(head.encode())
+    try:
+        response_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        status_line, *header_lines = response_head.decode().strip().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in header_lines)
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+    finally:
+        writer.close()
+    assert headers.get("connection") == "close"  # the unread body is not kept for a next request
+    return int(status_line.split()[1]), json.loads(body)
+
+
+def test_body_size_is_checked_before_the_body_is_read(server):
+    """A too-long Content-Length is answered at once: without the check, the server would
+    wait (here forever) for the body it was promised."""
+    status, reply = run(send_head(server.port, MAX_BODY + 1))
+    assert status == 413 and reply["error"]["param"] == "body"
+    assert f"{MAX_BODY + 1} bytes" in reply["error"]["message"]
+
+    async def post_chunked() -> tuple[int, dict]:  # no Content-Length: client_max_size bounds it
+        async def chunks():
+            for _ in range(33):
+                yield b" " * (1 << 20)
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/generate", data=chunks()) as resp:
+                assert resp.request_info.headers.get("Transfer-Encoding") == "chunked"
+                return resp.status, await resp.json()
+
+    status, reply = run(post_chunked())
+    assert status == 413 and reply["error"]["param"] == "body"
+    body = json.dumps({"input_ids": prompt_ids(1), "sampling_params": GREEDY})
+    padded = body.encode().ljust(MAX_BODY, b" ")  # exactly at the limit: accepted
+    status, reply = run(post(server.url + "/generate", padded))
+    assert status == 200 and len(reply["output_ids"]) == 8
 
 
 def test_info_endpoints(server):
@@ -284,6 +381,68 @@ def test_api_key_and_queue_limit(tiny_chat_model):
         assert proc.stop() == 0
 
 
+KNOWN_ROUTES = {
+    "/generate", "/abort_request", "/flush_cache", "/concate_and_append_request",
+    "/get_model_info", "/model_info", "/server_info", "/get_server_info", "/health_generate",
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+    "/check_integrity",
+}  # fmt: skip
+OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
+
+
+def app_routes() -> list[tuple[str, str]]:
+    """Every (method, path) the server answers, read from build_app's router, so a route
+    added later is walked too."""
+    app = build_app(SimpleNamespace(config=ServerConfig()))
+    return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
+    routes = app_routes()
+    assert {path for _, path in routes} == KNOWN_ROUTES | OPEN_ROUTES
+    assert {method for method, _ in routes} == {"GET", "HEAD", "POST"}
+    proc = ServerProcess(tiny_chat_model, "--api-key", "sekret")
+
+    async def status(session, method: str, path: str, authorization: str | None) -> int:
+        headers = {} if authorization is None else {"Authorization": authorization}
+        body = {} if method == "POST" else None
+        async with session.request(method, proc.url + path, headers=headers, json=body) as r:
+            return r.status
+
+    async def walk() -> list:
+        wrong = (None, "Bearer wrong", "Bearer sekre", "sekret", "bearer sekret")
+        failures = []
+        async with aiohttp.ClientSession() as session:
+            for method, path in routes:
+                without = [await status(session, method, path, auth) for auth in wrong]
+                with_key = await status(session, method, path, "Bearer sekret")
+                guarded = path not in OPEN_ROUTES
+                ok = with_key != 401 and without == [401] * len(wrong) if guarded else (
+                    with_key == 200 and without == [200] * len(wrong))  # fmt: skip
+                if not ok:
+                    failures.append((method, path, without, with_key))
+        return failures
+
+    try:
+        assert run(walk()) == []
+    finally:
+        assert proc.stop() == 0
+
+
+def test_api_key_is_compared_in_constant_time(monkeypatch):
+    compared, real = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr("radixserve.server.app.hmac.compare_digest", compare_digest)
+    assert api_key_matches("Bearer k3y", "k3y") and compared
+    assert not api_key_matches("Bearer k3", "k3y")
+    assert not api_key_matches("Bearer k3y\u00e9", "k3y")  # not ASCII: False, not a TypeError
+    assert len(compared) == 3
+
+
 def test_sigterm_during_a_request_exits_cleanly(tiny_chat_model):
     proc = ServerProcess(tiny_chat_model)
 
@@ -303,4 +462,6 @@ def test_sigterm_during_a_request_exits_cleanly(tiny_chat_model):
 
 def test_wrong_method_is_a_json_405(server):
     status, reply = run(get(server.url + "/generate"))
+    assert status == 405 and reply["error"]["code"] == 405
+    status, reply = run(get(server.url + "/flush_cache"))  # a GET must not change state
     assert status == 405 and reply["error"]["code"] == 405

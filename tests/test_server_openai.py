@@ -124,6 +124,27 @@ def test_default_max_tokens_fills_the_context(client, server):
     assert response.choices[0].finish_reason == "length"
 
 
+def test_max_tokens_beyond_the_context_is_rejected_not_clipped(client, server):
+    prompt = [5] * 2040
+    assert complete(client, prompt=prompt, max_tokens=8).usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(client, prompt=prompt, max_tokens=9)
+    assert exc.value.param == "max_tokens"
+    assert exc.value.body["message"] == (
+        "max_tokens is 9 but the context length is 2048 and the prompt has 2040 tokens: "
+        "at most 8 tokens can be generated"
+    )
+    _, tokens = post(server, "/tokenize", {"messages": user("Hi")})
+    room = 2048 - tokens["count"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            chat(client, messages=user("Hi"), **{"max_tokens": None, name: 5000})
+        assert exc.value.param == name
+        message = exc.value.body["message"]
+        assert message.startswith(f"{name} is 5000 but the context length is 2048")
+        assert message.endswith(f"at most {room} tokens can be generated")
+
+
 # ---- streaming ---------------------------------------------------------------------------
 
 
@@ -295,6 +316,7 @@ def test_unknown_model_is_not_found(client):
     ("kwargs", "field"),
     [
         ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"n": 0}, "n"),
@@ -323,6 +345,8 @@ def test_bad_completion_values_name_the_field(client, kwargs, field):
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
         ({"max_completion_tokens": -2}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"extra_body": {"chat_template_kwargs": [1]}}, "chat_template_kwargs"),
@@ -332,6 +356,18 @@ def test_bad_chat_values_name_the_field(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(client, **({"messages": user("Hi")} | kwargs))
     assert field in exc.value.message and exc.value.param == field
+
+
+def test_seed_beyond_64_bits_is_used_modulo_2_64(client):
+    texts = [complete(client, prompt="Hi", temperature=1.0, seed=s).choices[0].text
+             for s in (7, 2**70 + 7)]  # fmt: skip
+    assert texts[0] == texts[1]
+
+
+def test_temperature_bounds_are_inclusive(client):
+    for temperature in (0, 2):
+        assert complete(client, prompt="Hi", temperature=temperature).choices[0].text
+        assert chat(client, messages=user("Hi"), temperature=temperature).choices[0].message
 
 
 # ---- tokenize ----------------------------------------------------------------------------

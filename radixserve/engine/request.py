@@ -17,6 +17,10 @@ from typing import Any
 from radixserve.engine.protocol import FinishReason, RequestSpec
 from radixserve.sampling.params import SamplingParams
 
+MAX_LOGPROBS = 20
+"""Most top logprobs per token a request may ask for (vLLM's default max_logprobs), on the
+native and the OpenAI API alike."""
+
 
 class ReqState(Enum):
     WAITING = "waiting"

@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.engine.protocol import RequestSpec
-from radixserve.engine.request import LogprobRequest
+from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams
+
+SEED_MASK = (1 << 64) - 1
+"""The sampler hashes a seed's low 64 bits, so any int seed is kept as just those: the same
+draws, and a value the engine core message (msgpack, 64 bits) can carry."""
 
 
 @dataclass
@@ -63,6 +67,8 @@ class RequestBuilder:
             raise ValueError(f"sampling_params must be an object; got {type(params).__name__}")
         parsed = SamplingParams.from_dict(params)
         parsed.verify(self.vocab_size)
+        if parsed.sampling_seed is not None:
+            parsed.sampling_seed &= SEED_MASK
         if parsed.grammar is not None:
             check_grammar(*parsed.grammar)
         return parsed
@@ -91,18 +97,29 @@ class RequestBuilder:
             raise ValueError(f"input_ids must lie in [0, {self.vocab_size})")
 
     def check_length(self, ids: list[int], params: SamplingParams) -> None:
-        """Rejects empty or over-long prompts; clips max_new_tokens to the context length."""
+        """Rejects empty or over-long prompts, and max_new_tokens beyond what the context or
+        the KV pool leaves: never clips it (vLLM answers a 400 naming both numbers)."""
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
         if len(ids) >= self.context_length:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context length is {self.context_length}"
             )
-        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(ids))
+        self.check_max_new_tokens(len(ids), params.max_new_tokens)
         if len(ids) + params.max_new_tokens > self.capacity_tokens:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the KV pool ({self.capacity_tokens} tokens); raise max_total_tokens"
+            )
+
+    def check_max_new_tokens(self, num_prompt: int, max_new_tokens: int) -> None:
+        """Rejects a max_new_tokens that does not fit in the context after the prompt."""
+        room = self.context_length - num_prompt
+        if max_new_tokens > room:
+            raise ValueError(
+                f"max_new_tokens is {max_new_tokens} but the context length is "
+                f"{self.context_length} and the prompt has {num_prompt} tokens: at most {room} "
+                "tokens can be generated"
             )
 
     def new_spec(self, ids, params, rid, salt, logprob, index: int = 0) -> RequestSpec:
@@ -111,7 +128,7 @@ class RequestBuilder:
         request_id = uuid.uuid4().hex
         base = rid if rid is not None else request_id
         seed = params.sampling_seed
-        seed = self._rng.getrandbits(62) if seed is None else seed + index
+        seed = self._rng.getrandbits(62) if seed is None else (seed + index) & SEED_MASK
         return RequestSpec(
             request_id=request_id,
             rid=base if params.n == 1 else f"{base}-{index}",
@@ -135,14 +152,20 @@ def _per_prompt(value, count: int, name: str) -> list:
 
 
 def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | None:
+    """The logprobs asked for; the options are checked even when return_logprob is false,
+    so a bad value is never silently accepted."""
     if not isinstance(return_logprob, bool):
         raise ValueError(f"return_logprob must be a boolean; got {return_logprob!r}")
-    if not return_logprob:
-        return None
     start_len = -1 if start_len is None else start_len
     top_num = 0 if top_num is None else top_num
-    if not isinstance(start_len, int) or isinstance(start_len, bool) or start_len < -1:
+    if not _is_int(start_len) or start_len < -1:
         raise ValueError(f"logprob_start_len must be an int >= -1; got {start_len!r}")
-    if not isinstance(top_num, int) or isinstance(top_num, bool) or top_num < 0:
-        raise ValueError(f"top_logprobs_num must be an int >= 0; got {top_num!r}")
+    if not _is_int(top_num) or not 0 <= top_num <= MAX_LOGPROBS:
+        raise ValueError(f"top_logprobs_num must be an int in [0, {MAX_LOGPROBS}]; got {top_num!r}")
+    if not return_logprob:
+        return None
     return LogprobRequest(start_len=start_len, top_num=top_num)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

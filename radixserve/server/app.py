@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from contextlib import aclosing
@@ -12,17 +13,20 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.config import ServerConfig
 from radixserve.engine.client import EngineBusyError, EngineDeadError
 from radixserve.engine.output import LogprobCursor, format_output
 from radixserve.engine.request_builder import GenerateArgs
 from radixserve.engine.result import ResultStream
 from radixserve.server import openai_api
 from radixserve.server.errors import BadRequest, error_response
-from radixserve.server.state import ServerState, read_json, state_of
+from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+OPEN_PATHS = ("/health", "/metrics")
+"""The only paths served without the API key: probes and scrapers carry none. Not
+/health_generate: it runs a generation on the GPU."""
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_FIELDS = {
@@ -64,9 +68,34 @@ async def error_middleware(request: web.Request, handler):
 async def auth_middleware(request: web.Request, handler):
     key = state_of(request).config.api_key
     if key and request.path not in OPEN_PATHS:
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
+        if not api_key_matches(request.headers.get("Authorization", ""), key):
             return error_response(401, "missing or invalid API key", param="Authorization")
     return await handler(request)
+
+
+def api_key_matches(authorization: str, key: str) -> bool:
+    """Whether the Authorization header is `Bearer <key>`, compared in constant time so the
+    answer's timing tells nothing about how much of a guess was right."""
+    given = authorization.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
+
+
+@web.middleware
+async def body_size_middleware(request: web.Request, handler):
+    """A body whose Content-Length is over the limit is a 413 before any of it is read;
+    a chunked body (no Content-Length) is bounded by aiohttp's client_max_size as it is read."""
+    limit = max_body_bytes(state_of(request).config)
+    length = request.content_length
+    if length is not None and length > limit:
+        message = f"request body is {length} bytes; the limit is {limit} bytes (--max-body-mb)"
+        response = error_response(413, message, param="body")
+        response.force_close()  # the body stays unread: do not keep the connection
+        return response
+    return await handler(request)
+
+
+def max_body_bytes(config: ServerConfig) -> int:
+    return int(config.max_body_mb * (1 << 20))
 
 
 # ---- native API --------------------------------------------------------------------------
@@ -253,12 +282,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    max_size = int(state.config.max_body_mb * (1 << 20))
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=max_size)
-    app["state"] = state
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware, body_size_middleware],
+        client_max_size=max_body_bytes(state.config),
+    )
+    app[STATE_KEY] = state
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
-    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", flush_cache)  # it changes state: never on a GET
     app.router.add_post("/concate_and_append_request", concate_and_append_request)
     for path in ("/get_model_info", "/model_info"):
         app.router.add_get(path, model_info)

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.engine.result import RequestResult
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
@@ -27,8 +28,8 @@ from radixserve.server.tool_calls import (
     check_tools,
 )
 
-MAX_LOGPROBS = 20
-"""Most top logprobs per token a request may ask for (vLLM's default max_logprobs)."""
+MAX_TEMPERATURE = 2.0
+"""OpenAI's upper bound on temperature, which vLLM's OpenAI server keeps; SGLang's has none."""
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name")
@@ -109,6 +110,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     body = check_object(body)
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     stream = check_bool(body, "stream")
+    check_temperature(body)
     parsed = OpenAIRequest(
         chat=chat,
         model=check_model(body),
@@ -193,6 +195,19 @@ def check_model(body: dict) -> str | None:
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model must be a string; got {model!r}", param="model")
     return model
+
+
+def check_temperature(body: dict) -> None:
+    """temperature, when given, is a number in [0, MAX_TEMPERATURE]."""
+    value = body.get("temperature")
+    if value is None:
+        return
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not 0 <= value <= MAX_TEMPERATURE:
+        raise bad_request(
+            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]; got {value!r}",
+            param="temperature",
+        )
 
 
 def check_top_count(body: dict, name: str) -> int | None:

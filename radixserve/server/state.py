@@ -84,5 +84,8 @@ async def read_json(request: web.Request) -> Any:
         raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from exc
 
 
+STATE_KEY = web.AppKey("state", ServerState)
+
+
 def state_of(request: web.Request) -> ServerState:
-    return request.app["state"]
+    return request.app[STATE_KEY]
