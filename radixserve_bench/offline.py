@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from radixserve.engine.client import OutputStream
-from radixserve.engine.protocol import FinishAbort, RequestOutput
+from radixserve.engine.protocol import RequestOutput
 from radixserve.engine.request_builder import GenerateArgs
 from radixserve_bench.backends import greedy_params
 from radixserve_bench.client import LoadShape, load_metrics, progress_bar
@@ -104,7 +104,7 @@ class OfflineRun:
         result = self.results[index]
         result.e2e = elapsed - result.start_time
         result.prompt_len, result.output_len = len(self.prompts[index]), len(result.output_ids)
-        aborted = isinstance(output.finish_reason, FinishAbort)
+        aborted = output.finish_reason.is_abort
         result.success = not aborted
         result.error = output.finish_reason.message if aborted else ""
         self.outputs[index] = result.output_ids

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import CacheConfig, SchedulerConfig
-from radixserve.engine.protocol import FinishAbort
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
@@ -155,8 +154,7 @@ class Simulation:
         if error:
             return self._fail(index, error)
         self.num_submitted += 1
-        req = Req(str(index), str(index), prompt, params, seed=0,
-                  arrival_time=float(self.num_submitted))  # fmt: skip
+        req = Req(str(index), prompt, params, seed=0, arrival_time=float(self.num_submitted))
         self.scheduler.add_request(req)
         self.in_flight[req] = index
 
@@ -212,7 +210,7 @@ class Simulation:
             del self.in_flight[req]
             times.finished = self.now
             self.outputs[index] = list(req.output_ids)
-            if isinstance(req.finish_reason, FinishAbort):
+            if req.finish_reason.is_abort:
                 return self._fail(index, req.finish_reason.message)
             for child in self.children[index]:
                 self._make_ready(child, max(self.slots[child], self.now))

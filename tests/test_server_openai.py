@@ -15,13 +15,7 @@ import openai
 import pytest
 
 from conftest import VOCAB
-from radixserve.engine.protocol import (
-    FinishAbort,
-    FinishLength,
-    FinishStop,
-    RequestOutput,
-    RequestSpec,
-)
+from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec
 from radixserve.engine.result import RequestResult
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.sampling.params import SamplingParams
@@ -412,7 +406,7 @@ def track(tokenizer, text: str, finish, num_tokens: int | None = None, **params)
 
 
 def test_deltas_hold_back_half_characters(tokenizer):
-    deltas = track(tokenizer, "日本語 ok", FinishLength(3))
+    deltas = track(tokenizer, "日本語 ok", FinishReason.of_length(3))
     texts = [d.text for d in deltas if d is not None]
     assert "".join(texts) == "日本語 ok" and not any(t.endswith("\ufffd") for t in texts)
     assert [d.finish_reason for d in deltas if d is not None][-1] == "length"
@@ -420,7 +414,7 @@ def test_deltas_hold_back_half_characters(tokenizer):
 
 def test_deltas_hold_back_a_possible_stop_string(tokenizer):
     # tokens "a", "\n", "\n": the first newline may begin the stop "\n\n", so it waits
-    deltas = track(tokenizer, "a\n\nb", FinishStop("\n\n"), 3, stop="\n\n")
+    deltas = track(tokenizer, "a\n\nb", FinishReason.stop("\n\n"), 3, stop="\n\n")
     assert [None if d is None else (d.text, d.finish_reason) for d in deltas] == [
         ("a", None),
         None,
@@ -429,5 +423,5 @@ def test_deltas_hold_back_a_possible_stop_string(tokenizer):
 
 
 def test_aborted_choice_finishes_with_abort(tokenizer):
-    deltas = track(tokenizer, "Hi", FinishAbort("aborted by the client"))
+    deltas = track(tokenizer, "Hi", FinishReason.abort("aborted by the client"))
     assert deltas[-1].finish_reason == "abort"

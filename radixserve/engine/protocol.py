@@ -1,9 +1,11 @@
 """What crosses between a caller and the engine core: one `RequestSpec` in, `RequestOutput`
 deltas out (one per step that changed the request), the last one with a typed finish reason.
 
-The scheduler's `Req` never leaves the core. A new per-token field is added to
-`RequestOutput` here, filled in once on the core side (engine/deltas.py) and applied once on
-the caller side (`RequestResult.apply` in engine/output.py).
+The scheduler's `Req` never leaves the core. These are plain dataclasses: the in-process core
+passes them as they are; server/wire.py encodes them for the core process's pipe (so the
+engine itself needs no msgspec). A new per-token field is added to `RequestOutput` here,
+filled in once on the core side (engine/deltas.py) and applied once on the caller side
+(`RequestResult.apply` in engine/result.py).
 
     caller                                   core
     RequestSpec ----------- AddRequests --->  Req (scheduler)
@@ -12,53 +14,56 @@ the caller side (`RequestResult.apply` in engine/output.py).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import msgspec
+from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.sampling.params import SamplingParams
 
 
-class Finish(msgspec.Struct, frozen=True, tag_field="type"):
-    """Why a request ended; serializes as SGLang's `{"type": ..., ...}` dict."""
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended: `stop` (EOS, a stop token or string, the end of a grammar),
+    `length` (max_new_tokens), or `abort` (by the client, or handling it failed: `message`)."""
 
-    kind: ClassVar[str] = ""
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # stop: the token id or stop string
+    length: int | None = None  # length: max_new_tokens
+    message: str | None = None  # abort: why
+    status_code: int | None = None  # abort: the HTTP status it maps to, when not the client's
+
+    @classmethod
+    def stop(cls, matched: int | str | None = None) -> FinishReason:
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def of_length(cls, length: int) -> FinishReason:
+        return cls("length", length=length)
+
+    @classmethod
+    def abort(cls, message: str, status_code: int | None = None) -> FinishReason:
+        return cls("abort", message=message, status_code=status_code)
+
+    @property
+    def is_abort(self) -> bool:
+        return self.kind == "abort"
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
+        """SGLang's finish_reason dict."""
+        if self.kind == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.kind == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message, "status_code": self.status_code}
 
 
-class FinishStop(Finish, frozen=True, tag="stop"):
-    """EOS, a stop token id, a stop string or the end of a grammar."""
-
-    matched: int | str | None = None
-    kind: ClassVar[str] = "stop"
-
-
-class FinishLength(Finish, frozen=True, tag="length"):
-    """max_new_tokens reached."""
-
-    length: int = 0
-    kind: ClassVar[str] = "length"
-
-
-class FinishAbort(Finish, frozen=True, tag="abort"):
-    """Aborted: by the client, or because handling this request failed (`message` says why)."""
-
-    message: str = ""
-    status_code: int | None = None
-    kind: ClassVar[str] = "abort"
-
-
-FinishReason = FinishStop | FinishLength | FinishAbort
-
-ABORTED_BY_CLIENT = FinishAbort("aborted by the client")
+ABORTED_BY_CLIENT = FinishReason.abort("aborted by the client")
 
 LogprobEntry = tuple[float | None, int]  # (logprob, token id); None: no logits predict it
 TopLogprobs = list[tuple[float, int]] | None
 
 
-class RequestSpec(msgspec.Struct, frozen=True):
+@dataclass(frozen=True)
+class RequestSpec:
     """A validated request, as the core receives it."""
 
     request_id: str  # unique per engine: outputs and aborts are routed by it
@@ -75,67 +80,58 @@ class RequestSpec(msgspec.Struct, frozen=True):
         return self.logprob_start_len is not None
 
 
-class RequestOutput(msgspec.Struct):
+@dataclass
+class RequestOutput:
     """What one engine step added to one request."""
 
     request_id: str
-    new_token_ids: list[int] = []
+    new_token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first admission, once known
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
-    new_input_logprobs: list[LogprobEntry] = []
-    new_input_top_logprobs: list[TopLogprobs] = []
-    new_output_logprobs: list[LogprobEntry] = []
-    new_output_top_logprobs: list[TopLogprobs] = []
+    new_input_logprobs: list[LogprobEntry] = field(default_factory=list)
+    new_input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    new_output_logprobs: list[LogprobEntry] = field(default_factory=list)
+    new_output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
-# ---- messages between a client and its core (a thread or a process) ------------------------
+# ---- messages between a client and its core (a thread, or a process: server/wire.py) -------
 
 
-class AddRequests(msgspec.Struct, tag=True):
+@dataclass
+class AddRequests:
     specs: list[RequestSpec]
 
 
-class AbortRequests(msgspec.Struct, tag=True):
+@dataclass
+class AbortRequests:
     request_ids: list[str]
 
 
-class Call(msgspec.Struct, tag=True):
+@dataclass
+class Call:
     call_id: int
     method: str  # one of CALL_METHODS
 
 
-class StepOutputs(msgspec.Struct, tag=True):
+@dataclass
+class StepOutputs:
     outputs: list[RequestOutput]
 
 
-class CallResult(msgspec.Struct, tag=True):
+@dataclass
+class CallResult:
     call_id: int
     value: Any = None
     error: str | None = None
 
 
-class Ready(msgspec.Struct, tag=True):
+@dataclass
+class Ready:
     info: dict[str, Any]
 
 
 CALL_METHODS = ("flush_cache", "get_stats", "check_integrity")
 ToCore = AddRequests | AbortRequests | Call
 FromCore = StepOutputs | CallResult | Ready
-
-_encoder = msgspec.msgpack.Encoder()
-_to_core = msgspec.msgpack.Decoder(ToCore)
-_from_core = msgspec.msgpack.Decoder(FromCore)
-
-
-def encode(message: msgspec.Struct) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode_to_core(data: bytes) -> ToCore:
-    return _to_core.decode(data)
-
-
-def decode_from_core(data: bytes) -> FromCore:
-    return _from_core.decode(data)

@@ -38,13 +38,13 @@ class LogprobRequest:
 
 @dataclass(eq=False)
 class Req:
-    request_id: str  # unique within the engine
     rid: str  # the caller's id, for logs
     input_ids: list[int]
     params: SamplingParams
     seed: int
     namespace: str | None = None
     logprob: LogprobRequest | None = None
+    request_id: str = ""  # unique within the engine; defaults to rid (direct scheduler users)
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
 
@@ -70,6 +70,10 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = self.rid
 
     @classmethod
     def from_spec(cls, spec: RequestSpec) -> Req:

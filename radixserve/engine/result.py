@@ -10,7 +10,7 @@ import time
 from radixserve.engine.client import EngineClient
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
-from radixserve.engine.protocol import FinishAbort, FinishReason, RequestOutput, RequestSpec
+from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec
 from radixserve.engine.stop import hold_back_partial_stop, trim_stop
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class RequestResult:
             except Exception as exc:
                 logger.exception("detokenizing %s failed", self.spec.rid)
                 self.failed = True
-                self._finish(FinishAbort(f"detokenizer failed: {exc}", status_code=500))
+                self._finish(FinishReason.abort(f"detokenizer failed: {exc}", status_code=500))
             self._text = (text, len(self.output_ids))
         return text
 

@@ -23,12 +23,7 @@ from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.policy import order_waiting
-from radixserve.engine.protocol import (
-    ABORTED_BY_CLIENT,
-    FinishAbort,
-    FinishLength,
-    FinishStop,
-)
+from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
@@ -94,7 +89,7 @@ class Scheduler:
         for req in reqs:
             if req.state is ReqState.RUNNING:
                 self.pages.release(req)
-            req.finish(FinishAbort(message, status_code=500))
+            req.finish(FinishReason.abort(message, status_code=500))
         self.inbox.clear()
         self.compiling, self.waiting, self.running = [], [], []
         return reqs
@@ -136,7 +131,7 @@ class Scheduler:
                 logger.exception("forward failed; aborting the step's %d requests", len(work))
                 for w in work:
                     message = f"engine step failed: {type(exc).__name__}: {exc}"
-                    self._end_running(w.req, FinishAbort(message, status_code=500), outputs)
+                    self._end_running(w.req, FinishReason.abort(message, status_code=500), outputs)
             else:
                 self._commit(work, logits, outputs)
             self._decay_new_token_ratio()  # per batch run, as SGLang (idle steps do not count)
@@ -163,7 +158,7 @@ class Scheduler:
                 req.grammar = self.grammar.matcher(req.grammar_future.result())
                 self.waiting.append(req)
             except Exception as exc:
-                req.finish(FinishAbort(f"grammar failed: {exc}", status_code=400))
+                req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
                 outputs.append(req)
             req.grammar_future = None
 
@@ -375,7 +370,7 @@ class Scheduler:
             except Exception as exc:  # this request alone fails; the batch goes on
                 logger.exception("committing %s failed", w.req.rid)
                 message = f"{type(exc).__name__}: {exc}"
-                self._end_running(w.req, FinishAbort(message, status_code=500), outputs)
+                self._end_running(w.req, FinishReason.abort(message, status_code=500), outputs)
                 continue
             outputs.append(w.req)
 
@@ -392,7 +387,7 @@ class Scheduler:
             req.output_ids.append(token)
             self._check_finish(req, token)
         elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
-            req.finish(FinishLength(0))
+            req.finish(FinishReason.of_length(0))
         if req.finished:
             self.pages.release(req)
             self.running.remove(req)
@@ -417,7 +412,7 @@ class Scheduler:
             try:
                 tokens += self._sample([req], logits[i : i + 1])
             except Exception as exc:
-                req.finish(FinishAbort(f"sampling failed: {exc}", status_code=500))
+                req.finish(FinishReason.abort(f"sampling failed: {exc}", status_code=500))
                 tokens.append(None)
         return tokens
 
@@ -452,17 +447,17 @@ class Scheduler:
     def _check_finish(self, req: Req, token: int) -> None:
         params = req.params
         if req.grammar is not None and not req.grammar.accept_token(token):
-            req.finish(FinishAbort(f"token {token} violates the grammar", status_code=500))
+            req.finish(FinishReason.abort(f"token {token} violates the grammar", status_code=500))
         elif req.grammar is not None and req.grammar.is_terminated():
-            req.finish(FinishStop(token))
+            req.finish(FinishReason.stop(token))
         elif token in (params.stop_token_ids or ()) or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
-            req.finish(FinishStop(token))
+            req.finish(FinishReason.stop(token))
         elif params.stop and (matched := stop_string_hit(req, self.tokenizer)):
-            req.finish(FinishStop(matched))
+            req.finish(FinishReason.stop(matched))
         elif len(req.output_ids) >= params.max_new_tokens:
-            req.finish(FinishLength(params.max_new_tokens))
+            req.finish(FinishReason.of_length(params.max_new_tokens))
 
     # ---- admission estimate --------------------------------------------------------------
 
