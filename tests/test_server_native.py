@@ -193,6 +193,7 @@ BAD_GENERATE = [
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),  # checked without logprobs too
     ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
     ({"text": "a", "sampling_params": {"n": -1}}, "n"),
+    ({"text": "a", "sampling_params": {"n": 10**8}}, "n"),  # never built: over the limit
     ({"text": "a", "sampling_params": {"min_new_tokens": -1}}, "min_new_tokens"),
     ({"text": "a", "rid": 5}, "rid"),
     ({"text": ["a", "b"], "rid": "one"}, "rid"),

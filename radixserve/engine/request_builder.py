@@ -37,11 +37,22 @@ class GenerateArgs:
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer, vocab_size: int, context_length: int, capacity_tokens: int):
+    """`max_outputs`: most requests one call may make (prompts x n); the server's running +
+    queued limit, since a call with more could never be admitted."""
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        context_length: int,
+        capacity_tokens: int,
+        max_outputs: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.capacity_tokens = capacity_tokens
+        self.max_outputs = max_outputs
         self._rng = random.Random()
 
     def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
@@ -53,14 +64,22 @@ class RequestBuilder:
         salts = _per_prompt(args.cache_salt, count, "cache_salt")
         logprob = _logprob_request(args.return_logprob, args.logprob_start_len,
                                    args.top_logprobs_num)  # fmt: skip
+        parsed = [self.sampling_params(p) for p in params_list]
+        self._check_num_outputs(sum(params.n for params in parsed))
         specs = []
-        for ids, params_dict, rid, salt in zip(token_lists, params_list, rids, salts):
-            params = self.sampling_params(params_dict)
+        for ids, params, rid, salt in zip(token_lists, parsed, rids, salts):
             self.check_length(ids, params)
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
             specs += [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
         return specs, batched
+
+    def _check_num_outputs(self, num: int) -> None:
+        if self.max_outputs is not None and num > self.max_outputs:
+            raise ValueError(
+                f"n: the request asks for {num} outputs (prompts x n); this server runs and "
+                f"queues at most {self.max_outputs} at once"
+            )
 
     def sampling_params(self, params: dict | None) -> SamplingParams:
         if params is not None and not isinstance(params, dict):

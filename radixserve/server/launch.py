@@ -39,11 +39,15 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
 
 def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
     tokenizer = open_tokenizer(info["tokenizer_path"], info["vocab_size"], info["model_name"])
+    max_running = engine_args.get("max_running_requests", SchedulerConfig.max_running_requests)
     builder = RequestBuilder(
-        tokenizer, info["vocab_size"], info["context_length"], info["capacity_tokens"]
+        tokenizer,
+        info["vocab_size"],
+        info["context_length"],
+        info["capacity_tokens"],
+        max_outputs=max_running + config.max_queued_requests,
     )
     model_path = engine_args.get("model") or info["model_name"]
-    max_running = engine_args.get("max_running_requests", SchedulerConfig.max_running_requests)
     return ServerState(
         client=client,
         builder=builder,
