@@ -18,7 +18,7 @@ def error_response(
         "error": {
             "message": message,
             "type": _TYPES.get(status, "InternalServerError"),
-            "param": param if param is not None else _guess_param(message),
+            "param": param if param is not None or status >= 500 else _guess_param(message),
             "code": status,
         }
     }
