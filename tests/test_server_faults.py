@@ -36,15 +36,20 @@ async def stream_events(session: aiohttp.ClientSession, url: str, body: dict) ->
     return events
 
 
-class FaultyServer(ServerProcess):
-    """A server whose core fails requests with rids starting with `fault-` at `points`."""
+POINTS = ["commit", "forward", "detokenize"]
 
-    def __init__(self, model: str, points: list[str], *flags: str):
-        os.environ[ENV_VAR] = json.dumps({"rid_prefix": "fault-", "points": points})
-        try:
-            super().__init__(model, *flags)
-        finally:
-            del os.environ[ENV_VAR]
+
+@pytest.fixture(scope="module")
+def faulty_server(tiny_chat_model):
+    """A server that fails a request whose rid starts with "<point>-" at that point."""
+    rules = [{"rid_prefix": f"{point}-", "points": [point]} for point in POINTS]
+    os.environ[ENV_VAR] = json.dumps(rules)
+    try:
+        proc = ServerProcess(tiny_chat_model)
+    finally:
+        del os.environ[ENV_VAR]
+    yield proc
+    assert proc.stop() == 0
 
 
 async def integrity(session: aiohttp.ClientSession, url: str) -> dict:
@@ -92,26 +97,24 @@ def test_killing_the_core_fails_requests_at_once_and_the_server_exits(tiny_chat_
 # ---- injected faults ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("point", ["commit", "forward", "detokenize"])
-def test_injected_faults_abort_their_requests_and_the_server_goes_on(tiny_chat_model, point):
-    proc = FaultyServer(tiny_chat_model, [point])
+@pytest.mark.parametrize("point", POINTS)
+def test_injected_faults_abort_their_requests_and_the_server_goes_on(faulty_server, point):
+    proc = faulty_server
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
             url, params = proc.url + "/generate", GREEDY | {"max_new_tokens": 6}
             body = {"input_ids": [prompt_ids(i) for i in range(3)], "sampling_params": params}
-            batch = await post(session, url, body | {"rid": ["ok-0", "fault-1", "ok-2"]})
-            stream = await stream_events(session, url, body | {"rid": ["a", "fault-b", "c"]})
+            batch = await post(session, url, body | {"rid": ["ok-0", f"{point}-1", "ok-2"]})
+            rids = ["a", f"{point}-b", "c"]
+            stream = await stream_events(session, url, body | {"rid": rids})
             after = await post(
                 session, url, {"input_ids": prompt_ids(0), "sampling_params": params}
             )
             await post(session, proc.url + "/flush_cache", {})
             return batch, stream, after, await integrity(session, proc.url)
 
-    try:
-        (status, outputs), events, (after_status, after), pages = asyncio.run(scenario())
-    finally:
-        assert proc.stop() == 0
+    (status, outputs), events, (after_status, after), pages = asyncio.run(scenario())
     assert status == 200
     reasons = [o["meta_info"]["finish_reason"] for o in outputs]
     assert reasons[1]["type"] == "abort" and point in reasons[1]["message"]
@@ -131,7 +134,7 @@ def test_a_running_rid_is_refused_and_a_dropped_ones_rid_is_free_at_once(server)
     async def scenario():
         async with aiohttp.ClientSession() as session:
             long = {"input_ids": prompt_ids(4), "rid": "mine", "stream": True,
-                    "sampling_params": GREEDY | {"max_new_tokens": 3000}}  # fmt: skip
+                    "sampling_params": GREEDY | {"max_new_tokens": 2000}}  # fmt: skip
             async with session.post(server.url + "/generate", json=long) as resp:
                 await resp.content.readline()
                 clash = await post(session, server.url + "/generate",

@@ -1,8 +1,10 @@
 """Fault injection for the fault tests and the soak script; off unless RADIXSERVE_FAULTS is set.
 
     RADIXSERVE_FAULTS='{"rid_prefix": "fault-", "points": ["commit", "forward"]}'
+    RADIXSERVE_FAULTS='[{"rid_prefix": "c-", "points": ["commit"]}, {"rid_prefix": "f-", ...}]'
 
-A request whose rid starts with `rid_prefix` makes the named points raise `InjectedFault`:
+A request whose rid starts with a rule's `rid_prefix` makes the rule's points raise
+`InjectedFault`:
   forward     the model forward of any step that includes it (the whole step fails)
   sample      the batched sampling of any step that samples it
   commit      committing its new token (only that request fails)
@@ -26,8 +28,7 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class FaultInjector:
-    rid_prefix: str
-    points: frozenset[str]
+    rules: tuple[tuple[str, frozenset[str]], ...]  # (rid prefix, points)
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
@@ -35,13 +36,18 @@ class FaultInjector:
         if not raw:
             return None
         config = json.loads(raw)
-        points = frozenset(config.get("points", POINTS))
-        unknown = points - set(POINTS)
-        if unknown:
-            raise ValueError(f"{ENV_VAR}: unknown points {sorted(unknown)}; known: {POINTS}")
-        return cls(rid_prefix=str(config["rid_prefix"]), points=points)
+        return cls(tuple(_rule(r) for r in (config if isinstance(config, list) else [config])))
 
     def check(self, point: str, rids: Iterable[str]) -> None:
-        """Raises InjectedFault if `point` is armed and one of `rids` is marked."""
-        if point in self.points and any(rid.startswith(self.rid_prefix) for rid in rids):
+        """Raises InjectedFault if one of `rids` is marked by a rule that arms `point`."""
+        prefixes = tuple(prefix for prefix, points in self.rules if point in points)
+        if prefixes and any(rid.startswith(prefixes) for rid in rids):
             raise InjectedFault(f"injected {point} fault")
+
+
+def _rule(config: dict) -> tuple[str, frozenset[str]]:
+    points = frozenset(config.get("points", POINTS))
+    unknown = points - set(POINTS)
+    if unknown:
+        raise ValueError(f"{ENV_VAR}: unknown points {sorted(unknown)}; known: {POINTS}")
+    return str(config["rid_prefix"]), points
