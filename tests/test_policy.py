@@ -14,8 +14,8 @@ from radixserve.sampling.params import SamplingParams
 PS = 4
 
 
-def _req(rid: str, ids: list[int], wait_steps: int = 0) -> Req:
-    req = Req(rid=rid, input_ids=ids, params=SamplingParams(), seed=0)
+def _req(rid: str, ids: list[int], wait_steps: int = 0, namespace: str | None = None) -> Req:
+    req = Req(rid=rid, input_ids=ids, params=SamplingParams(), seed=0, namespace=namespace)
     req.wait_steps = wait_steps
     return req
 
@@ -29,7 +29,7 @@ def _cache_with(*sequences: list[int]) -> RadixCache:
 
 
 def _order(cache, reqs, policy, max_wait=100):
-    matches = {r: cache.match_prefix(r.input_ids) for r in reqs}
+    matches = {r: cache.match_prefix(r.input_ids, r.namespace) for r in reqs}
     return [r.rid for r in order_waiting(reqs, policy, matches, max_wait, cache.parent_of)]
 
 
@@ -66,6 +66,20 @@ def test_dfs_weight_visits_heavier_subtrees_first():
     assert order.index("heavy1") < order.index("light")
     assert order.index("heavy2") < order.index("light")
     assert abs(order.index("heavy1") - order.index("heavy2")) == 1  # siblings run together
+
+
+def test_dfs_weight_groups_an_unseen_namespace_apart_from_unsalted_requests():
+    """Salted requests whose namespace has no tree yet share that namespace's own root."""
+    cache = _cache_with(A)
+    reqs = [
+        _req("plain1", [1] * 20),
+        _req("salted1", [2] * 20, namespace="salt"),
+        _req("plain2", [3] * 20),
+        _req("salted2", [4] * 20, namespace="salt"),
+    ]
+    order = _order(cache, reqs, "dfs-weight")
+    assert abs(order.index("salted1") - order.index("salted2")) == 1
+    assert abs(order.index("plain1") - order.index("plain2")) == 1
 
 
 def _steps_until_cold_runs(engine, max_steps: int) -> int | None:
