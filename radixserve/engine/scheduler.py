@@ -20,7 +20,7 @@ from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.logprobs import commit_logprobs
-from radixserve.engine.policy import order_waiting
+from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
@@ -193,8 +193,6 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, leaders: list[Req]) -> list[Work]:
         """Admits waiting requests in policy order; `leaders`: requests prefilling already."""
-        for req in self.waiting:
-            req.wait_steps += 1
         keys = self._seq_keys
         self._seq_keys = {r: k for r, k in keys.items() if r.state is ReqState.WAITING}
         full = len(self.running) >= self.config.max_running_requests
@@ -204,19 +202,20 @@ class Scheduler:
         if len(self.waiting) > MAX_SORTED_QUEUE:
             policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
         matches = {} if policy == "fcfs" else {r: self._match(r) for r in self.waiting}
-        ordered = order_waiting(
-            self.waiting, policy, matches, self.config.schedule_max_wait_steps, self.cache.parent_of
+        max_bypass = self.config.schedule_max_bypass
+        queue = deque(
+            order_waiting(self.waiting, policy, matches, max_bypass, self.cache.parent_of)
         )
+        aging = Aging(self.waiting, max_bypass)
         admitted: list[Work] = []
         reserved = None  # pages promised to running requests, computed once needed
         evicted = self.stats.evicted_pages
-        for req in ordered:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-                break
+        while queue and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = queue.popleft()
             # An admission above may have evicted the node a queued match points to: match again.
             fresh = self.stats.evicted_pages == evicted
             match = (matches.get(req) if fresh else None) or self._match(req)
-            starved = req.wait_steps >= self.config.schedule_max_wait_steps
+            starved = aging.num_bypassed(req) >= max_bypass
             if not starved and self._follows_leader(req, match.num_tokens, leaders):
                 continue  # in-batch dedupe: the shared prefix is being computed; hit it later
             if reserved is None:
@@ -228,6 +227,8 @@ class Scheduler:
             leaders.append(req)
             budget -= work.num_new
             reserved += self._future_pages(req)
+            queue = _put_first(aging.admit(req), queue)
+        aging.commit(self.waiting)
         return admitted
 
     def _match(self, req: Req):
@@ -402,6 +403,13 @@ class Scheduler:
         total = sum(r.params.max_new_tokens for r in self.running)
         ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
         self.new_token_ratio = min(max(ratio, self.new_token_ratio), 1.0)
+
+
+def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:
+    """`queue` with `first` moved to its front (the requests an admission just made starved)."""
+    if not first:
+        return queue
+    return deque([*first, *(r for r in queue if r not in first)])
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
