@@ -8,6 +8,9 @@ import pytest
 
 from conftest import SYSTEM, VOCAB, greedy, make_engine, prompt_ids
 from radixserve import Engine
+from radixserve.engine import scheduler as scheduler_module
+from radixserve.engine.request import Req, ReqState
+from radixserve.sampling.params import SamplingParams
 
 
 def test_generate_shapes_and_meta_info(tiny_chat_model):
@@ -62,6 +65,35 @@ def test_tiny_pool_retracts_and_still_matches_a_large_pool(tiny_chat_model):
     small.check_integrity()
     assert small.flush_cache()
     assert small.runner.pool.allocator.num_free == initial_free
+
+
+def test_a_request_retracted_in_a_step_is_not_readmitted_in_it(tiny_chat_model, monkeypatch):
+    """The victim must wait for the next step: readmitting it at once would undo the retraction.
+    Today the admission estimate usually refuses it anyway, so the test also checks that it is
+    never offered to the policy in its retraction step."""
+    engine = make_engine(tiny_chat_model, max_total_tokens=640, chunked_prefill_size=64)
+    sched = engine.scheduler
+    retractions: dict[Req, int] = {}
+    offered: list[str] = []
+    original = scheduler_module.order_waiting
+
+    def order_waiting(waiting, *args):
+        offered.extend(r.rid for r in waiting if r.num_retractions > retractions[r])
+        return original(waiting, *args)
+
+    monkeypatch.setattr(scheduler_module, "order_waiting", order_waiting)
+    reqs = [
+        Req(f"r{i}", prompt_ids(i, 24), SamplingParams(**greedy(100)), seed=0) for i in range(16)
+    ]
+    for req in reqs:
+        sched.add_request(req)
+    while sched.has_work():
+        retractions = {r: r.num_retractions for r in reqs}
+        sched.step()
+        retracted = [r for r in reqs if r.num_retractions > retractions[r]]
+        assert all(r.state is ReqState.WAITING for r in retracted)
+    assert sched.stats.retractions > 0 and offered == []
+    engine.check_integrity()
 
 
 def test_multi_turn_hits_previous_answer(tiny_chat_model):

@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import MatchResult, PrefixCache
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.logprobs import commit_logprobs
@@ -62,6 +62,7 @@ class Scheduler:
         self.pages = ReqPages(self.pool, cache, self.stats)
         self.batches = BatchBuilder(self.page_size, runner.device)
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
+        self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
         self.new_token_ratio = self.init_new_token_ratio
@@ -147,6 +148,7 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def _schedule(self) -> list[Work]:
+        self._retracted.clear()
         decodes, prefilling = self._schedule_decodes()
         budget = self._prefill_budget()
         prefills: list[Work] = []
@@ -195,18 +197,36 @@ class Scheduler:
         """Admits waiting requests in policy order; `leaders`: requests prefilling already."""
         keys = self._seq_keys
         self._seq_keys = {r: k for r, k in keys.items() if r.state is ReqState.WAITING}
+        # readmitting a request retracted in this very step would undo its retraction
+        candidates = [r for r in self.waiting if r not in self._retracted]
         full = len(self.running) >= self.config.max_running_requests
-        if not self.waiting or budget <= 0 or full:
+        if not candidates or budget <= 0 or full:
             return []  # nothing can join: skip ordering the queue, as SGLang does
+        matches, queue = self._order(candidates)
+        aging = Aging(candidates, self.config.schedule_max_bypass)
+        admitted = self._admit_in_order(queue, matches, aging, budget, leaders)
+        aging.commit(self.waiting)
+        return admitted
+
+    def _order(self, candidates: list[Req]) -> tuple[dict[Req, MatchResult], deque[Req]]:
+        """The candidates' prefix matches (none under fcfs) and the policy's order of them."""
         policy = self.config.schedule_policy
-        if len(self.waiting) > MAX_SORTED_QUEUE:
+        if len(candidates) > MAX_SORTED_QUEUE:
             policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
-        matches = {} if policy == "fcfs" else {r: self._match(r) for r in self.waiting}
+        matches = {} if policy == "fcfs" else {r: self._match(r) for r in candidates}
         max_bypass = self.config.schedule_max_bypass
-        queue = deque(
-            order_waiting(self.waiting, policy, matches, max_bypass, self.cache.parent_of)
-        )
-        aging = Aging(self.waiting, max_bypass)
+        ordered = order_waiting(candidates, policy, matches, max_bypass, self.cache.parent_of)
+        return matches, deque(ordered)
+
+    def _admit_in_order(
+        self,
+        queue: deque[Req],
+        matches: dict[Req, MatchResult],
+        aging: Aging,
+        budget: int,
+        leaders: list[Req],
+    ) -> list[Work]:
+        max_bypass = self.config.schedule_max_bypass
         admitted: list[Work] = []
         reserved = None  # pages promised to running requests, computed once needed
         evicted = self.stats.evicted_pages
@@ -228,7 +248,6 @@ class Scheduler:
             budget -= work.num_new
             reserved += self._future_pages(req)
             queue = _put_first(aging.admit(req), queue)
-        aging.commit(self.waiting)
         return admitted
 
     def _match(self, req: Req):
@@ -298,6 +317,7 @@ class Scheduler:
         victim = max(self.running, key=lambda r: (len(r.own_pages()), r.arrival_time))
         self.pages.release(victim)
         self.running.remove(victim)
+        self._retracted.add(victim)
         victim.state = ReqState.WAITING
         victim.num_computed = 0
         victim.num_retractions += 1
