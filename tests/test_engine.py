@@ -96,6 +96,21 @@ def test_a_request_retracted_in_a_step_is_not_readmitted_in_it(tiny_chat_model, 
     engine.check_integrity()
 
 
+def test_a_starved_request_waits_for_a_leader_computing_its_prefix(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    sched = engine.scheduler
+    shared = SYSTEM[:96]
+    reqs = [Req(f"r{i}", shared + prompt_ids(i, 8), SamplingParams(**greedy(2)), 0) for i in (1, 2)]
+    for req in reqs:
+        req.num_bypassed = sched.config.schedule_max_bypass  # both starved
+        sched.add_request(req)
+    while sched.has_work():
+        sched.step()
+    assert engine.get_stats()["prefill_tokens_computed"] == 2 * 104 - len(shared)
+    assert reqs[1].cached_tokens == len(shared)
+    engine.check_integrity()
+
+
 def test_multi_turn_hits_previous_answer(tiny_chat_model):
     engine = make_engine(tiny_chat_model)
     turn1 = SYSTEM[:50] + prompt_ids(3, 27)

@@ -226,7 +226,6 @@ class Scheduler:
         budget: int,
         leaders: list[Req],
     ) -> list[Work]:
-        max_bypass = self.config.schedule_max_bypass
         admitted: list[Work] = []
         reserved = None  # pages promised to running requests, computed once needed
         evicted = self.stats.evicted_pages
@@ -235,9 +234,11 @@ class Scheduler:
             # An admission above may have evicted the node a queued match points to: match again.
             fresh = self.stats.evicted_pages == evicted
             match = (matches.get(req) if fresh else None) or self._match(req)
-            starved = aging.num_bypassed(req) >= max_bypass
-            if not starved and self._follows_leader(req, match.num_tokens, leaders):
-                continue  # in-batch dedupe: the shared prefix is being computed; hit it later
+            # In-batch dedupe, starved requests included: the shared prefix is being computed;
+            # hit it later (a wait bounded by the leader's remaining chunks) instead of
+            # computing it twice. Requests behind a waiting follower may go meanwhile.
+            if self._follows_leader(req, match.num_tokens, leaders):
+                continue
             if reserved is None:
                 reserved = self._reserved_pages()
             work = self._try_admit(req, match, budget, reserved)
