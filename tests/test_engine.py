@@ -111,6 +111,44 @@ def test_a_starved_request_waits_for_a_leader_computing_its_prefix(tiny_chat_mod
     engine.check_integrity()
 
 
+def _admit_together(sched, reqs: list[Req], first_chunk: int) -> None:
+    """Puts every request in the running batch with pages for its first chunk, as an admission
+    that misjudged the pool would. (The admission estimate reserves every admitted prompt's
+    pages, so today this is a state to recover from rather than one the scheduler reaches.)"""
+    for req in reqs:
+        match = sched.cache.match_prefix(req.input_ids)
+        sched.cache.lock(match.node)
+        sched.pages.attach(req, match)
+        assert sched.pages.grow(req, first_chunk)
+        req.state = ReqState.RUNNING
+        sched.running.append(req)
+
+
+def test_prefills_alone_holding_the_pool_retract_one_and_all_finish(tiny_chat_model):
+    """Four 120-token prompts in a 20-page pool, all prefilling, each holding 5 pages: none
+    can grow and there is no decode to retract; one is retracted so that the others progress."""
+    prompts = [prompt_ids(20 + i, 120) for i in range(4)]
+    alone = make_engine(tiny_chat_model)
+    expected = [
+        alone.generate(input_ids=p, sampling_params=greedy(8))["output_ids"] for p in prompts
+    ]
+    engine = make_engine(tiny_chat_model, max_total_tokens=320, chunked_prefill_size=32)
+    sched = engine.scheduler
+    initial_free = engine.runner.pool.allocator.num_free
+    reqs = [Req(f"r{i}", p, SamplingParams(**greedy(8)), seed=0) for i, p in enumerate(prompts)]
+    _admit_together(sched, reqs, first_chunk=80)
+    assert engine.runner.pool.allocator.num_free == 0
+    for _ in range(500):
+        if not sched.has_work():
+            break
+        sched.step()
+    assert all(r.finished for r in reqs)
+    assert [r.output_ids for r in reqs] == expected
+    assert [r.num_retractions for r in reqs] == [0, 0, 0, 1]  # equal own pages: the youngest
+    engine.check_integrity()
+    assert engine.flush_cache() and engine.runner.pool.allocator.num_free == initial_free
+
+
 def test_multi_turn_hits_previous_answer(tiny_chat_model):
     engine = make_engine(tiny_chat_model)
     turn1 = SYSTEM[:50] + prompt_ids(3, 27)

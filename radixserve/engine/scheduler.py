@@ -150,17 +150,28 @@ class Scheduler:
     def _schedule(self) -> list[Work]:
         self._retracted.clear()
         decodes, prefilling = self._schedule_decodes()
+        chunks = self._schedule_chunks(prefilling)
+        while not decodes and not chunks and len(prefilling) > 1:
+            # Prefills alone hold the pool and none can grow: nothing would ever progress.
+            # Free one's pages (most own pages, youngest on ties) so that the others can.
+            self._retract_one()
+            prefilling = list(self.running)
+            chunks = self._schedule_chunks(prefilling)
+        budget = self._prefill_budget() - sum(w.num_new for w in chunks)
+        return decodes + chunks + self._admit_waiting(budget, list(prefilling))
+
+    def _schedule_chunks(self, prefilling: list[Req]) -> list[Work]:
+        """The next chunk of each partly prefilled request, while the budget and pages last."""
         budget = self._prefill_budget()
-        prefills: list[Work] = []
+        chunks: list[Work] = []
         for req in prefilling:
             if budget <= 0:
                 break
             num_new = min(req.num_uncomputed, budget)
             if self.pages.grow(req, num_new):
-                prefills.append(Work(req, num_new))
+                chunks.append(Work(req, num_new))
                 budget -= num_new
-        prefills += self._admit_waiting(budget, [w.req for w in prefills] + prefilling)
-        return decodes + prefills
+        return chunks
 
     def _prefill_budget(self) -> int:
         chunk = self.config.chunked_prefill_size
@@ -312,7 +323,8 @@ class Scheduler:
     # ---- memory pressure -----------------------------------------------------------------
 
     def _retract_one(self) -> bool:
-        """Moves the running request holding the most own pages back to the queue."""
+        """Moves the running request holding the most own pages (the youngest of those) back
+        to the queue; its computed full pages stay in the tree."""
         if not self.running:
             return False
         victim = max(self.running, key=lambda r: (len(r.own_pages()), r.arrival_time))
