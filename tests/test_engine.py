@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 import pytest
 
@@ -10,6 +11,7 @@ from conftest import SYSTEM, VOCAB, greedy, make_engine, prompt_ids
 from radixserve import Engine
 from radixserve.engine import scheduler as scheduler_module
 from radixserve.engine.request import Req, ReqState
+from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
 
@@ -147,6 +149,36 @@ def test_prefills_alone_holding_the_pool_retract_one_and_all_finish(tiny_chat_mo
     assert [r.num_retractions for r in reqs] == [0, 0, 0, 1]  # equal own pages: the youngest
     engine.check_integrity()
     assert engine.flush_cache() and engine.runner.pool.allocator.num_free == initial_free
+
+
+class _PendingGrammar:
+    """Stands in for the grammar backend: its one compile finishes when the test says so."""
+
+    def __init__(self):
+        self.future: Future = Future()
+
+    def compile_async(self, kind: str, spec: str) -> Future:
+        return self.future
+
+
+def test_step_reports_no_progress_while_only_a_grammar_compiles(tiny_chat_model, monkeypatch):
+    engine = make_engine(tiny_chat_model)
+    sched = engine.scheduler
+    grammar = _PendingGrammar()
+    monkeypatch.setattr(Scheduler, "grammar", property(lambda self: grammar))
+    constrained = Req("g", prompt_ids(1), SamplingParams(regex="[ab]+", **greedy(4)), seed=0)
+    sched.add_request(constrained)
+    for _ in range(2):
+        assert sched.step() == [] and not sched.last_step_progressed
+    assert sched.has_work() and sched.pending_compiles() == [grammar.future]
+    grammar.future.set_exception(ValueError("no such grammar"))
+    assert sched.step() == [constrained] and sched.last_step_progressed  # aborted: a change
+    sched.add_request(Req("p", prompt_ids(2), SamplingParams(**greedy(2)), seed=0))
+    sched.step()
+    assert sched.last_step_progressed  # ran a forward
+    while sched.has_work():
+        sched.step()
+    assert sched.step() == [] and not sched.last_step_progressed  # idle
 
 
 def test_multi_turn_hits_previous_answer(tiny_chat_model):

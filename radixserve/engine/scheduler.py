@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ class Scheduler:
         self.batches = BatchBuilder(self.page_size, runner.device)
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
+        self.last_step_progressed = True  # see step()
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
         self.new_token_ratio = self.init_new_token_ratio
@@ -99,17 +101,28 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
-        """Runs one batch; returns the requests whose output changed (finished ones included)."""
+        """Runs one batch; returns the requests whose output changed (finished ones included).
+
+        Sets `last_step_progressed`: False when the step ran no forward and changed no
+        request (say, only grammar compiles are pending). Stepping again then does nothing
+        until something outside changes: a new request, an abort, a compile finishing
+        (`pending_compiles()`); a driving loop should wait for one of those, not spin.
+        """
         outputs: list[Req] = []
         self._drain_inbox()
-        self._collect_compiled(outputs)
+        compiled = self._collect_compiled(outputs)
         self._handle_aborts(outputs)
         work = self._schedule()
         if work:
             logits = self._forward(work)
             self._commit(work, logits, outputs)
         self._decay_new_token_ratio()
+        self.last_step_progressed = bool(work or outputs or compiled or self._retracted)
         return outputs
+
+    def pending_compiles(self) -> list[Future]:
+        """The grammar compiles that queued constrained requests wait for."""
+        return [r.grammar_future for r in self.compiling]
 
     def _drain_inbox(self) -> None:
         while self.inbox:
@@ -122,8 +135,10 @@ class Scheduler:
                 req.grammar_future = self.grammar.compile_async(*req.params.grammar)
                 self.compiling.append(req)
 
-    def _collect_compiled(self, outputs: list[Req]) -> None:
-        for req in [r for r in self.compiling if r.grammar_future.done()]:
+    def _collect_compiled(self, outputs: list[Req]) -> bool:
+        """Queues the requests whose grammar compiled (aborts those whose compile failed)."""
+        done = [r for r in self.compiling if r.grammar_future.done()]
+        for req in done:
             self.compiling.remove(req)
             error = req.grammar_future.exception()
             if error is not None:
@@ -133,6 +148,7 @@ class Scheduler:
                 req.grammar = self.grammar.matcher(req.grammar_future.result())
                 self.waiting.append(req)
             req.grammar_future = None
+        return bool(done)
 
     def _handle_aborts(self, outputs: list[Req]) -> None:
         for req in [r for r in self.waiting + self.compiling if r.abort_requested]:
