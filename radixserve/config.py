@@ -192,8 +192,13 @@ class SchedulerConfig:
     """Most requests in the running batch."""
     disable_radix_cache: bool = False
     """Share no prefixes: every prompt is computed from scratch."""
-    schedule_max_wait_steps: int = 16
-    """Anti-starvation: a waiting request that has waited this many steps is admitted first."""
+    # 64: lpm may still run a whole group of prefix-sharing requests (parallel samples, a
+    # fork's children, an agent's tool calls: tens, not hundreds) ahead of a colder request,
+    # which then waits behind at most 64 newer ones, a quarter of a default-sized batch. Queue
+    # position, not waiting time, so that `bench simulate` reproduces the engine exactly.
+    schedule_max_bypass: int = 64
+    """Anti-starvation: a waiting request that this many later arrivals were admitted ahead of
+    goes first. A bound in requests, not steps, so lpm keeps its order under sustained load."""
     schedule_conservativeness: float = 1.0
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
@@ -206,7 +211,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"schedule_policy must be one of {allowed}; got {self.schedule_policy!r}"
             )
-        for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_wait_steps"):
+        for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_bypass"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 import pytest
 
 from conftest import SYSTEM, VOCAB, greedy, make_engine, prompt_ids
 from radixserve import Engine
+from radixserve.engine import scheduler as scheduler_module
+from radixserve.engine.request import Req, ReqState
+from radixserve.engine.scheduler import Scheduler
+from radixserve.sampling.params import SamplingParams
 
 
 def test_generate_shapes_and_meta_info(tiny_chat_model):
@@ -62,6 +67,118 @@ def test_tiny_pool_retracts_and_still_matches_a_large_pool(tiny_chat_model):
     small.check_integrity()
     assert small.flush_cache()
     assert small.runner.pool.allocator.num_free == initial_free
+
+
+def test_a_request_retracted_in_a_step_is_not_readmitted_in_it(tiny_chat_model, monkeypatch):
+    """The victim must wait for the next step: readmitting it at once would undo the retraction.
+    Today the admission estimate usually refuses it anyway, so the test also checks that it is
+    never offered to the policy in its retraction step."""
+    engine = make_engine(tiny_chat_model, max_total_tokens=640, chunked_prefill_size=64)
+    sched = engine.scheduler
+    retractions: dict[Req, int] = {}
+    offered: list[str] = []
+    original = scheduler_module.order_waiting
+
+    def order_waiting(waiting, *args):
+        offered.extend(r.rid for r in waiting if r.num_retractions > retractions[r])
+        return original(waiting, *args)
+
+    monkeypatch.setattr(scheduler_module, "order_waiting", order_waiting)
+    reqs = [
+        Req(f"r{i}", prompt_ids(i, 24), SamplingParams(**greedy(100)), seed=0) for i in range(16)
+    ]
+    for req in reqs:
+        sched.add_request(req)
+    while sched.has_work():
+        retractions = {r: r.num_retractions for r in reqs}
+        sched.step()
+        retracted = [r for r in reqs if r.num_retractions > retractions[r]]
+        assert all(r.state is ReqState.WAITING for r in retracted)
+    assert sched.stats.retractions > 0 and offered == []
+    engine.check_integrity()
+
+
+def test_a_starved_request_waits_for_a_leader_computing_its_prefix(tiny_chat_model):
+    engine = make_engine(tiny_chat_model)
+    sched = engine.scheduler
+    shared = SYSTEM[:96]
+    reqs = [Req(f"r{i}", shared + prompt_ids(i, 8), SamplingParams(**greedy(2)), 0) for i in (1, 2)]
+    for req in reqs:
+        req.num_bypassed = sched.config.schedule_max_bypass  # both starved
+        sched.add_request(req)
+    while sched.has_work():
+        sched.step()
+    assert engine.get_stats()["prefill_tokens_computed"] == 2 * 104 - len(shared)
+    assert reqs[1].cached_tokens == len(shared)
+    engine.check_integrity()
+
+
+def _admit_together(sched, reqs: list[Req], first_chunk: int) -> None:
+    """Puts every request in the running batch with pages for its first chunk, as an admission
+    that misjudged the pool would. (The admission estimate reserves every admitted prompt's
+    pages, so today this is a state to recover from rather than one the scheduler reaches.)"""
+    for req in reqs:
+        match = sched.cache.match_prefix(req.input_ids)
+        sched.cache.lock(match.node)
+        sched.pages.attach(req, match)
+        assert sched.pages.grow(req, first_chunk)
+        req.state = ReqState.RUNNING
+        sched.running.append(req)
+
+
+def test_prefills_alone_holding_the_pool_retract_one_and_all_finish(tiny_chat_model):
+    """Four 120-token prompts in a 20-page pool, all prefilling, each holding 5 pages: none
+    can grow and there is no decode to retract; one is retracted so that the others progress."""
+    prompts = [prompt_ids(20 + i, 120) for i in range(4)]
+    alone = make_engine(tiny_chat_model)
+    expected = [
+        alone.generate(input_ids=p, sampling_params=greedy(8))["output_ids"] for p in prompts
+    ]
+    engine = make_engine(tiny_chat_model, max_total_tokens=320, chunked_prefill_size=32)
+    sched = engine.scheduler
+    initial_free = engine.runner.pool.allocator.num_free
+    reqs = [Req(f"r{i}", p, SamplingParams(**greedy(8)), seed=0) for i, p in enumerate(prompts)]
+    _admit_together(sched, reqs, first_chunk=80)
+    assert engine.runner.pool.allocator.num_free == 0
+    for _ in range(500):
+        if not sched.has_work():
+            break
+        sched.step()
+    assert all(r.finished for r in reqs)
+    assert [r.output_ids for r in reqs] == expected
+    assert [r.num_retractions for r in reqs] == [0, 0, 0, 1]  # equal own pages: the youngest
+    engine.check_integrity()
+    assert engine.flush_cache() and engine.runner.pool.allocator.num_free == initial_free
+
+
+class _PendingGrammar:
+    """Stands in for the grammar backend: its one compile finishes when the test says so."""
+
+    def __init__(self):
+        self.future: Future = Future()
+
+    def compile_async(self, kind: str, spec: str) -> Future:
+        return self.future
+
+
+def test_step_reports_no_progress_while_only_a_grammar_compiles(tiny_chat_model, monkeypatch):
+    engine = make_engine(tiny_chat_model)
+    sched = engine.scheduler
+    grammar = _PendingGrammar()
+    monkeypatch.setattr(Scheduler, "grammar", property(lambda self: grammar))
+    constrained = Req("g", prompt_ids(1), SamplingParams(regex="[ab]+", **greedy(4)), seed=0)
+    sched.add_request(constrained)
+    for _ in range(2):
+        assert sched.step() == [] and not sched.last_step_progressed
+    assert sched.has_work() and sched.pending_compiles() == [grammar.future]
+    grammar.future.set_exception(ValueError("no such grammar"))
+    assert sched.step() == [constrained] and sched.last_step_progressed  # aborted: a change
+    sched.add_request(Req("p", prompt_ids(2), SamplingParams(**greedy(2)), seed=0))
+    sched.step()
+    assert sched.last_step_progressed  # ran a forward
+    while sched.has_work():
+        sched.step()
+    assert sched.step() == [] and not sched.last_step_progressed  # idle
 
 
 def test_multi_turn_hits_previous_answer(tiny_chat_model):

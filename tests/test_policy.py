@@ -7,16 +7,16 @@ import pytest
 from conftest import make_engine, prompt_ids
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.engine.policy import order_waiting
+from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.request import Req, ReqState
 from radixserve.sampling.params import SamplingParams
 
 PS = 4
 
 
-def _req(rid: str, ids: list[int], wait_steps: int = 0) -> Req:
-    req = Req(rid=rid, input_ids=ids, params=SamplingParams(), seed=0)
-    req.wait_steps = wait_steps
+def _req(rid: str, ids: list[int], num_bypassed: int = 0, namespace: str | None = None) -> Req:
+    req = Req(rid=rid, input_ids=ids, params=SamplingParams(), seed=0, namespace=namespace)
+    req.num_bypassed = num_bypassed
     return req
 
 
@@ -28,9 +28,9 @@ def _cache_with(*sequences: list[int]) -> RadixCache:
     return cache
 
 
-def _order(cache, reqs, policy, max_wait=100):
-    matches = {r: cache.match_prefix(r.input_ids) for r in reqs}
-    return [r.rid for r in order_waiting(reqs, policy, matches, max_wait, cache.parent_of)]
+def _order(cache, reqs, policy, max_bypass=100):
+    matches = {r: cache.match_prefix(r.input_ids, r.namespace) for r in reqs}
+    return [r.rid for r in order_waiting(reqs, policy, matches, max_bypass, cache.parent_of)]
 
 
 A = list(range(100, 132))  # 32 tokens cached
@@ -46,7 +46,7 @@ def test_lpm_orders_by_cached_length_and_fcfs_by_arrival():
 
 def test_starved_requests_go_first_under_every_policy():
     cache = _cache_with(A)
-    reqs = [_req("hot", A + [1]), _req("cold", [9] * 20, wait_steps=100)]
+    reqs = [_req("hot", A + [1]), _req("cold", [9] * 20, num_bypassed=100)]
     for policy in ("lpm", "dfs-weight", "fcfs"):
         assert _order(cache, reqs, policy)[0] == "cold"
 
@@ -68,30 +68,111 @@ def test_dfs_weight_visits_heavier_subtrees_first():
     assert abs(order.index("heavy1") - order.index("heavy2")) == 1  # siblings run together
 
 
-def _steps_until_cold_runs(engine, max_steps: int) -> int | None:
-    hot_prefix = prompt_ids(0, 64)
-    engine.generate(input_ids=hot_prefix + [1], sampling_params={"max_new_tokens": 1})
-    hot_params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
-    cold = Req(rid="cold", input_ids=prompt_ids(99, 40), params=hot_params, seed=0)
+def test_dfs_weight_groups_an_unseen_namespace_apart_from_unsalted_requests():
+    """Salted requests whose namespace has no tree yet share that namespace's own root."""
+    cache = _cache_with(A)
+    reqs = [
+        _req("plain1", [1] * 20),
+        _req("salted1", [2] * 20, namespace="salt"),
+        _req("plain2", [3] * 20),
+        _req("salted2", [4] * 20, namespace="salt"),
+    ]
+    order = _order(cache, reqs, "dfs-weight")
+    assert abs(order.index("salted1") - order.index("salted2")) == 1
+    assert abs(order.index("plain1") - order.index("plain2")) == 1
+
+
+def test_aging_counts_only_later_arrivals_admitted_ahead():
+    old, cold, new = _req("old", [1]), _req("cold", [2], num_bypassed=1), _req("new", [3])
+    for arrival, req in enumerate((old, cold, new)):
+        req.arrival_time = float(arrival)
+    aging = Aging([old, cold, new], max_bypass=3)
+    assert aging.admit(old) == []  # arrived first: bypasses nobody
+    old.state = ReqState.RUNNING
+    assert aging.admit(new) == []
+    new.state = ReqState.RUNNING
+    assert aging.num_bypassed(cold) == 2
+    late = _req("late", [4])
+    late.arrival_time = 3.0
+    assert aging.admit(late) == [cold]  # the third bypass: cold goes next, still in this step
+    aging.commit([cold])
+    assert cold.num_bypassed == 3
+
+
+HOT_PREFIX = prompt_ids(0, 64)
+
+
+def greedy_params(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+HOT_PARAMS = greedy_params(2)
+
+
+def _engine_with_hot_prefix(tiny_chat_model, **kwargs):
+    engine = make_engine(tiny_chat_model, **kwargs)
+    engine.generate(input_ids=HOT_PREFIX + [1], sampling_params={"max_new_tokens": 1})
+    return engine
+
+
+def _hot(rid: str, suffix: list[int]) -> Req:
+    return Req(rid=rid, input_ids=HOT_PREFIX + suffix, params=HOT_PARAMS, seed=0)
+
+
+def _cold(rid: str, i: int) -> Req:
+    return Req(rid=rid, input_ids=prompt_ids(i, 40), params=HOT_PARAMS, seed=0)
+
+
+def _run_cold_under_hot_stream(engine, max_steps: int) -> Req:
+    """A cold request, then two hot ones each step (they arrive faster than they finish)."""
+    cold = _cold("cold", 99)
     sched = engine.scheduler
     sched.add_request(cold)
     for step in range(max_steps):
-        for i in range(2):  # hot requests keep arriving faster than they finish
-            ids = hot_prefix + [step, i]
-            sched.add_request(Req(rid=f"hot-{step}-{i}", input_ids=ids, params=hot_params, seed=0))
+        for i in range(2):
+            sched.add_request(_hot(f"hot-{step}-{i}", [step, i]))
         sched.step()
         if cold.state is not ReqState.WAITING:
-            return step
-    return None
+            break
+    return cold
 
 
-@pytest.mark.parametrize("max_wait", [4, 10])
-def test_lpm_never_starves_a_cold_request(tiny_chat_model, max_wait):
-    engine = make_engine(tiny_chat_model, max_running_requests=2, schedule_max_wait_steps=max_wait)
-    step = _steps_until_cold_runs(engine, 60)
-    assert step is not None and step <= max_wait + 3  # +3: a running slot must free up first
+@pytest.mark.parametrize("max_bypass", [4, 10])
+def test_lpm_admits_a_cold_request_after_at_most_max_bypass_newer_ones(tiny_chat_model, max_bypass):
+    engine = _engine_with_hot_prefix(
+        tiny_chat_model, max_running_requests=2, schedule_max_bypass=max_bypass
+    )
+    cold = _run_cold_under_hot_stream(engine, 60)
+    assert cold.state is not ReqState.WAITING
+    assert cold.num_bypassed == max_bypass  # lpm passed it over exactly as often as allowed
 
 
 def test_without_aging_lpm_starves_the_cold_request(tiny_chat_model):
-    engine = make_engine(tiny_chat_model, max_running_requests=2, schedule_max_wait_steps=10**9)
-    assert _steps_until_cold_runs(engine, 40) is None  # what the aging bound prevents
+    engine = _engine_with_hot_prefix(
+        tiny_chat_model, max_running_requests=2, schedule_max_bypass=10**9
+    )
+    cold = _run_cold_under_hot_stream(engine, 40)
+    assert cold.state is ReqState.WAITING  # what the aging bound prevents
+
+
+def test_lpm_keeps_its_order_when_every_request_has_waited_long(tiny_chat_model):
+    """Under sustained load every request waits many steps; lpm must not turn into fcfs:
+    hot requests still go first, until the cold ones have been passed over max_bypass times."""
+    engine = _engine_with_hot_prefix(tiny_chat_model, max_running_requests=1, schedule_max_bypass=3)
+    sched = engine.scheduler
+    blocker = Req(rid="blocker", input_ids=prompt_ids(50, 20), params=greedy_params(30), seed=0)
+    sched.add_request(blocker)
+    sched.step()
+    waiting = [_cold("cold0", 98), _cold("cold1", 97)] + [_hot(f"hot{i}", [i]) for i in range(5)]
+    for req in waiting:
+        sched.add_request(req)
+    admitted: list[str] = []
+    for _ in range(200):
+        sched.step()
+        admitted += [
+            r.rid for r in waiting if r.state is not ReqState.WAITING and r.rid not in admitted
+        ]
+        if not sched.has_work():
+            break
+    assert blocker.finished and len(blocker.output_ids) == 30  # everyone waited > 16 steps
+    assert admitted == ["hot0", "hot1", "hot2", "cold0", "cold1", "hot3", "hot4"]

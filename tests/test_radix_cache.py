@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -105,6 +108,36 @@ def test_namespaces_never_share_nodes():
     pages = allocator.allocate(3).tolist()
     assert cache.insert([1, 2, 3], pages, namespace=None) == 0
     assert cache.match_prefix([1, 2, 3, 4]).pages == pages
+    cache.check_integrity()
+
+
+def test_an_unseen_namespace_gets_its_own_root_and_insert_keeps_it():
+    allocator, cache = make_cache(page_size=1)
+    salted = cache.match_prefix([1, 2, 3], namespace="s").node
+    assert salted is not cache.match_prefix([1, 2, 3]).node
+    assert cache.match_prefix([7], namespace="s").node is salted
+    assert cache.match_prefix([], namespace="s").node is salted
+    assert cache.parent_of(salted) is None
+    insert_fresh(cache, allocator, [1, 2, 3], namespace="s")
+    deep = cache.match_prefix([1, 2, 3, 4], namespace="s").node
+    assert cache.parent_of(deep) is salted  # insert grew the tree under the root match handed out
+    cache.check_integrity()
+
+
+def test_namespace_roots_without_pages_are_not_kept():
+    """A salt per user must not pile up roots: an empty one lives only while someone holds it."""
+    allocator, cache = make_cache(page_size=1)
+    roots = [weakref.ref(cache.match_prefix([1, 2], namespace=f"user{i}").node) for i in range(50)]
+    gc.collect()
+    assert all(root() is None for root in roots)
+    insert_fresh(cache, allocator, [1, 2, 3], namespace="x")
+    root = weakref.ref(cache.match_prefix([9], namespace="x").node)
+    gc.collect()
+    assert root() is not None  # it has pages
+    assert cache.evict(10) == 3
+    gc.collect()
+    assert root() is None  # eviction emptied it
+    assert cache.match_prefix([1, 2, 3, 4], namespace="x").num_tokens == 0
     cache.check_integrity()
 
 

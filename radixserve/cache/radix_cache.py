@@ -7,11 +7,24 @@ cache salt) has its own root, so requests of different namespaces never share a 
     root ── (a b | c d) ──┬── (e f)           keys of page_size 2; `|` marks page edges
                           └── (g h | i j)     matching "a b c d g h x y" splits the last
                                               node into (g h) -> (i j) and returns (g h)
+
+Namespace roots live in one of two maps, so that a salt per user never piles up roots:
+
+    _roots        default root + every namespace root with pages under it   (held strongly)
+    _empty_roots  namespace roots without pages: handed out by match_prefix  (held weakly)
+                  for a namespace seen first, or emptied by eviction
+
+An empty root lives exactly as long as a match result or a request refers to it; while one
+does, match_prefix and insert hand out that same object (dfs-weight groups its requests under
+it), and the first insert with pages moves it to `_roots`. Eviction works from the `_leaves`
+set and moves a root between the maps in O(1) (a root knows its namespace): its cost never
+depends on the number of namespaces.
 """
 
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 
@@ -53,6 +66,16 @@ class TreeNode:
             node = node.parent
 
 
+class RootNode(TreeNode):
+    """The root of one namespace's tree: no key, no pages; weakly referable (see above)."""
+
+    __slots__ = ("namespace", "__weakref__")
+
+    def __init__(self, namespace: str | None):
+        super().__init__((), [], None)
+        self.namespace = namespace
+
+
 class RadixCache(PrefixCache):
     """Prefix cache over a radix tree; LRU eviction of unlocked leaves."""
 
@@ -71,12 +94,15 @@ class RadixCache(PrefixCache):
             raise RuntimeError("cannot reset the radix cache while some nodes are locked")
         nodes = list(self._nodes())
         self.allocator.free([page for node in nodes for page in node.pages])
-        for node in nodes:
+        for node in [*nodes, *self._empty_roots.values()]:
             node.evicted = True  # stale handles must not be locked again
         self._clear()
 
     def _clear(self) -> None:
-        self._roots: dict[str | None, TreeNode] = {None: TreeNode((), [], None)}
+        self._roots: dict[str | None, RootNode] = {None: RootNode(None)}
+        self._empty_roots: weakref.WeakValueDictionary[str, RootNode] = (
+            weakref.WeakValueDictionary()
+        )
         self._leaves: set[TreeNode] = set()  # childless non-root nodes: eviction candidates
         self._num_evictable = 0
         self._num_protected = 0
@@ -92,9 +118,8 @@ class RadixCache(PrefixCache):
     ) -> MatchResult:
         limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
         limit = max(limit, 0) // self.page_size * self.page_size
-        root = self._roots.get(namespace)
-        if root is None or limit == 0:
-            root = root if root is not None else self._roots[None]
+        root = self._root(namespace)
+        if limit == 0 or not root.children:
             return MatchResult(pages=[], num_tokens=0, node=root)
         key = token_ids if isinstance(token_ids, tuple) else tuple(token_ids[:limit])
         node, num_tokens = self._walk(root, key, limit)
@@ -106,12 +131,27 @@ class RadixCache(PrefixCache):
         num_pages = len(token_ids) // self.page_size
         check_enough_pages(pages, num_pages)
         key = tuple(token_ids[: num_pages * self.page_size])
-        root = self._roots.setdefault(namespace, TreeNode((), [], None))
+        root = self._root(namespace)
         node, num_cached = self._walk(root, key)
         if num_cached < len(key):
             new_pages = [int(p) for p in pages[num_cached // self.page_size : num_pages]]
+            self._keep_root(root)
             self._add_leaf(node, key[num_cached:], new_pages)
         return num_cached
+
+    def _root(self, namespace: str | None) -> RootNode:
+        """The namespace's live root; a new empty one (held weakly) if it has none."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._empty_roots.get(namespace)
+        if root is None:
+            root = self._empty_roots[namespace] = RootNode(namespace)
+        return root
+
+    def _keep_root(self, root: RootNode) -> None:
+        """Holds a root strongly: it is getting pages."""
+        self._roots[root.namespace] = root
+        self._empty_roots.pop(root.namespace, None)
 
     def _walk(
         self, root: TreeNode, key: tuple[int, ...], end: int | None = None
@@ -227,15 +267,15 @@ class RadixCache(PrefixCache):
         self._leaves.discard(leaf)
         if not leaf.parent.children and not leaf.parent.is_root:
             self._leaves.add(leaf.parent)
-        self._drop_empty_root(leaf.parent)
+        if isinstance(leaf.parent, RootNode):
+            self._release_empty_root(leaf.parent)
         return leaf.pages
 
-    def _drop_empty_root(self, node: TreeNode) -> None:
-        """Forgets a namespace whose tree became empty (the default one stays)."""
-        if node.is_root and not node.children:
-            for namespace, root in list(self._roots.items()):
-                if root is node and namespace is not None:
-                    del self._roots[namespace]
+    def _release_empty_root(self, root: RootNode) -> None:
+        """Holds a namespace root whose tree became empty weakly (the default one stays)."""
+        if not root.children and root.namespace is not None:
+            del self._roots[root.namespace]
+            self._empty_roots[root.namespace] = root
 
     # ---- sizes and checks ----
 
@@ -252,6 +292,7 @@ class RadixCache(PrefixCache):
     def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
         for node in self._nodes():
             self._check_node(node)
+        self._check_roots()
         self._check_counters()
         check_page_accounting(self.allocator, self._tree_pages(), held_pages)
 
@@ -271,6 +312,16 @@ class RadixCache(PrefixCache):
             raise CacheIntegrityError(
                 f"node lock count {node.lock_count} is below its children's sum {children_locks}"
             )
+
+    def _check_roots(self) -> None:
+        for namespace, root in self._roots.items():
+            if root.namespace != namespace or not root.is_root:
+                raise CacheIntegrityError(f"the root of namespace {namespace!r} is misfiled")
+            if namespace is not None and not root.children:
+                raise CacheIntegrityError(f"namespace {namespace!r} keeps an empty root")
+        for namespace, root in self._empty_roots.items():
+            if root.children or namespace in self._roots or root.namespace != namespace:
+                raise CacheIntegrityError(f"namespace {namespace!r} has a stale empty root")
 
     def _check_counters(self) -> None:
         nodes = list(self._nodes())

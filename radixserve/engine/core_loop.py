@@ -69,13 +69,13 @@ class CoreLoop:
 
     def _step(self) -> None:
         scheduler = self.core.scheduler
-        num_forwards = scheduler.stats.forward_steps
         try:
             changed = scheduler.step()
+            progressed = scheduler.last_step_progressed
         except Exception as exc:  # a broken step must not take the server down
             logger.exception("engine step failed; aborting every request")
             changed = scheduler.abort_all(f"engine step failed: {type(exc).__name__}: {exc}")
-        progressed = bool(changed) or scheduler.stats.forward_steps != num_forwards
+            progressed = True
         wait = min(max(2 * self._stall_wait, STALL_WAIT_MIN_S), STALL_WAIT_MAX_S)
         self._stall_wait = 0.0 if progressed else wait
         if changed:

@@ -1,17 +1,21 @@
 """Orders the waiting queue: lpm, dfs-weight or fcfs, with aging against starvation.
 
-Any request that has waited `max_wait_steps` steps goes first, oldest first, whatever the
-policy; so under `lpm` a cold request is delayed a bounded number of steps even while hot
-requests keep arriving (SGLang's lpm starves it: their issue #31954).
+Aging counts queue positions, not steps: each time a request is admitted, every request still
+waiting that arrived before it has been bypassed once. A request bypassed `max_bypass` times is
+starved and goes first, oldest first, whatever the policy; so under `lpm` a cold request waits
+behind at most `max_bypass` newer ones even while hot requests keep arriving (SGLang's lpm
+starves it: their issue #31954), and under sustained load, when every request waits many
+steps, lpm still orders by cached prefix (a bound on steps turned it into fcfs).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from radixserve.cache.prefix_cache import MatchResult
-from radixserve.engine.request import Req
+from radixserve.engine.request import Req, ReqState
 
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 
@@ -20,12 +24,12 @@ def order_waiting(
     waiting: list[Req],
     policy: str,
     matches: dict[Req, MatchResult],
-    max_wait_steps: int,
+    max_bypass: int,
     parent_of: Callable[[object], object | None],
 ) -> list[Req]:
     """Starved requests first (oldest first), then the rest in the policy's order."""
-    starved = sorted((r for r in waiting if r.wait_steps >= max_wait_steps), key=_age_key)
-    rest = [r for r in waiting if r.wait_steps < max_wait_steps]
+    starved = sorted((r for r in waiting if r.num_bypassed >= max_bypass), key=_age_key)
+    rest = [r for r in waiting if r.num_bypassed < max_bypass]
     if policy == "lpm":
         rest.sort(key=lambda r: (-matches[r].num_tokens, r.arrival_time))
     elif policy == "dfs-weight":
@@ -33,6 +37,44 @@ def order_waiting(
     else:
         rest.sort(key=_age_key)
     return starved + rest
+
+
+class Aging:
+    """Counts the bypasses of one step's admissions, as they happen.
+
+    `admit` reports the requests that an admission made starved, so that the caller lets them
+    go next (the bound holds within a step too); `commit` writes the counts back at its end.
+    """
+
+    def __init__(self, waiting: Iterable[Req], max_bypass: int):
+        self.max_bypass = max_bypass
+        self._admitted: list[float] = []  # arrival times of this step's admissions, sorted
+        self._starved: set[Req] = set()
+        # most bypassed first: only a prefix of them can starve within k admissions
+        hungry = (r for r in waiting if r.num_bypassed < max_bypass)
+        self._closest = sorted(hungry, key=lambda r: r.num_bypassed, reverse=True)
+
+    def num_bypassed(self, req: Req) -> int:
+        younger = len(self._admitted) - bisect_right(self._admitted, req.arrival_time)
+        return req.num_bypassed + younger
+
+    def admit(self, req: Req) -> list[Req]:
+        """Records an admission; returns the waiting requests it made starved, oldest first."""
+        insort(self._admitted, req.arrival_time)
+        starved = []
+        for other in self._closest:
+            if other.num_bypassed + len(self._admitted) < self.max_bypass:
+                break
+            if other.state is ReqState.WAITING and other not in self._starved:
+                if self.num_bypassed(other) >= self.max_bypass:
+                    self._starved.add(other)
+                    starved.append(other)
+        return sorted(starved, key=_age_key)
+
+    def commit(self, waiting: Iterable[Req]) -> None:
+        if self._admitted:
+            for req in waiting:
+                req.num_bypassed = self.num_bypassed(req)
 
 
 def _age_key(req: Req) -> float:

@@ -58,7 +58,7 @@ class Req:
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     abort_requested: bool = False
-    wait_steps: int = 0
+    num_bypassed: int = 0  # later arrivals admitted while it waited (policy.py's aging)
     num_retractions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None

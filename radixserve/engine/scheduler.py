@@ -13,16 +13,17 @@ import itertools
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import MatchResult, PrefixCache
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.logprobs import commit_logprobs
-from radixserve.engine.policy import order_waiting
+from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
@@ -65,6 +66,8 @@ class Scheduler:
         self.pages = ReqPages(self.pool, cache, self.stats)
         self.batches = BatchBuilder(self.page_size, runner.device)
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
+        self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
+        self.last_step_progressed = True  # see step()
         self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * 0.14
         self.new_token_ratio = self.init_new_token_ratio
@@ -118,10 +121,16 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
-        """Runs one batch; returns the requests whose output changed (finished ones included)."""
+        """Runs one batch; returns the requests whose output changed (finished ones included).
+
+        Sets `last_step_progressed`: False when the step ran no forward and changed no
+        request (say, only grammar compiles are pending). Stepping again then does nothing
+        until something outside changes: a new request, an abort, a compile finishing
+        (`pending_compiles()`); a driving loop should wait for one of those, not spin.
+        """
         outputs: list[Req] = []
         self._drain_inbox()
-        self._collect_compiled(outputs)
+        compiled = self._collect_compiled(outputs)
         self._handle_aborts(outputs)
         work = self._schedule()
         if work:
@@ -135,7 +144,12 @@ class Scheduler:
             else:
                 self._commit(work, logits, outputs)
             self._decay_new_token_ratio()  # per batch run, as SGLang (idle steps do not count)
+        self.last_step_progressed = bool(work or outputs or compiled or self._retracted)
         return outputs
+
+    def pending_compiles(self) -> list[Future]:
+        """The grammar compiles that queued constrained requests wait for."""
+        return [r.grammar_future for r in self.compiling]
 
     def _drain_inbox(self) -> None:
         while self.inbox:
@@ -148,8 +162,10 @@ class Scheduler:
                 req.grammar_future = self.grammar.compile_async(*req.params.grammar)
                 self.compiling.append(req)
 
-    def _collect_compiled(self, outputs: list[Req]) -> None:
-        for req in [r for r in self.compiling if r.grammar_future.done()]:
+    def _collect_compiled(self, outputs: list[Req]) -> bool:
+        """Queues the requests whose grammar compiled (aborts those whose compile failed)."""
+        done = [r for r in self.compiling if r.grammar_future.done()]
+        for req in done:
             self.compiling.remove(req)
             error = req.grammar_future.exception()
             try:
@@ -161,6 +177,7 @@ class Scheduler:
                 req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
                 outputs.append(req)
             req.grammar_future = None
+        return bool(done)
 
     def _handle_aborts(self, outputs: list[Req]) -> None:
         for req in [r for r in self.waiting + self.compiling if r.abort_requested]:
@@ -182,18 +199,30 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def _schedule(self) -> list[Work]:
+        self._retracted.clear()
         decodes, prefilling = self._schedule_decodes()
+        chunks = self._schedule_chunks(prefilling)
+        while not decodes and not chunks and len(prefilling) > 1:
+            # Prefills alone hold the pool and none can grow: nothing would ever progress.
+            # Free one's pages (most own pages, youngest on ties) so that the others can.
+            self._retract_one()
+            prefilling = list(self.running)
+            chunks = self._schedule_chunks(prefilling)
+        budget = self._prefill_budget() - sum(w.num_new for w in chunks)
+        return decodes + chunks + self._admit_waiting(budget, list(prefilling))
+
+    def _schedule_chunks(self, prefilling: list[Req]) -> list[Work]:
+        """The next chunk of each partly prefilled request, while the budget and pages last."""
         budget = self._prefill_budget()
-        prefills: list[Work] = []
+        chunks: list[Work] = []
         for req in prefilling:
             if budget <= 0:
                 break
             num_new = min(req.num_uncomputed, budget)
             if self.pages.grow(req, num_new):
-                prefills.append(Work(req, num_new))
+                chunks.append(Work(req, num_new))
                 budget -= num_new
-        prefills += self._admit_waiting(budget, [w.req for w in prefills] + prefilling)
-        return decodes + prefills
+        return chunks
 
     def _prefill_budget(self) -> int:
         chunk = self.config.chunked_prefill_size
@@ -228,32 +257,50 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, leaders: list[Req]) -> list[Work]:
         """Admits waiting requests in policy order; `leaders`: requests prefilling already."""
-        for req in self.waiting:
-            req.wait_steps += 1
         keys = self._seq_keys
         self._seq_keys = {r: k for r, k in keys.items() if r.state is ReqState.WAITING}
+        # readmitting a request retracted in this very step would undo its retraction
+        candidates = [r for r in self.waiting if r not in self._retracted]
         full = len(self.running) >= self.config.max_running_requests
-        if not self.waiting or budget <= 0 or full:
+        if not candidates or budget <= 0 or full:
             return []  # nothing can join: skip ordering the queue, as SGLang does
+        matches, queue = self._order(candidates)
+        aging = Aging(candidates, self.config.schedule_max_bypass)
+        admitted = self._admit_in_order(queue, matches, aging, budget, leaders)
+        aging.commit(self.waiting)
+        return admitted
+
+    def _order(self, candidates: list[Req]) -> tuple[dict[Req, MatchResult], deque[Req]]:
+        """The candidates' prefix matches (none under fcfs) and the policy's order of them."""
         policy = self.config.schedule_policy
-        if len(self.waiting) > MAX_SORTED_QUEUE:
+        if len(candidates) > MAX_SORTED_QUEUE:
             policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
-        matches = {} if policy == "fcfs" else {r: self._match(r) for r in self.waiting}
-        ordered = order_waiting(
-            self.waiting, policy, matches, self.config.schedule_max_wait_steps, self.cache.parent_of
-        )
+        matches = {} if policy == "fcfs" else {r: self._match(r) for r in candidates}
+        max_bypass = self.config.schedule_max_bypass
+        ordered = order_waiting(candidates, policy, matches, max_bypass, self.cache.parent_of)
+        return matches, deque(ordered)
+
+    def _admit_in_order(
+        self,
+        queue: deque[Req],
+        matches: dict[Req, MatchResult],
+        aging: Aging,
+        budget: int,
+        leaders: list[Req],
+    ) -> list[Work]:
         admitted: list[Work] = []
         reserved = None  # pages promised to running requests, computed once needed
         evicted = self.stats.evicted_pages
-        for req in ordered:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-                break
+        while queue and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = queue.popleft()
             # An admission above may have evicted the node a queued match points to: match again.
             fresh = self.stats.evicted_pages == evicted
             match = (matches.get(req) if fresh else None) or self._match(req)
-            starved = req.wait_steps >= self.config.schedule_max_wait_steps
-            if not starved and self._follows_leader(req, match.num_tokens, leaders):
-                continue  # in-batch dedupe: the shared prefix is being computed; hit it later
+            # In-batch dedupe, starved requests included: the shared prefix is being computed;
+            # hit it later (a wait bounded by the leader's remaining chunks) instead of
+            # computing it twice. Requests behind a waiting follower may go meanwhile.
+            if self._follows_leader(req, match.num_tokens, leaders):
+                continue
             if reserved is None:
                 reserved = self._reserved_pages()
             work = self._try_admit(req, match, budget, reserved)
@@ -263,6 +310,7 @@ class Scheduler:
             leaders.append(req)
             budget -= work.num_new
             reserved += self._future_pages(req)
+            queue = _put_first(aging.admit(req), queue)
         return admitted
 
     def _match(self, req: Req):
@@ -326,12 +374,14 @@ class Scheduler:
     # ---- memory pressure -----------------------------------------------------------------
 
     def _retract_one(self) -> bool:
-        """Moves the running request holding the most own pages back to the queue."""
+        """Moves the running request holding the most own pages (the youngest of those) back
+        to the queue; its computed full pages stay in the tree."""
         if not self.running:
             return False
         victim = max(self.running, key=lambda r: (len(r.own_pages()), r.arrival_time))
         self.pages.release(victim)
         self.running.remove(victim)
+        self._retracted.add(victim)
         victim.state = ReqState.WAITING
         victim.num_computed = 0
         victim.num_retractions += 1
@@ -470,6 +520,13 @@ class Scheduler:
         total = sum(r.params.max_new_tokens for r in self.running)
         ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
         self.new_token_ratio = min(max(ratio, self.new_token_ratio), 1.0)
+
+
+def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:
+    """`queue` with `first` moved to its front (the requests an admission just made starved)."""
+    if not first:
+        return queue
+    return deque([*first, *(r for r in queue if r not in first)])
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
