@@ -163,7 +163,7 @@ def test_a_burst_never_exceeds_the_queue_limit(tiny_chat_model):
                          "--max-queued-requests", "1")  # fmt: skip
 
     async def scenario():
-        body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"max_new_tokens": 1000}}
+        body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"max_new_tokens": 300}}
         async with aiohttp.ClientSession() as session:
             replies = await asyncio.gather(
                 *(post(session, proc.url + "/generate", body) for _ in range(12))
