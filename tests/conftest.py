@@ -114,6 +114,16 @@ def make_engine(model, **kwargs):
     return Engine(model, **({"max_total_tokens": 8192, "page_size": 16} | kwargs))
 
 
+def make_core(model, **kwargs):
+    """An EngineCore with no client: for tests that drive `core.scheduler.step()` themselves
+    (an Engine's core thread would step it too)."""
+    from radixserve.config import split_engine_kwargs
+    from radixserve.engine.core import EngineCore
+
+    kwargs = {"max_total_tokens": 8192, "page_size": 16} | kwargs
+    return EngineCore.build(*split_engine_kwargs(model, kwargs))
+
+
 def greedy(max_new_tokens=16, **extra):
     return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True} | extra
 

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from conftest import SYSTEM, VOCAB, greedy, make_engine, prompt_ids
+from conftest import SYSTEM, VOCAB, greedy, make_core, make_engine, prompt_ids
 from radixserve import Engine
 from radixserve.engine import scheduler as scheduler_module
 from radixserve.engine.request import Req, ReqState
@@ -73,7 +73,7 @@ def test_a_request_retracted_in_a_step_is_not_readmitted_in_it(tiny_chat_model, 
     """The victim must wait for the next step: readmitting it at once would undo the retraction.
     Today the admission estimate usually refuses it anyway, so the test also checks that it is
     never offered to the policy in its retraction step."""
-    engine = make_engine(tiny_chat_model, max_total_tokens=640, chunked_prefill_size=64)
+    engine = make_core(tiny_chat_model, max_total_tokens=640, chunked_prefill_size=64)
     sched = engine.scheduler
     retractions: dict[Req, int] = {}
     offered: list[str] = []
@@ -99,7 +99,7 @@ def test_a_request_retracted_in_a_step_is_not_readmitted_in_it(tiny_chat_model, 
 
 
 def test_a_starved_request_waits_for_a_leader_computing_its_prefix(tiny_chat_model):
-    engine = make_engine(tiny_chat_model)
+    engine = make_core(tiny_chat_model)
     sched = engine.scheduler
     shared = SYSTEM[:96]
     reqs = [Req(f"r{i}", shared + prompt_ids(i, 8), SamplingParams(**greedy(2)), 0) for i in (1, 2)]
@@ -134,7 +134,7 @@ def test_prefills_alone_holding_the_pool_retract_one_and_all_finish(tiny_chat_mo
     expected = [
         alone.generate(input_ids=p, sampling_params=greedy(8))["output_ids"] for p in prompts
     ]
-    engine = make_engine(tiny_chat_model, max_total_tokens=320, chunked_prefill_size=32)
+    engine = make_core(tiny_chat_model, max_total_tokens=320, chunked_prefill_size=32)
     sched = engine.scheduler
     initial_free = engine.runner.pool.allocator.num_free
     reqs = [Req(f"r{i}", p, SamplingParams(**greedy(8)), seed=0) for i, p in enumerate(prompts)]
@@ -162,7 +162,7 @@ class _PendingGrammar:
 
 
 def test_step_reports_no_progress_while_only_a_grammar_compiles(tiny_chat_model, monkeypatch):
-    engine = make_engine(tiny_chat_model)
+    engine = make_core(tiny_chat_model)
     sched = engine.scheduler
     grammar = _PendingGrammar()
     monkeypatch.setattr(Scheduler, "grammar", property(lambda self: grammar))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_engine, prompt_ids
+from conftest import make_core, prompt_ids
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.engine.policy import Aging, order_waiting
@@ -110,9 +110,12 @@ HOT_PARAMS = greedy_params(2)
 
 
 def _engine_with_hot_prefix(tiny_chat_model, **kwargs):
-    engine = make_engine(tiny_chat_model, **kwargs)
-    engine.generate(input_ids=HOT_PREFIX + [1], sampling_params={"max_new_tokens": 1})
-    return engine
+    """A core whose radix tree holds HOT_PREFIX; the tests step its scheduler themselves."""
+    core = make_core(tiny_chat_model, **kwargs)
+    core.scheduler.add_request(_hot("warm", [1]))
+    while core.scheduler.has_work():
+        core.scheduler.step()
+    return core
 
 
 def _hot(rid: str, suffix: list[int]) -> Req:
