@@ -23,20 +23,19 @@ from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.logprobs import commit_logprobs
+from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
-from radixserve.engine.stop import stop_string_hit
+from radixserve.engine.token_sampler import TokenSampler
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
-from radixserve.sampling.sampler import SamplingBatch, is_plain_argmax, sample, sample_argmax
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_ESTIMATE_CLIP = 4096  # at most this many future tokens are reserved per request
-RETRACT_DECODE_STEPS = 20
+OUTPUT_ESTIMATE_CLIP = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: future tokens reserved
 MAX_SORTED_QUEUE = 128  # longer waiting queues fall back to fcfs order, as in SGLang
 
 
@@ -68,10 +67,15 @@ class Scheduler:
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
         self.last_step_progressed = True  # see step()
-        self.init_new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = self.init_new_token_ratio * 0.14
-        self.new_token_ratio = self.init_new_token_ratio
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.faults = FaultInjector.from_env()
+        self.sampler = TokenSampler(
+            self.eos_token_ids, tokenizer, lambda: self.grammar, self.faults
+        )
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.ratio.value
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -143,7 +147,7 @@ class Scheduler:
                     self._end_running(w.req, FinishReason.abort(message, status_code=500), outputs)
             else:
                 self._commit(work, logits, outputs)
-            self._decay_new_token_ratio()  # per batch run, as SGLang (idle steps do not count)
+            self.ratio.decay()  # per batch run, as SGLang (idle steps do not count)
         self.last_step_progressed = bool(work or outputs or compiled or self._retracted)
         return outputs
 
@@ -387,7 +391,7 @@ class Scheduler:
         victim.num_retractions += 1
         self.waiting.append(victim)
         self.stats.retractions += 1
-        self._reset_new_token_ratio()
+        self.ratio.reset_after_retraction(self.running)
         logger.info("retracted %s (%d tokens) under memory pressure", victim.rid, victim.seq_len)
         return True
 
@@ -408,7 +412,7 @@ class Scheduler:
         last = logits.last
         if len(sampling) < len(work):
             last = last[torch.tensor(sampling, dtype=torch.int64, device=last.device)]
-        next_ids = self._sample_each([work[i].req for i in sampling], last)
+        next_ids = self.sampler.sample_each([work[i].req for i in sampling], last)
         tokens = dict(zip(sampling, next_ids))
         offsets = [0, *itertools.accumulate(w.num_new for w in work)]
         for i, w in enumerate(work):
@@ -435,7 +439,7 @@ class Scheduler:
         req.num_computed += w.num_new
         if token is not None:
             req.output_ids.append(token)
-            self._check_finish(req, token)
+            self.sampler.check_finish(req, token)
         elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
             req.finish(FinishReason.of_length(0))
         if req.finished:
@@ -449,77 +453,6 @@ class Scheduler:
             self.stats.prefill_tokens_computed += w.num_new
         else:
             self.stats.decode_tokens += w.num_new
-
-    def _sample_each(self, reqs: list[Req], logits: torch.Tensor) -> list[int | None]:
-        """Samples the batch; if that fails, each request alone, so that only the requests
-        whose sampling fails end (None: that request finished with an abort)."""
-        try:
-            return self._sample(reqs, logits)
-        except Exception:
-            logger.exception("batched sampling failed; sampling each request alone")
-        tokens: list[int | None] = []
-        for i, req in enumerate(reqs):
-            try:
-                tokens += self._sample([req], logits[i : i + 1])
-            except Exception as exc:
-                req.finish(FinishReason.abort(f"sampling failed: {exc}", status_code=500))
-                tokens.append(None)
-        return tokens
-
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
-        if not reqs:
-            return []
-        if self.faults is not None:
-            self.faults.check("sample", (r.rid for r in reqs))
-        if all(r.grammar is None and is_plain_argmax(r.params, len(r.output_ids)) for r in reqs):
-            return sample_argmax(logits).tolist()  # the common greedy batch, without the build
-        batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.input_ids for r in reqs],
-            [self._min_tokens_stop_ids(r) for r in reqs],
-            logits.shape[-1],
-            logits.device,
-        )
-        if any(r.grammar is not None for r in reqs):
-            logits = logits.clone()  # masked in place; logprobs read the unmasked logits
-            self.grammar.mask_logits(logits, [r.grammar for r in reqs])
-        return sample(logits, batch).tolist()
-
-    def _min_tokens_stop_ids(self, req: Req) -> list[int]:
-        """Ids blocked while `req` is below min_new_tokens (none once it is past it)."""
-        if len(req.output_ids) >= req.params.min_new_tokens:
-            return []
-        ids = list(req.params.stop_token_ids or [])
-        return ids if req.params.ignore_eos else ids + list(self.eos_token_ids)
-
-    def _check_finish(self, req: Req, token: int) -> None:
-        params = req.params
-        if req.grammar is not None and not req.grammar.accept_token(token):
-            req.finish(FinishReason.abort(f"token {token} violates the grammar", status_code=500))
-        elif req.grammar is not None and req.grammar.is_terminated():
-            req.finish(FinishReason.stop(token))
-        elif token in (params.stop_token_ids or ()) or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            req.finish(FinishReason.stop(token))
-        elif params.stop and (matched := stop_string_hit(req, self.tokenizer)):
-            req.finish(FinishReason.stop(matched))
-        elif len(req.output_ids) >= params.max_new_tokens:
-            req.finish(FinishReason.of_length(params.max_new_tokens))
-
-    # ---- admission estimate --------------------------------------------------------------
-
-    def _decay_new_token_ratio(self) -> None:
-        step = (self.init_new_token_ratio - self.min_new_token_ratio) / 600
-        self.new_token_ratio = max(self.new_token_ratio - step, self.min_new_token_ratio)
-
-    def _reset_new_token_ratio(self) -> None:
-        decoded = sum(len(r.output_ids) for r in self.running)
-        total = sum(r.params.max_new_tokens for r in self.running)
-        ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total + 1)
-        self.new_token_ratio = min(max(ratio, self.new_token_ratio), 1.0)
 
 
 def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:
