@@ -142,6 +142,15 @@ class LoadConfig:
     """auto (cuda when available, else cpu) | cpu | cuda."""
     seed: int = 0
     """Seed for dummy weights."""
+    quantization: str = "none"
+    """none | int8 (weight-only, a scale per output channel) | int4 (weight-only, CPU, a scale
+    and zero per group of input channels) | fp8 (CUDA, bf16). Applies to the attention and MLP
+    projections; embeddings, norms and the LM head stay in --dtype."""
+    quantization_group_size: int | None = None
+    """int4: input channels per scale and zero, 32 | 64 | 128; default: per layer, the largest
+    of these that divides its in_features."""
+    quantize_lm_head: bool = False
+    """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

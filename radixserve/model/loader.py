@@ -14,6 +14,7 @@ import torch
 from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.gguf_convert import converted_folder
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.quant.quantize import check_quantization, quantize_model
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -37,12 +38,14 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     config = ModelConfig.from_hf_dict(hf_config)
+    check_quantization(load_config, config)
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype)
     if load_config.load_format == "dummy":
         _fill_dummy(model, load_config.seed)
     else:
         model.load_weights(_iter_safetensors(folder))
+    quantize_model(model, load_config)
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
     return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
