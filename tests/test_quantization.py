@@ -37,6 +37,8 @@ def _linear(in_features: int = 256, out_features: int = 96, bias: bool = True) -
 
 
 def _runner(model, quantization: str = "none", **load_kwargs) -> ModelRunner:
+    """fp32 unless told otherwise: the comparisons here are about the weights alone."""
+    load_kwargs = {"dtype": "float32"} | load_kwargs
     load = LoadConfig(model=str(model), device="cpu", quantization=quantization, **load_kwargs)
     return ModelRunner.create(load, CacheConfig(max_total_tokens=1024))
 
@@ -172,6 +174,22 @@ def test_quantize_lm_head_int8(tiny_models, arch):
     logits = _logits(runner)
     assert not torch.equal(logits, body_only)
     assert (logits - body_only).abs().max() < 0.02 * body_only.abs().max()
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"), [("none", torch.float32), ("int8", torch.bfloat16), ("int4", torch.bfloat16)]
+)
+def test_auto_dtype_on_cpu_is_bfloat16_for_the_int_kernels(tiny_models, mode, dtype):
+    runner = _runner(tiny_models["llama"], mode, dtype="auto")
+    assert runner.model.embed_tokens.weight.dtype == dtype
+    assert runner.pool.dtype == dtype
+    assert _logits(runner).isfinite().all()
+
+
+def test_float32_activations_with_int_kernels_log_a_warning(tiny_models, caplog):
+    with caplog.at_level("WARNING"):
+        _runner(tiny_models["llama"], "int4", dtype="float32")
+    assert "slow CPU path" in caplog.text
 
 
 def test_unquantized_projections_are_the_fp_layer(tiny_models):

@@ -11,6 +11,8 @@ lookup stays fp).
     int8    any     Int8WeightOnlyLinear    int8, one scale per output channel
     int4    CPU     Int4WeightOnlyLinear    4 bits, scale + zero per group of 32/64/128 inputs
     fp8     CUDA    Fp8Linear               float8_e4m3fn, one scale per output channel
+    gguf    CPU     int4 / int8 / fp        a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, as they
+                                            are (gguf_weights.py); no quantize-on-load
 
 int4 picks, per layer, the largest of 32/64/128 that divides in_features, or the one
 `--quantization-group-size` names; a layer it cannot fit is an error at start, not a silent
@@ -25,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from radixserve.config import LoadConfig, ModelConfig
+from radixserve.config import BF16_ON_CPU, LoadConfig, ModelConfig
 from radixserve.model.quant.linear import (
     INT4_GROUP_SIZES,
     INT4_OUT_MULTIPLE,
@@ -37,7 +39,7 @@ from radixserve.model.quant.linear import (
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf")
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both matrix dims divisible by 16
 
@@ -74,11 +76,25 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
             f"--quantize-lm-head needs --quantization int8 or int4; got {method!r}"
         )
     device = load_config.torch_device()
+    if device.type == "cpu" and method in BF16_ON_CPU:
+        _warn_if_slow_dtype(method, load_config.torch_dtype())
     shapes = projection_shapes(config, load_config.quantize_lm_head)
     if method == "fp8":
         _check_fp8(device, load_config.torch_dtype(), shapes)
     elif method == "int4":
         _check_int4(device, shapes, load_config.quantization_group_size)
+    elif method == "gguf":
+        _check_gguf(device, shapes)
+
+
+def _warn_if_slow_dtype(method: str, dtype: torch.dtype) -> None:
+    if dtype != torch.bfloat16:
+        logger.warning(
+            "--quantization %s with %s activations runs torch's slow CPU path (~10x slower "
+            "decode, ~50x slower prefill than bfloat16); --dtype auto picks bfloat16",
+            method,
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def _check_fp8(device: torch.device, dtype: torch.dtype, shapes: dict) -> None:
@@ -117,6 +133,18 @@ def _check_int4(device: torch.device, shapes: dict, group_size: int | None) -> N
             raise QuantizationError(_group_size_message(name, in_features, group_size, shapes))
 
 
+def _check_gguf(device: torch.device, shapes: dict) -> None:
+    """Q4 blocks become int4 layers (CPU kernel, out_features divisible by 16)."""
+    if device.type != "cpu":
+        raise QuantizationError("--quantization gguf runs on CPU only; use --quantization none")
+    for name, (out_features, _) in shapes.items():
+        if out_features % INT4_OUT_MULTIPLE:
+            raise QuantizationError(
+                f"--quantization gguf: {name} has out_features={out_features}, which torch's "
+                f"int4 kernel needs divisible by {INT4_OUT_MULTIPLE}; use --quantization none"
+            )
+
+
 def _group_size_message(name: str, in_features: int, group_size: int | None, shapes) -> str:
     fitting = [g for g in INT4_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
     hint = (
@@ -144,7 +172,7 @@ def int4_group_size(in_features: int, requested: int | None) -> int | None:
 def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
     """Replaces the fp projections (and the LM head if asked) by their quantized form."""
     method = load_config.quantization
-    if method == "none":
+    if method in ("none", "gguf"):
         return
     make = _quantizer(method, load_config.quantization_group_size)
     before = weight_bytes(model)
@@ -157,8 +185,11 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
         model.lm_head = make(lm_head_linear(model))
     logger.info(
         "quantized %d projections to %s: weights %.1f MiB -> %.1f MiB",
-        len(model.layers) * len(PROJECTIONS), method, before / 2**20, weight_bytes(model) / 2**20,
-    )  # fmt: skip
+        len(model.layers) * len(PROJECTIONS),
+        method,
+        before / 2**20,
+        weight_bytes(model) / 2**20,
+    )
 
 
 def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
