@@ -7,6 +7,8 @@ logits of magnitude ~1; against the original fp32 model, the quantization error 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -296,3 +298,24 @@ def test_default_model_int4_answers_fluently_and_close_to_fp32():
         assert len(text.split()) >= 3 and text.isascii()  # words, not byte soup
         assert len(set(ours)) > len(ours) // 3  # not one token repeated
     assert "Paris" in tokenizer.decode(outputs["int4"][0])
+
+
+def test_quant_speed_benchmark_runs(tiny_chat_model, tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "quant_speed.py"
+    spec = importlib.util.spec_from_file_location("quant_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "quant_speed", bench)  # its dataclass looks it up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "quant.json"
+    argv = ["--model", tiny_chat_model, "--cases", "none:float32,int8:bfloat16,int4:bfloat16"]
+    rows = bench.main(
+        [*argv, "--context-len", "16", "--batch", "2", "--steps", "2", "--out", str(out)]
+    )
+    assert [r.quantization for r in rows] == ["none", "int8", "int4"]
+    assert rows[0].weights_mib > rows[1].weights_mib > rows[2].weights_mib
+    assert all(r.decode_bs1_tok_s > 0 for r in rows)
+    assert len(json.loads(out.read_text())["rows"]) == 3
