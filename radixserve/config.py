@@ -18,6 +18,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # path for bfloat16 activations only: in float32 they run ~10x (decode) to ~50x (prefill)
 # slower than an fp32 model, so --dtype auto picks bfloat16 for them on CPU
 BF16_ON_CPU = ("int8", "int4", "gguf")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UnsupportedModelError(ValueError):
@@ -168,10 +169,10 @@ class LoadConfig:
         if self.dtype == "auto":
             on_cuda = self.torch_device().type == "cuda"
             return torch.bfloat16 if on_cuda or self.quantization in BF16_ON_CPU else torch.float32
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
-        return dtypes[self.dtype]
+        if self.dtype not in TORCH_DTYPES:
+            allowed = ", ".join(TORCH_DTYPES)
+            raise ValueError(f"dtype must be one of auto, {allowed}; got {self.dtype!r}")
+        return TORCH_DTYPES[self.dtype]
 
 
 @dataclass
@@ -193,6 +194,20 @@ class CacheConfig:
     """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 256
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's --dtype) | float32 | bfloat16 | float16. One other than the model's
+    dtype needs --attention-backend torch_native, which casts K/V as it reads them."""
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model computing in `model_dtype`."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        if self.kv_cache_dtype not in TORCH_DTYPES:
+            allowed = ", ".join(TORCH_DTYPES)
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or one of {allowed}; got {self.kv_cache_dtype!r}"
+            )
+        return TORCH_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass

@@ -199,19 +199,58 @@ def test_unquantized_projections_are_the_fp_layer(tiny_models):
     assert all(isinstance(getattr(o, a), UnquantizedLinear) for o, a in _projections(model))
 
 
-@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
-def test_radix_cache_is_exact_within_a_mode(tiny_chat_model, mode):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"quantization": "int8"},  # bf16 (auto)
+        {"quantization": "int4"},  # bf16 (auto)
+        {"quantization": "int4", "dtype": "float32"},
+        {"dtype": "bfloat16"},
+        {"kv_cache_dtype": "bfloat16"},  # fp32 model, bf16 pages
+    ],
+    ids=["int8", "int4", "int4-fp32", "bf16", "kv-bf16"],
+)
+def test_radix_cache_is_exact_within_a_mode(tiny_chat_model, options):
     prompts = [SYSTEM + prompt_ids(i, 20) for i in range(3)]
-    radix = make_engine(tiny_chat_model, quantization=mode)
+    radix = make_engine(tiny_chat_model, **options)
     cold = radix.generate(input_ids=prompts, sampling_params=greedy(10))
     warm = radix.generate(input_ids=prompts, sampling_params=greedy(10))
-    plain = make_engine(tiny_chat_model, quantization=mode, disable_radix_cache=True)
+    plain = make_engine(tiny_chat_model, **options, disable_radix_cache=True)
     uncached = plain.generate(input_ids=prompts, sampling_params=greedy(10))
     for c, w, u in zip(cold, warm, uncached):
         assert c["output_ids"] == w["output_ids"] == u["output_ids"]
         assert w["meta_info"]["cached_tokens"] > 0
     radix.shutdown()
     plain.shutdown()
+
+
+# ---- KV cache dtype ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv", "bound"), [("float32", "bfloat16", 0.02), ("bfloat16", "float32", 0.05)]
+)
+def test_kv_cache_dtype_can_differ_from_the_model_dtype(tiny_models, dtype, kv, bound):
+    def runner(**kwargs):
+        load = LoadConfig(model=str(tiny_models["llama"]), device="cpu", dtype=dtype)
+        return ModelRunner.create(load, CacheConfig(max_total_tokens=1024, **kwargs))
+
+    mixed = runner(kv_cache_dtype=kv)
+    assert mixed.pool.dtype == getattr(torch, kv)
+    assert mixed.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    logits, reference = _logits(mixed), _logits(runner())
+    assert (logits - reference).norm() / reference.norm() < bound
+
+
+def test_kv_cache_dtype_errors_name_the_flag(tiny_models):
+    load = LoadConfig(model=str(tiny_models["llama"]), device="cpu")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be auto or one of"):
+        ModelRunner.create(load, CacheConfig(max_total_tokens=256, kv_cache_dtype="fp8"))
+    other_backend = CacheConfig(
+        max_total_tokens=256, kv_cache_dtype="bfloat16", attention_backend="triton"
+    )
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 differs.*torch_native"):
+        ModelRunner.create(load, other_backend)
 
 
 # ---- options refused at start ---------------------------------------------------------------
