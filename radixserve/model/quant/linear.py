@@ -94,10 +94,10 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         if self.group_size is None:
             return int8_mm(x, self.qweight, self.scales)
         parts = x.split(self.group_size, dim=1)
-        out = int8_mm(parts[0].contiguous(), self.qweight[0], self.scales[0])
-        for g in range(1, len(parts)):
+        out = int8_mm(parts[0].contiguous(), self.qweight[0], self.scales[0]).float()
+        for g in range(1, len(parts)):  # partial sums in fp32: bf16 would round each one
             out += int8_mm(parts[g].contiguous(), self.qweight[g], self.scales[g])
-        return out
+        return out.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         if self.group_size is None:
