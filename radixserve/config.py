@@ -14,6 +14,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# quantization methods whose CPU kernels (torch's int8 / int4 packed matmuls) have a fast
+# path for bfloat16 activations only: in float32 they run ~10x (decode) to ~50x (prefill)
+# slower than an fp32 model, so --dtype auto picks bfloat16 for them on CPU
+BF16_ON_CPU = ("int8", "int4", "gguf")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UnsupportedModelError(ValueError):
@@ -137,11 +142,23 @@ class LoadConfig:
     load_format: str = "auto"
     """auto | safetensors | gguf | dummy (random weights from the config, for benchmarking)."""
     dtype: str = "auto"
-    """auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."""
+    """auto (bfloat16 on CUDA; on CPU float32, or bfloat16 with int8 / int4 / gguf
+    quantization, whose torch kernels are fast in bfloat16 only) | float32 | bfloat16 |
+    float16."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda."""
     seed: int = 0
     """Seed for dummy weights."""
+    quantization: str = "none"
+    """none | int8 (weight-only, a scale per output channel) | int4 (weight-only, CPU, a scale
+    and zero per group of input channels) | fp8 (CUDA, bf16) | gguf (CPU: a GGUF file's
+    Q4_0/Q4_1/Q8_0 blocks as they are, no fp32 detour). Applies to the attention and MLP
+    projections; embeddings, norms and the LM head stay in --dtype."""
+    quantization_group_size: int | None = None
+    """int4: input channels per scale and zero, 32 | 64 | 128; default: per layer, the largest
+    of these that divides its in_features."""
+    quantize_lm_head: bool = False
+    """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -150,11 +167,12 @@ class LoadConfig:
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
-        return dtypes[self.dtype]
+            on_cuda = self.torch_device().type == "cuda"
+            return torch.bfloat16 if on_cuda or self.quantization in BF16_ON_CPU else torch.float32
+        if self.dtype not in TORCH_DTYPES:
+            allowed = ", ".join(TORCH_DTYPES)
+            raise ValueError(f"dtype must be one of auto, {allowed}; got {self.dtype!r}")
+        return TORCH_DTYPES[self.dtype]
 
 
 @dataclass
@@ -176,6 +194,20 @@ class CacheConfig:
     """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 256
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's --dtype) | float32 | bfloat16 | float16. One other than the model's
+    dtype needs --attention-backend torch_native, which casts K/V as it reads them."""
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model computing in `model_dtype`."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        if self.kv_cache_dtype not in TORCH_DTYPES:
+            allowed = ", ".join(TORCH_DTYPES)
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or one of {allowed}; got {self.kv_cache_dtype!r}"
+            )
+        return TORCH_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass

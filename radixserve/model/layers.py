@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.config import ModelConfig
+from radixserve.model.quant.linear import UnquantizedLinear
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +32,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = UnquantizedLinear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = UnquantizedLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

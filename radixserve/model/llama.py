@@ -17,6 +17,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from radixserve.model.quant.linear import UnquantizedLinear
 
 
 class LlamaAttention(nn.Module):
@@ -28,10 +29,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = UnquantizedLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = UnquantizedLinear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -88,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = UnquantizedLinear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -100,8 +101,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> fp32 logits [n, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head is None:  # tied: the embedding is the head
+            return (hidden @ self.embed_tokens.weight.t()).float()
+        if isinstance(self.lm_head, UnquantizedLinear):
+            return (hidden @ self.lm_head.weight.t()).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors into the (fused) parameters; raises on missing/unknown ones."""

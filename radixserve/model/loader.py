@@ -12,8 +12,10 @@ from typing import Any
 import torch
 
 from radixserve.config import LoadConfig, ModelConfig
-from radixserve.model.gguf_convert import converted_folder
+from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.quant.gguf_weights import field, gguf_hf_config, load_gguf_weights, read_gguf
+from radixserve.model.quant.quantize import QuantizationError, check_quantization, quantize_model
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -34,17 +36,39 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
             f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_config.load_format!r}"
         )
     source = resolve_model(load_config.model)
+    if load_config.quantization == "gguf":
+        return _load_gguf_as_is(source, load_config)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     config = ModelConfig.from_hf_dict(hf_config)
+    check_quantization(load_config, config)
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype)
     if load_config.load_format == "dummy":
         _fill_dummy(model, load_config.seed)
     else:
         model.load_weights(_iter_safetensors(folder))
+    quantize_model(model, load_config)
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
+    return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
+
+
+def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedModel:
+    """`--quantization gguf`: config from the file's metadata, projections kept packed."""
+    if source.kind != "gguf" or load_config.load_format not in ("auto", "gguf"):
+        raise QuantizationError(
+            f"--quantization gguf needs a .gguf model and load_format auto or gguf; "
+            f"got {source.name!r} ({source.kind}) with load_format={load_config.load_format!r}"
+        )
+    reader = read_gguf(source.path)
+    config = ModelConfig.from_hf_dict(gguf_hf_config(reader, source.path))
+    check_quantization(load_config, config)
+    model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
+    load_gguf_weights(model, reader, config)
+    model.eval()
+    has_vocab = field(reader, "tokenizer.ggml.model") is not None
+    tokenizer_path = tokenizer_folder(source.path) if has_vocab else None
     return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
 
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.attention import AttentionBackend, create_attention_backend
+from radixserve.attention import AttentionBackend, create_attention_backend, default_backend
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
@@ -68,7 +68,8 @@ class ModelRunner:
             sizes = capture_batch_sizes(cache_config.cuda_graph_max_bs)
             reserve = estimate_graph_memory(loaded.config, sizes, dtype)
         budget = kv_budget_bytes(cache_config, device, reserve_bytes=reserve)
-        pool = KVPool.for_model(loaded.config, cache_config, dtype, device, budget_bytes=budget)
+        kv_dtype = kv_cache_dtype(cache_config, dtype, device)
+        pool = KVPool.for_model(loaded.config, cache_config, kv_dtype, device, budget_bytes=budget)
         attn = create_attention_backend(
             cache_config.attention_backend,
             pool,
@@ -129,6 +130,22 @@ class ModelRunner:
         last = self.model.compute_logits(hidden[batch.last_token_indices()])
         all_logits = self.model.compute_logits(hidden) if batch.return_all_logits else None
         return LogitsOutput(last=last, all=all_logits)
+
+
+def kv_cache_dtype(
+    cache_config: CacheConfig, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The pool's dtype; one other than the model's only where the backend casts on read."""
+    kv_dtype = cache_config.kv_torch_dtype(dtype)
+    backend = cache_config.attention_backend
+    backend = default_backend(device) if backend == "auto" else backend
+    if kv_dtype != dtype and backend != "torch_native":
+        raise ValueError(
+            f"--kv-cache-dtype {cache_config.kv_cache_dtype} differs from the model's "
+            f"{str(dtype).removeprefix('torch.')}, which the {backend} attention backend "
+            "cannot read; use --attention-backend torch_native or --kv-cache-dtype auto"
+        )
+    return kv_dtype
 
 
 def _free_memory(device: torch.device) -> int:

@@ -1,0 +1,1 @@
+"""Quantized linear layers (one class per weight format), chosen at load time."""

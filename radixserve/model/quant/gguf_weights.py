@@ -1,0 +1,242 @@
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 projections loaded as they are (`--quantization gguf`).
+
+Block codes and block scales become the int4 / int8 layers' layout directly; no fp32 copy
+of a projection is ever made. One GGUF block is 32 inputs of one row, so group size is 32.
+
+    type  block bytes                          GGUF reads        our layer, w = ...
+    Q4_0  d f16 | 16 B nibbles                 (q - 8) * d       int4: scale d, zero 0
+    Q4_1  d f16 | m f16 | 16 B nibbles         q * d + m         int4: scale d, zero m + 8d
+    Q8_0  d f16 | 32 B int8                    q * d             int8: group-wise scale d
+    byte j of a nibble block = element j (low 4 bits) | element j + 16 (high 4 bits)
+
+F32 / F16 / BF16 projections stay fp. The embedding, norms and (untied) output head are fp
+by design and are dequantized. llama.cpp stores q and k rows permuted for its RoPE layout;
+rows are permuted back here (codes and scales alike). Only the `llama` GGUF architecture
+(Llama, Mistral, SmolLM, ...) is read this way; anything else: `--quantization none`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from radixserve.config import ModelConfig
+from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from radixserve.model.source import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+GGUF_BLOCK = 32
+FP_TYPES = ("F32", "F16", "BF16")
+# our fused projection -> its GGUF parts, in row order
+FUSED_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+FP_NAMES = {  # GGUF name -> HF name; blk.N.* -> model.layers.N.*
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+HF_PARTS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class BlockWeight(NamedTuple):
+    """One GGUF weight in our terms: int4 codes + scales + zeros, int8 + scales, or fp."""
+
+    kind: str  # "int4" | "int8" | "fp"
+    values: torch.Tensor  # [rows, in]: int32 codes 0..15 | int8 | fp32 weight
+    scales: torch.Tensor | None = None  # [rows, in // 32] fp32
+    zeros: torch.Tensor | None = None  # [rows, in // 32] fp32 (int4 only)
+
+    def take_rows(self, index: torch.Tensor) -> BlockWeight:
+        return BlockWeight(self.kind, *(None if t is None else t[index] for t in self[1:]))
+
+
+def read_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises many types for a bad file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_hf_config(reader, path: Path) -> dict[str, Any]:
+    """An HF-style config dict from a llama-architecture GGUF's metadata."""
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(
+            f"--quantization gguf reads llama-architecture GGUF files; {path} is {arch!r} "
+            "(use --quantization none)"
+        )
+    names = {t.name for t in reader.tensors}
+    scaling = field(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or "rope_freqs.weight" in names:
+        what = "rope_freqs factors" if scaling in ("none", "linear") else f"{scaling!r} RoPE"
+        raise ModelLoadError(f"--quantization gguf: {path} uses {what}; use --quantization none")
+    hidden, heads = (
+        field(reader, "llama.embedding_length"),
+        field(reader, "llama.attention.head_count"),
+    )
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": int(embed.shape[1]),  # ggml order: [hidden, vocab]
+        "hidden_size": hidden,
+        "intermediate_size": field(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": field(reader, "llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": field(reader, "llama.attention.head_count_kv", heads),
+        "head_dim": field(reader, "llama.attention.key_length", hidden // heads),
+        "rms_norm_eps": field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": field(reader, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(reader, "llama.context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if scaling == "linear":
+        cfg["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": field(reader, "llama.rope.scaling.factor"),
+        }
+    return cfg
+
+
+def load_gguf_weights(model: nn.Module, reader, config: ModelConfig) -> None:
+    """Puts packed int4/int8 projections into `model` and loads every fp tensor."""
+    tensors = {t.name: t for t in reader.tensors}
+    dtype = model.embed_tokens.weight.dtype
+    fp_weights: list[tuple[str, torch.Tensor]] = []
+    for i, layer in enumerate(model.layers):
+        for path, parts in FUSED_PARTS.items():
+            weights = [layer_weight(tensors, i, part, config) for part in parts]
+            module = fused_layer(weights, dtype, f"blk.{i}: {', '.join(parts)}")
+            if module is None:  # fp in the file: the fp loader fills the fused rows
+                names = [f"model.layers.{i}.{HF_PARTS[p]}.weight" for p in parts]
+                fp_weights += [(n, w.values) for n, w in zip(names, weights)]
+            else:
+                owner_name, attr = path.split(".")
+                setattr(getattr(layer, owner_name), attr, module)
+    model.load_weights([*fp_weights, *fp_tensors(tensors)])
+
+
+def layer_weight(tensors: dict, layer: int, part: str, config: ModelConfig) -> BlockWeight:
+    """One projection of one layer, decoded; q and k rows back in HF order."""
+    name = f"blk.{layer}.{part}.weight"
+    if name not in tensors:
+        raise ModelLoadError(f"GGUF file is missing tensor {name}")
+    weight = decode_block_weight(tensors[name])
+    if part in ("attn_q", "attn_k"):
+        heads = config.num_heads if part == "attn_q" else config.num_kv_heads
+        weight = weight.take_rows(unpermute_index(len(weight.values), heads))
+    return weight
+
+
+def unpermute_index(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation: per head, rows (2, half) were
+    stored as (half, 2)."""
+    rows = torch.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2)
+    return rows.transpose(1, 2).reshape(-1)
+
+
+def decode_block_weight(tensor) -> BlockWeight:
+    """A GGUF tensor -> int4 codes / int8 values with their block scales, or fp32 values."""
+    kind = tensor.tensor_type.name
+    if kind in FP_TYPES:
+        return BlockWeight("fp", torch.from_numpy(_dequantize(tensor)))
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        raise ModelLoadError(
+            f"--quantization gguf reads Q4_0, Q4_1 and Q8_0 tensors as they are; "
+            f"{tensor.name} is {kind} (use --quantization none to dequantize it)"
+        )
+    from gguf import GGML_QUANT_SIZES
+
+    _, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+    rows = tensor.data.shape[0]
+    blocks = np.asarray(tensor.data).reshape(rows, -1, block_bytes)
+    scales = _f16(blocks[..., 0:2])
+    if kind == "Q8_0":
+        values = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+        return BlockWeight("int8", values.reshape(rows, -1), scales)
+    if kind == "Q4_0":
+        return BlockWeight("int4", _nibbles(blocks[..., 2:]), scales, torch.zeros_like(scales))
+    minimum = _f16(blocks[..., 2:4])
+    return BlockWeight("int4", _nibbles(blocks[..., 4:]), scales, minimum + 8 * scales)
+
+
+def _f16(raw: np.ndarray) -> torch.Tensor:
+    """[rows, blocks, 2] bytes -> [rows, blocks] fp32 (exact: fp16 fits fp32)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(raw: np.ndarray) -> torch.Tensor:
+    """[rows, blocks, 16] bytes -> [rows, blocks * 32] int32 codes: low nibbles are the
+    block's first 16 elements, high nibbles its last 16."""
+    low, high = raw & 0x0F, raw >> 4
+    codes = np.concatenate([low, high], axis=-1).astype(np.int32)
+    return torch.from_numpy(codes.reshape(raw.shape[0], -1))
+
+
+def fused_layer(weights: list[BlockWeight], dtype: torch.dtype, what: str) -> nn.Module | None:
+    """One int4/int8 layer from the stacked rows of `weights`; None if they are all fp."""
+    kinds = {w.kind for w in weights}
+    if kinds == {"fp"}:
+        return None
+    if len(kinds) > 1:
+        raise ModelLoadError(
+            f"--quantization gguf: {what} mix {' and '.join(sorted(kinds))} tensors, "
+            "which one fused layer cannot hold (use --quantization none)"
+        )
+    values = torch.cat([w.values for w in weights])
+    scales = torch.cat([w.scales for w in weights]).to(dtype)
+    if kinds == {"int8"}:
+        return Int8WeightOnlyLinear(values, scales, group_size=GGUF_BLOCK)
+    zeros = torch.cat([w.zeros for w in weights]).to(dtype)
+    return Int4WeightOnlyLinear(values, scales, zeros, GGUF_BLOCK)
+
+
+def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The embedding, norms and output head under their HF names, as fp32."""
+    for name, tensor in tensors.items():
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            if rest in FP_NAMES:
+                yield (
+                    f"model.layers.{layer}.{FP_NAMES[rest]}",
+                    torch.from_numpy(_dequantize(tensor)),
+                )
+        elif name in FP_NAMES:
+            yield FP_NAMES[name], torch.from_numpy(_dequantize(tensor))
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy:
+    # the reader's arrays are read-only views of the mapped file

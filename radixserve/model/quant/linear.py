@@ -1,0 +1,214 @@
+"""The linear-layer seam: one class per weight format, each `forward(x) -> x @ W.T + b`.
+
+    UnquantizedLinear       nn.Linear (fp32 / bf16 / fp16 weight)
+    Int8WeightOnlyLinear    int8 [out, in] + one scale per output channel, or per group of
+                            `group_size` input channels (a GGUF Q8_0 block); w = q * scale
+    Int4WeightOnlyLinear    4-bit codes q packed by torch for its CPU kernel + one scale and
+                            one zero per group of `group_size` input channels;
+                            w = (q - 8) * scale + zero
+    Fp8Linear               float8_e4m3fn [out, in] + one scale per output channel; activations
+                            are cast to fp8 per token at run time (torch._scaled_mm)
+
+Activations stay in the model dtype (weight-only for int8/int4). The matmuls are torch's own
+packed kernels: `_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu` (after
+`_convert_weight_to_int4pack_for_cpu`) and `_scaled_mm`. `dequantize()` gives back the weight
+each layer multiplies by, for tests and for the fp reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP_SIZES = (32, 64, 128)  # torch's CPU int4 kernel also takes 256; we offer these
+INT4_OUT_MULTIPLE = 16  # the CPU int4 packer needs out_features divisible by 16
+INT4_MID = 8  # torch's int4 kernels read code q as (q - 8) * scale + zero
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class UnquantizedLinear(nn.Linear):
+    """The fp layer: what every projection is before quantize-on-load replaces it."""
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight
+
+
+class QuantizedLinear(nn.Module):
+    """Common shape bookkeeping; subclasses keep their weights as buffers, not parameters."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [m, out]
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8WeightOnlyLinear(QuantizedLinear):
+    """int8 weights, fp activations. Per-channel scales run as one `_weight_int8pack_mm`;
+    group-wise scales (GGUF Q8_0) run one such call per group and sum, since torch has no
+    group-wise int8 kernel: exact, but slower than per-channel."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,  # [out, in] int8
+        scales: torch.Tensor,  # [out] (per channel) or [out, in // group_size], activation dtype
+        bias: torch.Tensor | None = None,
+        group_size: int | None = None,
+    ):
+        out_features, in_features = qweight.shape
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        if group_size is None:
+            self.register_buffer("qweight", qweight.contiguous())
+            self.register_buffer("scales", scales.contiguous())
+        else:  # [groups, out, group_size] and [groups, out]: each group's slice contiguous
+            num_groups = in_features // group_size
+            grouped = qweight.reshape(out_features, num_groups, group_size).transpose(0, 1)
+            self.register_buffer("qweight", grouped.contiguous())
+            self.register_buffer("scales", scales.t().contiguous())
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        """Symmetric per-output-channel quantization: scale = max|w| / 127."""
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(qweight, scales.to(linear.weight.dtype), _bias_of(linear))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        int8_mm = torch.ops.aten._weight_int8pack_mm
+        if self.group_size is None:
+            return int8_mm(x, self.qweight, self.scales)
+        parts = x.split(self.group_size, dim=1)
+        out = int8_mm(parts[0].contiguous(), self.qweight[0], self.scales[0]).float()
+        for g in range(1, len(parts)):  # partial sums in fp32: bf16 would round each one
+            out += int8_mm(parts[g].contiguous(), self.qweight[g], self.scales[g])
+        return out.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        if self.group_size is None:
+            return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        weight = self.qweight.to(self.scales.dtype) * self.scales[:, :, None]  # [groups, out, gs]
+        return weight.transpose(0, 1).reshape(self.out_features, self.in_features)
+
+
+class Int4WeightOnlyLinear(QuantizedLinear):
+    """4-bit weights with a scale and a zero per group, fp activations; CPU only (the packed
+    layout is the one `_weight_int4pack_mm_for_cpu` reads)."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,  # [out, in] int32 in 0..15
+        scales: torch.Tensor,  # [out, in // group_size], activation dtype
+        zeros: torch.Tensor,  # [out, in // group_size]: the weight that code 8 stands for
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ):
+        out_features, in_features = codes.shape
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.register_buffer("packed", packed)  # [out, in // 2] uint8, torch's CPU layout
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(scales.dtype)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())  # [groups, out, 2]
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int) -> Int4WeightOnlyLinear:
+        """Asymmetric min/max quantization per group of `group_size` input channels."""
+        codes, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
+        dtype = linear.weight.dtype
+        return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, _bias_of(linear))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group_size, self.scales_and_zeros
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        # the kernel's own reading of the packed codes: identity @ W.T = W.T
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return self._matmul(eye.to(self.packed.device)).t()
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] -> codes [out, in] int32 in 0..15, scales and zeros [out, in // group_size]
+    (fp32), so that w ~ (codes - 8) * scale + zero = codes * scale + group minimum."""
+    out_features, in_features = weight.shape
+    grouped = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-8)
+    codes = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15)
+    zeros = low + INT4_MID * scales
+    return codes.to(torch.int32).reshape(out_features, in_features), scales, zeros
+
+
+def dequantize_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The reference reading of int4 codes: (q - 8) * scale + zero, in fp32."""
+    scale = scales.float().repeat_interleave(group_size, dim=1)
+    zero = zeros.float().repeat_interleave(group_size, dim=1)
+    return (codes.float() - INT4_MID) * scale + zero
+
+
+class Fp8Linear(QuantizedLinear):
+    """float8_e4m3fn weights with per-output-channel scales; each token's activations are
+    scaled to fp8 on the fly (per-row scales), so both operands feed `torch._scaled_mm`."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,  # [out, in] float8_e4m3fn
+        scales: torch.Tensor,  # [out] fp32
+        bias: torch.Tensor | None = None,
+    ):
+        out_features, in_features = qweight.shape
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.float().reshape(1, out_features))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Fp8Linear:
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+        qweight = (weight / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return cls(qweight, scales, _bias_of(linear))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x_scales = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+        x_fp8 = (x.float() / x_scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(
+            x_fp8, self.qweight.t(), scale_a=x_scales, scale_b=self.scales, out_dtype=x.dtype
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.t()
+
+
+def _bias_of(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().clone()
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> UnquantizedLinear:
+    """An UnquantizedLinear around existing tensors (no copy, no init)."""
+    with torch.device("meta"):
+        linear = UnquantizedLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear

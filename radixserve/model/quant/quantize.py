@@ -1,0 +1,215 @@
+"""Quantize-on-load: the checks made before any weight is read, then the swap of layers.
+
+Quantized: in every decoder layer, the four projections `self_attn.qkv_proj`,
+`self_attn.o_proj`, `mlp.gate_up_proj` and `mlp.down_proj` (~all of the matmul work but the
+LM head). Kept in the model dtype: the token embedding, the RMSNorms, and the LM head unless
+`quantize_lm_head` (int8 / int4; a tied head gets its own quantized copy, the embedding
+lookup stays fp).
+
+    method  device  layer                   weights stored as
+    none    any     UnquantizedLinear       the model dtype
+    int8    any     Int8WeightOnlyLinear    int8, one scale per output channel
+    int4    CPU     Int4WeightOnlyLinear    4 bits, scale + zero per group of 32/64/128 inputs
+    fp8     CUDA    Fp8Linear               float8_e4m3fn, one scale per output channel
+    gguf    CPU     int4 / int8 / fp        a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, as they
+                                            are (gguf_weights.py); no quantize-on-load
+
+int4 picks, per layer, the largest of 32/64/128 that divides in_features, or the one
+`--quantization-group-size` names; a layer it cannot fit is an error at start, not a silent
+fp fallback, so that the memory and speed one asked for are the ones one gets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from radixserve.config import BF16_ON_CPU, LoadConfig, ModelConfig
+from radixserve.model.quant.linear import (
+    INT4_GROUP_SIZES,
+    INT4_OUT_MULTIPLE,
+    Fp8Linear,
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    dense_linear,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf")
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both matrix dims divisible by 16
+
+
+class QuantizationError(ValueError):
+    """A quantization option cannot be honoured for this model or device; names the flag."""
+
+
+def projection_shapes(config: ModelConfig, lm_head: bool = False) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each quantized projection of one layer (+ the LM head)."""
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    shapes = {
+        "self_attn.qkv_proj": (q_size + 2 * kv_size, config.hidden_size),
+        "self_attn.o_proj": (config.hidden_size, q_size),
+        "mlp.gate_up_proj": (2 * config.intermediate_size, config.hidden_size),
+        "mlp.down_proj": (config.hidden_size, config.intermediate_size),
+    }
+    if lm_head:
+        shapes["lm_head"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
+    """Rejects, before loading weights, every option this model and device cannot run."""
+    method = load_config.quantization
+    if method not in QUANTIZATION_METHODS:
+        allowed = ", ".join(QUANTIZATION_METHODS)
+        raise QuantizationError(f"--quantization must be one of {allowed}; got {method!r}")
+    if load_config.quantization_group_size is not None and method != "int4":
+        raise QuantizationError("--quantization-group-size applies to --quantization int4 only")
+    if load_config.quantize_lm_head and method not in ("int8", "int4"):
+        raise QuantizationError(
+            f"--quantize-lm-head needs --quantization int8 or int4; got {method!r}"
+        )
+    device = load_config.torch_device()
+    if device.type == "cpu" and method in BF16_ON_CPU:
+        _warn_if_slow_dtype(method, load_config.torch_dtype())
+    shapes = projection_shapes(config, load_config.quantize_lm_head)
+    if method == "fp8":
+        _check_fp8(device, load_config.torch_dtype(), shapes)
+    elif method == "int4":
+        _check_int4(device, shapes, load_config.quantization_group_size)
+    elif method == "gguf":
+        _check_gguf(device, shapes)
+
+
+def _warn_if_slow_dtype(method: str, dtype: torch.dtype) -> None:
+    if dtype != torch.bfloat16:
+        logger.warning(
+            "--quantization %s with %s activations runs torch's slow CPU path (~10x slower "
+            "decode, ~50x slower prefill than bfloat16); --dtype auto picks bfloat16",
+            method,
+            str(dtype).removeprefix("torch."),
+        )
+
+
+def _check_fp8(device: torch.device, dtype: torch.dtype, shapes: dict) -> None:
+    if device.type != "cuda":
+        raise QuantizationError(
+            f"--quantization fp8 needs a CUDA GPU (device is {device.type}); "
+            "on CPU use --quantization int8 or int4"
+        )
+    if dtype != torch.bfloat16:
+        raise QuantizationError("--quantization fp8 needs --dtype bfloat16 (or auto)")
+    for name, dims in shapes.items():
+        if any(d % FP8_DIM_MULTIPLE for d in dims):
+            raise QuantizationError(
+                f"--quantization fp8: {name} is {dims[0]}x{dims[1]}; "
+                f"both dims must be multiples of {FP8_DIM_MULTIPLE}"
+            )
+
+
+def _check_int4(device: torch.device, shapes: dict, group_size: int | None) -> None:
+    if device.type != "cpu":
+        raise QuantizationError(
+            "--quantization int4 runs on CPU only (torch's CPU int4 kernel); on CUDA use int8"
+        )
+    if group_size is not None and group_size not in INT4_GROUP_SIZES:
+        sizes = ", ".join(map(str, INT4_GROUP_SIZES))
+        raise QuantizationError(
+            f"--quantization-group-size must be one of {sizes}; got {group_size}"
+        )
+    for name, (out_features, in_features) in shapes.items():
+        if out_features % INT4_OUT_MULTIPLE:
+            raise QuantizationError(
+                f"--quantization int4: {name} has out_features={out_features}, "
+                f"which torch's int4 kernel needs divisible by {INT4_OUT_MULTIPLE}"
+            )
+        if int4_group_size(in_features, group_size) is None:
+            raise QuantizationError(_group_size_message(name, in_features, group_size, shapes))
+
+
+def _check_gguf(device: torch.device, shapes: dict) -> None:
+    """Q4 blocks become int4 layers (CPU kernel, out_features divisible by 16)."""
+    if device.type != "cpu":
+        raise QuantizationError("--quantization gguf runs on CPU only; use --quantization none")
+    for name, (out_features, _) in shapes.items():
+        if out_features % INT4_OUT_MULTIPLE:
+            raise QuantizationError(
+                f"--quantization gguf: {name} has out_features={out_features}, which torch's "
+                f"int4 kernel needs divisible by {INT4_OUT_MULTIPLE}; use --quantization none"
+            )
+
+
+def _group_size_message(name: str, in_features: int, group_size: int | None, shapes) -> str:
+    fitting = [g for g in INT4_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
+    hint = (
+        f"sizes that fit every layer: {', '.join(map(str, fitting))}"
+        if fitting
+        else ("no group size fits every layer; use --quantization int8")
+    )
+    if group_size is None:
+        return f"--quantization int4: in_features={in_features} of {name} is no multiple of 32"
+    return (
+        f"--quantization-group-size {group_size} does not divide in_features={in_features} "
+        f"of {name}; {hint}"
+    )
+
+
+def int4_group_size(in_features: int, requested: int | None) -> int | None:
+    """The group size one layer uses: `requested` if it divides in_features, else None;
+    by default the largest of INT4_GROUP_SIZES that divides it."""
+    if requested is not None:
+        return requested if in_features % requested == 0 else None
+    fitting = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
+    return max(fitting) if fitting else None
+
+
+def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
+    """Replaces the fp projections (and the LM head if asked) by their quantized form."""
+    method = load_config.quantization
+    if method in ("none", "gguf"):
+        return
+    make = _quantizer(method, load_config.quantization_group_size)
+    before = weight_bytes(model)
+    for layer in model.layers:
+        for path in PROJECTIONS:
+            owner_name, attr = path.split(".")
+            owner = getattr(layer, owner_name)
+            setattr(owner, attr, make(getattr(owner, attr)))
+    if load_config.quantize_lm_head:
+        model.lm_head = make(lm_head_linear(model))
+    logger.info(
+        "quantized %d projections to %s: weights %.1f MiB -> %.1f MiB",
+        len(model.layers) * len(PROJECTIONS),
+        method,
+        before / 2**20,
+        weight_bytes(model) / 2**20,
+    )
+
+
+def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
+    if method == "int8":
+        return Int8WeightOnlyLinear.from_float
+    if method == "fp8":
+        return Fp8Linear.from_float
+    return lambda linear: Int4WeightOnlyLinear.from_float(
+        linear, int4_group_size(linear.in_features, group_size)
+    )
+
+
+def lm_head_linear(model: nn.Module) -> nn.Linear:
+    """The LM head as a linear layer; a tied head shares the embedding's weight."""
+    if model.lm_head is not None:
+        return model.lm_head
+    return dense_linear(model.embed_tokens.weight)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (what the weights occupy in memory)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
