@@ -57,7 +57,11 @@ def fuzz_server(tiny_chat_model):
         "64",
     )
     yield proc
-    proc.stop()
+    try:
+        assert proc.stop() == 0  # a request left registered would hang the shutdown
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
 
 
 # ---- strategies --------------------------------------------------------------------------
@@ -403,10 +407,12 @@ def _internal_aborts(reply: Any) -> list[str]:
     return problems
 
 
-def check(url: str, body: Any) -> None:
+def check(url: str, body: Any) -> int:
+    """Sends `body`; fails on any problem with the answer, else returns its status."""
     status, text = asyncio.run(send(url, body))
     problems = problems_with(body, status, text)
     assert not problems, (json.dumps(body)[:1000], problems)
+    return status
 
 
 # ---- the fuzz ----------------------------------------------------------------------------
@@ -447,15 +453,28 @@ async def _settled_info(url: str) -> dict:
 
 
 REGRESSIONS = [
-    # Bodies the fuzz (or a probe beside it) once answered wrongly, checked on every run.
-    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "temperature": math.nan}}),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"5": 1}}),
+    # (path, body, status): bodies once answered wrongly, checked on every run.
+    ("/generate", {"text": "a", "sampling_params": {"temperature": math.nan}}, 400),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"5": 1}}, 400),
+    # Ints past int64 could not cross to the engine core: a 500, and the request stayed
+    # registered (its rid in use, its queue slot taken) for good. A seed may be any int.
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": 10**30}}, 400),
+    ("/generate", {"text": "a", "sampling_params": {"min_new_tokens": 10**30}}, 400),
+    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 10**30}, 400),
+    ("/generate", {"text": "a", "return_logprob": True, "logprob_start_len": 10**30}, 400),
+    (
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_tokens": 2, "sampling_seed": 10**30}},
+        200,
+    ),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 10**30, "n": 2}, 200),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": -(2**64)}, 200),
 ]
 
 
-@pytest.mark.parametrize("path, body", REGRESSIONS)
-def test_regressions(fuzz_server, path, body):
-    check(fuzz_server.url + path, body)
+@pytest.mark.parametrize("path, body, status", REGRESSIONS)
+def test_regressions(fuzz_server, path, body, status):
+    assert check(fuzz_server.url + path, body) == status
 
 
 def test_zz_after_the_fuzz_nothing_leaks(fuzz_server):

@@ -15,7 +15,7 @@ from typing import Any
 from radixserve.engine.protocol import RequestSpec
 from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
-from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.params import SamplingParams, is_int64
 
 SEED_MASK = (1 << 64) - 1
 """The sampler hashes a seed's low 64 bits, so any int seed is kept as just those: the same
@@ -177,8 +177,8 @@ def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | Non
         raise ValueError(f"return_logprob must be a boolean; got {return_logprob!r}")
     start_len = -1 if start_len is None else start_len
     top_num = 0 if top_num is None else top_num
-    if not _is_int(start_len) or start_len < -1:
-        raise ValueError(f"logprob_start_len must be an int >= -1; got {start_len!r}")
+    if not is_int64(start_len) or start_len < -1:
+        raise ValueError(f"logprob_start_len must be a 64-bit int >= -1; got {start_len!r}")
     if not _is_int(top_num) or not 0 <= top_num <= MAX_LOGPROBS:
         raise ValueError(f"top_logprobs_num must be an int in [0, {MAX_LOGPROBS}]; got {top_num!r}")
     if not return_logprob:

@@ -11,6 +11,9 @@ from typing import Any
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's threshold)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integer parameters (counts, lengths) must fit in int64: the engine core's wire format takes
+no larger ints. A seed may be any integer: only its low 64 bits are used."""
 
 # SGLang parameters we know but do not implement yet: null (or an empty value, which is
 # what the SGLang frontend sends when unset) is accepted, anything else is rejected.
@@ -130,8 +133,9 @@ class SamplingParams:
             lambda v: 0 < v <= 2,
         )
         _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
-        if self.sampling_seed is not None:
-            _check_int("sampling_seed", self.sampling_seed, "an integer or null", lambda v: True)
+        seed = self.sampling_seed  # any integer: only its low 64 bits are used
+        if seed is not None and not _is_int(seed):
+            raise ValueError(f"sampling_seed must be an integer or null; got {seed!r}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         _check_bool("no_stop_trim", self.no_stop_trim)
@@ -143,9 +147,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_int64(value: object) -> bool:
+    """An int (not a bool) that fits in int64."""
+    return _is_int(value) and INT64_MIN <= value <= INT64_MAX
+
+
 def _check_int(name: str, value: object, allowed: str, ok: Callable[[int], bool]) -> None:
     if not _is_int(value) or not ok(value):
         raise ValueError(f"{name} must be {allowed}; got {value!r}")
+    if not is_int64(value):
+        raise ValueError(f"{name} must fit in a signed 64-bit integer; got {value!r}")
 
 
 def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
