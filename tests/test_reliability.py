@@ -13,8 +13,11 @@ from concurrent.futures import Future
 import pytest
 
 from conftest import greedy, make_engine, prompt_ids
+from radixserve.engine.client import EngineClient
 from radixserve.engine.faults import ENV_VAR
+from radixserve.engine.protocol import RequestSpec
 from radixserve.sampling.grammar import GrammarBackend
+from radixserve.sampling.params import SamplingParams
 
 
 def faulty_engine(model, monkeypatch, *points: str, **kwargs):
@@ -193,3 +196,28 @@ def test_streamed_logprobs_come_in_pieces_that_add_up(tiny_chat_model):
     for chunk in chunks:
         assert chunk["output_token_logprobs_length"] == chunk["completion_tokens"]
     assert whole["output_token_logprobs_length"] == 6
+
+
+class UnsendableClient(EngineClient):
+    """A client whose messages cannot reach the core (e.g. they cannot be encoded)."""
+
+    def _send(self, message) -> None:
+        raise OverflowError("cannot encode")
+
+    def close(self) -> None:
+        pass
+
+
+def test_requests_that_cannot_be_sent_are_not_left_registered():
+    """Left registered, they would hold their rid and a queue slot forever, and the server's
+    drain on SIGTERM would wait for them forever."""
+    client = UnsendableClient()
+    spec = RequestSpec(request_id="r1", rid="a", input_ids=[1], params=SamplingParams(), seed=0)
+
+    async def submit():
+        client.submit([spec], max_active=1)
+
+    for _ in range(2):  # the second try finds the rid free and the queue empty again
+        with pytest.raises(OverflowError):
+            asyncio.run(submit())
+    assert client.num_active == 0 and client.active_request_ids() == []

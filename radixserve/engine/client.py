@@ -132,7 +132,11 @@ class EngineClient(ABC):
             for index, spec in enumerate(specs):
                 self._streams[spec.request_id] = (stream, index)
                 self._rids[spec.rid] = spec.request_id
-        self._send(AddRequests(specs))
+        try:
+            self._send(AddRequests(specs))
+        except BaseException:  # never sent: nothing will finish them, so unregister them now
+            self.forget([spec.request_id for spec in specs])
+            raise
         return stream
 
     def _check_submit(self, specs: list[RequestSpec], max_active: int | None) -> None:
