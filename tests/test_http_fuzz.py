@@ -118,7 +118,7 @@ JSON_SCHEMA = st.sampled_from(
     [{"type": "string", "maxLength": 4}, {"type": "object"}, '{"type": "integer"}']
 )
 ODD_JSON_SCHEMA = odd("{not json", {"type": "nonsense"}, {"type": "integer", "minimum": "x"}, [])
-ODD_N = odd(0, -1, 10**4, 10**30, 2.0, "2")
+ODD_N = odd(0, -1, 10**4, 10**9, 10**30, 2.0, "2")
 SEED = st.integers(-5, 2**40)
 ODD_SEED = odd(2**63, -(2**63) - 1, 10**30, 1.5, "7")
 ODD_COUNT = odd(-1, 21, 10**6, 10**30, True, "2", 1.0)
@@ -469,6 +469,11 @@ REGRESSIONS = [
     ),
     ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 10**30, "n": 2}, 200),
     ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": -(2**64)}, 200),
+    # n past what the server can ever admit was a 503 after building n specs (n = 10**9: an
+    # out-of-memory server); now a 400 before any is built.
+    ("/generate", {"text": "a", "sampling_params": {"n": 10**9}}, 400),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "n": 40}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 10**6}, 400),
 ]
 
 
