@@ -474,6 +474,26 @@ REGRESSIONS = [
     ("/generate", {"text": "a", "sampling_params": {"n": 10**9}}, 400),
     ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "n": 40}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 10**6}, 400),
+    # A template of the request's own reached Jinja: range() past the sandbox's limit was a
+    # 500, and a template may loop for ever.
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "max_tokens": 1,
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**8) %}x{% endfor %}"},
+        },
+        400,
+    ),
+    (
+        "/tokenize",
+        {
+            "prompt": None,
+            "messages": [{"role": "user", "content": "a"}],
+            "chat_template_kwargs": {"chat_template": "{{ messages }}"},
+        },
+        400,
+    ),
 ]
 
 

@@ -321,10 +321,17 @@ def _is_text_part(part: Any) -> bool:
 
 
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """Extra template variables; never a template of the request's own (as in vLLM, a
+    request's Jinja template could render for ever or exhaust memory)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if kwargs.get("chat_template") is not None:
+        raise bad_request(
+            "chat_template_kwargs.chat_template is not allowed: the model's chat template is used",
+            param="chat_template_kwargs.chat_template",
+        )
     return kwargs
 
 
