@@ -94,7 +94,7 @@ class RequestBuilder:
 
     def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:
         if (text is None) == (input_ids is None):
-            raise ValueError("provide exactly one of text (prompt) or input_ids")
+            raise ValueError("text or input_ids: give exactly one (the prompt, as text or ids)")
         if text is not None:
             batched = isinstance(text, list)
             texts = text if batched else [text]

@@ -85,7 +85,7 @@ class SamplingParams:
                 if value is not None and value != [] and value != "":
                     raise ValueError(f"sampling parameter {key!r} is not supported yet")
             elif key not in names:
-                raise ValueError(f"unknown sampling parameter {key!r}")
+                raise ValueError(f"sampling_params.{key} is not a known sampling parameter")
             elif value is not None:
                 kwargs[key] = value
         return cls(**kwargs)

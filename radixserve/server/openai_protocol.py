@@ -228,11 +228,12 @@ def check_stream_options(options: Any, stream: bool) -> bool:
         return False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+    shaped = isinstance(options, dict) and not set(options) - {"include_usage"}
+    if not shaped or not isinstance(options.get("include_usage", False), (bool, type(None))):
         raise bad_request(
             f"stream_options must be {{'include_usage': bool}}; got {options!r}", "stream_options"
         )
-    return check_bool(options, "include_usage")
+    return bool(options.get("include_usage"))
 
 
 def check_prompt(prompt: Any) -> list[str] | list[list[int]]:
