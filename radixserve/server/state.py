@@ -80,7 +80,7 @@ class ServerState:
 async def read_json(request: web.Request) -> Any:
     try:
         return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also ints past 4300 digits
         raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from exc
 
 
