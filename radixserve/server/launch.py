@@ -61,9 +61,7 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
     )
 
 
-async def _serve(
-    client: MultiprocessClient, info, engine_args, config: ServerConfig
-) -> int:
+async def _serve(client: MultiprocessClient, info, engine_args, config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     client.attach(loop)
     state = make_state(client, info, engine_args, config)

@@ -190,9 +190,7 @@ def choice_trackers(
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
-    return [
-        ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n]) for i, r in enumerate(results)
-    ]
+    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n]) for i, r in enumerate(results)]
 
 
 def tokenize_body(tokenizer, body: dict) -> list[int]:
