@@ -63,7 +63,6 @@ class Req:
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
     queue_time: float | None = None  # seconds from arrival to first admission
-    detokenizer: Any = field(default=None, repr=False)  # set by engine/output.py
     grammar: Any = field(default=None, repr=False)  # xgrammar matcher of a constrained request
     grammar_future: Any = field(default=None, repr=False)  # its compilation, while pending
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
