@@ -1,0 +1,258 @@
+"""Quantization quality: none / int8 / int4 / gguf against fp32 on one model, CPU by default.
+
+For each mode (`--modes`), through the real serving path (Engine.generate):
+- perplexity over a fixed public-domain text (benchmarks/data/), teacher-forced in windows of
+  `--window` tokens that start every `--stride` tokens; each token is scored once, in the first
+  window that has it past the previous window's end (so with at least window - stride context);
+- top-1 agreement: the fraction of those positions whose argmax next token equals fp32's;
+- greedy agreement on CHAT_PROMPTS: the fraction of prompts whose first `--greedy-tokens`
+  greedy tokens equal fp32's, and the mean length of the common prefix.
+fp32 is mode none with dtype float32; for the default (Q4_1 GGUF) model that is the file's
+Q4_1 weights dequantized, so it is also the reference of the int4 target.
+
+Run:  python benchmarks/quant_quality.py [--modes none,int8] [--max-tokens 1024]
+Writes a table and the targets (met / missed) to stdout and all numbers to `--out` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from radixserve import Engine
+from radixserve.config import LoadConfig
+
+TEXT = Path(__file__).parent / "data" / "public_domain_prose.txt"
+DEFAULT_MODES = "none,int8,int4,gguf"
+REFERENCE = "none"  # run in float32: the reference every agreement is measured against
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "How many legs does a spider have?",
+    "Write a haiku about the sea.",
+    "Explain what photosynthesis is in one sentence.",
+    "What is 12 times 7?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Why is the sky blue?",
+)
+# Targets from the quantization issue: perplexity relative to fp32 (Q4_1 dequantized).
+PPL_TARGETS = {"int8": 0.01, "int4": 0.05}
+
+
+@dataclass
+class Row:
+    mode: str
+    dtype: str
+    load_s: float
+    eval_s: float
+    num_scored_tokens: int
+    perplexity: float
+    top1_agreement: float
+    greedy_agreement: float
+    greedy_common_prefix: float
+
+
+@dataclass
+class ModeRun:
+    """One mode's outputs over the text and the prompts, before comparison with fp32."""
+
+    dtype: str
+    load_s: float
+    eval_s: float
+    logprobs: list[float]  # one per scored text position
+    argmax: list[int]  # the top-1 next token at each scored position
+    greedy: list[list[int]]  # output ids per chat prompt
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2 GGUF)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help="quantization modes, comma-separated")
+    p.add_argument("--dtype", default="auto", help="dtype of the quantized modes (auto: bf16)")
+    p.add_argument("--text", type=Path, default=TEXT, help="plain text to score")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--window", type=int, default=1024, help="tokens per scoring window")
+    p.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/quant_quality.json"))
+    return p.parse_args(argv)
+
+
+def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, first_scored) per window: positions [first_scored, end) are scored in it."""
+    spans, scored_until, start = [], 1, 0
+    while scored_until < num_tokens:
+        end = min(start + window, num_tokens)
+        spans.append((start, end, scored_until))
+        scored_until, start = end, start + stride
+    return spans
+
+
+def score_text(engine: Engine, ids: list[int], args: argparse.Namespace) -> tuple[list, list]:
+    """Log-probability of each text token given the ones before, and the top-1 prediction."""
+    logprobs, argmax = [], []
+    for start, end, first in windows(len(ids), args.window, args.stride):
+        meta = engine.generate(
+            input_ids=ids[start:end],
+            sampling_params={"max_new_tokens": 0, "temperature": 0},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=1,
+        )["meta_info"]
+        offset = first - start
+        logprobs += [e[0] for e in meta["input_token_logprobs"][offset:]]
+        argmax += [top[0][1] for top in meta["input_top_logprobs"][offset:]]
+    return logprobs, argmax
+
+
+def chat_prompts(engine: Engine, num_prompts: int) -> list[str]:
+    render = engine.tokenizer.apply_chat_template
+    messages = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS[:num_prompts]]
+    return [render(m, add_generation_prompt=True, tokenize=False) for m in messages]
+
+
+def greedy_outputs(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
+    params = {"max_new_tokens": args.greedy_tokens, "temperature": 0}
+    outs = engine.generate(chat_prompts(engine, args.num_prompts), sampling_params=params)
+    return [out["output_ids"] for out in outs]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def resolved_dtype(args: argparse.Namespace, mode: str) -> str:
+    """fp32 for the reference; otherwise `--dtype`, with auto resolved as the engine does."""
+    if mode == REFERENCE:
+        return "float32"
+    load = LoadConfig(device="cpu", quantization=mode, dtype=args.dtype)
+    return str(load.torch_dtype()).removeprefix("torch.")
+
+
+def run_mode(args: argparse.Namespace, mode: str) -> ModeRun:
+    dtype = resolved_dtype(args, mode)
+    start = time.perf_counter()
+    engine = Engine(args.model, quantization=mode, dtype=dtype, device="cpu")
+    load_s = time.perf_counter() - start
+    try:
+        ids = text_ids(engine, args)
+        logprobs, argmax = score_text(engine, ids, args)
+        greedy = greedy_outputs(engine, args)
+    finally:
+        engine.shutdown()
+    eval_s = time.perf_counter() - start - load_s
+    return ModeRun(dtype, load_s, eval_s, logprobs, argmax, greedy)
+
+
+def compare(mode: str, scored: ModeRun, ref: ModeRun) -> Row:
+    """The mode's quality row, its agreements measured against the fp32 reference."""
+    top1 = mean([float(a == b) for a, b in zip(scored.argmax, ref.argmax)])
+    prefixes = [common_prefix(a, b) for a, b in zip(scored.greedy, ref.greedy)]
+    same = [float(a == b) for a, b in zip(scored.greedy, ref.greedy)]
+    ppl = math.exp(-mean(scored.logprobs))
+    n = len(scored.logprobs)
+    times = (scored.load_s, scored.eval_s)
+    return Row(mode, scored.dtype, *times, n, ppl, top1, mean(same), mean(prefixes))
+
+
+def targets(rows: list[Row]) -> list[dict]:
+    """Each perplexity target whose modes ran: the relative excess over fp32, met or missed."""
+    by_mode = {r.mode: r for r in rows}
+    ref = by_mode[REFERENCE].perplexity
+    found = []
+    for mode, limit in PPL_TARGETS.items():
+        if mode in by_mode:
+            excess = by_mode[mode].perplexity / ref - 1
+            name = f"{mode} perplexity within {limit:.0%} of fp32"
+            found.append({"target": name, "excess": excess, "limit": limit, "met": excess <= limit})
+    return found
+
+
+COLUMNS = (
+    "mode",
+    "dtype",
+    "load s",
+    "eval s",
+    "tokens",
+    "ppl",
+    "top-1 agr",
+    "greedy agr",
+    "prefix",
+)
+
+
+def print_row(cells) -> None:
+    print("".join(f"{c:>12}" for c in cells), flush=True)
+
+
+def format_row(r: Row) -> tuple:
+    return (
+        r.mode,
+        r.dtype,
+        f"{r.load_s:.1f}",
+        f"{r.eval_s:.1f}",
+        r.num_scored_tokens,
+        f"{r.perplexity:.3f}",
+        f"{r.top1_agreement:.3f}",
+        f"{r.greedy_agreement:.3f}",
+        f"{r.greedy_common_prefix:.1f}",
+    )
+
+
+def text_ids(engine: Engine, args: argparse.Namespace) -> list[int]:
+    """The text as the model's tokenizer writes it, cut to `--max-tokens`."""
+    ids = engine.tokenizer.encode(args.text.read_text(encoding="utf-8"))
+    return ids[: args.max_tokens]
+
+
+def evaluate(args: argparse.Namespace, modes: list[str]) -> list[Row]:
+    rows, ref = [], None
+    for mode in modes:
+        scored = run_mode(args, mode)
+        ref = ref or scored
+        rows.append(compare(mode, scored, ref))
+        print_row(format_row(rows[-1]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    modes = [REFERENCE] + [m for m in args.modes.split(",") if m != REFERENCE]
+    meta = {
+        "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    print(" ".join(f"{k}={v}" for k, v in meta.items()))
+    print_row(COLUMNS)
+    rows = evaluate(args, modes)
+    found = targets(rows)
+    for t in found:
+        verdict = "met" if t["met"] else "MISSED"
+        print(f"target: {t['target']}: {t['excess']:+.2%} -> {verdict}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    data = {**meta, "args": settings, "rows": [asdict(r) for r in rows], "targets": found}
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return data
+
+
+if __name__ == "__main__":
+    main()

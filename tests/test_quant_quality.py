@@ -1,0 +1,35 @@
+"""benchmarks/quant_quality.py end to end on a tiny random model: shape of its JSON, and the
+fp32 reference agreeing with itself."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import quant_quality  # noqa: E402
+
+
+def test_quant_quality_smoke(tiny_chat_model, tmp_path):
+    out = tmp_path / "quality.json"
+    argv = ["--model", tiny_chat_model, "--modes", "none,int8", "--max-tokens", "96"]
+    argv += ["--window", "64", "--stride", "32", "--greedy-tokens", "8", "--num-prompts", "2"]
+    data = quant_quality.main(argv + ["--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert list(rows) == ["none", "int8"]
+    assert all(r["num_scored_tokens"] == 95 for r in rows.values())  # every token but the first
+    assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows.values())
+    assert rows["none"]["dtype"] == "float32" and rows["int8"]["dtype"] == "bfloat16"
+    assert rows["none"]["top1_agreement"] == 1.0 and rows["none"]["greedy_agreement"] == 1.0
+    assert 0 <= rows["int8"]["top1_agreement"] <= 1
+    assert [t["target"] for t in data["targets"]] == ["int8 perplexity within 1% of fp32"]
+
+
+def test_windows_score_every_token_once():
+    spans = quant_quality.windows(300, window=128, stride=64)
+    scored = [i for _, end, first in spans for i in range(first, end)]
+    assert scored == list(range(1, 300))
+    assert all(end - start <= 128 and first - start >= 64 for start, end, first in spans[1:])
