@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2 GGUF)")
     p.add_argument("--modes", default=DEFAULT_MODES, help="quantization modes, comma-separated")
     p.add_argument("--dtype", default="auto", help="dtype of the quantized modes (auto: bf16)")
+    p.add_argument("--group-size", type=int, default=None, help="int4 group size (32|64|128)")
     p.add_argument("--text", type=Path, default=TEXT, help="plain text to score")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens per scoring window")
@@ -145,7 +146,9 @@ def resolved_dtype(args: argparse.Namespace, mode: str) -> str:
 def run_mode(args: argparse.Namespace, mode: str) -> ModeRun:
     dtype = resolved_dtype(args, mode)
     start = time.perf_counter()
-    engine = Engine(args.model, quantization=mode, dtype=dtype, device="cpu")
+    group_size = args.group_size if mode == "int4" else None
+    kwargs = {"quantization": mode, "quantization_group_size": group_size}
+    engine = Engine(args.model, dtype=dtype, device="cpu", **kwargs)
     load_s = time.perf_counter() - start
     try:
         ids = text_ids(engine, args)
