@@ -112,7 +112,7 @@ class AbortRequests:
 @dataclass
 class Call:
     call_id: int
-    method: str  # one of CALL_METHODS
+    method: str  # flush_cache | get_stats | check_integrity (CoreLoop._call)
 
 
 @dataclass
@@ -132,6 +132,5 @@ class Ready:
     info: dict[str, Any]
 
 
-CALL_METHODS = ("flush_cache", "get_stats", "check_integrity")
 ToCore = AddRequests | AbortRequests | Call
 FromCore = StepOutputs | CallResult | Ready
