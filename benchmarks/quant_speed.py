@@ -1,8 +1,9 @@
 """Quantization speed: none / int8 / int4 (/ gguf) side by side on one model, CPU by default.
 
-For each case (`--cases`, each `quantization:dtype`), in one run:
+For each case (`--cases`, each `quantization:dtype`, or `quantization:dtype:deterministic` for
+--enable-deterministic-inference, which keeps prefill on the int kernels), in one run:
 - load: seconds to load and quantize the model; weights: MiB of parameters and buffers;
-- prefill: one forward over one prompt of `--context-len` tokens; tokens/s;
+- prefill: one forward over one prompt of `--prefill-len` tokens; tokens/s;
 - decode bs=1 and bs=16: after an untimed prefill of `--context-len` tokens per request,
   one forward of one new token per request; tokens/s = batch / median step time.
 Only forwards are timed (forward_micro.py's method: warm-up, then the median).
@@ -43,6 +44,7 @@ class Row:
     prefill_tok_s: float
     decode_bs1_tok_s: float
     decode_bs16_tok_s: float
+    deterministic: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2 GGUF)")
     p.add_argument("--cases", default=DEFAULT_CASES, help="quantization:dtype, comma-separated")
     p.add_argument("--context-len", type=int, default=128, help="tokens before decode")
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prefill")
     p.add_argument("--batch", type=int, default=16, help="batch of the batched decode row")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps (median)")
     p.add_argument("--repeats", type=int, default=3, help="timed prefill runs (median)")
@@ -58,16 +61,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_case(args: argparse.Namespace, quantization: str, dtype: str) -> Row:
-    load_config = LoadConfig(model=args.model, device="cpu", quantization=quantization, dtype=dtype)
+def run_case(args: argparse.Namespace, quantization: str, dtype: str, det: bool) -> Row:
+    load_config = LoadConfig(
+        model=args.model,
+        device="cpu",
+        quantization=quantization,
+        dtype=dtype,
+        enable_deterministic_inference=det,
+    )
     start = time.perf_counter()
     loaded = load_model(load_config)
     load_s = time.perf_counter() - start
-    tokens = args.batch * (args.context_len + args.steps + 16)
+    tokens = max(args.batch * (args.context_len + args.steps + 16), args.prefill_len + 16)
     runner = ModelRunner.from_loaded(loaded, load_config, CacheConfig(max_total_tokens=tokens))
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
-    prefill = rs_prefill(runner, random_prompts(gen, 1, args.context_len, vocab), args.repeats)
+    prefill = rs_prefill(runner, random_prompts(gen, 1, args.prefill_len, vocab), args.repeats)
     decode = [
         batch
         / rs_decode(
@@ -78,7 +87,7 @@ def run_case(args: argparse.Namespace, quantization: str, dtype: str) -> Row:
         for batch in (1, args.batch)
     ]
     mib = weight_bytes(loaded.model) / 2**20
-    return Row(quantization, dtype, mib, load_s, args.context_len / prefill, *decode)
+    return Row(quantization, dtype, mib, load_s, args.prefill_len / prefill, *decode, det)
 
 
 COLUMNS = (
@@ -110,12 +119,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print_row(COLUMNS)
     rows = []
     for case in args.cases.split(","):
-        quantization, dtype = case.split(":")
-        rows.append(run_case(args, quantization, dtype))
+        quantization, dtype, *flags = case.split(":")
+        rows.append(run_case(args, quantization, dtype, "deterministic" in flags))
         r = rows[-1]
         print_row(
             (
-                r.quantization,
+                r.quantization + (" (det.)" if r.deterministic else ""),
                 r.dtype,
                 f"{r.weights_mib:.0f}",
                 f"{r.load_s:.1f}",

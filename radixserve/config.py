@@ -159,6 +159,11 @@ class LoadConfig:
     of these that divides its in_features."""
     quantize_lm_head: bool = False
     """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
+    enable_deterministic_inference: bool = False
+    """Keep each token's arithmetic independent of what it is batched with: int8 / int4 / gguf
+    layers then stay on torch's row-wise kernels for prefill chunks too (slower) instead of
+    dequantizing the weight for one dense matmul, so greedy output never depends on batch
+    composition or cache hits."""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

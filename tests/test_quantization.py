@@ -17,6 +17,7 @@ from torch import nn
 from conftest import SYSTEM, greedy, make_engine, prompt_ids
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.quant.int4_layout import packing_format, unpack_codes
 from radixserve.model.quant.linear import (
     Fp8Linear,
     Int4WeightOnlyLinear,
@@ -138,6 +139,47 @@ def test_quantized_layers_are_batch_invariant():
         assert torch.equal(full, rows)
 
 
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(64, 32), (112, 64), (960, 576), (48, 128)]
+)
+def test_int4_codes_read_back_from_torchs_packing(out_features, in_features):
+    assert packing_format() is not None  # one of the formats torch's CPU packer uses
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    unpacked = unpack_codes(packed, out_features, in_features, packing_format())
+    assert torch.equal(unpacked.to(torch.int32), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_dequant_path_matches_the_kernels(dtype):
+    # past dequant_min_rows rows a layer dequantizes once and runs a dense matmul; it must
+    # compute the same function as the row-wise kernel, up to the dtype's rounding
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    linear = _linear().to(dtype)
+    x = torch.randn(40, 256, dtype=dtype)
+    for make in (
+        Int8WeightOnlyLinear.from_float,
+        lambda lin: Int4WeightOnlyLinear.from_float(lin, 32),
+    ):
+        layer = make(linear)
+        with torch.inference_mode():
+            layer.dequant_min_rows = None
+            kernel = layer(x).float()
+            layer.dequant_min_rows = 8
+            dense = layer(x).float()
+        assert ((dense - kernel).norm() / kernel.norm()).item() < tolerance
+
+
+def test_deterministic_inference_keeps_every_batch_on_the_kernels(tiny_models):
+    default = _runner(tiny_models["llama"], "int4", dtype="bfloat16")
+    invariant = _runner(
+        tiny_models["llama"], "int4", dtype="bfloat16", enable_deterministic_inference=True
+    )
+    for runner, rows in ((default, 128), (invariant, None)):
+        layers = [getattr(o, a) for o, a in _projections(runner.model)]
+        assert {layer.dequant_min_rows for layer in layers} == {rows}
+
+
 # ---- whole models -------------------------------------------------------------------------
 
 
@@ -202,9 +244,11 @@ def test_unquantized_projections_are_the_fp_layer(tiny_models):
 @pytest.mark.parametrize(
     "options",
     [
-        {"quantization": "int8"},  # bf16 (auto)
-        {"quantization": "int4"},  # bf16 (auto)
-        {"quantization": "int4", "dtype": "float32"},
+        # bf16 (auto); batch-invariant: the default dequantizes for big prefill batches only,
+        # which moves bf16 roundings with what is batched (test_prefill_dequant_* below)
+        {"quantization": "int8", "enable_deterministic_inference": True},
+        {"quantization": "int4", "enable_deterministic_inference": True},
+        {"quantization": "int4", "dtype": "float32", "enable_deterministic_inference": True},
         {"dtype": "bfloat16"},
         {"kv_cache_dtype": "bfloat16"},  # fp32 model, bf16 pages
     ],

@@ -15,7 +15,12 @@ from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.quant.gguf_weights import field, gguf_hf_config, load_gguf_weights, read_gguf
-from radixserve.model.quant.quantize import QuantizationError, check_quantization, quantize_model
+from radixserve.model.quant.quantize import (
+    QuantizationError,
+    check_quantization,
+    quantize_model,
+    set_batch_invariant,
+)
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -49,6 +54,7 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
     else:
         model.load_weights(_iter_safetensors(folder))
     quantize_model(model, load_config)
+    set_batch_invariant(model, load_config.enable_deterministic_inference)
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
     return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
@@ -66,6 +72,7 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedMode
     check_quantization(load_config, config)
     model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
     load_gguf_weights(model, reader, config)
+    set_batch_invariant(model, load_config.enable_deterministic_inference)
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     tokenizer_path = tokenizer_folder(source.path) if has_vocab else None

@@ -192,6 +192,14 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
     )
 
 
+def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
+    """--enable-deterministic-inference: every int8 / int4 layer stays on its row-wise kernel."""
+    if enabled:
+        for module in model.modules():
+            if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+                module.dequant_min_rows = None
+
+
 def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
     if method == "int8":
         return Int8WeightOnlyLinear.from_float
