@@ -26,6 +26,7 @@ from radixserve.model.loader import load_model
 from radixserve.model.quant.linear import Int4WeightOnlyLinear
 from radixserve.model.quant.quantize import QuantizationError
 from radixserve.model.runner import ModelRunner
+from radixserve.model.source import ModelLoadError
 
 # (method, sym, group size, architecture): qwen2 adds q/k/v biases
 CASES = {
@@ -288,6 +289,27 @@ def test_act_order_g_idx_is_refused_naming_desc_act(checkpoints, tmp_path):
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(QuantizationError, match="q_proj.g_idx regroups .* desc_act=false"):
         _load(folder)
+
+
+def _with_biases(checkpoints, tmp_path, value: float) -> Path:
+    """The gptq-sym (llama, no biases) folder with a bias of `value` in every projection."""
+    folder = _variant(checkpoints, tmp_path, "gptq-sym")
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".scales")]:
+        out_features = tensors[name].shape[1]
+        tensors[name.replace(".scales", ".bias")] = torch.full((out_features,), value).half()
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def test_all_zero_biases_of_a_bias_free_model_are_dropped(checkpoints, tmp_path):
+    loaded = _load(_with_biases(checkpoints, tmp_path, 0.0))
+    assert all(layer.self_attn.qkv_proj.bias is None for layer in loaded.model.layers)
+
+
+def test_a_bias_the_model_config_lacks_is_an_error(checkpoints, tmp_path):
+    with pytest.raises(ModelLoadError, match="has a bias the model config does not declare"):
+        _load(_with_biases(checkpoints, tmp_path, 0.5))
 
 
 def test_cli_takes_gptq_and_awq_and_defaults_to_auto():

@@ -144,9 +144,12 @@ def load_packed_weights(
         for path, parts in FUSED_PARTS.items():
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
+            fp_layer = getattr(owner, attr)
             hf_parts = [read_part(packed, f"model.layers.{i}.{part}", fmt) for part in parts]
+            if fp_layer.bias is None:
+                hf_parts = [_without_zero_bias(part) for part in hf_parts]
             fused = fused_int4_layer(hf_parts, fmt.group_size, dtype)
-            _check_fits(fused, getattr(owner, attr), f"model.layers.{i}.{path}")
+            _check_fits(fused, fp_layer, f"model.layers.{i}.{path}")
             setattr(owner, attr, fused)
     model.load_weights(fp_weights)
 
@@ -222,6 +225,14 @@ def _check_g_idx(g_idx: torch.Tensor | None, in_features: int, group_size: int, 
             f"--quantization gptq: {prefix}.g_idx regroups the inputs (act-order), although "
             "quantization_config has desc_act=false; such checkpoints are not supported"
         )
+
+
+def _without_zero_bias(part: Int4Part) -> Int4Part:
+    """Some GPTQ packers save an all-zero bias for every projection; a model without
+    biases drops it (a non-zero one is still an error)."""
+    if part.bias is not None and not part.bias.any():
+        return part._replace(bias=None)
+    return part
 
 
 def fused_int4_layer(
