@@ -139,19 +139,26 @@ def load_packed_weights(
     """Puts one Int4WeightOnlyLinear per fused projection into `model`, then loads the fp
     tensors (embedding, norms, LM head) through the model's own loader."""
     packed, fp_weights = split_packed(weights)
-    dtype = model.embed_tokens.weight.dtype
     for i, layer in enumerate(model.layers):
         for path, parts in FUSED_PARTS.items():
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
-            fp_layer = getattr(owner, attr)
-            hf_parts = [read_part(packed, f"model.layers.{i}.{part}", fmt) for part in parts]
-            if fp_layer.bias is None:
-                hf_parts = [_without_zero_bias(part) for part in hf_parts]
-            fused = fused_int4_layer(hf_parts, fmt.group_size, dtype)
-            _check_fits(fused, fp_layer, f"model.layers.{i}.{path}")
-            setattr(owner, attr, fused)
+            prefix = f"model.layers.{i}"
+            hf_parts = [read_part(packed, f"{prefix}.{part}", fmt) for part in parts]
+            int4 = packed_layer(hf_parts, getattr(owner, attr), fmt, f"{prefix}.{path}")
+            setattr(owner, attr, int4)
     model.load_weights(fp_weights)
+
+
+def packed_layer(
+    parts: list[Int4Part], fp_layer: nn.Linear, fmt: PackedFormat, name: str
+) -> Int4WeightOnlyLinear:
+    """The int4 layer that replaces `fp_layer` (same shape, bias and dtype)."""
+    if fp_layer.bias is None:
+        parts = [_without_zero_bias(part) for part in parts]
+    layer = fused_int4_layer(parts, fmt.group_size, fp_layer.weight.dtype)
+    _check_fits(layer, fp_layer, name)
+    return layer
 
 
 def split_packed(
