@@ -17,7 +17,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # quantization methods whose CPU kernels (torch's int8 / int4 packed matmuls) have a fast
 # path for bfloat16 activations only: in float32 they run ~10x (decode) to ~50x (prefill)
 # slower than an fp32 model, so --dtype auto picks bfloat16 for them on CPU
-BF16_ON_CPU = ("int8", "int4", "gguf")
+BF16_ON_CPU = ("int8", "int4", "gguf", "gptq", "awq")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,18 +142,20 @@ class LoadConfig:
     load_format: str = "auto"
     """auto | safetensors | gguf | dummy (random weights from the config, for benchmarking)."""
     dtype: str = "auto"
-    """auto (bfloat16 on CUDA; on CPU float32, or bfloat16 with int8 / int4 / gguf
-    quantization, whose torch kernels are fast in bfloat16 only) | float32 | bfloat16 |
+    """auto (bfloat16 on CUDA; on CPU float32, or bfloat16 with int8 / int4 / gguf / gptq /
+    awq quantization, whose torch kernels are fast in bfloat16 only) | float32 | bfloat16 |
     float16."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda."""
     seed: int = 0
     """Seed for dummy weights."""
-    quantization: str = "none"
-    """none | int8 (weight-only, a scale per output channel) | int4 (weight-only, CPU, a scale
-    and zero per group of input channels) | fp8 (CUDA, bf16) | gguf (CPU: a GGUF file's
-    Q4_0/Q4_1/Q8_0 blocks as they are, no fp32 detour). Applies to the attention and MLP
-    projections; embeddings, norms and the LM head stay in --dtype."""
+    quantization: str = "auto"
+    """auto (the checkpoint's quantization_config: gptq | awq; else none) | none | int8
+    (weight-only, a scale per output channel) | int4 (weight-only, CPU, a scale and zero per
+    group of input channels) | fp8 (CUDA, bf16) | gguf (CPU: a GGUF file's Q4_0/Q4_1/Q8_0
+    blocks as they are, no fp32 detour) | gptq | awq (CPU: a GPTQ / AWQ checkpoint's 4-bit
+    weights as they are). Applies to the attention and MLP projections; embeddings, norms and
+    the LM head stay in --dtype."""
     quantization_group_size: int | None = None
     """int4: input channels per scale and zero, 32 | 64 | 128; default: per layer, the largest
     of these that divides its in_features."""

@@ -15,10 +15,12 @@ from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.quant.gguf_weights import field, gguf_hf_config, load_gguf_weights, read_gguf
+from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, load_packed_weights
 from radixserve.model.quant.quantize import (
     QuantizationError,
     check_quantization,
     quantize_model,
+    resolve_quantization,
     set_batch_invariant,
 )
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
@@ -32,6 +34,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer_path: Path | None  # folder with tokenizer files; None for built-in configs
     name: str
+    quantization: str  # as resolved: `auto` became the checkpoint's method or none
+    dtype: torch.dtype  # what the model computes in (--dtype auto resolved with it)
 
 
 def load_model(load_config: LoadConfig) -> LoadedModel:
@@ -45,19 +49,23 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
         return _load_gguf_as_is(source, load_config)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
+    load_config = resolve_quantization(load_config, hf_config)
     config = ModelConfig.from_hf_dict(hf_config)
     check_quantization(load_config, config)
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype)
     if load_config.load_format == "dummy":
         _fill_dummy(model, load_config.seed)
+    elif load_config.quantization in PACKED_METHODS:
+        fmt = PackedFormat.from_hf_config(hf_config)
+        load_packed_weights(model, _iter_safetensors(folder), fmt)
     else:
         model.load_weights(_iter_safetensors(folder))
     quantize_model(model, load_config)
     set_batch_invariant(model, load_config.enable_deterministic_inference)
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
-    return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
+    return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
 def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedModel:
@@ -76,7 +84,18 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedMode
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     tokenizer_path = tokenizer_folder(source.path) if has_vocab else None
-    return LoadedModel(model=model, config=config, tokenizer_path=tokenizer_path, name=source.name)
+    return _loaded(model, config, tokenizer_path, source.name, load_config)
+
+
+def _loaded(model, config, tokenizer_path, name, load_config: LoadConfig) -> LoadedModel:
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer_path=tokenizer_path,
+        name=name,
+        quantization=load_config.quantization,
+        dtype=load_config.torch_dtype(),
+    )
 
 
 def weights_folder(model: str | None) -> Path:

@@ -61,7 +61,7 @@ class ModelRunner:
     ) -> ModelRunner:
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
-        device, dtype = load_config.torch_device(), load_config.torch_dtype()
+        device, dtype = load_config.torch_device(), loaded.dtype
         graphs = device.type == "cuda" and not cache_config.disable_cuda_graph
         reserve = 0
         if graphs:

@@ -13,6 +13,13 @@ lookup stays fp).
     fp8     CUDA    Fp8Linear               float8_e4m3fn, one scale per output channel
     gguf    CPU     int4 / int8 / fp        a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, as they
                                             are (gguf_weights.py); no quantize-on-load
+    gptq    CPU     Int4WeightOnlyLinear    a GPTQ checkpoint's 4-bit qweight / qzeros /
+                                            scales as they are (gptq_awq.py); desc_act false
+    awq     CPU     Int4WeightOnlyLinear    an AWQ (gemm) checkpoint's, likewise
+
+`auto` (the default) is the checkpoint's own method when its config.json has a
+`quantization_config` (gptq / awq), else none; an explicit method must agree with the
+checkpoint (int8 on a GPTQ folder, gptq on a plain one: an error at start).
 
 int4 picks, per layer, the largest of 32/64/128 that divides in_features, or the one
 `--quantization-group-size` names; a layer it cannot fit is an error at start, not a silent
@@ -23,11 +30,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from radixserve.config import BF16_ON_CPU, LoadConfig, ModelConfig
+from radixserve.model.quant import QuantizationError
+from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.linear import (
     INT4_GROUP_SIZES,
     INT4_OUT_MULTIPLE,
@@ -39,13 +50,11 @@ from radixserve.model.quant.linear import (
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf")
+AUTO = "auto"
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", *PACKED_METHODS)
+NOT_REQUANTIZED = ("none", "gguf", *PACKED_METHODS)  # no quantize-on-load for these
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both matrix dims divisible by 16
-
-
-class QuantizationError(ValueError):
-    """A quantization option cannot be honoured for this model or device; names the flag."""
 
 
 def projection_shapes(config: ModelConfig, lm_head: bool = False) -> dict[str, tuple[int, int]]:
@@ -63,11 +72,43 @@ def projection_shapes(config: ModelConfig, lm_head: bool = False) -> dict[str, t
     return shapes
 
 
+def resolve_quantization(load_config: LoadConfig, hf_config: dict[str, Any]) -> LoadConfig:
+    """`load_config` with `auto` replaced by the checkpoint's method (gptq / awq) or none;
+    an explicit method that disagrees with the checkpoint is an error."""
+    found = checkpoint_quant_method(hf_config)
+    requested = load_config.quantization
+    _check_agrees_with_checkpoint(requested, found)
+    method = (found or "none") if requested == AUTO else requested
+    if method in PACKED_METHODS and load_config.load_format == "dummy":
+        raise QuantizationError(
+            f"--load-format dummy cannot fill the packed projections of a {method} checkpoint"
+        )
+    return replace(load_config, quantization=method)
+
+
+def _check_agrees_with_checkpoint(requested: str, found: str | None) -> None:
+    if found is not None and found not in PACKED_METHODS:
+        raise QuantizationError(
+            f"the checkpoint's quantization_config.quant_method is {found!r}; "
+            f"--quantization reads {' and '.join(PACKED_METHODS)} checkpoints only"
+        )
+    if requested in PACKED_METHODS and found != requested:
+        raise QuantizationError(
+            f"--quantization {requested} needs a checkpoint whose config.json has "
+            f"quantization_config.quant_method {requested!r}; this one has {found!r}"
+        )
+    if found is not None and requested not in (AUTO, found):
+        raise QuantizationError(
+            f"--quantization {requested} cannot apply to this {found} checkpoint (its projections "
+            f"are packed 4-bit already); leave --quantization at auto or pass {found}"
+        )
+
+
 def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
     """Rejects, before loading weights, every option this model and device cannot run."""
     method = load_config.quantization
     if method not in QUANTIZATION_METHODS:
-        allowed = ", ".join(QUANTIZATION_METHODS)
+        allowed = ", ".join((AUTO, *QUANTIZATION_METHODS))
         raise QuantizationError(f"--quantization must be one of {allowed}; got {method!r}")
     if load_config.quantization_group_size is not None and method != "int4":
         raise QuantizationError("--quantization-group-size applies to --quantization int4 only")
@@ -85,6 +126,8 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
         _check_int4(device, shapes, load_config.quantization_group_size)
     elif method == "gguf":
         _check_gguf(device, shapes)
+    elif method in PACKED_METHODS:
+        _check_packed(method, device, shapes, PackedFormat.from_hf_config(config.hf_config))
 
 
 def _warn_if_slow_dtype(method: str, dtype: torch.dtype) -> None:
@@ -145,6 +188,25 @@ def _check_gguf(device: torch.device, shapes: dict) -> None:
             )
 
 
+def _check_packed(method: str, device: torch.device, shapes: dict, fmt: PackedFormat) -> None:
+    """GPTQ / AWQ projections become int4 layers: CPU, out_features % 16, whole groups."""
+    if device.type != "cpu":
+        raise QuantizationError(
+            f"--quantization {method} runs on CPU only (torch's CPU int4 kernel)"
+        )
+    for name, (out_features, in_features) in shapes.items():
+        if out_features % INT4_OUT_MULTIPLE:
+            raise QuantizationError(
+                f"--quantization {method}: {name} has out_features={out_features}, which "
+                f"torch's int4 kernel needs divisible by {INT4_OUT_MULTIPLE}"
+            )
+        if in_features % fmt.group_size:
+            raise QuantizationError(
+                f"--quantization {method}: the checkpoint's quantization_config.group_size="
+                f"{fmt.group_size} does not divide in_features={in_features} of {name}"
+            )
+
+
 def _group_size_message(name: str, in_features: int, group_size: int | None, shapes) -> str:
     fitting = [g for g in INT4_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
     hint = (
@@ -172,7 +234,7 @@ def int4_group_size(in_features: int, requested: int | None) -> int | None:
 def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
     """Replaces the fp projections (and the LM head if asked) by their quantized form."""
     method = load_config.quantization
-    if method in ("none", "gguf"):
+    if method in NOT_REQUANTIZED:
         return
     make = _quantizer(method, load_config.quantization_group_size)
     before = weight_bytes(model)
