@@ -150,10 +150,10 @@ class LoadConfig:
     seed: int = 0
     """Seed for dummy weights."""
     quantization: str = "none"
-    """none | int8 (weight-only, a scale per output channel) | int4 (weight-only, CPU, a scale
-    and zero per group of input channels) | fp8 (CUDA, bf16) | gguf (CPU: a GGUF file's
-    Q4_0/Q4_1/Q8_0 blocks as they are, no fp32 detour). Applies to the attention and MLP
-    projections; embeddings, norms and the LM head stay in --dtype."""
+    """none | int8 (weight-only, a scale per output channel) | int4 (weight-only, a scale and
+    zero per group of input channels; CUDA: Triton kernel) | fp8 (CUDA, bf16) | gguf (a GGUF
+    file's Q4_0/Q4_1/Q8_0 blocks as they are, no fp32 detour). Applies to the attention and
+    MLP projections; embeddings, norms and the LM head stay in --dtype."""
     quantization_group_size: int | None = None
     """int4: input channels per scale and zero, 32 | 64 | 128; default: per layer, the largest
     of these that divides its in_features."""
