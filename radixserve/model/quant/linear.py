@@ -148,11 +148,16 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.group_size = group_size
         self.backend = _backend(backend, codes.device)
         if self.backend == "triton":
-            packed = _quant_kernels().pack_int4(codes)  # [out, in // 2] uint8
-            self.register_buffer("packed", packed)
-            self.register_buffer("scales", scales.t().contiguous())  # [groups, out]
-            self.register_buffer("zeros", zeros.t().to(scales.dtype).contiguous())
-            return
+            self._store_for_triton(codes, scales, zeros)
+        else:
+            self._store_for_torch_cpu(codes, scales, zeros)
+
+    def _store_for_triton(self, codes, scales, zeros) -> None:
+        self.register_buffer("packed", _quant_kernels().pack_int4(codes))  # [out, in // 2] uint8
+        self.register_buffer("scales", scales.t().contiguous())  # [groups, out]
+        self.register_buffer("zeros", zeros.t().to(scales.dtype).contiguous())
+
+    def _store_for_torch_cpu(self, codes, scales, zeros) -> None:
         if codes.device.type != "cpu":
             raise ValueError("Int4WeightOnlyLinear: backend 'torch' runs on CPU only")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
