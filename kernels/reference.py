@@ -64,3 +64,30 @@ def paged_extend_attention_ref(
         out[start : start + extend] = o.transpose(0, 1)
         start += extend
     return out.to(q.dtype)
+
+
+def int4_matmul_ref(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """x @ W.T with W = (codes - 8) * scale + zero; codes [N, K] in 0..15, scales and zeros
+    [N, K // group_size]; dequantized and multiplied in fp32."""
+    scale = scales.float().repeat_interleave(group_size, dim=1)
+    zero = zeros.float().repeat_interleave(group_size, dim=1)
+    weight = (codes.float() - 8) * scale + zero
+    return (x.float() @ weight.t()).to(x.dtype)
+
+
+def int8_matmul_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """x @ W.T with W = q * scale; scales [N] (per channel) or [N, K // group_size]; in fp32."""
+    scale = scales.float()
+    scale = scale[:, None] if group_size is None else scale.repeat_interleave(group_size, dim=1)
+    return (x.float() @ (qweight.float() * scale).t()).to(x.dtype)

@@ -50,8 +50,13 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(_problems(results)) == []
-    for name in ("device", "kernels", "engine", "shared_prefix", "transformers"):
+    for name in ("device", "kernels", "quant_kernels", "engine", "shared_prefix", "transformers"):
         assert name in results and "skipped" not in results[name], name
+    quant = results["quant_kernels"]
+    cases = ("int4 g128", "int8 g32", "int8 per-channel", "torch int8 per-channel")
+    for shape in ("40x128 m1", "48x256 m17"):
+        for case in cases:
+            assert quant[f"{case} {shape}"]["rel_err"] < 1e-5, (case, shape)
     assert results["kernels"]["flashinfer"].startswith("skipped: flashinfer needs CUDA")
     engine = results["engine"]
     assert engine["flashinfer+graphs"] == {"skipped": "flashinfer needs CUDA"}
@@ -65,6 +70,7 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
     assert shared["radix"]["hit_rate_of_max"] == pytest.approx(1.0)
     out = proc.stdout
     assert "=== summary" in out and "=== targets ===" in out
+    assert "quantized matmuls (x dense > 1" in out and "int4 g128 48x256 m17" in out
     assert "engine vs HF generate b4, torch_native" in out
     assert "decode steps, torch_native+graphs" in out  # asked for, not captured: shown as n/a
 

@@ -243,6 +243,7 @@ def test_concate_and_append_request_is_accepted_and_validated(server):
         assert status == 400 and reply["error"]["param"] == field, (body, reply)
         assert field in reply["error"]["message"] or field == "body"
 
+
 def test_max_new_tokens_may_fill_the_context_exactly(server):
     body = {"input_ids": [1] * 2040, "sampling_params": GREEDY}  # 2040 + 8 = 2048
     status, out = run(post(server.url + "/generate", body))

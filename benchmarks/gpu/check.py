@@ -5,6 +5,8 @@ Sections (each one skipped with a reason when a dependency is missing or time ru
   2. kernels: Triton decode (eager and CUDA-graph chunking) / extend vs their torch references
      at batch 64 x 4k context of Llama-3-8B heads, timed as % of the copy bandwidth; FlashInfer's
      decode beside them when it is installed
+     quant_kernels: Triton int4 / int8 dequant-GEMMs vs their references, timed beside a bf16
+     matmul and torch's int8 kernel, M=1 and 512, weights 576x1536 and 4096x4096 (gpu_quant.py)
   3. engine: dummy-weight Llama-3-8B in bf16 per attention backend, with and without CUDA
      graphs: the real scheduler at batch 1/16/64/256 (prefill tok/s, decode tok/s, decode step
      vs its roofline), a bare decode step at batch 1 and 64 x 4k context, an 8k-token prefill step
@@ -40,6 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "gpu")]  # a plain checkout
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels run on CPU, slowly
 
+from gpu_quant import quant_matmul_rows  # noqa: E402
 from gpu_report import summary_text  # noqa: E402
 from gpu_roofline import decode_bytes, prefill_flops  # noqa: E402
 
@@ -60,13 +63,16 @@ class Shapes:
     graph_context: int  # positions a decode graph covers (Llama-3-8B: 8192)
     hf_batches: tuple[int, ...]
     shared_prefix: dict[str, int] | None  # overrides of the bench's small preset
+    quant_weights: tuple[tuple[int, int], ...]  # (out, in) of the quantized matmuls
+    quant_m: tuple[int, ...]  # their activation rows: decode, prefill
 
 
 FULL = Shapes("llama-3-8b", (1, 16, 64, 256), 512, 64, (1, 64), 4096, 8, 1024,
-              (64, 4096, 16, 32, 8, 128, 512), 8192, (1, 64), None)  # fmt: skip
+              (64, 4096, 16, 32, 8, 128, 512), 8192, (1, 64), None,
+              ((576, 1536), (4096, 4096)), (1, 512))  # fmt: skip
 SMOKE = Shapes("tiny-llama", (1, 4), 32, 8, (1, 4), 48, 2, 16, (2, 40, 16, 4, 2, 16, 8), 128,
                (1, 4), dict(num_groups=2, prompts_per_group=2, system_len=48, question_len=8,
-                            output_len=4))  # fmt: skip
+                            output_len=4), ((40, 128), (48, 256)), (1, 17))  # fmt: skip
 TINY_LLAMA = {  # --smoke: a dummy-weight model small enough for the CPU
     "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -241,6 +247,14 @@ def _flashinfer_decode(q, k, v, table, lens, ps):
                  dim, ps, q_data_type=q.dtype, kv_data_type=k.dtype)  # fmt: skip
     pages = (-1, ps, kv_heads, dim)
     return lambda: wrapper.run(q, (k.view(pages), v.view(pages)))
+
+
+@section("quant_kernels", min_left_s=30)
+def quant_kernels(run: Run) -> dict:
+    dtype = torch.float32 if run.device == "cpu" else torch.bfloat16
+    s = run.shapes
+    return quant_matmul_rows(s.quant_weights, s.quant_m, run.device, dtype,
+                             lambda fn: timed(fn, run.device))  # fmt: skip
 
 
 # ---- 3. engine ---------------------------------------------------------------------------
@@ -543,17 +557,15 @@ def _hf_generate(model, ids: torch.Tensor, new_tokens: int) -> None:
 
 
 def import_kernels_package() -> None:
-    """Makes kernels/ importable as radixserve_kernels without installing the package."""
-    try:
-        import radixserve_kernels  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "radixserve_kernels", ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )  # fmt: skip
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["radixserve_kernels"] = module
-        spec.loader.exec_module(module)
+    """Makes this checkout's kernels/ importable as radixserve_kernels, installed or not (an
+    installed one may be another checkout's)."""
+    spec = importlib.util.spec_from_file_location(
+        "radixserve_kernels", ROOT / "kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "kernels")],
+    )  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["radixserve_kernels"] = module
+    spec.loader.exec_module(module)
 
 
 def model_config_dict(model: str) -> dict[str, Any]:
@@ -592,7 +604,8 @@ def main() -> None:
         "python": platform.python_version(),
         "shapes": "smoke" if args.smoke else "full",
     }
-    for step in (device_rates, kernels, engine, shared_prefix, transformers_generate):
+    steps = (device_rates, kernels, quant_kernels, engine, shared_prefix, transformers_generate)
+    for step in steps:
         step(run)
     RESULTS["total_s"] = args.budget_s - run.left()
     write_json(run.out_dir)

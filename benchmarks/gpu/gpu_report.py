@@ -105,6 +105,19 @@ def kernels_table(results: dict) -> str:
     return title + "\n" + format_table(["kernel", "ms", "GB/s", "of copy", "max abs err"], rows)
 
 
+def quant_table(results: dict) -> str:
+    """The Triton dequant-GEMMs (gpu_quant.py) beside a dense matmul in the model dtype."""
+    quant = _ok(results.get("quant_kernels"))
+    rows = [[key, r["ms"], r["dense_ms"], r["x_dense"], r["weight_GBps"], r["rel_err"]]
+            for key, r in quant.items() if not _problem(r)]  # fmt: skip
+    if not rows:
+        return "quantized matmuls: -"
+    headers = ["kernel, weight (out x in), M", "ms", "dense ms", "x dense", "weight GB/s",
+               "rel err"]  # fmt: skip
+    title = "quantized matmuls (x dense > 1: faster than the unquantized matmul)"
+    return title + "\n" + format_table(headers, rows)
+
+
 def scheduler_table(results: dict) -> str:
     hf = _ok(results.get("transformers"))
     rows = []
@@ -242,7 +255,8 @@ def targets_table(results: dict) -> str:
 def summary_text(results: dict) -> str:
     env = results.get("env", {})
     head = f"=== summary: {env.get('device')}, torch {env.get('torch')}, {env.get('shapes')} ==="
-    parts = [head, device_text(results), kernels_table(results), scheduler_table(results),
+    parts = [head, device_text(results), kernels_table(results), quant_table(results),
+             scheduler_table(results),
              steps_table(results), shared_prefix_text(results), problems_text(results),
              targets_table(results)]  # fmt: skip
     return "\n\n".join(parts)

@@ -131,12 +131,12 @@ def gguf_hf_config(reader, path: Path) -> dict[str, Any]:
 def load_gguf_weights(model: nn.Module, reader, config: ModelConfig) -> None:
     """Puts packed int4/int8 projections into `model` and loads every fp tensor."""
     tensors = {t.name: t for t in reader.tensors}
-    dtype = model.embed_tokens.weight.dtype
+    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     fp_weights: list[tuple[str, torch.Tensor]] = []
     for i, layer in enumerate(model.layers):
         for path, parts in FUSED_PARTS.items():
             weights = [layer_weight(tensors, i, part, config) for part in parts]
-            module = fused_layer(weights, dtype, f"blk.{i}: {', '.join(parts)}")
+            module = fused_layer(weights, dtype, device, f"blk.{i}: {', '.join(parts)}")
             if module is None:  # fp in the file: the fp loader fills the fused rows
                 names = [f"model.layers.{i}.{HF_PARTS[p]}.weight" for p in parts]
                 fp_weights += [(n, w.values) for n, w in zip(names, weights)]
@@ -203,8 +203,11 @@ def _nibbles(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(codes.reshape(raw.shape[0], -1))
 
 
-def fused_layer(weights: list[BlockWeight], dtype: torch.dtype, what: str) -> nn.Module | None:
-    """One int4/int8 layer from the stacked rows of `weights`; None if they are all fp."""
+def fused_layer(
+    weights: list[BlockWeight], dtype: torch.dtype, device: torch.device, what: str
+) -> nn.Module | None:
+    """One int4/int8 layer on `device` (its layout is that device's kernel's) from the stacked
+    rows of `weights`; None if they are all fp."""
     kinds = {w.kind for w in weights}
     if kinds == {"fp"}:
         return None
@@ -213,11 +216,11 @@ def fused_layer(weights: list[BlockWeight], dtype: torch.dtype, what: str) -> nn
             f"--quantization gguf: {what} mix {' and '.join(sorted(kinds))} tensors, "
             "which one fused layer cannot hold (use --quantization none)"
         )
-    values = torch.cat([w.values for w in weights])
-    scales = torch.cat([w.scales for w in weights]).to(dtype)
+    values = torch.cat([w.values for w in weights]).to(device)
+    scales = torch.cat([w.scales for w in weights]).to(device, dtype)
     if kinds == {"int8"}:
         return Int8WeightOnlyLinear(values, scales, group_size=GGUF_BLOCK)
-    zeros = torch.cat([w.zeros for w in weights]).to(dtype)
+    zeros = torch.cat([w.zeros for w in weights]).to(device, dtype)
     return Int4WeightOnlyLinear(values, scales, zeros, GGUF_BLOCK)
 
 

@@ -3,22 +3,33 @@
     UnquantizedLinear       nn.Linear (fp32 / bf16 / fp16 weight)
     Int8WeightOnlyLinear    int8 [out, in] + one scale per output channel, or per group of
                             `group_size` input channels (a GGUF Q8_0 block); w = q * scale
-    Int4WeightOnlyLinear    4-bit codes q packed by torch for its CPU kernel + one scale and
-                            one zero per group of `group_size` input channels;
-                            w = (q - 8) * scale + zero
+    Int4WeightOnlyLinear    4-bit codes q + one scale and one zero per group of `group_size`
+                            input channels; w = (q - 8) * scale + zero
     Fp8Linear               float8_e4m3fn [out, in] + one scale per output channel; activations
                             are cast to fp8 per token at run time (torch._scaled_mm)
 
-Activations stay in the model dtype (weight-only for int8/int4). The matmuls are torch's own
-packed kernels: `_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu` (after
-`_convert_weight_to_int4pack_for_cpu`) and `_scaled_mm`. `dequantize()` gives back the weight
-each layer multiplies by, for tests and for the fp reference path.
+Activations stay in the model dtype (weight-only for int8/int4). Which kernel runs, by the
+device the weights are built on (`matmul_backend`); a layer's storage is that kernel's
+layout, so a layer is built on its device and never moved:
+
+    layer                device  kernel                              int4 / int8 storage
+    int8, per channel    any     torch `_weight_int8pack_mm`         [out, in] int8
+    int8, group-wise     CPU     `_weight_int8pack_mm` per group     [groups, out, group]
+                         CUDA    Triton `int8_matmul`                [out, in] int8
+    int4                 CPU     torch `_weight_int4pack_mm_for_cpu` torch's CPU packing
+                         CUDA    Triton `int4_matmul`                [out, in / 2] uint8
+    fp8                  CUDA    torch `_scaled_mm`
+
+torch's own CUDA int4 kernel (`_weight_int4pack_mm`) takes bf16 only; the Triton kernels
+(radixserve_kernels.quant_matmul) take fp32 / fp16 / bf16 and any out_features.
+`dequantize()` gives back the weight each layer multiplies by, for tests and for the fp
+reference path.
 
 torch's int8 / int4 CPU kernels are matrix-vector kernels: their time grows linearly with the
-rows, so past DEQUANT_MIN_ROWS rows (a prefill chunk) dequantizing the weight once and running
-one dense matmul is several times faster (measured: 576x3072 int4 at 512 rows, 23 ms in the
-kernel vs ~10 ms dequantize + matmul). Decode batches stay on the kernels, which read 2-4x
-fewer bytes.
+rows, so past `dequant_min_rows` rows (a prefill chunk) the torch-backend layers dequantize the
+weight once and run one dense matmul, several times faster (measured: 576x3072 int4 at 512
+rows, 23 ms in the kernel vs ~10 ms dequantize + matmul). Decode batches stay on the kernels,
+which read 2-4x fewer bytes. --enable-deterministic-inference keeps every batch on them.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ INT4_GROUP_SIZES = (32, 64, 128)  # torch's CPU int4 kernel also takes 256; we o
 INT4_OUT_MULTIPLE = 16  # the CPU int4 packer needs out_features divisible by 16
 INT4_MID = 8  # torch's int4 kernels read code q as (q - 8) * scale + zero
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MATMUL_BACKENDS = ("torch", "triton")
 
 
 class UnquantizedLinear(nn.Linear):
@@ -74,9 +86,10 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8WeightOnlyLinear(QuantizedLinear):
-    """int8 weights, fp activations. Per-channel scales run as one `_weight_int8pack_mm`;
-    group-wise scales (GGUF Q8_0) run one such call per group and sum, since torch has no
-    group-wise int8 kernel: exact, but slower than per-channel."""
+    """int8 weights, fp activations. Per-channel scales run as one `_weight_int8pack_mm`
+    (torch has it on CPU and CUDA; backend="triton" runs ours instead). Group-wise scales
+    (GGUF Q8_0): on CUDA the Triton kernel; on CPU one `_weight_int8pack_mm` per group,
+    summed: exact, but slower."""
 
     def __init__(
         self,
@@ -84,18 +97,23 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         scales: torch.Tensor,  # [out] (per channel) or [out, in // group_size], activation dtype
         bias: torch.Tensor | None = None,
         group_size: int | None = None,
+        *,
+        backend: str | None = None,  # "torch" | "triton"; None: per channel "torch",
+        # group-wise matmul_backend(device)
     ):
         out_features, in_features = qweight.shape
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
-        if group_size is None:
-            self.register_buffer("qweight", qweight.contiguous())
-            self.register_buffer("scales", scales.contiguous())
-        else:  # [groups, out, group_size] and [groups, out]: each group's slice contiguous
+        per_channel_default = backend is None and group_size is None
+        self.backend = "torch" if per_channel_default else _backend(backend, qweight.device)
+        if group_size is None or self.backend == "triton":
+            self.register_buffer("qweight", qweight.contiguous())  # [out, in]
+        else:  # [groups, out, group_size]: each group's slice contiguous
             num_groups = in_features // group_size
             grouped = qweight.reshape(out_features, num_groups, group_size).transpose(0, 1)
             self.register_buffer("qweight", grouped.contiguous())
-            self.register_buffer("scales", scales.t().contiguous())
+        scales = scales if group_size is None else scales.t()
+        self.register_buffer("scales", scales.contiguous())  # [out] or [groups, out]
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -106,6 +124,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         return cls(qweight, scales.to(linear.weight.dtype), _bias_of(linear))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            return _quant_kernels().int8_matmul(x, self.qweight, self.scales, self.group_size)
         if self._dequantizes(x):
             return F.linear(x, self.dequantize().to(x.dtype))
         int8_mm = torch.ops.aten._weight_int8pack_mm
@@ -120,13 +140,16 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     def dequantize(self) -> torch.Tensor:
         if self.group_size is None:
             return self.qweight.to(self.scales.dtype) * self.scales[:, None]
-        weight = self.qweight.to(self.scales.dtype) * self.scales[:, :, None]  # [groups, out, gs]
-        return weight.transpose(0, 1).reshape(self.out_features, self.in_features)
+        scales = self.scales.t().repeat_interleave(self.group_size, dim=1)  # [out, in]
+        if self.backend == "triton":
+            return self.qweight.to(scales.dtype) * scales
+        weight = self.qweight.transpose(0, 1).reshape(self.out_features, self.in_features)
+        return weight.to(scales.dtype) * scales
 
 
 class Int4WeightOnlyLinear(QuantizedLinear):
-    """4-bit weights with a scale and a zero per group, fp activations; CPU only (the packed
-    layout is the one `_weight_int4pack_mm_for_cpu` reads)."""
+    """4-bit weights with a scale and a zero per group, fp activations. CPU: torch's packed
+    layout and kernel; CUDA: two codes per byte and the Triton kernel."""
 
     def __init__(
         self,
@@ -135,10 +158,26 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         zeros: torch.Tensor,  # [out, in // group_size]: the weight that code 8 stands for
         group_size: int,
         bias: torch.Tensor | None = None,
+        *,
+        backend: str | None = None,  # "torch" (CPU only) | "triton"; None: by device
     ):
         out_features, in_features = codes.shape
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
+        self.backend = _backend(backend, codes.device)
+        if self.backend == "triton":
+            self._store_for_triton(codes, scales, zeros)
+        else:
+            self._store_for_torch_cpu(codes, scales, zeros)
+
+    def _store_for_triton(self, codes, scales, zeros) -> None:
+        self.register_buffer("packed", _quant_kernels().pack_int4(codes))  # [out, in // 2] uint8
+        self.register_buffer("scales", scales.t().contiguous())  # [groups, out]
+        self.register_buffer("zeros", zeros.t().to(scales.dtype).contiguous())
+
+    def _store_for_torch_cpu(self, codes, scales, zeros) -> None:
+        if codes.device.type != "cpu":
+            raise ValueError("Int4WeightOnlyLinear: backend 'torch' runs on CPU only")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         self.register_buffer("packed", packed)  # [out, in // 2] uint8, torch's CPU layout
         scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(scales.dtype)
@@ -152,25 +191,53 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, _bias_of(linear))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            kernels = _quant_kernels()
+            return kernels.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size)
         if self._dequantizes(x) and packing_format() is not None:
             return F.linear(x, self.dequantize().to(x.dtype))
-        return self._kernel_matmul(x)
+        return self._cpu_kernel_matmul(x)
 
-    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _cpu_kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, self.group_size, self.scales_and_zeros
         )
 
     def dequantize(self) -> torch.Tensor:
+        if self.backend == "triton":
+            codes = _quant_kernels().unpack_int4(self.packed)
+            weight = dequantize_int4(codes, self.scales.t(), self.zeros.t(), self.group_size)
+            return weight.to(self.scales.dtype)
         fmt = packing_format()
         if fmt is None:  # the kernel's own reading of the packed codes: identity @ W.T = W.T
             eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-            return self._kernel_matmul(eye.to(self.packed.device)).t()
+            return self._cpu_kernel_matmul(eye.to(self.packed.device)).t()
         n, k, g = self.out_features, self.in_features, self.group_size
         codes = unpack_codes(self.packed, n, k, fmt).view(n, k // g, g)
         scales, zeros = (t.t()[..., None] for t in self.scales_and_zeros.unbind(-1))
         offsets = zeros - INT4_MID * scales  # w = q * scale + (zero - 8 * scale)
         return torch.addcmul(offsets, codes.to(scales.dtype), scales).reshape(n, k)
+
+
+def matmul_backend(device: torch.device) -> str:
+    """The kernels quantized layers built on `device` run: torch's packed CPU kernels, or
+    our Triton dequant-GEMM on CUDA (tests force "triton" on CPU, under TRITON_INTERPRET=1)."""
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _backend(requested: str | None, device: torch.device) -> str:
+    if requested is None:
+        return matmul_backend(device)
+    if requested not in MATMUL_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(MATMUL_BACKENDS)}; got {requested!r}")
+    return requested
+
+
+def _quant_kernels():
+    """radixserve_kernels.quant_matmul, imported on first use (it needs triton)."""
+    from radixserve_kernels import quant_matmul
+
+    return quant_matmul
 
 
 def quantize_int4(

@@ -6,20 +6,25 @@ LM head). Kept in the model dtype: the token embedding, the RMSNorms, and the LM
 `quantize_lm_head` (int8 / int4; a tied head gets its own quantized copy, the embedding
 lookup stays fp).
 
-    method  device  layer                   weights stored as
-    none    any     UnquantizedLinear       the model dtype
-    int8    any     Int8WeightOnlyLinear    int8, one scale per output channel
-    int4    CPU     Int4WeightOnlyLinear    4 bits, scale + zero per group of 32/64/128 inputs
-    fp8     CUDA    Fp8Linear               float8_e4m3fn, one scale per output channel
-    gguf    CPU     int4 / int8 / fp        a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, as they
-                                            are (gguf_weights.py); no quantize-on-load
-    gptq    CPU     Int4WeightOnlyLinear    a GPTQ checkpoint's 4-bit qweight / qzeros /
-                                            scales as they are (gptq_awq.py); desc_act false
-    awq     CPU     Int4WeightOnlyLinear    an AWQ (gemm) checkpoint's, likewise
+    method  device     layer                   weights stored as
+    none    any        UnquantizedLinear       the model dtype
+    int8    any        Int8WeightOnlyLinear    int8, one scale per output channel
+    int4    CPU, CUDA  Int4WeightOnlyLinear    4 bits, scale + zero per group of 32/64/128
+                                               inputs
+    fp8     CUDA       Fp8Linear               float8_e4m3fn, one scale per output channel
+    gguf    CPU, CUDA  int4 / int8 / fp        a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, as
+                                               they are (gguf_weights.py); no quantize-on-load
+    gptq    CPU        Int4WeightOnlyLinear    a GPTQ checkpoint's 4-bit qweight / qzeros /
+                                               scales as they are (gptq_awq.py); desc_act false
+    awq     CPU        Int4WeightOnlyLinear    an AWQ (gemm) checkpoint's, likewise
 
 `auto` (the default) is the checkpoint's own method when its config.json has a
 `quantization_config` (gptq / awq), else none; an explicit method must agree with the
 checkpoint (int8 on a GPTQ folder, gptq on a plain one: an error at start).
+
+The kernels by device are in linear.py: torch's on CPU, where torch's int4 packer needs
+out_features divisible by 16; our Triton int4 / group-wise int8 kernels on CUDA (any
+out_features, fp32 / fp16 / bf16; triton must be installed).
 
 int4 picks, per layer, the largest of 32/64/128 that divides in_features, or the one
 `--quantization-group-size` names; a layer it cannot fit is an error at start, not a silent
@@ -28,6 +33,7 @@ fp fallback, so that the memory and speed one asked for are the ones one gets.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -38,6 +44,7 @@ from torch import nn
 
 from radixserve.config import BF16_ON_CPU, LoadConfig, ModelConfig
 from radixserve.model.quant import QuantizationError
+from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.linear import (
     INT4_GROUP_SIZES,
@@ -157,34 +164,40 @@ def _check_fp8(device: torch.device, dtype: torch.dtype, shapes: dict) -> None:
 
 
 def _check_int4(device: torch.device, shapes: dict, group_size: int | None) -> None:
-    if device.type != "cpu":
-        raise QuantizationError(
-            "--quantization int4 runs on CPU only (torch's CPU int4 kernel); on CUDA use int8"
-        )
+    _check_int4_device("int4", device, shapes)
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
         sizes = ", ".join(map(str, INT4_GROUP_SIZES))
         raise QuantizationError(
             f"--quantization-group-size must be one of {sizes}; got {group_size}"
         )
-    for name, (out_features, in_features) in shapes.items():
-        if out_features % INT4_OUT_MULTIPLE:
-            raise QuantizationError(
-                f"--quantization int4: {name} has out_features={out_features}, "
-                f"which torch's int4 kernel needs divisible by {INT4_OUT_MULTIPLE}"
-            )
+    for name, (_, in_features) in shapes.items():
         if int4_group_size(in_features, group_size) is None:
             raise QuantizationError(_group_size_message(name, in_features, group_size, shapes))
 
 
 def _check_gguf(device: torch.device, shapes: dict) -> None:
-    """Q4 blocks become int4 layers (CPU kernel, out_features divisible by 16)."""
-    if device.type != "cpu":
-        raise QuantizationError("--quantization gguf runs on CPU only; use --quantization none")
+    """Q4 blocks become int4 layers, Q8_0 blocks group-wise int8 layers."""
+    _check_int4_device("gguf", device, shapes)
+
+
+def _check_int4_device(method: str, device: torch.device, shapes: dict) -> None:
+    """int4 layers run torch's CPU kernel (out_features divisible by 16) or, on CUDA, the
+    Triton kernel (triton installed)."""
+    if device.type not in ("cpu", "cuda"):
+        raise QuantizationError(
+            f"--quantization {method} runs on CPU or CUDA; device is {device.type}"
+        )
+    backend = quant_linear.matmul_backend(device)
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        raise QuantizationError(
+            f"--quantization {method} on {device.type} needs triton for its int4/int8 "
+            "kernels (pip install triton)"
+        )
     for name, (out_features, _) in shapes.items():
-        if out_features % INT4_OUT_MULTIPLE:
+        if backend == "torch" and out_features % INT4_OUT_MULTIPLE:
             raise QuantizationError(
-                f"--quantization gguf: {name} has out_features={out_features}, which torch's "
-                f"int4 kernel needs divisible by {INT4_OUT_MULTIPLE}; use --quantization none"
+                f"--quantization {method}: {name} has out_features={out_features}, which "
+                f"torch's CPU int4 kernel needs divisible by {INT4_OUT_MULTIPLE}"
             )
 
 
