@@ -150,9 +150,9 @@ class LoadConfig:
     seed: int = 0
     """Seed for dummy weights."""
     quantization: str = "auto"
-    """auto (the checkpoint's own: gptq | awq from its quantization_config, gguf for a GGUF
-    file whose projections are Q4_0 / Q4_1 / Q8_0; else none) | none | int8 (weight-only, a
-    scale per output channel) | int4 (weight-only, a scale and zero per group of input
+    """auto (the checkpoint's own: gptq | awq from its quantization_config; else none, which
+    for a GGUF file means its dequantized fp copy) | none | int8 (weight-only, a scale per
+    output channel) | int4 (weight-only, a scale and zero per group of input
     channels; CUDA: Triton kernel) | fp8 (CUDA, bf16) | gguf (a GGUF file's Q4_0/Q4_1/Q8_0
     blocks as they are, no fp32 detour) | gptq | awq (CPU: a GPTQ / AWQ checkpoint's 4-bit
     weights as they are). Applies to the attention and MLP projections; embeddings, norms and
