@@ -1,13 +1,14 @@
 // Fused paged decode attention for CPU: one query token per request attends to its K/V
 // read in place from the paged pool (no gathered copy, no padding, no mask tensor).
 //
-// Work item = (request, KV head, split of positions). The GQA query heads of one KV head are
-// scored together, so each K/V row is loaded once per group. Positions are taken in blocks of
-// kBlock: scores for the block, one online-softmax rescale, then the weighted V sum. When
-// there are fewer (request, KV head) pairs than threads, positions are split and the splits'
-// partial results merged by their log-sum-exp (num_splits > 0 forces a split count, for tests
-// and benchmarks). Plain loops: -O3 and `omp simd` vectorize them for whatever SIMD width the
-// build flags allow.
+// Work item = (request, split of positions), all heads together: a position's K/V of every
+// KV head is one contiguous run of the pool, read front to back (a page holds page_size such
+// runs back to back), and each KV row is scored against its GQA group of query heads.
+// Positions go in blocks of kBlock: scores for the block, one online-softmax rescale, then
+// the weighted V sum. When there are fewer requests than threads, positions are split and
+// the splits' partial results merged by their log-sum-exp (num_splits > 0 forces a split
+// count, for tests and benchmarks). Plain loops: -O3 and `omp simd` vectorize them for
+// whatever SIMD width the build flags allow.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -66,9 +67,10 @@ inline void scale_row(float* y, float a, int64_t dim) {
 // Online-softmax state of one work item: per query head a running max, sum and output.
 struct State {
   std::vector<float> q, acc, max, sum, scores, kbuf, vbuf;
-  State(const Shape& s)
-      : q(s.group * s.head_dim), acc(s.group * s.head_dim), max(s.group), sum(s.group),
-        scores(s.group * kBlock), kbuf(kBlock * s.head_dim), vbuf(s.head_dim) {}
+  explicit State(const Shape& s)
+      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), max(s.num_heads),
+        sum(s.num_heads), scores(s.num_heads * kBlock),
+        kbuf(kBlock * s.num_kv_heads * s.head_dim), vbuf(s.num_kv_heads * s.head_dim) {}
   void reset() {
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(max.begin(), max.end(), kNegInf);
@@ -76,61 +78,63 @@ struct State {
   }
 };
 
+// One block of n positions for every head. A position's K (and V) of all KV heads is one
+// contiguous [num_kv_heads, head_dim] run of the pool, read front to back; each KV row is
+// scored against its GQA group of query heads.
 template <typename T>
-void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64_t* rows,
+void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64_t* slots,
                   int64_t n) {
-  const int64_t D = s.head_dim;
+  const int64_t D = s.head_dim, span = s.num_kv_heads * D;
   for (int64_t j = 0; j < n; ++j) {
-    const float* kr = row_f32(k + rows[j] * D, st.kbuf.data() + j * D, D);
-    for (int64_t g = 0; g < s.group; ++g) {
-      st.scores[g * kBlock + j] = dot(st.q.data() + g * D, kr, D);
+    const float* kr = row_f32(k + slots[j] * span, st.kbuf.data() + j * span, span);
+    for (int64_t head = 0; head < s.num_heads; ++head) {
+      const float* krow = kr + (head / s.group) * D;
+      st.scores[head * kBlock + j] = dot(st.q.data() + head * D, krow, D);
     }
   }
-  for (int64_t g = 0; g < s.group; ++g) {
-    float* sc = st.scores.data() + g * kBlock;
-    float new_max = st.max[g];
+  for (int64_t head = 0; head < s.num_heads; ++head) {
+    float* sc = st.scores.data() + head * kBlock;
+    float new_max = st.max[head];
     for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sc[j]);
-    float alpha = std::exp(st.max[g] - new_max);
-    st.sum[g] *= alpha;
-    scale_row(st.acc.data() + g * D, alpha, D);
+    const float alpha = std::exp(st.max[head] - new_max);
+    st.sum[head] *= alpha;
+    scale_row(st.acc.data() + head * D, alpha, D);
     for (int64_t j = 0; j < n; ++j) {
       sc[j] = std::exp(sc[j] - new_max);
-      st.sum[g] += sc[j];
+      st.sum[head] += sc[j];
     }
-    st.max[g] = new_max;
+    st.max[head] = new_max;
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = row_f32(v + rows[j] * D, st.vbuf.data(), D);
-    for (int64_t g = 0; g < s.group; ++g) {
-      axpy(st.acc.data() + g * D, st.scores[g * kBlock + j], vr, D);
+    const float* vr = row_f32(v + slots[j] * span, st.vbuf.data(), span);
+    for (int64_t head = 0; head < s.num_heads; ++head) {
+      const float* vrow = vr + (head / s.group) * D;
+      axpy(st.acc.data() + head * D, st.scores[head * kBlock + j], vrow, D);
     }
   }
 }
 
-// Attends positions [lo, hi) of request r, KV head h; leaves the unnormalized state in `st`.
+// Attends positions [lo, hi) of request r; leaves the unnormalized state in `st`.
 template <typename T>
 void attend_range(State& st, const Shape& s, const float* q, const T* k, const T* v,
-                  const int64_t* page_row, int64_t r, int64_t h, int64_t lo, int64_t hi) {
-  const int64_t D = s.head_dim;
-  for (int64_t g = 0; g < s.group; ++g) {
-    const float* src = q + (r * s.num_heads + h * s.group + g) * D;
-    for (int64_t d = 0; d < D; ++d) st.q[g * D + d] = src[d] * s.scale;
-  }
+                  const int64_t* page_row, int64_t r, int64_t lo, int64_t hi) {
+  const int64_t width = s.num_heads * s.head_dim;
+  const float* src = q + r * width;
+  for (int64_t i = 0; i < width; ++i) st.q[i] = src[i] * s.scale;
   st.reset();
-  int64_t rows[kBlock];  // pool rows of head_dim values: slot * num_kv_heads + h
+  int64_t slots[kBlock];
   for (int64_t b = lo; b < hi; b += kBlock) {
     const int64_t n = std::min(kBlock, hi - b);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = b + j;
-      const int64_t slot = page_row[pos / s.page_size] * s.page_size + pos % s.page_size;
-      rows[j] = slot * s.num_kv_heads + h;
+      slots[j] = page_row[pos / s.page_size] * s.page_size + pos % s.page_size;
     }
-    attend_block(st, s, k, v, rows, n);
+    attend_block(st, s, k, v, slots, n);
   }
 }
 
 int64_t choose_splits(const Shape& s, int64_t max_len) {
-  const int64_t items = s.num_reqs * s.num_kv_heads;
+  const int64_t items = s.num_reqs;
   const int64_t threads = at::get_num_threads();
   if (items >= threads) return 1;
   const int64_t wanted = (2 * threads + items - 1) / items;
@@ -147,13 +151,14 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   const int64_t max_len = *std::max_element(lens, lens + s.num_reqs);
   const int64_t splits = num_splits > 0 ? std::min(num_splits, max_len) : choose_splits(s, max_len);
   const int64_t split_len = ((max_len + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
-  const int64_t num_items = s.num_reqs * s.num_kv_heads * splits;
+  const int64_t num_items = s.num_reqs * splits;
+  const int64_t width = s.num_heads * D;  // one request's output
 
   at::Tensor out = at::empty({s.num_reqs, s.num_heads, D}, q.options());
-  // splits > 1: each split's unnormalized output, max and sum; merged below
-  std::vector<float> part_acc(splits > 1 ? num_items * s.group * D : 0);
-  std::vector<float> part_max(splits > 1 ? num_items * s.group : 0);
-  std::vector<float> part_sum(splits > 1 ? num_items * s.group : 0);
+  // splits > 1: each split's unnormalized output, max and sum per head; merged below
+  std::vector<float> part_acc(splits > 1 ? num_items * width : 0);
+  std::vector<float> part_max(splits > 1 ? num_items * s.num_heads : 0);
+  std::vector<float> part_sum(splits > 1 ? num_items * s.num_heads : 0);
 
   const float* qp = q.data_ptr<float>();
   const T* kp = k_pool.data_ptr<T>();
@@ -164,48 +169,48 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     State st(s);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t split = item % splits, pair = item / splits;
-      const int64_t r = pair / s.num_kv_heads, h = pair % s.num_kv_heads;
-      const int64_t len = lens[r];
+      const int64_t r = item / splits, split = item % splits, len = lens[r];
       int64_t lo = split * split_len, hi = std::min(len, lo + split_len);
       if (s.window > 0) lo = std::max(lo, len - s.window);
-      if (lo < hi) attend_range(st, s, qp, kp, vp, pt + r * s.max_pages, r, h, lo, hi);
-      else st.reset();
+      if (lo < hi) {
+        attend_range(st, s, qp, kp, vp, pt + r * s.max_pages, r, lo, hi);
+      } else {
+        st.reset();
+      }
       if (splits == 1) {
-        for (int64_t g = 0; g < s.group; ++g) {
-          float* dst = op + (r * s.num_heads + h * s.group + g) * D;
-          const float inv = 1.f / st.sum[g];
-          for (int64_t d = 0; d < D; ++d) dst[d] = st.acc[g * D + d] * inv;
+        for (int64_t head = 0; head < s.num_heads; ++head) {
+          const float inv = 1.f / st.sum[head];
+          float* dst = op + r * width + head * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = st.acc[head * D + d] * inv;
         }
       } else {
-        std::copy(st.acc.begin(), st.acc.end(), part_acc.begin() + item * s.group * D);
-        std::copy(st.max.begin(), st.max.end(), part_max.begin() + item * s.group);
-        std::copy(st.sum.begin(), st.sum.end(), part_sum.begin() + item * s.group);
+        std::copy(st.acc.begin(), st.acc.end(), part_acc.begin() + item * width);
+        std::copy(st.max.begin(), st.max.end(), part_max.begin() + item * s.num_heads);
+        std::copy(st.sum.begin(), st.sum.end(), part_sum.begin() + item * s.num_heads);
       }
     }
   });
   if (splits == 1) return out;
 
-  at::parallel_for(0, s.num_reqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t r = pair / s.num_kv_heads, h = pair % s.num_kv_heads;
-      for (int64_t g = 0; g < s.group; ++g) {
-        float m = kNegInf;
-        for (int64_t sp = 0; sp < splits; ++sp) {
-          m = std::max(m, part_max[(pair * splits + sp) * s.group + g]);
-        }
-        float* dst = op + (r * s.num_heads + h * s.group + g) * D;
-        std::fill(dst, dst + D, 0.f);
-        float total = 0.f;
-        for (int64_t sp = 0; sp < splits; ++sp) {
-          const int64_t i = (pair * splits + sp) * s.group + g;
-          if (part_sum[i] == 0.f) continue;  // an empty split
-          const float w = std::exp(part_max[i] - m);
-          total += part_sum[i] * w;
-          axpy(dst, w, part_acc.data() + i * D, D);
-        }
-        scale_row(dst, 1.f / total, D);
+  // Log-sum-exp merge: weight each split by exp(its max - the overall max).
+  at::parallel_for(0, s.num_reqs * s.num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / s.num_heads, head = rh % s.num_heads;
+      float m = kNegInf;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        m = std::max(m, part_max[(r * splits + sp) * s.num_heads + head]);
       }
+      float* dst = op + rh * D;
+      std::fill(dst, dst + D, 0.f);
+      float total = 0.f;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t i = (r * splits + sp) * s.num_heads + head;
+        if (part_sum[i] == 0.f) continue;  // an empty split
+        const float w = std::exp(part_max[i] - m);
+        total += part_sum[i] * w;
+        axpy(dst, w, part_acc.data() + (r * splits + sp) * width + head * D, D);
+      }
+      scale_row(dst, 1.f / total, D);
     }
   });
   return out;
