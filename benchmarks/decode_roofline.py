@@ -169,11 +169,9 @@ def run_case(runner, found, batch: int, context: int, args, bandwidth: float) ->
             {name: decode_step(b, runner, fb) for name, b in found.items()}, args.repeats
         )
         read = weight_bytes(runner) + kv_bytes(runner, batch, context)
-        return [
-            Row(batch, context, name, attn[name] * 1e3, steps[name] * 1e3,
-                read / bandwidth * 1e3, read / 2**20)
-            for name in found
-        ]  # fmt: skip
+        roofline_ms, read_mib = read / bandwidth * 1e3, read / 2**20
+        ms = {name: (attn[name] * 1e3, steps[name] * 1e3) for name in found}
+        return [Row(batch, context, n, *ms[n], roofline_ms, read_mib) for n in found]
     finally:
         pool.allocator.free([p for t in tables for p in t])
 
@@ -182,8 +180,8 @@ COLUMNS = ("batch", "context", "backend", "attn ms", "step ms", "roofline ms", "
 
 
 def print_row(r: Row) -> None:
-    cells = (r.batch, r.context, r.backend, f"{r.attn_ms:.2f}", f"{r.step_ms:.1f}",
-             f"{r.roofline_ms:.1f}", f"{r.of_roofline:.2f}")  # fmt: skip
+    times = (f"{r.attn_ms:.2f}", f"{r.step_ms:.1f}", f"{r.roofline_ms:.1f}")
+    cells = (r.batch, r.context, r.backend, *times, f"{r.of_roofline:.2f}")
     print("".join(f"{c:>13}" for c in cells), flush=True)
 
 
@@ -198,11 +196,15 @@ def main(argv: list[str] | None = None) -> None:
     found = backends(runner)
     bandwidth = copy_bandwidth(5)
     meta = {
-        "model": args.model, "dtype": args.dtype, "kv_dtype": str(runner.pool.dtype),
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(), "copy_gb_s": bandwidth / 1e9,
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_dtype": str(runner.pool.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "copy_gb_s": bandwidth / 1e9,
         "weight_mib": weight_bytes(runner) / 2**20,
-    }  # fmt: skip
+    }
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in meta.items()))
     print("".join(f"{c:>13}" for c in COLUMNS))
     rows = []

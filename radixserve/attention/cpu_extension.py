@@ -6,6 +6,10 @@ the compiler flags. The SIMD flags follow the level torch itself detected on thi
 time (never assumed), so a cached build is never run on a CPU or torch it was not built for.
 Without a compiler (or when the build fails) `load_cpu_ops` raises `CpuExtensionUnavailable`
 with the reason; the `auto` backend then falls back to torch_native.
+
+The source lives beside its backend, not in kernels/: that package is the Triton kernels
+(GPU, importable without a C++ toolchain), while this kernel has one user, cpu_fused, and
+torch_native already is its reference.
 """
 
 from __future__ import annotations
