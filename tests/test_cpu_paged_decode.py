@@ -119,17 +119,21 @@ def test_split_positions_merge_to_the_unsplit_result(ops, window):
         )
 
 
-def test_mixed_batch_decode_rows_match_reference(ops):
-    """Decode tokens among extends (the kernel gets their rows only) and extends unchanged."""
+@pytest.mark.parametrize("max_in_place_extend", [2, 16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_mixed_batch_matches_reference(ops, max_in_place_extend, window):
+    """Decodes, extends over a cached prefix and a fresh prefill in one batch; with 16, the
+    7-token extend goes through the kernel too (a query per token, its own length)."""
     pool = _pool(16, 2, 24, torch.float32)
-    lens, new = [40, 100, 33, 5], [1, 7, 1, 5]
+    lens, new = [40, 100, 33, 5, 50], [1, 7, 1, 5, 2]
     tables = _page_tables(lens, 16, pool.shape.num_pages, 5)
     tokens = [[1] * n for n in new]
     batch = ForwardBatch.build(tokens, [n - e for n, e in zip(lens, new)], tables, 16)
-    q, k, v = torch.randn(14, 4, 24), torch.randn(14, 2, 24), torch.randn(14, 2, 24)
-    expected = _attend(TorchNativeBackend(pool), batch, q, k, v)
-    got = _attend(CpuFusedBackend(pool, ops=ops), batch, q, k, v)
-    torch.testing.assert_close(got, expected, **FP32_TOL)
+    q, k, v = torch.randn(16, 4, 24), torch.randn(16, 2, 24), torch.randn(16, 2, 24)
+    expected = _attend(TorchNativeBackend(pool, sliding_window=window), batch, q, k, v)
+    fused = CpuFusedBackend(pool, sliding_window=window, ops=ops)
+    fused.max_in_place_extend = max_in_place_extend
+    torch.testing.assert_close(_attend(fused, batch, q, k, v), expected, **FP32_TOL)
 
 
 def test_kernel_rejects_pages_outside_the_pool(ops):
@@ -146,7 +150,8 @@ def test_kernel_rejects_pages_outside_the_pool(ops):
 
 
 def test_engine_greedy_identical_fused_on_and_off_cold_and_warm(ops, tiny_chat_model):
-    prompts = [SYSTEM + prompt_ids(i, 20) for i in range(4)]
+    # warm: 208 cached tokens, then extends of 1, 2 (through the kernel), 12 and 16 (SDPA)
+    prompts = [SYSTEM + prompt_ids(i, n) for i, n in enumerate([9, 10, 20, 40])]
     results = {}
     for backend in ("cpu_fused", "torch_native"):
         engine = make_engine(tiny_chat_model, attention_backend=backend)

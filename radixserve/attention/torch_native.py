@@ -50,17 +50,20 @@ def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> to
 
 class TorchNativeBackend(AttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
-        decode_reqs = [i for i, e in enumerate(batch.extend_lens) if e == 1]
         starts = [0]
         for e in batch.extend_lens:
             starts.append(starts[-1] + e)
-        extends = [
-            self._extend_segment(batch, i, starts[i])
-            for i, e in enumerate(batch.extend_lens)
-            if e > 1
-        ]
-        decode = self._decode_group(batch, decode_reqs, starts) if decode_reqs else None
+        lens = zip(batch.prefix_lens, batch.extend_lens)
+        in_group = [self._in_decode_group(p, e) for p, e in lens]
+        grouped = [i for i, g in enumerate(in_group) if g]
+        others = [i for i, g in enumerate(in_group) if not g]
+        extends = [self._extend_segment(batch, i, starts[i]) for i in others]
+        decode = self._decode_group(batch, grouped, starts) if grouped else None
         batch.attn_metadata = _Metadata(decode=decode, extends=extends)
+
+    def _in_decode_group(self, prefix_len: int, extend_len: int) -> bool:
+        """Whether a request's tokens join the batched decode call (else: an extend segment)."""
+        return extend_len == 1
 
     def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
         # Every row spans the page table's whole capacity (a static shape); the mask trims it.

@@ -1,11 +1,14 @@
-// Fused paged decode attention for CPU: one query token per request attends to its K/V
-// read in place from the paged pool (no gathered copy, no padding, no mask tensor).
+// Fused paged decode attention for CPU: each query token attends to the first seq_len
+// positions of its page-table row, K/V read in place from the paged pool (no gathered copy,
+// no padding, no mask tensor). A query is a decode token (seq_len: its request's length) or
+// a token of an extend over a cached prefix (seq_len: its position + 1, page_rows naming its
+// request's row), whose K/V the caller has already written to the pool.
 //
-// Work item = (request, split of positions), all heads together: a position's K/V of every
+// Work item = (query, split of positions), all heads together: a position's K/V of every
 // KV head is one contiguous run of the pool, read front to back (a page holds page_size such
 // runs back to back), and each KV row is scored against its GQA group of query heads.
 // Positions go in blocks of kBlock: scores for the block, one online-softmax rescale, then
-// the weighted V sum. When there are fewer requests than threads, positions are split and
+// the weighted V sum. When there are fewer queries than threads, positions are split and
 // the splits' partial results merged by their log-sum-exp (num_splits > 0 forces a split
 // count, for tests and benchmarks). Plain loops: -O3 and `omp simd` vectorize them for
 // whatever SIMD width the build flags allow.
@@ -19,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -28,7 +32,7 @@ constexpr int64_t kMinSplitLen = 256;  // a split shorter than this costs more t
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shape {
-  int64_t num_reqs, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
+  int64_t num_queries, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
   int64_t window;  // <= 0: none
   float scale;
 };
@@ -114,7 +118,7 @@ void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64
   }
 }
 
-// Attends positions [lo, hi) of request r; leaves the unnormalized state in `st`.
+// Attends positions [lo, hi) for query r; leaves the unnormalized state in `st`.
 template <typename T>
 void attend_range(State& st, const Shape& s, const float* q, const T* k, const T* v,
                   const int64_t* page_row, int64_t r, int64_t lo, int64_t hi) {
@@ -134,7 +138,7 @@ void attend_range(State& st, const Shape& s, const float* q, const T* k, const T
 }
 
 int64_t choose_splits(const Shape& s, int64_t max_len) {
-  const int64_t items = s.num_reqs;
+  const int64_t items = s.num_queries;
   const int64_t threads = at::get_num_threads();
   if (items >= threads) return 1;
   const int64_t wanted = (2 * threads + items - 1) / items;
@@ -144,17 +148,17 @@ int64_t choose_splits(const Shape& s, int64_t max_len) {
 
 template <typename T>
 at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-               const at::Tensor& page_table, const at::Tensor& seq_lens, const Shape& s,
-               int64_t num_splits) {
+               const at::Tensor& page_table, const int64_t* page_rows,
+               const at::Tensor& seq_lens, const Shape& s, int64_t num_splits) {
   const int64_t D = s.head_dim;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t max_len = *std::max_element(lens, lens + s.num_reqs);
+  const int64_t max_len = *std::max_element(lens, lens + s.num_queries);
   const int64_t splits = num_splits > 0 ? std::min(num_splits, max_len) : choose_splits(s, max_len);
   const int64_t split_len = ((max_len + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
-  const int64_t num_items = s.num_reqs * splits;
+  const int64_t num_items = s.num_queries * splits;
   const int64_t width = s.num_heads * D;  // one request's output
 
-  at::Tensor out = at::empty({s.num_reqs, s.num_heads, D}, q.options());
+  at::Tensor out = at::empty({s.num_queries, s.num_heads, D}, q.options());
   // splits > 1: each split's unnormalized output, max and sum per head; merged below
   std::vector<float> part_acc(splits > 1 ? num_items * width : 0);
   std::vector<float> part_max(splits > 1 ? num_items * s.num_heads : 0);
@@ -173,7 +177,8 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
       int64_t lo = split * split_len, hi = std::min(len, lo + split_len);
       if (s.window > 0) lo = std::max(lo, len - s.window);
       if (lo < hi) {
-        attend_range(st, s, qp, kp, vp, pt + r * s.max_pages, r, lo, hi);
+        const int64_t row = page_rows != nullptr ? page_rows[r] : r;
+        attend_range(st, s, qp, kp, vp, pt + row * s.max_pages, r, lo, hi);
       } else {
         st.reset();
       }
@@ -193,7 +198,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   if (splits == 1) return out;
 
   // Log-sum-exp merge: weight each split by exp(its max - the overall max).
-  at::parallel_for(0, s.num_reqs * s.num_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.num_queries * s.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / s.num_heads, head = rh % s.num_heads;
       float m = kNegInf;
@@ -216,50 +221,72 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   return out;
 }
 
+void check_pages(const at::Tensor& page_table, const int64_t* page_rows, const int64_t* lens,
+                 int64_t num_queries, int64_t page_size, int64_t num_pages) {
+  const int64_t num_rows = page_table.size(0), max_pages = page_table.size(1);
+  std::vector<int64_t> row_len(num_rows, 0);  // the longest seq_len read through each row
+  for (int64_t r = 0; r < num_queries; ++r) {
+    const int64_t row = page_rows != nullptr ? page_rows[r] : r;
+    TORCH_CHECK(row >= 0 && row < num_rows, "page_rows[", r, "] = ", row, " is not a row");
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= max_pages * page_size, "seq_lens[", r, "] = ",
+                lens[r], " is outside [1, page_table width * page_size]");
+    row_len[row] = std::max(row_len[row], lens[r]);
+  }
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    for (int64_t p = 0; p < (row_len[row] + page_size - 1) / page_size; ++p) {
+      const int64_t page = pt[row * max_pages + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "page_table[", row, ", ", p, "] = ", page,
+                  " is not a page of the pool");
+    }
+  }
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& page_table, const at::Tensor& seq_lens, int64_t page_size) {
+                  const at::Tensor& page_table, const std::optional<at::Tensor>& page_rows,
+                  const at::Tensor& seq_lens, int64_t page_size) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous float32 [num_reqs, num_heads, head_dim] tensor");
+              "q must be a contiguous float32 [num_queries, num_heads, head_dim] tensor");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
               "k_pool and v_pool must be contiguous [num_slots, num_kv_heads, head_dim] alike");
   TORCH_CHECK(k_pool.size(2) == q.size(2), "q and the pool differ in head_dim");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
-                  page_table.is_contiguous() && page_table.size(0) == q.size(0),
-              "page_table must be a contiguous int64 [num_reqs, max_pages] tensor");
+                  page_table.is_contiguous(),
+              "page_table must be a contiguous int64 [num_rows, max_pages] tensor");
+  if (page_rows.has_value()) {
+    TORCH_CHECK(page_rows->dim() == 1 && page_rows->scalar_type() == at::kLong &&
+                    page_rows->is_contiguous() && page_rows->size(0) == q.size(0),
+                "page_rows must be a contiguous int64 [num_queries] tensor");
+  } else {
+    TORCH_CHECK(page_table.size(0) == q.size(0), "without page_rows, page_table needs a row "
+                "per query");
+  }
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong &&
                   seq_lens.is_contiguous() && seq_lens.size(0) == q.size(0),
-              "seq_lens must be a contiguous int64 [num_reqs] tensor");
+              "seq_lens must be a contiguous int64 [num_queries] tensor");
   TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
-  const int64_t num_pages = k_pool.size(0) / page_size, max_pages = page_table.size(1);
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* pt = page_table.data_ptr<int64_t>();
-  for (int64_t r = 0; r < q.size(0); ++r) {
-    TORCH_CHECK(lens[r] >= 1 && lens[r] <= max_pages * page_size,
-                "seq_lens[", r, "] = ", lens[r], " is outside [1, page_table width * page_size]");
-    for (int64_t p = 0; p < (lens[r] + page_size - 1) / page_size; ++p) {
-      const int64_t page = pt[r * max_pages + p];
-      TORCH_CHECK(page >= 0 && page < num_pages, "page_table[", r, ", ", p, "] = ", page,
-                  " is not a page of the pool");
-    }
-  }
+  const int64_t* rows = page_rows.has_value() ? page_rows->data_ptr<int64_t>() : nullptr;
+  check_pages(page_table, rows, seq_lens.data_ptr<int64_t>(), q.size(0), page_size,
+              k_pool.size(0) / page_size);
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& page_table, const at::Tensor& seq_lens,
                         int64_t page_size, int64_t sliding_window, double scale,
-                        int64_t num_splits) {
-  check_inputs(q, k_pool, v_pool, page_table, seq_lens, page_size);
+                        int64_t num_splits, const std::optional<at::Tensor>& page_rows) {
+  check_inputs(q, k_pool, v_pool, page_table, page_rows, seq_lens, page_size);
   Shape s{q.size(0), q.size(1), k_pool.size(1), q.size(2), q.size(1) / k_pool.size(1),
           page_size, page_table.size(1), sliding_window, static_cast<float>(scale)};
-  if (s.num_reqs == 0) return at::empty(q.sizes(), q.options());
+  if (s.num_queries == 0) return at::empty(q.sizes(), q.options());
+  const int64_t* rows = page_rows.has_value() ? page_rows->data_ptr<int64_t>() : nullptr;
   if (k_pool.scalar_type() == at::kFloat) {
-    return run<float>(q, k_pool, v_pool, page_table, seq_lens, s, num_splits);
+    return run<float>(q, k_pool, v_pool, page_table, rows, seq_lens, s, num_splits);
   }
   TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16, "the pool must be float32 or bfloat16");
-  return run<c10::BFloat16>(q, k_pool, v_pool, page_table, seq_lens, s, num_splits);
+  return run<c10::BFloat16>(q, k_pool, v_pool, page_table, rows, seq_lens, s, num_splits);
 }
 
 }  // namespace
@@ -267,7 +294,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, "
         "Tensor seq_lens, int page_size, int sliding_window, float scale, "
-        "int num_splits=0) -> Tensor");
+        "int num_splits=0, Tensor? page_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
