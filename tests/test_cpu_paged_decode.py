@@ -119,6 +119,20 @@ def test_split_positions_merge_to_the_unsplit_result(ops, window):
         )
 
 
+def test_more_threads_than_requests_split_on_their_own(ops):
+    """With 4 threads and one long request, the kernel splits it (and merges) unasked."""
+    pool = _pool(16, 3, 64, torch.float32)
+    batch, q, k, v = _decode_case(pool, [700], 9)
+    expected = _attend(TorchNativeBackend(pool), batch, q, k, v)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = _attend(CpuFusedBackend(pool, ops=ops), batch, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, expected, **FP32_TOL)
+
+
 @pytest.mark.parametrize("max_in_place_extend", [2, 16])
 @pytest.mark.parametrize("window", [None, 24])
 def test_mixed_batch_matches_reference(ops, max_in_place_extend, window):
@@ -238,6 +252,19 @@ def test_auto_falls_back_to_torch_native_when_the_build_fails(monkeypatch, caplo
     assert "log lines" not in record.message
     with pytest.raises(RuntimeError, match="attention_backend='cpu_fused'.*simulated"):
         create_attention_backend("cpu_fused", _small_pool(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("level", "present", "absent"),
+    [("AVX512", "-mavx512f", None), ("AVX2", "-mavx2", "-mavx512f"), ("DEFAULT", None, "-mavx2")],
+)
+def test_simd_flags_follow_the_level_torch_detected(monkeypatch, level, present, absent):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: level)
+    flags = cpu_extension.compiler_flags()
+    assert flags[:2] == ["-O3", "-fopenmp"]
+    assert present is None or present in flags
+    assert absent is None or absent not in flags
+    assert cpu_extension.build_key(flags) != cpu_extension.build_key(["-O3", "-fopenmp", "-x"])
 
 
 def test_missing_compiler_is_reported_as_the_reason(monkeypatch):
