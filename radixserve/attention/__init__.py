@@ -8,10 +8,10 @@
 
 `auto` is triton on CUDA, cpu_fused on CPU; where the C++ kernels cannot be built (no
 compiler, failed build) or read the pool's dtype, auto logs why and uses torch_native.
-FlashInfer is not the auto choice (yet):
-triton is the backend the GPU device check (benchmarks/gpu/check.py) verifies end to end,
-while flashinfer is an optional install whose backend has not been through a device run;
-flip `default_backend` once a run with flashinfer installed shows it correct and faster.
+FlashInfer is not the auto choice (yet): triton is the backend the GPU device check
+(benchmarks/gpu/check.py) verifies end to end, while flashinfer is an optional install whose
+backend has not been through a device run; flip `default_backend` once a run with
+flashinfer installed shows it correct and faster.
 """
 
 from __future__ import annotations
