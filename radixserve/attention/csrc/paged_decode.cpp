@@ -156,7 +156,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   const int64_t splits = num_splits > 0 ? std::min(num_splits, max_len) : choose_splits(s, max_len);
   const int64_t split_len = ((max_len + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
   const int64_t num_items = s.num_queries * splits;
-  const int64_t width = s.num_heads * D;  // one request's output
+  const int64_t width = s.num_heads * D;  // one query's output
 
   at::Tensor out = at::empty({s.num_queries, s.num_heads, D}, q.options());
   // splits > 1: each split's unnormalized output, max and sum per head; merged below
