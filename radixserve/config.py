@@ -196,7 +196,8 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 4.0
     """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given."""
     attention_backend: str = "auto"
-    """auto (triton on CUDA, else torch_native) | torch_native (reference, any device) | triton |
+    """auto (triton on CUDA, cpu_fused on CPU, torch_native if it cannot build) | torch_native
+    (reference, any device) | cpu_fused (C++ paged decode, CPU; built on first use) | triton |
     flashinfer (CUDA, needs `pip install flashinfer-python`)."""
     disable_cuda_graph: bool = False
     """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
@@ -204,7 +205,7 @@ class CacheConfig:
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
     kv_cache_dtype: str = "auto"
     """auto (the model's --dtype) | float32 | bfloat16 | float16. One other than the model's
-    dtype needs --attention-backend torch_native, which casts K/V as it reads them."""
+    dtype needs --attention-backend torch_native or cpu_fused, which cast K/V as they read."""
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV pool's dtype for a model computing in `model_dtype`."""

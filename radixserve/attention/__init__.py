@@ -1,31 +1,50 @@
 """Attention backends behind one interface (base.AttentionBackend), chosen by name.
 
     torch_native  plain PyTorch SDPA over gathered pages; any device; the reference
+    cpu_fused     torch_native with decode by a C++ kernel reading pages in place; CPU only,
+                  built on first use (cpu_extension.py)
     triton        our Triton kernels (radixserve_kernels); CUDA (CPU under TRITON_INTERPRET=1)
     flashinfer    FlashInfer's kernels; CUDA only, optional dependency, imported on use
 
-`auto` is triton on CUDA, torch_native elsewhere. FlashInfer is not the auto choice (yet):
-triton is the backend the GPU device check (benchmarks/gpu/check.py) verifies end to end,
-while flashinfer is an optional install whose backend has not been through a device run;
-flip `default_backend` once a run with flashinfer installed shows it correct and faster.
+`auto` is triton on CUDA, cpu_fused on CPU; where the C++ kernels cannot be built (no
+compiler, failed build) or read the pool's dtype, auto logs why and uses torch_native.
+FlashInfer is not the auto choice (yet): triton is the backend the GPU device check
+(benchmarks/gpu/check.py) verifies end to end, while flashinfer is an optional install whose
+backend has not been through a device run; flip `default_backend` once a run with
+flashinfer installed shows it correct and faster.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 
 import torch
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.cpu_extension import CpuExtensionUnavailable
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.cache.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[KVPool, int, "int | None"], AttentionBackend]
 
 
 def _torch_native(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
     return TorchNativeBackend(pool, sliding_window=sliding_window)
+
+
+def _cpu_fused(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
+    from radixserve.attention.cpu_fused import CpuFusedBackend
+
+    try:
+        return CpuFusedBackend(pool, sliding_window=sliding_window)
+    except CpuExtensionUnavailable as exc:
+        raise RuntimeError(
+            f"attention_backend='cpu_fused': {exc}; use attention_backend='torch_native'"
+        ) from exc
 
 
 def _triton(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
@@ -42,16 +61,21 @@ def _flashinfer(pool: KVPool, num_heads: int, sliding_window: int | None) -> Att
 
 BACKENDS: dict[str, BackendFactory] = {
     "torch_native": _torch_native,
+    "cpu_fused": _cpu_fused,
     "triton": _triton,
     "flashinfer": _flashinfer,
 }
 
+KV_CASTING_BACKENDS = ("torch_native", "cpu_fused")
+"""Backends that read a pool whose dtype differs from the model's, casting as they read."""
+
 
 def default_backend(device: torch.device) -> str:
-    """What `auto` means on `device`: triton on CUDA (when installed), torch_native elsewhere."""
+    """What `auto` means on `device`: triton on CUDA (when installed), cpu_fused on CPU,
+    torch_native elsewhere (create_attention_backend may still fall back from cpu_fused)."""
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
-    return "torch_native"
+    return "cpu_fused" if device.type == "cpu" else "torch_native"
 
 
 def create_attention_backend(
@@ -64,9 +88,26 @@ def create_attention_backend(
     """Builds the backend called `name` (or `auto`); `num_heads` (query heads) for flashinfer."""
     if name == "auto":
         name = default_backend(device)
+        if name == "cpu_fused":
+            return _cpu_fused_or_reference(pool, sliding_window)
     if name not in BACKENDS:
         allowed = ", ".join(BACKENDS)
         raise ValueError(f"attention_backend must be auto or one of {allowed}; got {name!r}")
     if name == "flashinfer" and num_heads is None:
         raise ValueError("attention_backend='flashinfer' needs num_heads (the model's query heads)")
     return BACKENDS[name](pool, num_heads or 0, sliding_window)
+
+
+def _cpu_fused_or_reference(pool: KVPool, sliding_window: int | None) -> AttentionBackend:
+    """`auto` on CPU: the fused decode kernel when it builds and reads this pool's dtype, else
+    the reference, saying why in one log line."""
+    from radixserve.attention.cpu_fused import KV_DTYPES, CpuFusedBackend
+
+    if pool.dtype not in KV_DTYPES:
+        logger.info("attention: torch_native (cpu_fused reads no %s K/V)", pool.dtype)
+        return TorchNativeBackend(pool, sliding_window=sliding_window)
+    try:
+        return CpuFusedBackend(pool, sliding_window=sliding_window)
+    except CpuExtensionUnavailable as exc:
+        logger.warning("attention: torch_native, %s", str(exc).splitlines()[0])
+        return TorchNativeBackend(pool, sliding_window=sliding_window)

@@ -50,17 +50,20 @@ def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> to
 
 class TorchNativeBackend(AttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
-        decode_reqs = [i for i, e in enumerate(batch.extend_lens) if e == 1]
         starts = [0]
         for e in batch.extend_lens:
             starts.append(starts[-1] + e)
-        extends = [
-            self._extend_segment(batch, i, starts[i])
-            for i, e in enumerate(batch.extend_lens)
-            if e > 1
-        ]
-        decode = self._decode_group(batch, decode_reqs, starts) if decode_reqs else None
+        lens = zip(batch.prefix_lens, batch.extend_lens)
+        in_group = [self._in_decode_group(p, e) for p, e in lens]
+        grouped = [i for i, g in enumerate(in_group) if g]
+        others = [i for i, g in enumerate(in_group) if not g]
+        extends = [self._extend_segment(batch, i, starts[i]) for i in others]
+        decode = self._decode_group(batch, grouped, starts) if grouped else None
         batch.attn_metadata = _Metadata(decode=decode, extends=extends)
+
+    def _in_decode_group(self, prefix_len: int, extend_len: int) -> bool:
+        """Whether a request's tokens join the batched decode call (else: an extend segment)."""
+        return extend_len == 1
 
     def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
         # Every row spans the page table's whole capacity (a static shape); the mask trims it.
@@ -120,29 +123,47 @@ class TorchNativeBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.write(layer, batch.out_slots, k, v)
-        k_pool, v_pool = self.pool.layer_kv(layer)
         meta: _Metadata = batch.attn_metadata
         out = torch.empty_like(q)
-        page_size = batch.page_size
-        for seg in meta.extends:
+        self._forward_extends(q, k, v, layer, meta.extends, batch.page_size, out)
+        if meta.decode is not None:
+            self._forward_decode(q, layer, meta.decode, batch.page_size, out)
+        return out
+
+    def _forward_extends(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        extends: list[_ExtendSegment],
+        page_size: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Each extend segment's SDPA, written into its rows of `out`."""
+        k_pool, v_pool = self.pool.layer_kv(layer)
+        for seg in extends:
             if seg.pages is None:
                 ks, vs = k[seg.start : seg.end], v[seg.start : seg.end]
             else:
                 ks = _gather_pages(k_pool, seg.pages, page_size)[: seg.seq_len].to(q.dtype)
                 vs = _gather_pages(v_pool, seg.pages, page_size)[: seg.seq_len].to(q.dtype)
             out[seg.start : seg.end] = _sdpa(q[seg.start : seg.end], ks, vs, seg.mask)
-        if meta.decode is not None:
-            dec = meta.decode
-            num = dec.token_idx.shape[0]
-            qd = q[dec.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
-            kd = _gather_pages(k_pool, dec.pages, page_size).to(q.dtype)
-            vd = _gather_pages(v_pool, dec.pages, page_size).to(q.dtype)
-            # [num_decode, kv_heads, num_pages * page_size, head_dim]
-            kd = kd.view(num, -1, *kd.shape[1:]).transpose(1, 2)
-            vd = vd.view(num, -1, *vd.shape[1:]).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, enable_gqa=True)
-            out[dec.token_idx] = o.squeeze(2)
-        return out
+
+    def _forward_decode(
+        self, q: torch.Tensor, layer: int, dec: _DecodeGroup, page_size: int, out: torch.Tensor
+    ) -> None:
+        """All decode tokens in one padded, masked SDPA over their gathered pages."""
+        k_pool, v_pool = self.pool.layer_kv(layer)
+        num = dec.token_idx.shape[0]
+        qd = q[dec.token_idx].unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
+        kd = _gather_pages(k_pool, dec.pages, page_size).to(q.dtype)
+        vd = _gather_pages(v_pool, dec.pages, page_size).to(q.dtype)
+        # [num_decode, kv_heads, num_pages * page_size, head_dim]
+        kd = kd.view(num, -1, *kd.shape[1:]).transpose(1, 2)
+        vd = vd.view(num, -1, *vd.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, enable_gqa=True)
+        out[dec.token_idx] = o.squeeze(2)
 
 
 def _sdpa(

@@ -14,15 +14,10 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
+from radixserve.disk_cache import cache_root
 from radixserve.model.source import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """$RADIXSERVE_CACHE_DIR, else ~/.cache/radixserve."""
-    env = os.environ.get("RADIXSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "radixserve"
 
 
 def converted_folder(gguf_path: Path) -> Path:

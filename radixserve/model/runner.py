@@ -13,7 +13,12 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.attention import AttentionBackend, create_attention_backend, default_backend
+from radixserve.attention import (
+    KV_CASTING_BACKENDS,
+    AttentionBackend,
+    create_attention_backend,
+    default_backend,
+)
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
@@ -139,7 +144,7 @@ def kv_cache_dtype(
     kv_dtype = cache_config.kv_torch_dtype(dtype)
     backend = cache_config.attention_backend
     backend = default_backend(device) if backend == "auto" else backend
-    if kv_dtype != dtype and backend != "torch_native":
+    if kv_dtype != dtype and backend not in KV_CASTING_BACKENDS:
         raise ValueError(
             f"--kv-cache-dtype {cache_config.kv_cache_dtype} differs from the model's "
             f"{str(dtype).removeprefix('torch.')}, which the {backend} attention backend "

@@ -1,0 +1,287 @@
+"""Decode roofline: ms per decode step, torch_native vs cpu_fused, beside the memory bound.
+
+For each batch x context case (default: batch 1, 16, 64 x context 128, 1,024, 4,096), in one
+run and over the same KV pool and weights (only the runner's attention backend is swapped):
+- attn ms: one layer's attention call (K/V write + attention) on a decode batch;
+- step ms: one whole decode forward (all layers, LM head) of one token per request;
+- roofline ms: bytes the step must read (all weights once + every request's K/V in every
+  layer) over the copy bandwidth measured in this run (STREAM's convention: bytes read +
+  written per second while copying a 256 MiB buffer).
+Backends alternate within each repetition (medians over `--repeats`), so that drift on a
+shared machine hits both alike.
+A second table times one layer's attention for short extends over a cached prefix
+(`--extend-lens` new tokens after `--extend-context` cached ones): torch_native's gather +
+SDPA vs the kernel with one query per new token (what cpu_fused does up to its
+MAX_IN_PLACE_EXTEND tokens), to place that threshold.
+The pool is filled by allocation, not by a prefill (timing does not depend on KV values), so
+long contexts cost no prefill. Cases whose KV exceeds --max-kv-gib are skipped and say so.
+Default model: SmolLM2-135M's config with dummy weights, fp32, 1 thread.
+
+Run:  OMP_NUM_THREADS=1 python benchmarks/decode_roofline.py [--batches 1,16,64]
+Writes a table to stdout and all numbers to `--out` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from forward_micro import median_seconds  # noqa: E402
+
+from radixserve.attention import AttentionBackend  # noqa: E402
+from radixserve.attention.cpu_extension import CpuExtensionUnavailable  # noqa: E402
+from radixserve.attention.cpu_fused import CpuFusedBackend  # noqa: E402
+from radixserve.config import CacheConfig, LoadConfig  # noqa: E402
+from radixserve.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.loader import LoadedModel, load_model  # noqa: E402
+from radixserve.model.runner import ModelRunner  # noqa: E402
+
+GiB = 1 << 30
+COPY_BYTES = 256 << 20
+
+
+@dataclass
+class Row:
+    batch: int
+    context: int
+    backend: str
+    attn_ms: float
+    step_ms: float
+    roofline_ms: float
+    read_mib: float
+
+    @property
+    def of_roofline(self) -> float:
+        return self.roofline_ms / self.step_ms
+
+
+@dataclass
+class ExtendRow:
+    batch: int
+    context: int
+    extend: int
+    torch_native_ms: float
+    in_place_ms: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf or built-in config")
+    p.add_argument("--load-format", default="dummy", help="auto | safetensors | gguf | dummy")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | bfloat16")
+    p.add_argument("--batches", type=_int_list, default=[1, 16, 64])
+    p.add_argument("--contexts", type=_int_list, default=[128, 1024, 4096])
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    p.add_argument("--extend-lens", type=_int_list, default=[2, 3, 4, 8])
+    p.add_argument("--extend-batches", type=_int_list, default=[1, 16])
+    p.add_argument("--extend-context", type=int, default=1024, help="cached tokens")
+    p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip cases with more KV")
+    p.add_argument("--out", type=Path, default=Path("bench_results/decode_roofline.json"))
+    return p.parse_args(argv)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes read + written per second by a tensor copy of COPY_BYTES (median of `repeats`)."""
+    src = torch.ones(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Warms each step up, then runs them in turn `repeats` times; median seconds of each."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
+        step()
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of parameters a decode step reads (a tied embedding once, as the LM head)."""
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def kv_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+    """K/V bytes a decode step at `context` cached tokens reads (the new token's too)."""
+    shape = runner.pool.shape
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+    return batch * (context + 1) * per_token * runner.pool.k.element_size()
+
+
+def kv_bytes_of(loaded: LoadedModel, args: argparse.Namespace, batch: int, ctx: int) -> int:
+    """kv_bytes before the runner (and its pool) exists."""
+    model_dtype = LoadConfig(dtype=args.dtype).torch_dtype()
+    kv_dtype = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_torch_dtype(model_dtype)
+    return batch * (ctx + 1) * loaded.config.kv_bytes_per_token(kv_dtype)
+
+
+def load(args: argparse.Namespace) -> tuple[LoadedModel, LoadConfig]:
+    load_config = LoadConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device="cpu"
+    )
+    return load_model(load_config), load_config
+
+
+def make_runner(args, loaded: LoadedModel, load_config: LoadConfig, sizes) -> ModelRunner:
+    """A runner whose pool fits the largest of `sizes`: (batch, tokens per request) pairs."""
+    page_size = CacheConfig().page_size
+    tokens = max(b * -(-n // page_size) * page_size for b, n in sizes) + page_size
+    cache_config = CacheConfig(
+        max_total_tokens=tokens,
+        attention_backend="torch_native",
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    return ModelRunner.from_loaded(loaded, load_config, cache_config)
+
+
+def backends(runner: ModelRunner) -> dict[str, AttentionBackend]:
+    found: dict[str, AttentionBackend] = {"torch_native": runner.attn}
+    try:
+        found["cpu_fused"] = CpuFusedBackend(runner.pool, runner.attn.sliding_window)
+    except CpuExtensionUnavailable as exc:
+        print(f"cpu_fused skipped: {str(exc).splitlines()[0]}")
+    return found
+
+
+def attention_call(backend: AttentionBackend, runner: ModelRunner, batch: ForwardBatch):
+    """Layer 0's attention call on `batch`; its metadata is built once, outside, as the runner
+    builds it once per step for all layers."""
+    batch = dataclasses.replace(batch)  # its own attn_metadata
+    backend.init_forward(batch)
+    cfg = runner.config
+    gen = torch.Generator().manual_seed(0)
+    dtype = runner.model.embed_tokens.weight.dtype
+    q = torch.randn(batch.num_tokens, cfg.num_heads, cfg.head_dim, generator=gen).to(dtype)
+    kv = torch.randn(batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(dtype)
+
+    return lambda: backend.forward(q, kv, kv, 0, batch)
+
+
+def decode_step(backend: AttentionBackend, runner: ModelRunner, batch: ForwardBatch):
+    def step() -> None:
+        runner.attn = backend
+        runner.forward(batch)
+
+    return step
+
+
+@torch.inference_mode()
+def run_case(runner, found, batch: int, context: int, args, bandwidth: float) -> list[Row]:
+    pool = runner.pool
+    tables = [pool.extend_page_table([], context + 1) for _ in range(batch)]
+    try:
+        fb = ForwardBatch.build([[7]] * batch, [context] * batch, tables, pool.page_size)
+        calls = {name: attention_call(b, runner, fb) for name, b in found.items()}
+        attn = interleaved_medians(calls, args.repeats)
+        steps = interleaved_medians(
+            {name: decode_step(b, runner, fb) for name, b in found.items()}, args.repeats
+        )
+        read = weight_bytes(runner) + kv_bytes(runner, batch, context)
+        roofline_ms, read_mib = read / bandwidth * 1e3, read / 2**20
+        ms = {name: (attn[name] * 1e3, steps[name] * 1e3) for name in found}
+        return [Row(batch, context, n, *ms[n], roofline_ms, read_mib) for n in found]
+    finally:
+        pool.allocator.free([p for t in tables for p in t])
+
+
+@torch.inference_mode()
+def extend_row(runner, found, batch: int, extend: int, args) -> ExtendRow:
+    pool, context = runner.pool, args.extend_context
+    tables = [pool.extend_page_table([], context + extend) for _ in range(batch)]
+    try:
+        fb = ForwardBatch.build([[7] * extend] * batch, [context] * batch, tables, pool.page_size)
+        in_place = CpuFusedBackend(pool, found["cpu_fused"].sliding_window)
+        in_place.max_in_place_extend = extend
+        pair = {"torch_native": found["torch_native"], "in_place": in_place}
+        ms = interleaved_medians(
+            {name: attention_call(b, runner, fb) for name, b in pair.items()}, args.repeats
+        )
+        return ExtendRow(batch, context, extend, ms["torch_native"] * 1e3, ms["in_place"] * 1e3)
+    finally:
+        pool.allocator.free([p for t in tables for p in t])
+
+
+def run_extends(runner, found, args) -> list[ExtendRow]:
+    print("extend over a cached prefix, one layer's attention ms:")
+    print("".join(f"{c:>15}" for c in ("batch", "context", "extend", "torch_native", "in place")))
+    rows = []
+    for batch in args.extend_batches:
+        for extend in args.extend_lens:
+            r = extend_row(runner, found, batch, extend, args)
+            rows.append(r)
+            cells = (batch, r.context, extend, f"{r.torch_native_ms:.2f}", f"{r.in_place_ms:.2f}")
+            print("".join(f"{c:>15}" for c in cells), flush=True)
+    return rows
+
+
+COLUMNS = ("batch", "context", "backend", "attn ms", "step ms", "roofline ms", "of roofline")
+
+
+def print_row(r: Row) -> None:
+    times = (f"{r.attn_ms:.2f}", f"{r.step_ms:.1f}", f"{r.roofline_ms:.1f}")
+    cells = (r.batch, r.context, r.backend, *times, f"{r.of_roofline:.2f}")
+    print("".join(f"{c:>13}" for c in cells), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded, load_config = load(args)
+    cases = [(b, c) for c in args.contexts for b in args.batches]
+    limit = args.max_kv_gib * GiB
+    kept = [(b, c) for b, c in cases if kv_bytes_of(loaded, args, b, c) <= limit]
+    for b, c in sorted(set(cases) - set(kept)):
+        print(f"skipped batch {b} context {c}: KV above --max-kv-gib {args.max_kv_gib}")
+    extend_ctx = args.extend_context + max(args.extend_lens, default=0)
+    sizes = [(b, c + 1) for b, c in kept] + [(b, extend_ctx) for b in args.extend_batches]
+    runner = make_runner(args, loaded, load_config, sizes)
+    found = backends(runner)
+    bandwidth = copy_bandwidth(5)
+    meta = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_dtype": str(runner.pool.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "copy_gb_s": bandwidth / 1e9,
+        "weight_mib": weight_bytes(runner) / 2**20,
+    }
+    print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in meta.items()))
+    print("".join(f"{c:>13}" for c in COLUMNS))
+    rows = []
+    for b, c in kept:
+        for row in run_case(runner, found, b, c, args, bandwidth):
+            rows.append(row)
+            print_row(row)
+    extend_rows = run_extends(runner, found, args) if "cpu_fused" in found else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    data = {**meta, "rows": [asdict(r) | {"of_roofline": r.of_roofline} for r in rows]}
+    data["extend_rows"] = [asdict(r) for r in extend_rows]
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Builds the C++ CPU attention kernels (csrc/) on first use and loads them, cached per machine.
+
+`torch.utils.cpp_extension` compiles csrc/paged_decode.cpp once into
+<cache_root>/torch_extensions/<name>_<key>; the key hashes the source, the torch version and
+the compiler flags. The SIMD flags follow the level torch itself detected on this CPU at run
+time (never assumed), so a cached build is never run on a CPU or torch it was not built for.
+Without a compiler (or when the build fails) `load_cpu_ops` raises `CpuExtensionUnavailable`
+with the reason; the `auto` backend then falls back to torch_native.
+
+The source lives beside its backend, not in kernels/: that package is the Triton kernels
+(GPU, importable without a C++ toolchain), while this kernel has one user, cpu_fused, and
+torch_native already is its reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.disk_cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the source
+# Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the
+# same instruction sets torch's own kernels of that level use. Other levels: portable code.
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+class CpuExtensionUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded here; the message says why."""
+
+
+_loaded: Any = None
+_failure: CpuExtensionUnavailable | None = None
+
+
+def compiler_flags() -> list[str]:
+    """-O3, OpenMP (at::parallel_for) and the SIMD flags of this CPU's level."""
+    level = torch.backends.cpu.get_cpu_capability()
+    return ["-O3", "-fopenmp", *_ARCH_FLAGS.get(level, [])]
+
+
+def build_key(flags: list[str]) -> str:
+    """Hash of everything that makes a build valid: source, torch version, flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(flags).encode())
+    return digest.hexdigest()[:16]
+
+
+def load_cpu_ops() -> Any:
+    """`torch.ops.radixserve_cpu`, building it on the first call of the process (then cached
+    on disk). Raises CpuExtensionUnavailable, every call, once a build has failed."""
+    global _loaded, _failure
+    if _loaded is not None:
+        return _loaded
+    if _failure is not None:
+        raise _failure
+    try:
+        _loaded = _build_and_load()
+    except Exception as exc:  # any build/load failure means: use the reference path
+        _failure = CpuExtensionUnavailable(f"C++ CPU attention kernels unavailable: {exc}")
+        raise _failure from exc
+    return _loaded
+
+
+def _build_and_load() -> Any:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler}) on PATH")
+    cpp_extension.verify_ninja_availability()
+    flags = compiler_flags()
+    name = f"radixserve_cpu_{build_key(flags)}"
+    folder = cache_root() / "torch_extensions" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
+    logger.info("loaded C++ CPU attention kernels %s in %.1fs", name, time.perf_counter() - start)
+    return getattr(torch.ops, OPS_NAMESPACE)

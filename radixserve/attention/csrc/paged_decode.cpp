@@ -1,0 +1,300 @@
+// Fused paged decode attention for CPU: each query token attends to the first seq_len
+// positions of its page-table row, K/V read in place from the paged pool (no gathered copy,
+// no padding, no mask tensor). A query is a decode token (seq_len: its request's length) or
+// a token of an extend over a cached prefix (seq_len: its position + 1, page_rows naming its
+// request's row), whose K/V the caller has already written to the pool.
+//
+// Work item = (query, split of positions), all heads together: a position's K/V of every
+// KV head is one contiguous run of the pool, read front to back (a page holds page_size such
+// runs back to back), and each KV row is scored against its GQA group of query heads.
+// Positions go in blocks of kBlock: scores for the block, one online-softmax rescale, then
+// the weighted V sum. When there are fewer queries than threads, positions are split and
+// the splits' partial results merged by their log-sum-exp (num_splits > 0 forces a split
+// count, for tests and benchmarks). Plain loops: -O3 and `omp simd` vectorize them for
+// whatever SIMD width the build flags allow.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;         // positions per online-softmax rescale
+constexpr int64_t kMinSplitLen = 256;  // a split shorter than this costs more than it saves
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Shape {
+  int64_t num_queries, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
+  int64_t window;  // <= 0: none
+  float scale;
+};
+
+// A K/V row as fp32: fp32 rows are used in place, bf16 rows widened into `scratch`.
+inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+inline const float* row_f32(const c10::BFloat16* src, float* scratch, int64_t dim) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) {
+    uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    scratch[d] = f;
+  }
+  return scratch;
+}
+
+inline float dot(const float* a, const float* b, int64_t dim) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) y[d] += a * x[d];
+}
+
+inline void scale_row(float* y, float a, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) y[d] *= a;
+}
+
+// Online-softmax state of one work item: per query head a running max, sum and output.
+struct State {
+  std::vector<float> q, acc, max, sum, scores, kbuf, vbuf;
+  explicit State(const Shape& s)
+      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), max(s.num_heads),
+        sum(s.num_heads), scores(s.num_heads * kBlock),
+        kbuf(kBlock * s.num_kv_heads * s.head_dim), vbuf(s.num_kv_heads * s.head_dim) {}
+  void reset() {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(max.begin(), max.end(), kNegInf);
+    std::fill(sum.begin(), sum.end(), 0.f);
+  }
+};
+
+// One block of n positions for every head. A position's K (and V) of all KV heads is one
+// contiguous [num_kv_heads, head_dim] run of the pool, read front to back; each KV row is
+// scored against its GQA group of query heads.
+template <typename T>
+void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64_t* slots,
+                  int64_t n) {
+  const int64_t D = s.head_dim, span = s.num_kv_heads * D;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = row_f32(k + slots[j] * span, st.kbuf.data() + j * span, span);
+    for (int64_t head = 0; head < s.num_heads; ++head) {
+      const float* krow = kr + (head / s.group) * D;
+      st.scores[head * kBlock + j] = dot(st.q.data() + head * D, krow, D);
+    }
+  }
+  for (int64_t head = 0; head < s.num_heads; ++head) {
+    float* sc = st.scores.data() + head * kBlock;
+    float new_max = st.max[head];
+    for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sc[j]);
+    const float alpha = std::exp(st.max[head] - new_max);
+    st.sum[head] *= alpha;
+    scale_row(st.acc.data() + head * D, alpha, D);
+    for (int64_t j = 0; j < n; ++j) {
+      sc[j] = std::exp(sc[j] - new_max);
+      st.sum[head] += sc[j];
+    }
+    st.max[head] = new_max;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = row_f32(v + slots[j] * span, st.vbuf.data(), span);
+    for (int64_t head = 0; head < s.num_heads; ++head) {
+      const float* vrow = vr + (head / s.group) * D;
+      axpy(st.acc.data() + head * D, st.scores[head * kBlock + j], vrow, D);
+    }
+  }
+}
+
+// Attends positions [lo, hi) for query r; leaves the unnormalized state in `st`.
+template <typename T>
+void attend_range(State& st, const Shape& s, const float* q, const T* k, const T* v,
+                  const int64_t* page_row, int64_t r, int64_t lo, int64_t hi) {
+  const int64_t width = s.num_heads * s.head_dim;
+  const float* src = q + r * width;
+  for (int64_t i = 0; i < width; ++i) st.q[i] = src[i] * s.scale;
+  st.reset();
+  int64_t slots[kBlock];
+  for (int64_t b = lo; b < hi; b += kBlock) {
+    const int64_t n = std::min(kBlock, hi - b);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = b + j;
+      slots[j] = page_row[pos / s.page_size] * s.page_size + pos % s.page_size;
+    }
+    attend_block(st, s, k, v, slots, n);
+  }
+}
+
+int64_t choose_splits(const Shape& s, int64_t max_len) {
+  const int64_t items = s.num_queries;
+  const int64_t threads = at::get_num_threads();
+  if (items >= threads) return 1;
+  const int64_t wanted = (2 * threads + items - 1) / items;
+  const int64_t most = std::max<int64_t>(1, max_len / kMinSplitLen);
+  return std::min(wanted, most);
+}
+
+template <typename T>
+at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+               const at::Tensor& page_table, const int64_t* page_rows,
+               const at::Tensor& seq_lens, const Shape& s, int64_t num_splits) {
+  const int64_t D = s.head_dim;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t max_len = *std::max_element(lens, lens + s.num_queries);
+  const int64_t splits = num_splits > 0 ? std::min(num_splits, max_len) : choose_splits(s, max_len);
+  const int64_t split_len = ((max_len + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
+  const int64_t num_items = s.num_queries * splits;
+  const int64_t width = s.num_heads * D;  // one query's output
+
+  at::Tensor out = at::empty({s.num_queries, s.num_heads, D}, q.options());
+  // splits > 1: each split's unnormalized output, max and sum per head; merged below
+  std::vector<float> part_acc(splits > 1 ? num_items * width : 0);
+  std::vector<float> part_max(splits > 1 ? num_items * s.num_heads : 0);
+  std::vector<float> part_sum(splits > 1 ? num_items * s.num_heads : 0);
+
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    State st(s);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / splits, split = item % splits, len = lens[r];
+      int64_t lo = split * split_len, hi = std::min(len, lo + split_len);
+      if (s.window > 0) lo = std::max(lo, len - s.window);
+      if (lo < hi) {
+        const int64_t row = page_rows != nullptr ? page_rows[r] : r;
+        attend_range(st, s, qp, kp, vp, pt + row * s.max_pages, r, lo, hi);
+      } else {
+        st.reset();
+      }
+      if (splits == 1) {
+        for (int64_t head = 0; head < s.num_heads; ++head) {
+          const float inv = 1.f / st.sum[head];
+          float* dst = op + r * width + head * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = st.acc[head * D + d] * inv;
+        }
+      } else {
+        std::copy(st.acc.begin(), st.acc.end(), part_acc.begin() + item * width);
+        std::copy(st.max.begin(), st.max.end(), part_max.begin() + item * s.num_heads);
+        std::copy(st.sum.begin(), st.sum.end(), part_sum.begin() + item * s.num_heads);
+      }
+    }
+  });
+  if (splits == 1) return out;
+
+  // Log-sum-exp merge: weight each split by exp(its max - the overall max).
+  at::parallel_for(0, s.num_queries * s.num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / s.num_heads, head = rh % s.num_heads;
+      float m = kNegInf;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        m = std::max(m, part_max[(r * splits + sp) * s.num_heads + head]);
+      }
+      float* dst = op + rh * D;
+      std::fill(dst, dst + D, 0.f);
+      float total = 0.f;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t i = (r * splits + sp) * s.num_heads + head;
+        if (part_sum[i] == 0.f) continue;  // an empty split
+        const float w = std::exp(part_max[i] - m);
+        total += part_sum[i] * w;
+        axpy(dst, w, part_acc.data() + (r * splits + sp) * width + head * D, D);
+      }
+      scale_row(dst, 1.f / total, D);
+    }
+  });
+  return out;
+}
+
+void check_pages(const at::Tensor& page_table, const int64_t* page_rows, const int64_t* lens,
+                 int64_t num_queries, int64_t page_size, int64_t num_pages) {
+  const int64_t num_rows = page_table.size(0), max_pages = page_table.size(1);
+  std::vector<int64_t> row_len(num_rows, 0);  // the longest seq_len read through each row
+  for (int64_t r = 0; r < num_queries; ++r) {
+    const int64_t row = page_rows != nullptr ? page_rows[r] : r;
+    TORCH_CHECK(row >= 0 && row < num_rows, "page_rows[", r, "] = ", row, " is not a row");
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= max_pages * page_size, "seq_lens[", r, "] = ",
+                lens[r], " is outside [1, page_table width * page_size]");
+    row_len[row] = std::max(row_len[row], lens[r]);
+  }
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    for (int64_t p = 0; p < (row_len[row] + page_size - 1) / page_size; ++p) {
+      const int64_t page = pt[row * max_pages + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "page_table[", row, ", ", p, "] = ", page,
+                  " is not a page of the pool");
+    }
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& page_table, const std::optional<at::Tensor>& page_rows,
+                  const at::Tensor& seq_lens, int64_t page_size) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 [num_queries, num_heads, head_dim] tensor");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "k_pool and v_pool must be contiguous [num_slots, num_kv_heads, head_dim] alike");
+  TORCH_CHECK(k_pool.size(2) == q.size(2), "q and the pool differ in head_dim");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
+                  page_table.is_contiguous(),
+              "page_table must be a contiguous int64 [num_rows, max_pages] tensor");
+  if (page_rows.has_value()) {
+    TORCH_CHECK(page_rows->dim() == 1 && page_rows->scalar_type() == at::kLong &&
+                    page_rows->is_contiguous() && page_rows->size(0) == q.size(0),
+                "page_rows must be a contiguous int64 [num_queries] tensor");
+  } else {
+    TORCH_CHECK(page_table.size(0) == q.size(0), "without page_rows, page_table needs a row "
+                "per query");
+  }
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) == q.size(0),
+              "seq_lens must be a contiguous int64 [num_queries] tensor");
+  TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
+  const int64_t* rows = page_rows.has_value() ? page_rows->data_ptr<int64_t>() : nullptr;
+  check_pages(page_table, rows, seq_lens.data_ptr<int64_t>(), q.size(0), page_size,
+              k_pool.size(0) / page_size);
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& page_table, const at::Tensor& seq_lens,
+                        int64_t page_size, int64_t sliding_window, double scale,
+                        int64_t num_splits, const std::optional<at::Tensor>& page_rows) {
+  check_inputs(q, k_pool, v_pool, page_table, page_rows, seq_lens, page_size);
+  Shape s{q.size(0), q.size(1), k_pool.size(1), q.size(2), q.size(1) / k_pool.size(1),
+          page_size, page_table.size(1), sliding_window, static_cast<float>(scale)};
+  if (s.num_queries == 0) return at::empty(q.sizes(), q.options());
+  const int64_t* rows = page_rows.has_value() ? page_rows->data_ptr<int64_t>() : nullptr;
+  if (k_pool.scalar_type() == at::kFloat) {
+    return run<float>(q, k_pool, v_pool, page_table, rows, seq_lens, s, num_splits);
+  }
+  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16, "the pool must be float32 or bfloat16");
+  return run<c10::BFloat16>(q, k_pool, v_pool, page_table, rows, seq_lens, s, num_splits);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, "
+        "Tensor seq_lens, int page_size, int sliding_window, float scale, "
+        "int num_splits=0, Tensor? page_rows=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
