@@ -14,10 +14,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# quantization methods whose CPU kernels (torch's int8 / int4 packed matmuls) have a fast
-# path for bfloat16 activations only: in float32 they run ~10x (decode) to ~50x (prefill)
-# slower than an fp32 model, so --dtype auto picks bfloat16 for them on CPU
-BF16_ON_CPU = ("int8", "int4", "gguf", "gptq", "awq")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,17 +138,19 @@ class LoadConfig:
     load_format: str = "auto"
     """auto | safetensors | gguf | dummy (random weights from the config, for benchmarking)."""
     dtype: str = "auto"
-    """auto (bfloat16 on CUDA; on CPU float32, or bfloat16 with int8 / int4 / gguf / gptq /
-    awq quantization, whose torch kernels are fast in bfloat16 only) | float32 | bfloat16 |
-    float16."""
+    """auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16. On CPU the
+    int8 / int4 / gguf / gptq / awq projections compute in bfloat16 whatever this is (torch's
+    int kernels are fast in bfloat16 only); the rest of the model (residual stream, norms,
+    attention, KV pool, LM head) computes in this dtype."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda."""
     seed: int = 0
     """Seed for dummy weights."""
     quantization: str = "auto"
-    """auto (the checkpoint's own: gptq | awq from its quantization_config; else none, which
-    for a GGUF file means its dequantized fp copy) | none | int8 (weight-only, a scale per
-    output channel) | int4 (weight-only, a scale and zero per group of input
+    """auto (the checkpoint's own: gptq | awq from its quantization_config; on CPU, gguf for
+    a GGUF file whose projections are all Q4_0 / Q4_1 / Q8_0, as the default model's are;
+    else none, for a GGUF file its dequantized fp copy) | none | int8 (weight-only, a scale
+    per output channel) | int4 (weight-only, a scale and zero per group of input
     channels; CUDA: Triton kernel) | fp8 (CUDA, bf16) | gguf (a GGUF file's Q4_0/Q4_1/Q8_0
     blocks as they are, no fp32 detour) | gptq | awq (CPU: a GPTQ / AWQ checkpoint's 4-bit
     weights as they are). Applies to the attention and MLP projections; embeddings, norms and
@@ -173,10 +171,17 @@ class LoadConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def quant_compute_dtype(self) -> torch.dtype:
+        """The dtype int8 / int4 kernels compute in: with --dtype auto on CPU, bfloat16 (torch's
+        int kernels are fast in bfloat16 only) under an fp32 model; else the model's dtype."""
+        if self.dtype == "auto" and self.torch_device().type == "cpu":
+            return torch.bfloat16
+        return self.torch_dtype()
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             on_cuda = self.torch_device().type == "cuda"
-            return torch.bfloat16 if on_cuda or self.quantization in BF16_ON_CPU else torch.float32
+            return torch.bfloat16 if on_cuda else torch.float32
         if self.dtype not in TORCH_DTYPES:
             allowed = ", ".join(TORCH_DTYPES)
             raise ValueError(f"dtype must be one of auto, {allowed}; got {self.dtype!r}")

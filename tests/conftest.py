@@ -87,10 +87,14 @@ def make_runner(
     page_size: int = 16,
     max_total_tokens: int = 4096,
     load_format: str = "auto",
+    quantization: str = "auto",
 ):
     return ModelRunner.create(
         LoadConfig(
-            model=None if model is None else str(model), load_format=load_format, device="cpu"
+            model=None if model is None else str(model),
+            load_format=load_format,
+            device="cpu",
+            quantization=quantization,
         ),
         CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens),
     )

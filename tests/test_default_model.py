@@ -41,7 +41,9 @@ def test_greedy_matches_transformers_on_the_same_gguf(hf_gguf):
         for q in QUESTIONS
     ]
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    runner = make_runner(None, max_total_tokens=2048)
+    # fp32 against transformers' fp32: the file's weights dequantized (the default, auto,
+    # runs the Q4_1 blocks as they are with bf16 matmul inputs; see the test below)
+    runner = make_runner(None, max_total_tokens=2048, quantization="none")
     ours = greedy_generate(runner, ids, 32, [tokenizer.eos_token_id])  # one batch of four
     for prompt_ids, tokens in zip(ids, ours):
         with torch.inference_mode():

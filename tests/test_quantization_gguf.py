@@ -15,6 +15,7 @@ from conftest import TINY
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.loader import load_model
+from radixserve.model.quant.gguf_weights import loads_as_is, read_gguf
 from radixserve.model.quant.linear import (
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
@@ -220,17 +221,28 @@ def test_gguf_mode_needs_a_gguf_file(tiny_gguf):
         _load(hf_folder)
 
 
+def test_auto_loads_q4_q8_blocks_as_they_are_and_anything_else_dequantized(tiny_gguf, tmp_path):
+    path, hf_folder, _ = tiny_gguf
+    auto = load_model(LoadConfig(model=str(path), device="cpu"))
+    assert auto.quantization == "gguf" and auto.dtype == torch.float32
+    assert auto.model.layers[0].self_attn.qkv_proj.compute_dtype == torch.bfloat16
+    write_tiny_gguf(hf_folder, tmp_path / "q5.gguf", types={"ffn_down": T.Q5_0})
+    assert loads_as_is(read_gguf(path))
+    assert not loads_as_is(read_gguf(tmp_path / "q5.gguf"))  # auto: the dequantized copy
+
+
 @pytest.mark.slow
 def test_default_model_q4_1_as_is_predicts_like_its_dequantized_path():
-    """SmolLM2's Q4_1 projections as int4 layers vs transformers' dequantization of the same
-    file (the default path), both in bfloat16 (what --dtype auto picks for gguf on CPU).
-    Exact values are the tiny GGUF tests' job; here: the real file, its tokenizer, and the
-    next-token predictions (bf16 rounding alone moves logits ~3%: compared loosely)."""
+    """SmolLM2's Q4_1 projections as int4 layers (the default, auto: an fp32 model whose
+    projections compute in bf16) vs the fp32 dequantization of the same file. Exact values are
+    the tiny GGUF tests' job; here: the real file, its tokenizer, and the next-token
+    predictions (bf16 matmul inputs move logits slightly: compared loosely)."""
     from radixserve.model.tokenizer import load_tokenizer
 
     cache = CacheConfig(max_total_tokens=512)
-    load_config = LoadConfig(device="cpu", quantization="gguf")
+    load_config = LoadConfig(device="cpu")
     loaded = load_model(load_config)
+    assert loaded.quantization == "gguf"
     assert isinstance(loaded.model.layers[0].mlp.down_proj, Int4WeightOnlyLinear)
     runner = ModelRunner.from_loaded(loaded, load_config, cache)
     tokenizer = load_tokenizer(loaded)
@@ -239,7 +251,7 @@ def test_default_model_q4_1_as_is_predicts_like_its_dequantized_path():
     ids = tokenizer.encode(prompt + "The capital of France is", add_special_tokens=False)
     ours = _logits_of(runner, ids).argmax(dim=-1)
     assert tokenizer.decode(ours[-1]) == " Paris"
-    dequantized = ModelRunner.create(LoadConfig(device="cpu", dtype="bfloat16"), cache)
+    dequantized = ModelRunner.create(LoadConfig(device="cpu", quantization="none"), cache)
     reference = _logits_of(dequantized, ids).argmax(dim=-1)
     assert (ours == reference).float().mean() > 0.9  # next-token agreement at every position
 

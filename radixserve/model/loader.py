@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,13 @@ import torch
 from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.quant.gguf_weights import field, gguf_hf_config, load_gguf_weights, read_gguf
+from radixserve.model.quant.gguf_weights import (
+    field,
+    gguf_hf_config,
+    load_gguf_weights,
+    loads_as_is,
+    read_gguf,
+)
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, load_packed_weights
 from radixserve.model.quant.quantize import (
     QuantizationError,
@@ -22,6 +28,7 @@ from radixserve.model.quant.quantize import (
     quantize_model,
     resolve_quantization,
     set_batch_invariant,
+    set_compute_dtype,
 )
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
 
@@ -47,6 +54,10 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
     source = resolve_model(load_config.model)
     if load_config.quantization == "gguf":
         return _load_gguf_as_is(source, load_config)
+    if _may_load_gguf_as_is(source, load_config):
+        reader = read_gguf(source.path)
+        if loads_as_is(reader):
+            return _load_gguf_as_is(source, replace(load_config, quantization="gguf"), reader)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     load_config = resolve_quantization(load_config, hf_config)
@@ -62,24 +73,36 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
     else:
         model.load_weights(_iter_safetensors(folder))
     quantize_model(model, load_config)
+    set_compute_dtype(model, load_config.quant_compute_dtype())
     set_batch_invariant(model, load_config.enable_deterministic_inference)
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
     return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
-def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedModel:
+def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> bool:
+    """`auto` on a .gguf file on CPU: gguf if its blocks load as they are (`loads_as_is`)."""
+    return (
+        load_config.quantization == "auto"
+        and source.kind == "gguf"
+        and load_config.load_format in ("auto", "gguf")
+        and load_config.torch_device().type == "cpu"
+    )
+
+
+def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) -> LoadedModel:
     """`--quantization gguf`: config from the file's metadata, projections kept packed."""
     if source.kind != "gguf" or load_config.load_format not in ("auto", "gguf"):
         raise QuantizationError(
             f"--quantization gguf needs a .gguf model and load_format auto or gguf; "
             f"got {source.name!r} ({source.kind}) with load_format={load_config.load_format!r}"
         )
-    reader = read_gguf(source.path)
+    reader = read_gguf(source.path) if reader is None else reader
     config = ModelConfig.from_hf_dict(gguf_hf_config(reader, source.path))
     check_quantization(load_config, config)
     model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
     load_gguf_weights(model, reader, config)
+    set_compute_dtype(model, load_config.quant_compute_dtype())
     set_batch_invariant(model, load_config.enable_deterministic_inference)
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None

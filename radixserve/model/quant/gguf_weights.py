@@ -146,6 +146,20 @@ def load_gguf_weights(model: nn.Module, reader, config: ModelConfig) -> None:
     model.load_weights([*fp_weights, *fp_tensors(tensors)])
 
 
+AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def loads_as_is(reader) -> bool:
+    """True if `--quantization auto` means gguf for this file: a llama-architecture GGUF
+    whose layer projections are Q4_0 / Q4_1 / Q8_0 (the default model's are Q4_1), or fp,
+    with at least one quantized."""
+    if field(reader, "general.architecture") != "llama":
+        return False
+    parts = tuple(f".{part}.weight" for part in HF_PARTS)
+    kinds = {t.tensor_type.name for t in reader.tensors if t.name.endswith(parts)}
+    return bool(kinds & set(AS_IS_TYPES)) and kinds <= {*AS_IS_TYPES, *FP_TYPES}
+
+
 def layer_weight(tensors: dict, layer: int, part: str, config: ModelConfig) -> BlockWeight:
     """One projection of one layer, decoded; q and k rows back in HF order."""
     name = f"blk.{layer}.{part}.weight"
@@ -170,7 +184,7 @@ def decode_block_weight(tensor) -> BlockWeight:
     kind = tensor.tensor_type.name
     if kind in FP_TYPES:
         return BlockWeight("fp", torch.from_numpy(_dequantize(tensor)))
-    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+    if kind not in AS_IS_TYPES:
         raise ModelLoadError(
             f"--quantization gguf reads Q4_0, Q4_1 and Q8_0 tensors as they are; "
             f"{tensor.name} is {kind} (use --quantization none to dequantize it)"

@@ -69,8 +69,21 @@ class QuantizedLinear(nn.Module):
     def _dequantizes(self, x: torch.Tensor) -> bool:
         return self.dequant_min_rows is not None and x.shape[0] >= self.dequant_min_rows
 
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The activation dtype the kernel runs in (its scales' dtype); None: the input's.
+        Inputs are cast to it and outputs back, so an fp32 model can run bf16 kernels."""
+        return None
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Makes the kernel run in `dtype` (its scales are cast; codes are unchanged)."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(x.reshape(-1, self.in_features))
+        rows = x.reshape(-1, self.in_features)
+        if self.compute_dtype is not None:
+            rows = rows.to(self.compute_dtype)  # a no-op unless the model dtype differs
+        out = self._matmul(rows).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -78,7 +91,9 @@ class QuantizedLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [m, out]
         raise NotImplementedError
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight this layer multiplies by, computed in `dtype` (default: its scales'
+        dtype; float32 gives the kernels' effective weight exactly)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -123,11 +138,18 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(qweight, scales.to(linear.weight.dtype), _bias_of(linear))
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        self.scales = self.scales.to(dtype)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
             return _quant_kernels().int8_matmul(x, self.qweight, self.scales, self.group_size)
         if self._dequantizes(x):
-            return F.linear(x, self.dequantize().to(x.dtype))
+            return F.linear(x, self.dequantize(x.dtype))
         int8_mm = torch.ops.aten._weight_int8pack_mm
         if self.group_size is None:
             return int8_mm(x, self.qweight, self.scales)
@@ -137,14 +159,15 @@ class Int8WeightOnlyLinear(QuantizedLinear):
             out += int8_mm(parts[g].contiguous(), self.qweight[g], self.scales[g])
         return out.to(x.dtype)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.scales.dtype
         if self.group_size is None:
-            return self.qweight.to(self.scales.dtype) * self.scales[:, None]
-        scales = self.scales.t().repeat_interleave(self.group_size, dim=1)  # [out, in]
+            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        scales = self.scales.t().to(dtype).repeat_interleave(self.group_size, dim=1)  # [out, in]
         if self.backend == "triton":
-            return self.qweight.to(scales.dtype) * scales
+            return self.qweight.to(dtype) * scales
         weight = self.qweight.transpose(0, 1).reshape(self.out_features, self.in_features)
-        return weight.to(scales.dtype) * scales
+        return weight.to(dtype) * scales
 
 
 class Int4WeightOnlyLinear(QuantizedLinear):
@@ -190,12 +213,22 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         dtype = linear.weight.dtype
         return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, _bias_of(linear))
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return (self.scales if self.backend == "triton" else self.scales_and_zeros).dtype
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        if self.backend == "triton":
+            self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
+        else:
+            self.scales_and_zeros = self.scales_and_zeros.to(dtype)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
             kernels = _quant_kernels()
             return kernels.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size)
         if self._dequantizes(x) and packing_format() is not None:
-            return F.linear(x, self.dequantize().to(x.dtype))
+            return F.linear(x, self.dequantize(x.dtype))
         return self._cpu_kernel_matmul(x)
 
     def _cpu_kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,20 +236,21 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             x.contiguous(), self.packed, self.group_size, self.scales_and_zeros
         )
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.compute_dtype
         if self.backend == "triton":
             codes = _quant_kernels().unpack_int4(self.packed)
             weight = dequantize_int4(codes, self.scales.t(), self.zeros.t(), self.group_size)
-            return weight.to(self.scales.dtype)
+            return weight.to(dtype)
         fmt = packing_format()
         if fmt is None:  # the kernel's own reading of the packed codes: identity @ W.T = W.T
             eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-            return self._cpu_kernel_matmul(eye.to(self.packed.device)).t()
+            return self._cpu_kernel_matmul(eye.to(self.packed.device)).t().to(dtype)
         n, k, g = self.out_features, self.in_features, self.group_size
         codes = unpack_codes(self.packed, n, k, fmt).view(n, k // g, g)
-        scales, zeros = (t.t()[..., None] for t in self.scales_and_zeros.unbind(-1))
+        scales, zeros = (t.t()[..., None].to(dtype) for t in self.scales_and_zeros.unbind(-1))
         offsets = zeros - INT4_MID * scales  # w = q * scale + (zero - 8 * scale)
-        return torch.addcmul(offsets, codes.to(scales.dtype), scales).reshape(n, k)
+        return torch.addcmul(offsets, codes.to(dtype), scales).reshape(n, k)
 
 
 def matmul_backend(device: torch.device) -> str:

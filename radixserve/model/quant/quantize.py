@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.config import BF16_ON_CPU, LoadConfig, ModelConfig
+from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", *PACKED_METHODS)
+INT_KERNEL_METHODS = ("int8", "int4", "gguf", *PACKED_METHODS)  # int8 / int4 layers
 NOT_REQUANTIZED = ("none", "gguf", *PACKED_METHODS)  # no quantize-on-load for these
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both matrix dims divisible by 16
@@ -124,8 +125,8 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
             f"--quantize-lm-head needs --quantization int8 or int4; got {method!r}"
         )
     device = load_config.torch_device()
-    if device.type == "cpu" and method in BF16_ON_CPU:
-        _warn_if_slow_dtype(method, load_config.torch_dtype())
+    if device.type == "cpu" and method in INT_KERNEL_METHODS:
+        _warn_if_slow_dtype(method, load_config.quant_compute_dtype())
     shapes = projection_shapes(config, load_config.quantize_lm_head)
     if method == "fp8":
         _check_fp8(device, load_config.torch_dtype(), shapes)
@@ -141,7 +142,7 @@ def _warn_if_slow_dtype(method: str, dtype: torch.dtype) -> None:
     if dtype != torch.bfloat16:
         logger.warning(
             "--quantization %s with %s activations runs torch's slow CPU path (~10x slower "
-            "decode, ~50x slower prefill than bfloat16); --dtype auto picks bfloat16",
+            "decode, ~50x slower prefill than bfloat16); --dtype auto runs them in bfloat16",
             method,
             str(dtype).removeprefix("torch."),
         )
@@ -265,6 +266,14 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
         before / 2**20,
         weight_bytes(model) / 2**20,
     )
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Runs every int8 / int4 layer's kernel in `dtype` (LoadConfig.quant_compute_dtype)."""
+    for module in model.modules():
+        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            if module.compute_dtype != dtype:
+                module.set_compute_dtype(dtype)
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
