@@ -19,7 +19,12 @@ from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
 from radixserve.config import SchedulerConfig
 from radixserve.engine.request import Req
 from radixserve.engine.speculative import Drafter, Verifier
-from radixserve.engine.speculative.ngram import NgramStore, match_suffix
+from radixserve.engine.speculative.ngram import (
+    NgramStore,
+    match_suffix,
+    suffix_hashes,
+    window_hashes,
+)
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import SamplingBatch, scale_and_filter
 
@@ -368,13 +373,20 @@ def test_match_suffix_prefers_the_longest_then_the_latest_match():
     assert match_suffix(np.array([7, 7, 7]), 1, 3, 4) == [7]
 
 
+def test_store_hashes_agree_between_indexing_and_lookup():
+    seq = [7, 3, 9, 3, 1]
+    keys = suffix_hashes(seq, salt=12345)
+    for n, hashes in window_hashes(np.array(seq), len(seq), salt=12345):
+        assert keys[n - 1] == int(hashes[-1])
+
+
 def test_ngram_store_is_bounded_lru_and_per_namespace():
     store = NgramStore(capacity=50, min_window=1, max_window=3, num=2)
     store.add(None, [1, 2, 3, 4, 5, 6])
     assert store.lookup(None, [9, 2, 3]) == [4, 5]
     assert store.lookup("other", [9, 2, 3]) == []
     store.add(None, list(range(100, 140)))
-    assert len(store) <= 50 and store.lookup(None, [138]) == [139]
+    assert len(store) <= 50 and store.lookup(None, [137]) == [138, 139]
     assert store.lookup(None, [1, 2]) == []  # the oldest entries went first
 
 
