@@ -247,7 +247,8 @@ class SchedulerConfig:
     speculative_ngram_max_match_window_size: int = 12
     """NGRAM: longest suffix matched; longer matches are tried first."""
     speculative_ngram_capacity: int = 100_000
-    """NGRAM: most n-grams kept in the store shared by requests (least recently used go)."""
+    """NGRAM: most n-grams indexed in the store shared by requests; past it, the sequences
+    least recently added or drafted from go."""
 
     def verify(self) -> None:
         policies = ("lpm", "dfs-weight", "fcfs")

@@ -381,13 +381,18 @@ def test_store_hashes_agree_between_indexing_and_lookup():
 
 
 def test_ngram_store_is_bounded_lru_and_per_namespace():
-    store = NgramStore(capacity=50, min_window=1, max_window=3, num=2)
-    store.add(None, [1, 2, 3, 4, 5, 6])
-    assert store.lookup(None, [9, 2, 3]) == [4, 5]
-    assert store.lookup("other", [9, 2, 3]) == []
-    store.add(None, list(range(100, 140)))
-    assert len(store) <= 50 and store.lookup(None, [137]) == [138, 139]
-    assert store.lookup(None, [1, 2]) == []  # the oldest entries went first
+    store = NgramStore(capacity=60, min_window=1, max_window=3, num=2)
+    seqs = [[base + i for i in range(6)] for base in range(100, 700, 100)]  # 12 n-grams each
+    for seq in seqs[:5]:
+        store.add(None, seq)
+    assert store.lookup(None, [9, 101, 102]) == [103, 104]  # the first is now the newest used
+    assert store.lookup("other", [9, 101, 102]) == []
+    store.add(None, seqs[5])  # past the capacity: the least recently used sequences go
+    assert len(store) <= 60
+    assert store.lookup(None, [101]) == [102, 103] and store.lookup(None, [603]) == [604, 605]
+    assert store.lookup(None, [201]) == [] and store.lookup(None, [501]) == []
+    store.add(None, list(range(1000, 1100)))  # longer than the capacity allows: its end only
+    assert len(store) <= 60 and store.lookup(None, [1097]) == [1098, 1099]
 
 
 def test_bad_speculative_flags_fail_naming_the_flag(tiny_chat_model):

@@ -70,8 +70,9 @@ def suffix_hashes(tail: list[int], salt: int) -> list[int]:
 class NgramStore:
     """n-gram -> where it was last followed by something, over recently finished sequences.
 
-    The index maps an n-gram's hash to (sequence id, end); the sequences are kept in arrival
-    order. Past `capacity` index entries, the oldest sequences go and the index is rebuilt
+    The index maps an n-gram's hash to (sequence id, end); the sequences are kept in order of
+    last use (added or drafted from). Past `capacity` index entries, the least recently used
+    sequences go and the index is rebuilt
     from the rest (amortized: at most once per capacity / 2 entries added). A lookup checks
     the tokens themselves, so a hash collision costs a miss, never a wrong draft.
     """
@@ -79,7 +80,7 @@ class NgramStore:
     def __init__(self, capacity: int, min_window: int, max_window: int, num: int):
         self.capacity = capacity
         self.min_window, self.max_window, self.num = min_window, max_window, num
-        self._seqs: dict[int, np.ndarray] = {}  # insertion order: oldest first
+        self._seqs: dict[int, np.ndarray] = {}  # least recently used first
         self._index: dict[int, int] = {}
         self._next_id = 0
 
@@ -107,9 +108,10 @@ class NgramStore:
             value = self._index.get(keys[n - 1])
             if value is None:
                 continue
-            stored = self._seqs.get(value >> _POSITION_BITS)
-            end = value & ((1 << _POSITION_BITS) - 1)
+            seq_id, end = value >> _POSITION_BITS, value & ((1 << _POSITION_BITS) - 1)
+            stored = self._seqs.get(seq_id)
             if stored is not None and stored[end - n : end].tolist() == tail[-n:]:
+                self._seqs[seq_id] = self._seqs.pop(seq_id)  # most recently used: kept longest
                 return stored[end : end + self.num].tolist()
         return []
 
@@ -121,7 +123,8 @@ class NgramStore:
                 self._index.update(zip(hashes.tolist(), (base + ends).tolist()))
 
     def _shrink(self) -> None:
-        """Drops the oldest sequences until the rest hold about half the capacity."""
+        """Drops the least recently used sequences until the rest hold about half the
+        capacity."""
         per_seq = len(self._index) / max(len(self._seqs), 1)
         keep = max(int(self.capacity / 2 / max(per_seq, 1)), 1)
         for seq_id in list(self._seqs)[:-keep]:
