@@ -5,9 +5,10 @@ Workloads: `tool_quote`, an answer that quotes a tool output from the prompt (wh
 drafting is for), and `free_chat`, an open-ended answer (little to look up). For each, spec
 off and on run interleaved `--repeats` times; decode tok/s is measured from the first
 streamed chunk to the last (prefill excluded), the median is reported, and the greedy
-outputs of off and on are compared (they must be identical).
+outputs of off and on are compared (they must be identical). Each run starts with an empty
+n-gram store, so drafts come from the prompt and the answer so far only.
 
-Run:  python benchmarks/speculative.py [--max-new-tokens 128] [--repeats 2] [--threads 1]
+Run:  python benchmarks/speculative.py [--max-new-tokens 160] [--repeats 2] [--threads 1]
 Prints a table and writes all numbers to `--out` (JSON).
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from radixserve import Engine
+from radixserve.engine.speculative import create_drafter
 
 TOOL_OUTPUT = """{"city": "Lisbon", "forecast": [
   {"day": "Monday", "high_c": 21, "low_c": 14, "sky": "sunny", "wind_kmh": 12},
@@ -31,14 +33,11 @@ TOOL_OUTPUT = """{"city": "Lisbon", "forecast": [
 ]}"""
 WORKLOADS = {
     "tool_quote": [
-        {"role": "system", "content": "You are an agent. Tool results appear in the chat."},
-        {"role": "user", "content": "What is the weather in Lisbon this week?"},
-        {"role": "assistant", "content": "Calling get_forecast(city='Lisbon')."},
         {
             "role": "user",
-            "content": f"Tool output:\n{TOOL_OUTPUT}\n\nQuote the tool output "
-            "exactly, then summarize it in one sentence.",
-        },
+            "content": f"Here is a JSON document:\n{TOOL_OUTPUT}\n\n"
+            "Copy the JSON document above exactly, character for character.",
+        }
     ],
     "free_chat": [
         {"role": "user", "content": "Write a short story about a lighthouse keeper."},
@@ -70,10 +69,11 @@ def decode_run(engine: Engine, prompt: str, max_new_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--min-window", type=int, default=1, help="shortest suffix matched")
     parser.add_argument("--out", default="bench_results/speculative.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,6 +83,7 @@ def main() -> None:
             args.model,
             speculative_algorithm="NGRAM",
             speculative_num_draft_tokens=args.num_draft_tokens,
+            speculative_ngram_min_match_window_size=args.min_window,
         ),
     }
     template = engines["off"].tokenizer.apply_chat_template
@@ -92,6 +93,8 @@ def main() -> None:
         runs = {mode: [] for mode in engines}
         for _ in range(args.repeats):
             for mode, engine in engines.items():
+                # a fresh n-gram store: a repeat must not draft from the run before it
+                engine.scheduler.drafter = create_drafter(engine.scheduler.config)
                 runs[mode].append(decode_run(engine, prompt, args.max_new_tokens))
         off, on = runs["off"][-1], runs["on"][-1]
         tok_s = {
