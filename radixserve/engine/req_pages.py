@@ -7,6 +7,10 @@ A request starts with the pages its prompt matched in the tree (locked), grows o
 as it computes, may hand computed full pages to the tree while running (so others can hit
 them) and, when it finishes or is retracted, gives all its full pages to the tree and frees
 the rest. `insert` reports what the tree already had: those own pages are duplicates.
+
+A speculating request's own pages may, for one step, reach past its sequence to hold draft
+tokens' K/V (`grow_from_free`); after verification `trim` frees the pages past what it
+computed, so only committed tokens ever reach the tree.
 """
 
 from __future__ import annotations
