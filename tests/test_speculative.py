@@ -434,3 +434,29 @@ def test_constrained_requests_do_not_speculate_yet(periodic_model):
     assert len(out["text"]) == 6 and out["text"].isalpha()
     assert "spec_verify_ct" not in out["meta_info"]
     assert _spec_stats(spec)["spec_verify_steps"] == 0
+
+
+def test_the_simulator_answers_verify_rows():
+    """`bench simulate` drives the real scheduler: with speculation on, its stand-in model
+    answers the verify rows too, and accepted drafts save virtual time."""
+    from radixserve.config import CacheConfig
+    from radixserve_bench.sim_runner import CostModel, SimRunner
+    from radixserve_bench.simulate import sim_scheduler
+
+    def run(algorithm, drafter=None):
+        runner = SimRunner(CacheConfig(page_size=4, max_total_tokens=1024), CostModel())
+        sched = sim_scheduler(runner, SchedulerConfig(speculative_algorithm=algorithm))
+        sched.drafter = drafter or sched.drafter
+        reqs = [Req(f"r{i}", prompt_ids(i, 20), SamplingParams(**greedy(24)), 0) for i in range(3)]
+        for req in reqs:
+            sched.add_request(req)
+        while sched.has_work():
+            sched.step()
+        sched.cache.check_integrity(sched.held_pages())
+        return [r.output_ids for r in reqs], runner.clock, sched.stats
+
+    expected, plain_clock, _ = run(None)
+    assert run("NGRAM")[0] == expected
+    oracle = OracleDrafter({tuple(prompt_ids(i, 20)): out for i, out in enumerate(expected)})
+    outputs, clock, stats = run("NGRAM", oracle)
+    assert outputs == expected and stats.spec_accepted_tokens > 0 and clock < plain_clock
