@@ -427,13 +427,28 @@ def test_requests_run_concurrently_with_and_without_speculation(periodic_model):
     assert "spec_verify_ct" in on["meta_info"] and "spec_verify_ct" not in off["meta_info"]
 
 
-def test_constrained_requests_do_not_speculate_yet(periodic_model):
-    spec = make_engine(periodic_model, **NGRAM)
-    params = greedy(12, regex="[a-z]{6}")
-    out = spec.generate(input_ids=prompt_ids(7, 40), sampling_params=params)
-    assert len(out["text"]) == 6 and out["text"].isalpha()
-    assert "spec_verify_ct" not in out["meta_info"]
-    assert _spec_stats(spec)["spec_verify_steps"] == 0
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+}
+
+
+def test_constrained_requests_speculate_within_the_grammar(tiny_chat_model):
+    """Drafts are cut where the grammar forbids them, verify rows are masked by the grammar
+    advanced over the drafts before them, and the grammar advances over kept tokens only."""
+    prompts = [prompt_ids(i, 30) for i in range(4)]
+    params = [greedy(40, regex="[a-z]+( [a-z]+){6,10}")] * 2 + [greedy(40, json_schema=SCHEMA)] * 2
+    expected = make_engine(tiny_chat_model).generate(input_ids=prompts, sampling_params=params)
+    spec = make_engine(tiny_chat_model, **NGRAM)
+    oracle = OracleDrafter({tuple(p): e["output_ids"] for p, e in zip(prompts, expected)})
+    spec.scheduler.drafter = oracle
+    outputs = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["text"] for o in outputs] == [e["text"] for e in expected]
+    assert _ids(outputs) == _ids(expected)
+    stats = _spec_stats(spec)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    spec.check_integrity()
 
 
 def test_the_simulator_answers_verify_rows():
@@ -460,3 +475,20 @@ def test_the_simulator_answers_verify_rows():
     oracle = OracleDrafter({tuple(prompt_ids(i, 20)): out for i, out in enumerate(expected)})
     outputs, clock, stats = run("NGRAM", oracle)
     assert outputs == expected and stats.spec_accepted_tokens > 0 and clock < plain_clock
+
+
+def test_grammar_cuts_drafts_and_masks_each_verify_row(periodic_model):
+    engine = make_engine(periodic_model)
+    backend = engine.scheduler.grammar
+    matcher = backend.matcher(backend.compile_async("regex", "hello world").result())
+    ids = engine.tokenizer.encode("hello world", add_special_tokens=False)
+    bang = engine.tokenizer.encode("!", add_special_tokens=False)[0]
+    assert len(ids) >= 2
+    assert backend.valid_draft(matcher, [*ids, bang]) == ids
+    assert backend.valid_draft(matcher, [ids[0], bang, ids[1]]) == ids[:1]
+    logits = torch.zeros(len(ids) + 1, VOCAB)
+    backend.mask_draft_rows(logits, matcher, ids)
+    for j, token in enumerate(ids):  # row j allows the j-th token, and not "!"
+        assert logits[j, token] == 0 and logits[j, bang] == float("-inf")
+    assert torch.isinf(logits[len(ids)]).sum() == VOCAB - len(engine.scheduler.eos_token_ids)
+    assert matcher.accept_token(ids[0])  # the matcher is back where it started

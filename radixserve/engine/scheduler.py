@@ -74,7 +74,7 @@ class Scheduler:
             self.eos_token_ids, tokenizer, lambda: self.grammar, self.faults
         )
         self.drafter = create_drafter(config)
-        self.verifier = Verifier(self.sampler.min_tokens_stop_ids)
+        self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
 
     @property
     def new_token_ratio(self) -> float:
@@ -164,8 +164,7 @@ class Scheduler:
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(req.input_ids)
             if self.drafter is not None and req.params.speculative:
-                # constrained requests do not speculate yet: drafts would need the grammar
-                req.spec_counts = SpecCounts() if req.params.grammar is None else None
+                req.spec_counts = SpecCounts()
             if req.params.grammar is None:
                 self.waiting.append(req)
             else:  # waits off the queue so that compiling never stalls the batch
@@ -269,6 +268,8 @@ class Scheduler:
             if req.spec_counts is None or room <= 0:
                 continue
             draft = self.drafter.propose(req)[: min(room, self.drafter.num_draft_tokens)]
+            if draft and req.grammar is not None:  # drafts the grammar forbids cannot win
+                draft = self.grammar.valid_draft(req.grammar, draft)
             if draft and self.pages.grow_from_free(req, w.num_new + len(draft)):
                 w.draft = draft
 

@@ -8,7 +8,8 @@ draft (q one-hot on draft t): accept t with probability p(t); on rejection draw 
 t removed, renormalized; the bonus token is drawn from p. p is the distribution plain
 sampling draws from at that step (same penalties, min-tokens mask, temperature and
 filters: sampling/sampler.py), and every draw uses the request's seed and the step's
-index, so speculative outputs are reproducible.
+index, so speculative outputs are reproducible. A constrained request's rows are masked
+by its grammar advanced over the drafts before each row (sampling/grammar.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.request import Req
+from radixserve.sampling.grammar import GrammarBackend
 from radixserve.sampling.sampler import (
     SamplingBatch,
     apply_min_tokens,
@@ -41,8 +43,13 @@ class Verified:
 
 
 class Verifier:
-    def __init__(self, min_tokens_stop_ids: Callable[[Req], list[int]]):
+    def __init__(
+        self,
+        min_tokens_stop_ids: Callable[[Req], list[int]],
+        grammar: Callable[[], GrammarBackend] | None = None,
+    ):
         self.min_tokens_stop_ids = min_tokens_stop_ids
+        self.grammar = grammar  # built lazily by the scheduler, as for TokenSampler
 
     def verify(
         self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
@@ -50,6 +57,8 @@ class Verifier:
         """logits: [sum(len(d) + 1 for d in drafts), vocab], the requests' rows in order."""
         columns = [t for draft in drafts for t in (*draft, NO_DRAFT)]
         draft_col = torch.tensor(columns, dtype=torch.int64, device=logits.device)
+        if any(r.grammar is not None for r in reqs):
+            logits = self._mask_grammar(reqs, drafts, logits.clone())  # callers keep theirs
         if all(is_plain_argmax(r.params, len(r.output_ids)) for r in reqs):
             target = logits.float().argmax(dim=-1)
             accepted = target == draft_col
@@ -57,6 +66,18 @@ class Verifier:
             batch = self._batch(reqs, drafts, logits.shape[-1], logits.device)
             accepted, target = accept_or_replace(logits, batch, draft_col)
         return _first_rejections(drafts, accepted.tolist(), target.tolist())
+
+    def _mask_grammar(
+        self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Each constrained request's rows masked by its grammar after the drafts before."""
+        start = 0
+        for req, draft in zip(reqs, drafts):
+            if req.grammar is not None:
+                rows = logits[start : start + len(draft) + 1]  # a view: masked in place
+                self.grammar().mask_draft_rows(rows, req.grammar, draft)
+            start += len(draft) + 1
+        return logits
 
     def _batch(
         self, reqs: list[Req], drafts: list[list[int]], vocab_size: int, device: torch.device
