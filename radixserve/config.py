@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_PLANNED = ("STANDALONE", "SELF")  # SGLang's names, accepted by later slices
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -249,6 +251,18 @@ class SchedulerConfig:
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
+    speculative_algorithm: str | None = None
+    """Speculative decoding: NGRAM (drafts looked up in the request's own prompt + output and
+    in an n-gram store of recent requests, verified in the running batch); default: off."""
+    speculative_num_draft_tokens: int = 4
+    """Most draft tokens verified per request per step (K: the request computes K + 1)."""
+    speculative_ngram_min_match_window_size: int = 1
+    """NGRAM: shortest suffix of the sequence (in tokens) matched to find a draft."""
+    speculative_ngram_max_match_window_size: int = 12
+    """NGRAM: longest suffix matched; longer matches are tried first."""
+    speculative_ngram_capacity: int = 100_000
+    """NGRAM: most n-grams indexed in the store shared by requests; past it, the sequences
+    least recently added or drafted from go."""
 
     def verify(self) -> None:
         policies = ("lpm", "dfs-weight", "fcfs")
@@ -263,6 +277,32 @@ class SchedulerConfig:
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(
                 f"chunked_prefill_size must be -1 or >= 1; got {self.chunked_prefill_size}"
+            )
+        self._verify_speculative()
+
+    def _verify_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        if algorithm.upper() in SPECULATIVE_PLANNED:
+            raise ValueError(
+                f"speculative_algorithm {algorithm!r} is not supported yet; supported: NGRAM"
+            )
+        if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be NGRAM or unset; got {algorithm!r}")
+        for name in (
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_capacity",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if high < low:
+            raise ValueError(
+                "speculative_ngram_max_match_window_size must be >= "
+                f"speculative_ngram_min_match_window_size ({low}); got {high}"
             )
 
 

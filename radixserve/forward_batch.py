@@ -30,6 +30,7 @@ class ForwardBatch:
     prefix_lens: list[int]
     page_size: int
     return_all_logits: bool = False
+    verify_indices: torch.Tensor | None = None  # [num_verify_rows] int64: tokens that need logits
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
 
     @property
@@ -53,9 +54,11 @@ class ForwardBatch:
         page_size: int,
         device: torch.device | str = "cpu",
         return_all_logits: bool = False,
+        verify_indices: Sequence[int] = (),
     ) -> ForwardBatch:
         """Flattens per-request new tokens; each page table (a list or numpy array of page
-        ids) must cover prefix + new tokens."""
+        ids) must cover prefix + new tokens. `verify_indices`: flattened tokens whose logits
+        speculative decoding verifies (LogitsOutput.verify)."""
         if not (len(token_ids) == len(prefix_lens) == len(page_tables)) or not token_ids:
             raise ValueError(
                 "token_ids, prefix_lens and page_tables must be equal, non-empty lists"
@@ -81,6 +84,11 @@ class ForwardBatch:
             prefix_lens=list(prefix_lens),
             page_size=page_size,
             return_all_logits=return_all_logits,
+            verify_indices=(
+                torch.tensor(verify_indices, dtype=torch.int64).to(device)
+                if verify_indices
+                else None
+            ),
         )
 
     def last_token_indices(self) -> torch.Tensor:

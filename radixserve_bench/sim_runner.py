@@ -100,12 +100,19 @@ class SimRunner:
         self.last_seconds = self.cost.step_seconds(batch.extend_lens, batch.prefix_lens)
         self.clock += self.last_seconds
         self.last_num_reqs = batch.num_reqs
-        last = batch.last_token_indices()
-        next_ids = next_token(batch.input_ids[last], batch.positions[last], self.config.vocab_size)
-        logits = torch.zeros(batch.num_reqs, self.config.vocab_size)  # [num_reqs, vocab]
-        logits[torch.arange(batch.num_reqs), next_ids] = 1.0
+        logits = self._one_hot(batch, batch.last_token_indices())  # [num_reqs, vocab]
+        verify = None  # speculative decoding's verify rows, answered by the same model
+        if batch.verify_indices is not None:
+            verify = self._one_hot(batch, batch.verify_indices)
         self.wall_seconds += time.perf_counter() - start
-        return LogitsOutput(last=logits, all=None)
+        return LogitsOutput(last=logits, all=None, verify=verify)
+
+    def _one_hot(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Logits picking `next_token` at the batch's token indices `rows`. [len(rows), vocab]"""
+        next_ids = next_token(batch.input_ids[rows], batch.positions[rows], self.config.vocab_size)
+        logits = torch.zeros(len(rows), self.config.vocab_size)
+        logits[torch.arange(len(rows)), next_ids] = 1.0
+        return logits
 
 
 def next_token(last_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

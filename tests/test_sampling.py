@@ -71,10 +71,14 @@ SGLANG_DEFAULTS = dict(
 )
 
 
+EXTENSIONS = {"speculative": True}  # ours, not SGLang's: a request may opt out of speculation
+
+
 def test_defaults_match_sglang():
     p = SamplingParams()
     assert {name: getattr(p, name) for name in SGLANG_DEFAULTS} == SGLANG_DEFAULTS
-    assert set(dataclasses.asdict(p)) == set(SGLANG_DEFAULTS)
+    assert {name: getattr(p, name) for name in EXTENSIONS} == EXTENSIONS
+    assert set(dataclasses.asdict(p)) == set(SGLANG_DEFAULTS) | set(EXTENSIONS)
     p.verify(vocab_size=V)
 
 

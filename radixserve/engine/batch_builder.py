@@ -3,7 +3,7 @@ when it changed (a decoding request's grows by one page every page_size steps)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,10 +16,17 @@ _NO_ROW = (None, 0, None)
 
 @dataclass
 class Work:
-    """What one request computes in this step."""
+    """What one request computes in this step: `num_new` tokens of its sequence, then the
+    draft tokens it verifies (speculative decoding; their K/V is kept only if accepted)."""
 
     req: Req
     num_new: int
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def num_forward(self) -> int:
+        """Tokens this request puts into the forward."""
+        return self.num_new + len(self.draft)
 
 
 class BatchBuilder:
@@ -30,7 +37,7 @@ class BatchBuilder:
     def build(self, work: list[Work]) -> ForwardBatch:
         """Each request's new tokens on top of its computed prefix, through its page table."""
         return ForwardBatch.build(
-            [token_slice(w.req, w.req.num_computed, w.num_new) for w in work],
+            [token_slice(w.req, w.req.num_computed, w.num_new) + w.draft for w in work],
             [w.req.num_computed for w in work],
             self._page_rows([w.req for w in work]),
             self.page_size,
@@ -39,6 +46,7 @@ class BatchBuilder:
                 w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids)
                 for w in work
             ),
+            verify_indices=verify_indices(work),
         )
 
     def _page_rows(self, reqs: list[Req]) -> list[np.ndarray]:
@@ -57,6 +65,17 @@ class BatchBuilder:
             self._page_row_memo[req] = (table, num, row)
             rows.append(row)
         return rows
+
+
+def verify_indices(work: list[Work]) -> list[int]:
+    """Flattened indices of the verify rows (the last sequence token and the drafts) of the
+    work that carries a draft, in batch order."""
+    indices, start = [], 0
+    for w in work:
+        if w.draft:
+            indices += range(start + w.num_new - 1, start + w.num_forward)
+        start += w.num_forward
+    return indices
 
 
 def token_slice(req: Req, start: int, num: int) -> list[int]:

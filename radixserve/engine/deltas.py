@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from radixserve.engine.protocol import RequestOutput
 from radixserve.engine.request import Req
@@ -36,6 +36,7 @@ class DeltaTracker:
             new_input_top_logprobs=req.input_top_logprobs[sent.input_logprobs :],
             new_output_logprobs=req.output_logprobs[sent.output_logprobs :],
             new_output_top_logprobs=req.output_top_logprobs[sent.output_logprobs :],
+            spec_counts=None if req.spec_counts is None else replace(req.spec_counts),
         )
         sent.output = len(req.output_ids)
         sent.input_logprobs = len(req.input_logprobs)

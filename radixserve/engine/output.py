@@ -36,6 +36,8 @@ def format_output(
         "finish_reason": None if finish is None else finish.to_dict(),
         "e2e_latency": result.e2e_latency(),
     }
+    if result.spec_counts is not None:
+        meta |= result.spec_counts.meta_info(len(result.output_ids))
     if result.spec.wants_logprobs:
         meta |= _logprob_fields(result, with_text, cursor or LogprobCursor())
         if cursor is not None:

@@ -58,6 +58,29 @@ class FinishReason:
 
 ABORTED_BY_CLIENT = FinishReason.abort("aborted by the client")
 
+
+@dataclass
+class SpecCounts:
+    """A speculating request's totals so far, reported in meta_info as SGLang's `spec_*`.
+    Every decode step of such a request verifies a draft (possibly empty)."""
+
+    verify_ct: int = 0  # decode steps (verify forwards) of the request
+    draft_tokens: int = 0  # draft tokens proposed and verified
+    accepted_tokens: int = 0  # draft tokens accepted
+
+    def meta_info(self, completion_tokens: int) -> dict[str, Any]:
+        """SGLang's names; accept length = completion tokens per verify step."""
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": completion_tokens / self.verify_ct if self.verify_ct else 0.0,
+            "spec_accept_rate": (
+                self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+            ),
+            "spec_accept_token_num": self.accepted_tokens,
+            "spec_draft_token_num": self.draft_tokens,
+        }
+
+
 LogprobEntry = tuple[float | None, int]  # (logprob, token id); None: no logits predict it
 TopLogprobs = list[tuple[float, int]] | None
 
@@ -94,6 +117,7 @@ class RequestOutput:
     new_input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     new_output_logprobs: list[LogprobEntry] = field(default_factory=list)
     new_output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    spec_counts: SpecCounts | None = None  # totals so far; None: the request does not speculate
 
 
 # ---- messages between a client and its core (a thread, or a process: server/wire.py) -------

@@ -7,6 +7,10 @@ A request starts with the pages its prompt matched in the tree (locked), grows o
 as it computes, may hand computed full pages to the tree while running (so others can hit
 them) and, when it finishes or is retracted, gives all its full pages to the tree and frees
 the rest. `insert` reports what the tree already had: those own pages are duplicates.
+
+A speculating request's own pages may, for one step, reach past its sequence to hold draft
+tokens' K/V (`grow_from_free`); after verification `trim` frees the pages past what it
+computed, so only committed tokens ever reach the tree.
 """
 
 from __future__ import annotations
@@ -45,6 +49,21 @@ class ReqPages:
                 return False
             req.page_table = req.page_table + self.pool.allocator.allocate(missing).tolist()
         return True
+
+    def grow_from_free(self, req: Req, num_new: int) -> bool:
+        """`grow`, from free pages only: what a draft may take without evicting the cache."""
+        missing = self.pool.num_pages_for(req.num_computed + num_new) - len(req.page_table)
+        if missing > self.pool.allocator.num_free:
+            return False
+        return self.grow(req, num_new)
+
+    def trim(self, req: Req) -> None:
+        """Frees the own pages past the request's computed tokens (a rejected draft's tail).
+        Tree pages hold computed tokens only, so they are never trimmed."""
+        keep = max(self.pool.num_pages_for(req.num_computed), req.num_tree_pages)
+        if len(req.page_table) > keep:
+            self.pool.allocator.free(req.page_table[keep:])
+            req.page_table = req.page_table[:keep]
 
     def release(self, req: Req) -> None:
         """Gives the request's computed full pages to the tree and frees the rest."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.engine.protocol import FinishReason, RequestSpec
+from radixserve.engine.protocol import FinishReason, RequestSpec, SpecCounts
 from radixserve.sampling.params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -69,6 +69,7 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    spec_counts: SpecCounts | None = None  # set by the scheduler when the request speculates
 
     def __post_init__(self) -> None:
         if not self.request_id:

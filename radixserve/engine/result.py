@@ -10,7 +10,7 @@ import time
 from radixserve.engine.client import EngineClient
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
-from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec
+from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec, SpecCounts
 from radixserve.engine.stop import hold_back_partial_stop, trim_stop
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class RequestResult:
         self.input_top_logprobs: list = []
         self.output_logprobs: list = []
         self.output_top_logprobs: list = []
+        self.spec_counts: SpecCounts | None = None
         self.arrival_time = time.perf_counter()
         self.finish_time: float | None = None
         self.failed = False  # the caller side failed it (detokenizer); the core may still run it
@@ -49,6 +50,7 @@ class RequestResult:
         self.input_top_logprobs += delta.new_input_top_logprobs
         self.output_logprobs += delta.new_output_logprobs
         self.output_top_logprobs += delta.new_output_top_logprobs
+        self.spec_counts = delta.spec_counts
         if delta.finish_reason is not None:
             self._finish(delta.finish_reason)
 

@@ -25,9 +25,10 @@ from radixserve.engine.faults import FaultInjector
 from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
-from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason
+from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
+from radixserve.engine.speculative import Verified, Verifier, create_drafter
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.token_sampler import TokenSampler
 from radixserve.model.runner import ModelRunner
@@ -72,6 +73,8 @@ class Scheduler:
         self.sampler = TokenSampler(
             self.eos_token_ids, tokenizer, lambda: self.grammar, self.faults
         )
+        self.drafter = create_drafter(config)
+        self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
 
     @property
     def new_token_ratio(self) -> float:
@@ -160,6 +163,8 @@ class Scheduler:
             req = self.inbox.popleft()
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(req.input_ids)
+            if self.drafter is not None and req.params.speculative:
+                req.spec_counts = SpecCounts()
             if req.params.grammar is None:
                 self.waiting.append(req)
             else:  # waits off the queue so that compiling never stalls the batch
@@ -249,7 +254,24 @@ class Scheduler:
             pages = self.pool.allocator.allocate(len(needing)).tolist()
             for req, page in zip(needing, reversed(pages)):
                 req.page_table = req.page_table + [page]
-        return [Work(r, 1) for r in decoding], prefilling
+        decodes = [Work(r, 1) for r in decoding]
+        if self.drafter is not None:
+            self._add_drafts(decodes)
+        return decodes, prefilling
+
+    def _add_drafts(self, decodes: list[Work]) -> None:
+        """Gives each speculating decode a draft to verify, while free pages last: a draft
+        never evicts the cache or causes a retraction. Drafts stop at max_new_tokens."""
+        for w in decodes:
+            req = w.req
+            room = req.params.max_new_tokens - len(req.output_ids) - 1
+            if req.spec_counts is None or room <= 0:
+                continue
+            draft = self.drafter.propose(req)[: min(room, self.drafter.num_draft_tokens)]
+            if draft and req.grammar is not None:  # drafts the grammar forbids cannot win
+                draft = self.grammar.valid_draft(req.grammar, draft)
+            if draft and self.pages.grow_from_free(req, w.num_new + len(draft)):
+                w.draft = draft
 
     def _split_running(self) -> tuple[list[Req], list[Req]]:
         """The running requests that decode this step, and those still prefilling."""
@@ -407,20 +429,24 @@ class Scheduler:
         sampling = [
             i
             for i, w in enumerate(work)
-            if w.num_new == w.req.num_uncomputed and w.req.params.max_new_tokens > 0
+            if not w.draft and w.num_new == w.req.num_uncomputed and w.req.params.max_new_tokens > 0
         ]
         last = logits.last
         if len(sampling) < len(work):
             last = last[torch.tensor(sampling, dtype=torch.int64, device=last.device)]
         next_ids = self.sampler.sample_each([work[i].req for i in sampling], last)
         tokens = dict(zip(sampling, next_ids))
-        offsets = [0, *itertools.accumulate(w.num_new for w in work)]
+        verified = self._verify(work, logits.verify)
+        offsets = [0, *itertools.accumulate(w.num_forward for w in work)]
         for i, w in enumerate(work):
             if w.req.finished:  # its sampling failed
                 self._end_running(w.req, w.req.finish_reason, outputs)
                 continue
             try:
-                self._commit_one(w, tokens.get(i), logits, i, offsets[i])
+                if w.draft:
+                    self._commit_verified(w, *verified[i])
+                else:
+                    self._commit_one(w, tokens.get(i), logits, i, offsets[i])
             except Exception as exc:  # this request alone fails; the batch goes on
                 logger.exception("committing %s failed", w.req.rid)
                 message = f"{type(exc).__name__}: {exc}"
@@ -443,16 +469,75 @@ class Scheduler:
         elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
             req.finish(FinishReason.of_length(0))
         if req.finished:
-            self.pages.release(req)
-            self.running.remove(req)
+            self._leave_finished(req)
         elif w.num_new > 1:
             self.pages.cache_unfinished(req)
+
+    def _verify(self, work: list[Work], logits) -> dict[int, tuple[Verified, torch.Tensor]]:
+        """Each drafting work's outcome and its verify rows' logits, by index in `work`; a
+        failed verification aborts its requests (the batch goes on)."""
+        index = [i for i, w in enumerate(work) if w.draft]
+        if not index:
+            return {}
+        reqs, drafts = [work[i].req for i in index], [work[i].draft for i in index]
+        try:
+            results = self.verifier.verify(reqs, drafts, logits)
+        except Exception as exc:
+            logger.exception("verifying drafts failed; aborting %d requests", len(reqs))
+            for req in reqs:
+                req.finish(FinishReason.abort(f"verifying drafts failed: {exc}", 500))
+            return {}
+        starts = itertools.accumulate((len(d) + 1 for d in drafts), initial=0)
+        rows = [logits[start : start + len(d) + 1] for start, d in zip(starts, drafts)]
+        return dict(zip(index, zip(results, rows)))
+
+    def _commit_verified(self, w: Work, verified: Verified, rows: torch.Tensor) -> None:
+        """Appends the accepted drafts and the target's token, up to the first that ends the
+        request; the K/V of what was not kept is dropped (pages past it freed)."""
+        req = w.req
+        if self.faults is not None:
+            self.faults.check("commit", [req.rid])
+        num_emitted = 0
+        for token in verified.tokens:
+            if req.logprob is not None:
+                commit_logprobs(req, req.num_computed, None, rows[num_emitted], token)
+            req.output_ids.append(token)
+            num_emitted += 1
+            self.sampler.check_finish(req, token)
+            if req.finished:
+                break
+        # K/V now covers the last token and every kept token but the newest
+        req.num_computed += num_emitted
+        self.stats.decode_tokens += num_emitted
+        self._count_verify(req, len(w.draft), min(verified.num_accepted, num_emitted))
+        if req.finished:
+            self._leave_finished(req)
+        else:
+            self.pages.trim(req)
+
+    def _leave_finished(self, req: Req) -> None:
+        """A finished request's pages to the tree; its sequence to the drafter's store."""
+        if self.drafter is not None and not req.finish_reason.is_abort:
+            self.drafter.on_finished(req)
+        self.pages.release(req)
+        self.running.remove(req)
 
     def _count_computed(self, w: Work) -> None:
         if w.num_new > 1 or not w.req.output_ids:
             self.stats.prefill_tokens_computed += w.num_new
         else:
             self.stats.decode_tokens += w.num_new
+            if w.req.spec_counts is not None:  # a decode without a draft verifies none
+                self._count_verify(w.req, 0, 0)
+
+    def _count_verify(self, req: Req, num_draft: int, num_accepted: int) -> None:
+        counts = req.spec_counts
+        counts.verify_ct += 1
+        counts.draft_tokens += num_draft
+        counts.accepted_tokens += num_accepted
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_draft_tokens += num_draft
+        self.stats.spec_accepted_tokens += num_accepted
 
 
 def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:

@@ -15,10 +15,22 @@ class EngineStats:
     evicted_pages: int = 0
     retractions: int = 0
     forward_steps: int = 0
+    spec_verify_steps: int = 0  # decode steps of speculating requests (each verifies a draft)
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # draft tokens accepted
 
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens per verify step: the accepted drafts plus the one token each step samples."""
+        steps = self.spec_verify_steps
+        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
+
     def as_dict(self) -> dict:
-        return asdict(self) | {"cache_hit_rate": self.cache_hit_rate}
+        return asdict(self) | {
+            "cache_hit_rate": self.cache_hit_rate,
+            "spec_accept_length": self.spec_accept_length,
+        }

@@ -63,7 +63,7 @@ class TokenSampler:
             [r.seed for r in reqs],
             [r.output_ids for r in reqs],
             [r.input_ids for r in reqs],
-            [self._min_tokens_stop_ids(r) for r in reqs],
+            [self.min_tokens_stop_ids(r) for r in reqs],
             logits.shape[-1],
             logits.device,
         )
@@ -72,7 +72,7 @@ class TokenSampler:
             self.grammar().mask_logits(logits, [r.grammar for r in reqs])
         return sample(logits, batch).tolist()
 
-    def _min_tokens_stop_ids(self, req: Req) -> list[int]:
+    def min_tokens_stop_ids(self, req: Req) -> list[int]:
         """Ids blocked while `req` is below min_new_tokens (none once it is past it)."""
         if len(req.output_ids) >= req.params.min_new_tokens:
             return []

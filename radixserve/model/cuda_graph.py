@@ -165,6 +165,7 @@ class DecodeGraphRunner:
         return (
             batch.num_reqs <= self.max_bs
             and not batch.return_all_logits
+            and batch.verify_indices is None
             and batch.page_table.shape[1] <= self.max_pages
             and max(batch.extend_lens) == 1
         )

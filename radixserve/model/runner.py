@@ -40,6 +40,7 @@ GiB = 1 << 30
 class LogitsOutput(NamedTuple):
     last: torch.Tensor  # [num_reqs, vocab] fp32: logits at each request's last new token
     all: torch.Tensor | None  # [num_tokens, vocab] fp32 when the batch asked for all positions
+    verify: torch.Tensor | None = None  # [num_verify_rows, vocab] fp32 at batch.verify_indices
 
 
 @dataclass
@@ -134,7 +135,10 @@ class ModelRunner:
         hidden = self.model(batch, self.attn)
         last = self.model.compute_logits(hidden[batch.last_token_indices()])
         all_logits = self.model.compute_logits(hidden) if batch.return_all_logits else None
-        return LogitsOutput(last=last, all=all_logits)
+        verify = None
+        if batch.verify_indices is not None:
+            verify = self.model.compute_logits(hidden[batch.verify_indices])
+        return LogitsOutput(last=last, all=all_logits, verify=verify)
 
 
 def kv_cache_dtype(

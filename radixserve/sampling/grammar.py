@@ -86,6 +86,40 @@ class GrammarBackend:
     def matcher(self, compiled) -> Any:
         return _xgr().GrammarMatcher(compiled)
 
+    def mask_draft_rows(self, logits: torch.Tensor, matcher: Any, draft: list[int]) -> None:
+        """Masks, in place, speculative decoding's verify rows of one request: row j with
+        the matcher advanced over draft[:j] (a valid prefix, see `valid_draft`); the matcher
+        ends where it started.
+
+        logits: [len(draft) + 1, vocab_size] fp32
+        """
+        xgr = _xgr()
+        bitmask = xgr.allocate_token_bitmask(len(draft) + 1, self.vocab_size)
+        for j, token in enumerate([*draft, None]):
+            matcher.fill_next_token_bitmask(bitmask, j)
+            if token is not None and not matcher.accept_token(token):
+                raise ValueError(f"draft token {token} violates the grammar")
+        if draft:
+            matcher.rollback(len(draft))
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
+    @staticmethod
+    def valid_draft(matcher: Any, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` the grammar allows without ending (the token that
+        ends it is the target's to choose); the matcher ends where it started."""
+        num = 0
+        for token in draft:
+            if not matcher.accept_token(token):
+                break
+            num += 1
+            if matcher.is_terminated():
+                num -= 1
+                matcher.rollback(1)
+                break
+        if num:
+            matcher.rollback(num)
+        return draft[:num]
+
     def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> None:
         """Sets to -inf, in place, every token a row's matcher forbids (None: unconstrained).
 

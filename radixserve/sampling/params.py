@@ -70,6 +70,9 @@ class SamplingParams:
     """Constrain the output to JSON valid for this schema (a JSON string or an object)."""
     ebnf: str | None = None
     """Constrain the output to this EBNF grammar (GBNF dialect, start rule `root`)."""
+    speculative: bool = True
+    """Let the engine speculate for this request when it runs with --speculative-algorithm;
+    false: decode one token per step (the output is the same either way)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -139,6 +142,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         _check_bool("no_stop_trim", self.no_stop_trim)
+        _check_bool("speculative", self.speculative)
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
 

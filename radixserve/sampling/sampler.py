@@ -142,6 +142,16 @@ def sample_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice) -> torch.Tensor:
     """Temperature, filters, then a Gumbel-max draw for `logits` = the batch's `rows`."""
+    logits = scale_and_filter(logits, batch, rows)
+    noise = gumbel_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
+    return (logits + noise).argmax(dim=-1)
+
+
+def scale_and_filter(
+    logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice
+) -> torch.Tensor:
+    """`logits` (the batch's `rows`, penalties applied) / temperature, then top-k, top-p and
+    min-p: their softmax is the distribution a draw samples from. [len(rows), V]."""
     logits = logits / batch.temperatures[rows, None]
     if batch.use_top_k or batch.use_top_p or batch.use_min_p:
         logits = filter_logits(
@@ -153,8 +163,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice
             use_top_p=batch.use_top_p,
             use_min_p=batch.use_min_p,
         )
-    noise = gumbel_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
-    return (logits + noise).argmax(dim=-1)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -247,7 +256,12 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
 
 def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise: argmax(logits + noise) is a draw from softmax(logits). [B, V]."""
-    return -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_size)))
+    return gumbel_from_uniform(uniform_noise(seeds, steps, vocab_size))
+
+
+def gumbel_from_uniform(uniform: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from U(0, 1) noise of the same shape."""
+    return -torch.log(-torch.log(uniform))
 
 
 # ---- building helpers ----------------------------------------------------------------------

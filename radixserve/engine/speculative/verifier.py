@@ -1,0 +1,146 @@
+"""Verifier: the lossless acceptance rule, applied to the target model's logits at a
+speculating request's K + 1 verify rows (row j: after the last committed token and the
+first j drafts).
+
+Greedy: accept drafts while they equal the target's argmax, then emit the argmax at the
+first mismatch (the bonus token when all were accepted). Sampling, with a deterministic
+draft (q one-hot on draft t): accept t with probability p(t); on rejection draw from p with
+t removed, renormalized; the bonus token is drawn from p. p is the distribution plain
+sampling draws from at that step (same penalties, min-tokens mask, temperature and
+filters: sampling/sampler.py), and every draw uses the request's seed and the step's
+index, so speculative outputs are reproducible. A constrained request's rows are masked
+by its grammar advanced over the drafts before each row (sampling/grammar.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.engine.request import Req
+from radixserve.sampling.grammar import GrammarBackend
+from radixserve.sampling.sampler import (
+    SamplingBatch,
+    apply_min_tokens,
+    apply_penalties,
+    gumbel_from_uniform,
+    is_plain_argmax,
+    scale_and_filter,
+    uniform_noise,
+)
+
+NO_DRAFT = -1  # the draft column of a request's last (bonus) row
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One request's outcome: the accepted drafts, then the target's own token."""
+
+    tokens: list[int]
+    num_accepted: int
+
+
+class Verifier:
+    def __init__(
+        self,
+        min_tokens_stop_ids: Callable[[Req], list[int]],
+        grammar: Callable[[], GrammarBackend] | None = None,
+    ):
+        self.min_tokens_stop_ids = min_tokens_stop_ids
+        self.grammar = grammar  # built lazily by the scheduler, as for TokenSampler
+
+    def verify(
+        self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
+    ) -> list[Verified]:
+        """logits: [sum(len(d) + 1 for d in drafts), vocab], the requests' rows in order."""
+        columns = [t for draft in drafts for t in (*draft, NO_DRAFT)]
+        draft_col = torch.tensor(columns, dtype=torch.int64, device=logits.device)
+        if any(r.grammar is not None for r in reqs):
+            logits = self._mask_grammar(reqs, drafts, logits.clone())  # callers keep theirs
+        if all(is_plain_argmax(r.params, len(r.output_ids)) for r in reqs):
+            target = logits.float().argmax(dim=-1)
+            accepted = target == draft_col
+        else:
+            batch = self._batch(reqs, drafts, logits.shape[-1], logits.device)
+            accepted, target = accept_or_replace(logits, batch, draft_col)
+        return _first_rejections(drafts, accepted.tolist(), target.tolist())
+
+    def _mask_grammar(
+        self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Each constrained request's rows masked by its grammar after the drafts before."""
+        start = 0
+        for req, draft in zip(reqs, drafts):
+            if req.grammar is not None:
+                rows = logits[start : start + len(draft) + 1]  # a view: masked in place
+                self.grammar().mask_draft_rows(rows, req.grammar, draft)
+            start += len(draft) + 1
+        return logits
+
+    def _batch(
+        self, reqs: list[Req], drafts: list[list[int]], vocab_size: int, device: torch.device
+    ) -> SamplingBatch:
+        """One sampling row per verify row: row j sees the output extended by j drafts."""
+        rows = [
+            (req, req.output_ids + draft[:j], self.min_tokens_stop_ids(req))
+            for req, draft in zip(reqs, drafts)
+            for j in range(len(draft) + 1)
+        ]
+        return SamplingBatch.build(
+            [req.params for req, _, _ in rows],
+            [req.seed for req, _, _ in rows],
+            [output for _, output, _ in rows],
+            [req.input_ids for req, _, _ in rows],
+            [stop_ids for _, _, stop_ids in rows],
+            vocab_size,
+            device,
+        )
+
+
+def accept_or_replace(
+    logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` [R, V]: whether its draft (`drafts` [R], NO_DRAFT on bonus rows)
+    is accepted, and the token emitted there if it is not. Both [R]."""
+    logits = apply_min_tokens(apply_penalties(logits.float(), batch), batch)
+    target = logits.argmax(dim=-1)
+    accepted = target == drafts
+    if batch.all_greedy:
+        return accepted, target
+    rows = batch.sample_rows
+    if rows is None:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+    ok, replaced = _accept_sampled(logits[rows], batch, rows, drafts[rows])
+    return accepted.index_copy(0, rows, ok), target.index_copy(0, rows, replaced)
+
+
+def _accept_sampled(
+    logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule for a one-hot draft: u < p(t) accepts t (u: the step's uniform
+    noise at column t); otherwise a Gumbel-max draw over the other columns, whose noise is
+    independent of u. A bonus row draws from p exactly as plain sampling does."""
+    filtered = scale_and_filter(logits, batch, rows)  # [R, V]
+    uniform = uniform_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
+    has_draft = drafts != NO_DRAFT
+    col = drafts.clamp(min=0)[:, None]  # [R, 1]
+    p_draft = filtered.softmax(dim=-1).gather(1, col)[:, 0]
+    accepted = has_draft & (uniform.gather(1, col)[:, 0] < p_draft)
+    without = filtered.scatter(1, col, float("-inf"))
+    filtered = torch.where(has_draft[:, None], without, filtered)
+    return accepted, (filtered + gumbel_from_uniform(uniform)).argmax(dim=-1)
+
+
+def _first_rejections(
+    drafts: list[list[int]], accepted: list[bool], target: list[int]
+) -> list[Verified]:
+    results, start = [], 0
+    for draft in drafts:
+        num = 0
+        while num < len(draft) and accepted[start + num]:
+            num += 1
+        results.append(Verified(draft[:num] + [target[start + num]], num))
+        start += len(draft) + 1
+    return results
