@@ -75,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2 GGUF)")
     p.add_argument("--modes", default=DEFAULT_MODES, help="quantization modes, comma-separated")
-    p.add_argument("--dtype", default="auto", help="dtype of the quantized modes (auto: bf16)")
+    p.add_argument(
+        "--dtype", default="auto", help="dtype of the quantized modes (auto: fp32, bf16 kernels)"
+    )
     p.add_argument("--group-size", type=int, default=None, help="int4 group size (32|64|128)")
     p.add_argument("--text", type=Path, default=TEXT, help="plain text to score")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
@@ -135,20 +137,21 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def resolved_dtype(args: argparse.Namespace, mode: str) -> str:
-    """fp32 for the reference; otherwise `--dtype`, with auto resolved as the engine does."""
-    if mode == REFERENCE:
-        return "float32"
-    load = LoadConfig(device="cpu", quantization=mode, dtype=args.dtype)
-    return str(load.torch_dtype()).removeprefix("torch.")
+def dtype_label(mode: str, dtype: str) -> str:
+    """The model dtype, and the int kernels' where they differ (auto: float32/bfloat16)."""
+    load = LoadConfig(device="cpu", quantization=mode, dtype=dtype)
+    model = str(load.torch_dtype()).removeprefix("torch.")
+    kernels = str(load.quant_compute_dtype()).removeprefix("torch.")
+    return model if mode in (REFERENCE, "none") or kernels == model else f"{model}/{kernels}"
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> ModeRun:
-    dtype = resolved_dtype(args, mode)
+    dtype = "float32" if mode == REFERENCE else args.dtype
     start = time.perf_counter()
     group_size = args.group_size if mode == "int4" else None
     kwargs = {"quantization": mode, "quantization_group_size": group_size}
     engine = Engine(args.model, dtype=dtype, device="cpu", **kwargs)
+    dtype = dtype_label(mode, dtype)
     load_s = time.perf_counter() - start
     try:
         ids = text_ids(engine, args)
