@@ -138,11 +138,12 @@ def mean(values: list[float]) -> float:
 
 
 def dtype_label(mode: str, dtype: str) -> str:
-    """The model dtype, and the int kernels' where they differ (auto: float32/bfloat16)."""
+    """The model dtype, and the int kernels' where they differ (auto: float32/bf16)."""
     load = LoadConfig(device="cpu", quantization=mode, dtype=dtype)
     model = str(load.torch_dtype()).removeprefix("torch.")
     kernels = str(load.quant_compute_dtype()).removeprefix("torch.")
-    return model if mode in (REFERENCE, "none") or kernels == model else f"{model}/{kernels}"
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[kernels]
+    return model if mode in (REFERENCE, "none") or kernels == model else f"{model}/{short}"
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> ModeRun:
@@ -201,7 +202,7 @@ COLUMNS = (
 
 
 def print_row(cells) -> None:
-    print("".join(f"{c:>12}" for c in cells), flush=True)
+    print(" ".join(f"{c:>12}" for c in cells), flush=True)
 
 
 def format_row(r: Row) -> tuple:

@@ -22,7 +22,7 @@ def test_quant_quality_smoke(tiny_chat_model, tmp_path):
     assert list(rows) == ["none", "int8"]
     assert all(r["num_scored_tokens"] == 95 for r in rows.values())  # every token but the first
     assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows.values())
-    assert rows["none"]["dtype"] == "float32" and rows["int8"]["dtype"] == "float32/bfloat16"
+    assert rows["none"]["dtype"] == "float32" and rows["int8"]["dtype"] == "float32/bf16"
     assert rows["none"]["top1_agreement"] == 1.0 and rows["none"]["greedy_agreement"] == 1.0
     assert 0 <= rows["int8"]["top1_agreement"] <= 1
     assert [t["target"] for t in data["targets"]] == ["int8 perplexity within 1% of fp32"]
