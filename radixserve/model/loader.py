@@ -51,12 +51,12 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
         )
     source = resolve_model(load_config.model)
     if load_config.quantization == "gguf":
-        _refuse_sharded_quantization("gguf", tp)
+        refuse_sharded_quantization("gguf", tp.size)
         return _load_gguf_as_is(source, load_config)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     load_config = resolve_quantization(load_config, hf_config)
-    _refuse_sharded_quantization(load_config.quantization, tp)
+    refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
     check_quantization(load_config, config)
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
@@ -73,6 +73,16 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
     return _loaded(model, config, tokenizer_path, source.name, load_config)
+
+
+def peek_model_config(load_config: LoadConfig) -> ModelConfig:
+    """The model's config without its weights (a GGUF file is converted, once, here)."""
+    source = resolve_model(load_config.model)
+    if load_config.quantization == "gguf" and source.kind == "gguf":
+        return ModelConfig.from_hf_dict(gguf_hf_config(read_gguf(source.path), source.path))
+    folder = _hf_folder(source, load_config.load_format)
+    hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
+    return ModelConfig.from_hf_dict(hf_config)
 
 
 def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedModel:
@@ -94,11 +104,11 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> LoadedMode
     return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
-def _refuse_sharded_quantization(method: str, tp: TPGroup) -> None:
+def refuse_sharded_quantization(method: str, tp_size: int) -> None:
     """Packed int8 / int4 / fp8 / GGUF / GPTQ / AWQ layouts are not sharded yet."""
-    if tp.size > 1 and method != "none":
+    if tp_size > 1 and method not in ("none", "auto"):
         raise QuantizationError(
-            f"--quantization {method} is not supported with --tp-size {tp.size} yet (its packed "
+            f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
             "weights are not sharded); use --quantization none or --tp-size 1"
         )
 

@@ -28,9 +28,10 @@ from radixserve.config import CacheConfig, LoadConfig, ModelConfig, ParallelConf
 from radixserve.distributed.group import RankFailedError
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.loader import LoadedModel
+from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
 from radixserve.model.runner import LogitsOutput, ModelRunner
 from radixserve.model.tp_batch import pack_batch
+from radixserve.model.tp_shard import check_tp_size
 from radixserve.model.tp_worker import RankSpec, build_rank, run_tp_worker
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class TPModelRunner:
     ) -> TPModelRunner:
         """Spawns ranks 1..tp-1, builds rank 0 here, returns once every rank is ready."""
         parallel_config.verify()
+        # refused before any process starts; `auto` resolving to a packed method is refused
+        # by every rank's loader
+        refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
+        check_tp_size(peek_model_config(load_config), parallel_config.tp_size)
         spec = RankSpec(
             load_config=load_config,
             cache_config=cache_config,
