@@ -13,7 +13,7 @@ dummy weights and runs, timed as medians over --repeats:
 - check: greedy next tokens of the prefill batch equal tp 1's, and the largest logit gap.
 On 2 shared CPU cores tp 2 is expected to be slower (the point there is the overhead).
 
-Run:  python benchmarks/tp_scaling.py [--tp-sizes 1,2] [--model smollm2-135m] [--out F.json]
+Run:  python benchmarks/tp_scaling.py [--tp-sizes 1,2] [--model NAME_OR_FOLDER] [--out F.json]
       GPU: python benchmarks/tp_scaling.py --model llama-3-8b   (bf16, Llama-3-8B shapes)
 """
 
@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,7 +83,11 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="built-in config (default: per device)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="built-in config or HF folder (default: llama-3-8b on CUDA, CPU_MODEL on CPU)",
+    )
     p.add_argument("--tp-sizes", default=None, help="comma-separated (default: per device)")
     p.add_argument("--prefill-reqs", type=int, default=4)
     p.add_argument("--prefill-len", type=int, default=256)
@@ -100,8 +105,26 @@ def default_sizes() -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= torch.cuda.device_count()]
 
 
+# CPU default: Llama-shaped (GQA 16/8 heads), small enough for fp32 on a laptop. The default
+# SmolLM2-135M has 9 heads / 3 KV heads, which split over 3 or 9 ranks only.
+CPU_MODEL = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+}  # fmt: skip
+
+
+def default_model(device: str) -> str:
+    if device == "cuda":
+        return "llama-3-8b"
+    folder = Path(tempfile.mkdtemp(prefix="tp_scaling_"))
+    (folder / "config.json").write_text(json.dumps(CPU_MODEL))
+    return str(folder)
+
+
 def build(args: argparse.Namespace, tp: int, device: str):
-    model = args.model or ("llama-3-8b" if device == "cuda" else "smollm2-135m")
+    model = args.model or default_model(device)
     dtype = "bfloat16" if device == "cuda" else "float32"
     load = LoadConfig(model=model, load_format="dummy", dtype=dtype, device=device)
     tokens = args.decode_batch * (args.context + 16) + args.prefill_reqs * args.prefill_len

@@ -101,7 +101,7 @@ def tp_engine(tiny_chat_model):
     engine.shutdown()
 
 
-def test_engine_tp2_cache_hits_logprobs_and_retraction_match_one_process(
+def test_engine_tp2_cache_hits_logprobs_grammar_and_retraction_match_one_process(
     tp_engine, tiny_chat_model
 ):
     one = make_engine(tiny_chat_model, max_total_tokens=640, chunked_prefill_size=64)
@@ -115,6 +115,9 @@ def test_engine_tp2_cache_hits_logprobs_and_retraction_match_one_process(
             w_lp = [lp for lp, *_ in w["meta_info"]["output_token_logprobs"]]
             assert g_lp == pytest.approx(w_lp, abs=1e-4)
     assert got[0]["meta_info"]["cached_tokens"] == 64  # the warm round hit the tree
+    constrained = {"input_ids": prompts[0], "sampling_params": greedy(8, regex="[0-9]{3}")}
+    got, want = tp_engine.generate(**constrained), one.generate(**constrained)
+    assert got["output_ids"] == want["output_ids"] and got["text"].isdigit()  # mask on rank 0
     many = [prompt_ids(i, 24) for i in range(16)]
     got = tp_engine.generate(input_ids=many, sampling_params=greedy(60))
     want = one.generate(input_ids=many, sampling_params=greedy(60))
@@ -135,3 +138,29 @@ def test_a_killed_rank_ends_the_engine_with_an_error(tp_engine):
         tp_engine.generate(input_ids=[prompt_ids(1, 8)], sampling_params=greedy(4))
     tp_engine.shutdown()
     assert not worker.process.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "tp_size", "kv_of_rank"), [(2, 4, [0, 0, 1, 1]), (4, 2, [0, 2])]
+)
+def test_shard_layout_splits_heads_and_replicates_kv_heads(kv_heads, tp_size, kv_of_rank):
+    from radixserve.config import ModelConfig
+    from radixserve.model.tp_shard import ShardLayout
+
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+        "vocab_size": 256, "attention_bias": True,
+    }  # fmt: skip
+    config = ModelConfig.from_hf_dict(hf)
+    layouts = [ShardLayout(config, rank, tp_size) for rank in range(tp_size)]
+    assert [lay.kv_head_start for lay in layouts] == kv_of_rank
+    for name, dim in (("model.layers.0.self_attn.q_proj.weight", 0),
+                      ("model.layers.0.mlp.down_proj.weight", 1),
+                      ("model.embed_tokens.weight", 0)):  # fmt: skip
+        full = torch.randn(256 if "embed" in name else 64, 64 if dim == 0 else 128)
+        parts = [lay.select(name, full) for lay in layouts]
+        torch.testing.assert_close(torch.cat(parts, dim=dim), full)
+    bias = torch.ones(64)  # row-parallel bias: summed over ranks it must count once
+    total = sum(lay.select("model.layers.0.self_attn.o_proj.bias", bias) for lay in layouts)
+    torch.testing.assert_close(total, bias)

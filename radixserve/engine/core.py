@@ -38,14 +38,14 @@ class EngineCore:
         parallel_config.verify()
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         try:
-            return cls._around(loaded, runner, scheduler_config)
+            return cls._assemble(loaded, runner, scheduler_config)
         except BaseException:
             if isinstance(runner, TPModelRunner):
                 runner.close()
             raise
 
     @classmethod
-    def _around(
+    def _assemble(
         cls,
         loaded: LoadedModel,
         runner: ModelRunner | TPModelRunner,

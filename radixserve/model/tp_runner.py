@@ -78,6 +78,7 @@ class TPModelRunner:
         # refused before any process starts; `auto` resolving to a packed method is refused
         # by every rank's loader
         refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
+        parallel_config.torch_backend(load_config.torch_device())  # nccl off CUDA: refused
         check_tp_size(peek_model_config(load_config), parallel_config.tp_size)
         spec = RankSpec(
             load_config=load_config,
