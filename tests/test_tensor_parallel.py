@@ -12,8 +12,15 @@ import time
 import pytest
 import torch
 
-from conftest import SYSTEM, greedy, greedy_generate, make_engine, make_runner, prompt_ids
-from conftest import save_tiny_model as save_model
+from conftest import (
+    SYSTEM,
+    greedy,
+    greedy_generate,
+    make_engine,
+    make_runner,
+    prompt_ids,
+    save_tiny_model,
+)
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig
 from radixserve.engine.client import EngineDeadError
 from radixserve.forward_batch import ForwardBatch
@@ -57,7 +64,7 @@ def test_tp2_matches_one_process(arch, overrides, tmp_path, monkeypatch):
 
     base = conftest.TINY_CONFIGS[arch]
     monkeypatch.setitem(conftest.TINY_CONFIGS, arch, lambda: _with(base(), overrides))
-    folder = save_model(arch, tmp_path / arch)
+    folder = save_tiny_model(arch, tmp_path / arch)
     one = make_runner(folder, max_total_tokens=1024)
     expected_tokens = greedy_generate(one, PROMPTS, 8)
     expected_logits = prefill_logits(one, PROMPTS)
