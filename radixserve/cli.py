@@ -9,7 +9,13 @@ import sys
 import time
 
 from radixserve.cli_args import add_dataclass_args, field_names
-from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig, ServerConfig
+from radixserve.config import (
+    CacheConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(gen, CacheConfig, "KV cache")
     add_dataclass_args(gen, SchedulerConfig, "scheduler")
+    add_dataclass_args(gen, ParallelConfig, "parallelism")
     srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
     srv.add_argument("model_arg", nargs="?", metavar="MODEL", help="model (default: SmolLM2)")
     add_dataclass_args(srv, ServerConfig, "server")
@@ -34,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(srv, CacheConfig, "KV cache")
     add_dataclass_args(srv, SchedulerConfig, "scheduler")
+    add_dataclass_args(srv, ParallelConfig, "parallelism")
     # listed for --help only: main hands everything after `bench` to radixserve_bench
     sub.add_parser("bench", add_help=False, help="benchmark serving workloads (see `bench -h`)")
     return parser
@@ -42,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_args_from(args: argparse.Namespace) -> dict:
     return {
         name: getattr(args, name)
-        for cls in (LoadConfig, CacheConfig, SchedulerConfig)
+        for cls in (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig)
         for name in field_names(cls)
     }
 

@@ -306,11 +306,53 @@ class SchedulerConfig:
             )
 
 
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism: how many ranks share the model, and how they talk."""
+
+    tp_size: int = 1
+    """Tensor-parallel ranks (processes, one device each); rank 0 runs the scheduler and the
+    radix cache, every rank holds 1/tp of the attention heads, MLP and vocabulary."""
+    dist_backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU) | nccl | gloo: the torch.distributed backend of
+    --tp-size > 1."""
+    dist_init_addr: str | None = None
+    """host:port where the ranks rendezvous (rank 0 listens there); default: a free loopback
+    port. For multi-node later: an address every node reaches."""
+    dist_timeout: float = 300.0
+    """Seconds a collective (or the rendezvous) may wait for the other ranks before the engine
+    stops with an error; a rank that exits is noticed sooner."""
+
+    def verify(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
+        if self.dist_backend not in DIST_BACKENDS:
+            allowed = ", ".join(DIST_BACKENDS)
+            raise ValueError(f"--dist-backend must be one of {allowed}; got {self.dist_backend!r}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--dist-init-addr must be host:port; got {self.dist_init_addr!r}")
+
+    def torch_backend(self, device: torch.device) -> str:
+        """The backend `auto` means on `device`; nccl only on CUDA."""
+        if self.dist_backend == "auto":
+            return "nccl" if device.type == "cuda" else "gloo"
+        if self.dist_backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"--dist-backend nccl needs CUDA; the model runs on {device}")
+        return self.dist_backend
+
+
 def split_engine_kwargs(
     model_path: str | None, kwargs: dict[str, Any]
-) -> tuple[LoadConfig, CacheConfig, SchedulerConfig]:
+) -> tuple[LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
     """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses."""
-    groups = (LoadConfig, CacheConfig, SchedulerConfig)
+    groups = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig)
     values: dict[type, dict[str, Any]] = {cls: {} for cls in groups}
     if model_path is not None:
         values[LoadConfig]["model"] = model_path
@@ -323,6 +365,7 @@ def split_engine_kwargs(
         LoadConfig(**values[LoadConfig]),
         CacheConfig(**values[CacheConfig]),
         SchedulerConfig(**values[SchedulerConfig]),
+        ParallelConfig(**values[ParallelConfig]),
     )
 
 

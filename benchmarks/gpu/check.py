@@ -12,6 +12,9 @@ Sections (each one skipped with a reason when a dependency is missing or time ru
      vs its roofline), a bare decode step at batch 1 and 64 x 4k context, an 8k-token prefill step
   4. shared_prefix: the shared-prefix bench's small preset, radix cache vs none
   5. transformers: HF `generate` on the same shape at batch 1 and 64
+  6. tensor_parallel: only where more than one GPU is visible: benchmarks/tp_scaling.py on
+     dummy Llama-3-8B at tp 1/2/4/8 (nccl), prefill / decode tok/s against the per-device
+     roofline, greedy tokens checked against tp 1
 Prints the tables and the targets last (gpu_report.py); writes every number as JSON into
 OUT_DIR after each section, so a run cut short still leaves what it measured.
 
@@ -586,6 +589,23 @@ def smoke_shapes(out_dir: Path) -> Shapes:
     return replace(SMOKE, model=str(folder))
 
 
+@section("tensor_parallel", min_left_s=90)
+def tensor_parallel(ctx: Run) -> dict[str, Any]:
+    """benchmarks/tp_scaling.py in its own process (its ranks are spawned processes)."""
+    import subprocess
+
+    gpus = torch.cuda.device_count() if ctx.device == "cuda" else 0
+    if gpus < 2:
+        return {"skipped": f"{gpus} GPU(s) visible; tensor parallelism needs 2 or more"}
+    sizes = ",".join(str(n) for n in (1, 2, 4, 8) if n <= gpus)
+    out = ctx.out_dir / "tp_scaling.json"
+    script = ROOT / "benchmarks" / "tp_scaling.py"
+    cmd = [sys.executable, str(script), "--model", ctx.shapes.model, "--tp-sizes", sizes]
+    cmd += ["--repeats", "3", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=max(ctx.left() - 10, 30))
+    return json.loads(out.read_text())
+
+
 def main() -> None:
     import_kernels_package()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -604,7 +624,10 @@ def main() -> None:
         "python": platform.python_version(),
         "shapes": "smoke" if args.smoke else "full",
     }
-    steps = (device_rates, kernels, quant_kernels, engine, shared_prefix, transformers_generate)
+    steps = (
+        device_rates, kernels, quant_kernels, engine, shared_prefix, transformers_generate,
+        tensor_parallel,
+    )  # fmt: skip
     for step in steps:
         step(run)
     RESULTS["total_s"] = args.budget_s - run.left()

@@ -118,8 +118,8 @@ class KVPool:
         self.k = torch.empty(dims, dtype=dtype, device=self.device)
         self.v = torch.empty(dims, dtype=dtype, device=self.device)
         self.allocator = PageAllocator(shape.num_pages)
-        self.allocator.on_first_use = self._zero_pages
-        self._zero_pages(torch.arange(RESERVED_PAGES))
+        self.allocator.on_first_use = self.zero_pages
+        self.zero_pages(torch.arange(RESERVED_PAGES))
 
     @classmethod
     def for_model(
@@ -170,7 +170,8 @@ class KVPool:
             return page_table
         return page_table + self.allocator.allocate(missing).tolist()
 
-    def _zero_pages(self, pages: torch.Tensor) -> None:
+    def zero_pages(self, pages: torch.Tensor) -> None:
+        """Zeroes the K/V of `pages` (a page id tensor) in every layer."""
         pages = pages.to(self.device)
         for buf in (self.k, self.v):
             buf.view(buf.shape[0], -1, self.page_size * buf.shape[2] * buf.shape[3]).index_fill_(

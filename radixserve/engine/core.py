@@ -9,32 +9,49 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.radix_cache import create_prefix_cache
-from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
+from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from radixserve.engine.scheduler import Scheduler
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
+from radixserve.model.tp_runner import TPModelRunner
 
 
 @dataclass
 class EngineCore:
     loaded: LoadedModel
-    runner: ModelRunner
+    runner: ModelRunner | TPModelRunner
     scheduler: Scheduler
     tokenizer: Any
     context_length: int
 
     @classmethod
     def build(
-        cls, load_config: LoadConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+        cls,
+        load_config: LoadConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        parallel_config: ParallelConfig | None = None,
     ) -> EngineCore:
         scheduler_config.verify()
-        loaded = load_model(load_config)
-        context_length = scheduler_config.context_length or loaded.config.max_position_embeddings
-        # the RoPE table is built before any CUDA graph captures it (positions are never
-        # read on the host to grow it later)
-        loaded.model.rotary.reserve(context_length, load_config.torch_device())
-        runner = ModelRunner.from_loaded(loaded, load_config, cache_config)
+        parallel_config = parallel_config or ParallelConfig()
+        parallel_config.verify()
+        loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
+        try:
+            return cls._assemble(loaded, runner, scheduler_config)
+        except BaseException:
+            if isinstance(runner, TPModelRunner):
+                runner.close()
+            raise
+
+    @classmethod
+    def _assemble(
+        cls,
+        loaded: LoadedModel,
+        runner: ModelRunner | TPModelRunner,
+        scheduler_config: SchedulerConfig,
+    ) -> EngineCore:
+        """The tokenizer, prefix cache and scheduler around a built runner."""
         tokenizer = load_tokenizer(loaded)
         pool = runner.pool
         cache = create_prefix_cache(
@@ -44,7 +61,12 @@ class EngineCore:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         scheduler = Scheduler(runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer)
-        return cls(loaded, runner, scheduler, tokenizer, context_length)
+        return cls(loaded, runner, scheduler, tokenizer, _context_length(scheduler_config, loaded))
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any (a single process holds nothing to stop)."""
+        if isinstance(self.runner, TPModelRunner):
+            self.runner.close()
 
     @property
     def cache(self):
@@ -83,3 +105,28 @@ class EngineCore:
             "grammar_cache_hits": grammar.cache_hits if grammar else 0,
             **scheduler.stats.as_dict(),
         }
+
+
+def _context_length(scheduler_config: SchedulerConfig, loaded: LoadedModel) -> int:
+    return scheduler_config.context_length or loaded.config.max_position_embeddings
+
+
+def _build_runner(
+    load_config: LoadConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    parallel_config: ParallelConfig,
+) -> tuple[LoadedModel, ModelRunner | TPModelRunner]:
+    """One process's runner, or rank 0's TPModelRunner driving the other ranks."""
+    if parallel_config.tp_size > 1:
+        runner = TPModelRunner.create(
+            load_config, cache_config, parallel_config, scheduler_config.context_length
+        )
+        return runner.loaded, runner
+    loaded = load_model(load_config)
+    # the RoPE table is built before any CUDA graph captures it (positions are never read on
+    # the host to grow it later)
+    loaded.model.rotary.reserve(
+        _context_length(scheduler_config, loaded), load_config.torch_device()
+    )
+    return loaded, ModelRunner.from_loaded(loaded, load_config, cache_config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from radixserve.distributed.group import RankFailedError
 from radixserve.engine.core import EngineCore
 from radixserve.engine.deltas import DeltaTracker
 from radixserve.engine.protocol import (
@@ -72,6 +73,8 @@ class CoreLoop:
         try:
             changed = scheduler.step()
             progressed = scheduler.last_step_progressed
+        except RankFailedError:  # the ranks are out of step: the engine cannot go on
+            raise
         except Exception as exc:  # a broken step must not take the server down
             logger.exception("engine step failed; aborting every request")
             changed = scheduler.abort_all(f"engine step failed: {type(exc).__name__}: {exc}")

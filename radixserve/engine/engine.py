@@ -114,6 +114,7 @@ class Engine:
             self._closed = True
             self.client.close()
             self._loop.stop()
+            self.core.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -20,6 +20,7 @@ import torch
 
 from radixserve.cache.prefix_cache import MatchResult, PrefixCache
 from radixserve.config import SchedulerConfig
+from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.logprobs import commit_logprobs
@@ -143,6 +144,8 @@ class Scheduler:
         if work:
             try:
                 logits = self._forward(work)
+            except RankFailedError:  # tensor-parallel ranks out of step: the engine stops
+                raise
             except Exception as exc:  # no one request to blame: the step's requests end
                 logger.exception("forward failed; aborting the step's %d requests", len(work))
                 for w in work:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.config import ModelConfig
+from radixserve.distributed.group import TPGroup
 from radixserve.model.quant.linear import UnquantizedLinear
 
 
@@ -28,16 +29,37 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
+    parallelism `intermediate_size` is this rank's share: gate/up are column-parallel, down
+    row-parallel, and one all-reduce sums the ranks' partial outputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = UnquantizedLinear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = UnquantizedLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embedding over this rank's rows [vocab_start, vocab_start + rows): ids outside
+    them look up zeros, and an all-reduce assembles every token's row."""
+
+    def __init__(self, rows: int, hidden_size: int, vocab_start: int, tp: TPGroup):
+        super().__init__(rows, hidden_size)
+        self.vocab_start = vocab_start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

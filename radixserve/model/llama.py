@@ -3,7 +3,9 @@
 One class covers all four; ModelConfig carries the differences: qkv bias (Qwen2), per-head
 q/k RMSNorm before RoPE (Qwen3), sliding window (Mistral, applied by the attention backend),
 tied embeddings. q/k/v and gate/up are fused into single matmuls; `load_weights` maps the
-HF checkpoint names onto the fused parameters.
+HF checkpoint names onto the fused parameters. Under tensor parallelism (`tp`, `layout`) each
+rank builds only its shard (model/tp_shard.py) and the loader hands it only its part of each
+checkpoint tensor; one all-reduce follows o_proj and one down_proj.
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ from torch import nn
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig
+from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
-from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from radixserve.model.quant.linear import UnquantizedLinear
+from radixserve.model.tp_shard import ShardLayout
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -55,14 +60,14 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
         out = attn.forward(q, k, v, self.layer, batch)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.self_attn = LlamaAttention(config, layer, layout, tp)
+        self.mlp = GatedMLP(config.hidden_size, layout.intermediate_size, config.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,16 +85,22 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids of a ForwardBatch -> final hidden states; `compute_logits` applies the LM head."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp = tp or TPGroup.single()
+        self.layout = layout = ShardLayout(config, tp.rank, tp.size)
+        self.embed_tokens = VocabParallelEmbedding(
+            layout.vocab_size, config.hidden_size, layout.vocab_start, tp
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, layout, tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = UnquantizedLinear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = UnquantizedLinear(config.hidden_size, layout.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -100,7 +111,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> fp32 logits [n, vocab_size]."""
+        """[n, hidden_size] -> fp32 logits [n, vocab_size] (each rank's vocab rows, gathered)."""
+        return self.tp.all_gather_last_dim(self._local_logits(hidden))
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding is the head
             return (hidden @ self.embed_tokens.weight.t()).float()
         if isinstance(self.lm_head, UnquantizedLinear):
@@ -108,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors into the (fused) parameters; raises on missing/unknown ones."""
+        """Copies HF-named tensors into the (fused) parameters; raises on missing/unknown ones.
+        Under tensor parallelism each tensor is already this rank's part (`layout.select`)."""
         params = dict(self.named_parameters())
         parts_loaded = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
@@ -134,6 +149,36 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint is missing tensors for {len(missing)} parameters: {shown}"
             )
+
+
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a full HF checkpoint of `config`, in checkpoint order, with its shape."""
+    hidden, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    layer = {"input_layernorm.weight": (hidden,)}
+    for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        layer[f"self_attn.{proj}.weight"] = (rows, hidden)
+        if config.qkv_bias:
+            layer[f"self_attn.{proj}.bias"] = (rows,)
+    if config.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    layer["self_attn.o_proj.weight"] = (hidden, q)
+    if config.o_bias:
+        layer["self_attn.o_proj.bias"] = (hidden,)
+    layer["post_attention_layernorm.weight"] = (hidden,)
+    for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden))):
+        layer[f"mlp.{proj}.weight"] = shape
+    layer["mlp.down_proj.weight"] = (hidden, inter)
+    if config.mlp_bias:
+        layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)}
+        layer["mlp.down_proj.bias"] = (hidden,)
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
 
 
 # HF name part -> (our fused parameter part, rows of it that the HF tensor fills)

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from radixserve.config import LoadConfig, ModelConfig
+from radixserve.distributed.group import TPGroup
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.llama import LlamaForCausalLM, hf_weight_shapes
 from radixserve.model.quant.gguf_weights import (
     field,
     gguf_hf_config,
@@ -31,6 +32,7 @@ from radixserve.model.quant.quantize import (
     set_compute_dtype,
 )
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
+from radixserve.model.tp_shard import ShardLayout
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -45,33 +47,38 @@ class LoadedModel:
     dtype: torch.dtype  # what the model computes in (--dtype auto resolved with it)
 
 
-def load_model(load_config: LoadConfig) -> LoadedModel:
-    """Resolves `load_config.model`, reads its config, builds the model and fills its weights."""
+def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedModel:
+    """Resolves `load_config.model`, reads its config, builds the model and fills its weights.
+    With a tensor-parallel group, builds this rank's shard and reads only its part of each
+    checkpoint tensor (never the full model)."""
+    tp = tp or TPGroup.single()
     if load_config.load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_config.load_format!r}"
         )
     source = resolve_model(load_config.model)
     if load_config.quantization == "gguf":
+        refuse_sharded_quantization("gguf", tp.size)
         return _load_gguf_as_is(source, load_config)
-    if _may_load_gguf_as_is(source, load_config):
+    if _may_load_gguf_as_is(source, load_config, tp.size):
         reader = read_gguf(source.path)
         if loads_as_is(reader):
             return _load_gguf_as_is(source, replace(load_config, quantization="gguf"), reader)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     load_config = resolve_quantization(load_config, hf_config)
+    refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
     check_quantization(load_config, config)
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
-    model = _empty_model(config, device, dtype)
+    model = _empty_model(config, device, dtype, tp)
     if load_config.load_format == "dummy":
-        _fill_dummy(model, load_config.seed)
+        model.load_weights(_dummy_weights(model.layout, load_config.seed, device, dtype))
     elif load_config.quantization in PACKED_METHODS:
         fmt = PackedFormat.from_hf_config(hf_config)
         load_packed_weights(model, _iter_safetensors(folder), fmt)
     else:
-        model.load_weights(_iter_safetensors(folder))
+        model.load_weights(_iter_safetensors(folder, model.layout))
     quantize_model(model, load_config)
     set_compute_dtype(model, load_config.quant_compute_dtype())
     set_batch_invariant(model, load_config.enable_deterministic_inference)
@@ -80,10 +87,22 @@ def load_model(load_config: LoadConfig) -> LoadedModel:
     return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
-def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> bool:
-    """`auto` on a .gguf file on CPU: gguf if its blocks load as they are (`loads_as_is`)."""
+def peek_model_config(load_config: LoadConfig) -> ModelConfig:
+    """The model's config without its weights (a GGUF file is converted, once, here)."""
+    source = resolve_model(load_config.model)
+    if load_config.quantization == "gguf" and source.kind == "gguf":
+        return ModelConfig.from_hf_dict(gguf_hf_config(read_gguf(source.path), source.path))
+    folder = _hf_folder(source, load_config.load_format)
+    hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
+    return ModelConfig.from_hf_dict(hf_config)
+
+
+def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig, tp_size: int) -> bool:
+    """`auto` on a .gguf file on CPU, one rank: gguf if its blocks load as they are
+    (`loads_as_is`); sharded ranks read the dequantized copy (packed layouts are not sharded)."""
     return (
-        load_config.quantization == "auto"
+        tp_size == 1
+        and load_config.quantization == "auto"
         and source.kind == "gguf"
         and load_config.load_format in ("auto", "gguf")
         and load_config.torch_device().type == "cpu"
@@ -108,6 +127,15 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     tokenizer_path = tokenizer_folder(source.path) if has_vocab else None
     return _loaded(model, config, tokenizer_path, source.name, load_config)
+
+
+def refuse_sharded_quantization(method: str, tp_size: int) -> None:
+    """Packed int8 / int4 / fp8 / GGUF / GPTQ / AWQ layouts are not sharded yet."""
+    if tp_size > 1 and method not in ("none", "auto"):
+        raise QuantizationError(
+            f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
+            "weights are not sharded); use --quantization none or --tp-size 1"
+        )
 
 
 def _loaded(model, config, tokenizer_path, name, load_config: LoadConfig) -> LoadedModel:
@@ -165,24 +193,30 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def _empty_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None
+) -> LlamaForCausalLM:
     """Builds the model on the meta device (no init cost), then allocates it uninitialized."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     return model.to_empty(device=device)
 
 
-def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights, seeded: small normal matrices, unit norms, zero biases."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
+def _dummy_weights(
+    layout: ShardLayout, seed: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random HF-named weights, seeded: small normal matrices, unit norms, zero biases. Each
+    full tensor is drawn in turn and this rank keeps its part, so every tp size gets the same
+    model."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in hf_weight_shapes(layout.config).items():
+        if name.endswith("norm.weight"):
+            full = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            full = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        yield name, layout.select(name, full)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -201,13 +235,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(
+    folder: Path, layout: ShardLayout | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor; with a layout, only this rank's part of each
+    is read from the file."""
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if layout is None or layout.size == 1:
+                        yield name, f.get_tensor(name)
+                    else:
+                        yield name, layout.select(name, f.get_slice(name))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read safetensors file {path}: {exc}") from exc

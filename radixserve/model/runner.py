@@ -65,23 +65,28 @@ class ModelRunner:
         load_config: LoadConfig | None = None,
         cache_config: CacheConfig | None = None,
     ) -> ModelRunner:
+        """Under tensor parallelism every rank calls this at once: the pool and attention
+        take the rank's shard of the heads, and all ranks agree on the smallest pool."""
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
         device, dtype = load_config.torch_device(), loaded.dtype
+        local = loaded.model.layout.local_config()  # this rank's heads (all, without TP)
         graphs = device.type == "cuda" and not cache_config.disable_cuda_graph
         reserve = 0
         if graphs:
             sizes = capture_batch_sizes(cache_config.cuda_graph_max_bs)
-            reserve = estimate_graph_memory(loaded.config, sizes, dtype)
+            reserve = estimate_graph_memory(local, sizes, dtype)
         budget = kv_budget_bytes(cache_config, device, reserve_bytes=reserve)
+        if budget is not None:
+            budget = loaded.model.tp.min_int(budget, device)
         kv_dtype = kv_cache_dtype(cache_config, dtype, device)
-        pool = KVPool.for_model(loaded.config, cache_config, kv_dtype, device, budget_bytes=budget)
+        pool = KVPool.for_model(local, cache_config, kv_dtype, device, budget_bytes=budget)
         attn = create_attention_backend(
             cache_config.attention_backend,
             pool,
             device,
             sliding_window=loaded.config.sliding_window,
-            num_heads=loaded.config.num_heads,
+            num_heads=local.num_heads,
         )
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
         if graphs and not attn.supports_cuda_graph:

@@ -49,8 +49,11 @@ class MultiprocessClient(EngineClient):
             os.environ.setdefault(name, value)  # read by the child's OpenMP at start
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        # a daemonic process may not start processes: with --tp-size > 1 the core spawns its
+        # ranks, so it is not daemonic then (close() still joins or terminates it)
+        daemon = self.engine_kwargs.get("tp_size", 1) == 1
         self._process = ctx.Process(
-            target=run_core, args=(child, self.engine_kwargs, self.log_level), daemon=True
+            target=run_core, args=(child, self.engine_kwargs, self.log_level), daemon=daemon
         )
         self._process.start()
         child.close()

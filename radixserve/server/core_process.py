@@ -29,7 +29,10 @@ def run_core(conn: Connection, engine_kwargs: dict[str, Any], log_level: str = "
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     core = EngineCore.build(*split_engine_kwargs(None, dict(engine_kwargs)))
     conn.send_bytes(encode(Ready(info=core_info(core))))
-    CoreLoop(core, PipeTransport(conn)).run()
+    try:
+        CoreLoop(core, PipeTransport(conn)).run()
+    finally:
+        core.close()
 
 
 def core_info(core: EngineCore) -> dict[str, Any]:

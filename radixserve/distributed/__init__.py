@@ -1,0 +1,1 @@
+"""Tensor parallelism's communication: the rank group and its collectives."""

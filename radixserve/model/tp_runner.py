@@ -1,0 +1,222 @@
+"""TPModelRunner: the model runner of a tensor-parallel engine, on rank 0.
+
+It looks like a ModelRunner to the scheduler (pool, config, device, forward) and owns the
+worker processes of ranks 1..tp-1. Rank 0's own shard is an ordinary ModelRunner; each
+forward first sends the batch to the other ranks (tp_batch.py), then runs it, the collectives
+inside the model keeping the ranks in step; the gathered logits land on every rank and rank 0
+samples from them. The allocator lives on rank 0 only, so pages it hands out for the first
+time travel with the next batch to be zeroed everywhere.
+
+Any failure inside a forward (a rank that died, a collective that timed out, a bug on one
+rank) leaves the ranks out of step: it raises RankFailedError, which stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig
+from radixserve.distributed.group import RankFailedError
+from radixserve.forward_batch import ForwardBatch
+from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
+from radixserve.model.runner import LogitsOutput, ModelRunner
+from radixserve.model.tp_batch import pack_batch
+from radixserve.model.tp_shard import check_tp_size
+from radixserve.model.tp_worker import RankSpec, build_rank, run_tp_worker
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 10.0  # a worker told to stop that has not exited by then is terminated
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+    error: str | None = None  # what it reported before it died, if anything
+
+    def poll_error(self) -> str | None:
+        try:
+            while self.conn.poll(0):
+                kind, message = self.conn.recv()
+                if kind == "error":
+                    self.error = message
+        except (EOFError, OSError):
+            pass
+        return self.error
+
+
+@dataclass
+class TPModelRunner:
+    loaded: LoadedModel  # rank 0's shard, with the full model's config and tokenizer
+    local: ModelRunner  # rank 0's shard
+    workers: list[_Worker]
+    _new_pages: list[torch.Tensor] = field(default_factory=list)
+    _closed: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        load_config: LoadConfig,
+        cache_config: CacheConfig,
+        parallel_config: ParallelConfig,
+        context_length: int | None = None,
+    ) -> TPModelRunner:
+        """Spawns ranks 1..tp-1, builds rank 0 here, returns once every rank is ready."""
+        parallel_config.verify()
+        # refused before any process starts; `auto` resolving to a packed method is refused
+        # by every rank's loader
+        refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
+        parallel_config.torch_backend(load_config.torch_device())  # nccl off CUDA: refused
+        check_tp_size(peek_model_config(load_config), parallel_config.tp_size)
+        spec = RankSpec(
+            load_config=load_config,
+            cache_config=cache_config,
+            parallel_config=parallel_config,
+            init_addr=parallel_config.dist_init_addr or _loopback_addr(),
+            context_length=context_length,
+            num_threads=torch.get_num_threads(),
+            log_level=logging.getLogger().level,
+        )
+        workers = [_spawn(rank, spec) for rank in range(1, parallel_config.tp_size)]
+        try:
+            loaded, local = build_rank(0, spec)
+            _wait_ready(workers, parallel_config.dist_timeout)
+        except BaseException as exc:
+            _stop(workers)
+            reasons = [f"rank {w.rank}: {w.poll_error()}" for w in workers if w.poll_error()]
+            if reasons:
+                message = "tensor-parallel start failed: " + "; ".join(reasons)
+                raise RankFailedError(message) from exc
+            raise
+        runner = cls(loaded=loaded, local=local, workers=workers)
+        local.pool.allocator.on_first_use = runner._on_first_use
+        logger.info("tensor parallel: %d ranks ready", parallel_config.tp_size)
+        return runner
+
+    # ---- what the scheduler and the engine read ------------------------------------------
+
+    @property
+    def pool(self) -> KVPool:
+        return self.local.pool
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.local.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.local.model
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.workers) + 1
+
+    # ---- forward and lifecycle -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        """Sends the batch to every rank, runs rank 0's shard; raises RankFailedError when a
+        rank is gone or any part of the step fails."""
+        self._check_workers()
+        try:
+            new_pages = torch.cat(self._new_pages) if self._new_pages else _NO_PAGES
+            self._new_pages.clear()
+            header, payload = pack_batch(batch, new_pages)
+            for worker in self.workers:
+                worker.conn.send(tuple(header))
+            self.model.tp.broadcast(payload)
+            return self.local.forward(batch)
+        except Exception as exc:
+            raise RankFailedError(self._failure(exc)) from exc
+
+    def close(self) -> None:
+        """Tells every worker to stop and joins it (terminating one that hangs)."""
+        if self._closed:
+            return
+        self._closed = True
+        _stop(self.workers)
+        self.model.tp.close()
+
+    def _on_first_use(self, pages: torch.Tensor) -> None:
+        self.local.pool.zero_pages(pages)
+        self._new_pages.append(pages.clone())
+
+    def _check_workers(self) -> None:
+        dead = [w for w in self.workers if not w.process.is_alive()]
+        if dead:
+            raise RankFailedError(self._failure(None))
+
+    def _failure(self, exc: Exception | None) -> str:
+        time.sleep(0.1)  # a rank that crashed has a moment to exit and report why
+        parts = []
+        for w in self.workers:
+            if not w.process.is_alive():
+                error = w.poll_error()
+                parts.append(f"rank {w.rank} exited (code {w.process.exitcode})")
+                if error:
+                    parts[-1] += f": {error}"
+        if exc is not None:
+            parts.append(f"rank 0: {type(exc).__name__}: {exc}")
+        return "tensor-parallel step failed; " + "; ".join(parts)
+
+
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+
+
+def _loopback_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _spawn(rank: int, spec: RankSpec) -> _Worker:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=run_tp_worker, args=(rank, spec, child), name=f"radixserve-tp{rank}", daemon=True
+    )
+    process.start()
+    child.close()
+    return _Worker(rank=rank, process=process, conn=parent)
+
+
+def _wait_ready(workers: list[_Worker], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        while not w.conn.poll(0.1):
+            if not w.process.is_alive() or time.monotonic() > deadline:
+                raise RankFailedError(f"tensor-parallel rank {w.rank} did not start")
+        kind, message = w.conn.recv()
+        if kind != "ready":
+            w.error = message
+            raise RankFailedError(f"tensor-parallel rank {w.rank} failed to start: {message}")
+
+
+def _stop(workers: list[_Worker]) -> None:
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except OSError:
+            pass
+    for w in workers:
+        w.process.join(JOIN_TIMEOUT_S)
+        if w.process.is_alive():
+            logger.warning("tensor-parallel rank %d did not stop; terminating it", w.rank)
+            w.process.terminate()
+            w.process.join()

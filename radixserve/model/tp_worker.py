@@ -1,0 +1,116 @@
+"""One tensor-parallel rank: join the group, load this rank's shard, run the forwards rank 0
+sends. Rank 0 builds its own shard with the same `build_rank`; ranks > 0 run `run_tp_worker`
+in a spawned process.
+
+    rank 0 (scheduler, radix cache)             rank r > 0 (run_tp_worker)
+      pipe: BatchHeader  ------------------->     wakes (idle ranks wait here, no timeout)
+      broadcast(payload) <==================>     receive_batch
+      ModelRunner.forward: all-reduces, logits all-gather (collectives time out)
+      pipe: None (shutdown)  --------------->     returns; process exits
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from radixserve.config import CacheConfig, LoadConfig, ParallelConfig
+from radixserve.distributed.group import init_tp_group
+from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.runner import ModelRunner
+from radixserve.model.tp_batch import BatchHeader, receive_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its shard (picklable: it crosses the spawn)."""
+
+    load_config: LoadConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    init_addr: str
+    context_length: int | None  # the scheduler's; None: the model's max positions
+    num_threads: int  # torch threads of each CPU rank
+    log_level: int
+
+
+def rank_load_config(load_config: LoadConfig, rank: int) -> LoadConfig:
+    """On CUDA each rank gets its own device, cuda:<rank>."""
+    if load_config.torch_device().type != "cuda":
+        return load_config
+    return dataclasses.replace(load_config, device=f"cuda:{rank}")
+
+
+def build_rank(rank: int, spec: RankSpec) -> tuple[LoadedModel, ModelRunner]:
+    """Joins the group, loads this rank's shard, sizes its KV pool with the others."""
+    load_config = rank_load_config(spec.load_config, rank)
+    device = load_config.torch_device()
+    parallel = spec.parallel_config
+    tp = init_tp_group(
+        rank,
+        parallel.tp_size,
+        parallel.torch_backend(device),
+        spec.init_addr,
+        parallel.dist_timeout,
+        device,
+    )
+    try:
+        loaded = load_model(load_config, tp)
+        context_length = spec.context_length or loaded.config.max_position_embeddings
+        loaded.model.rotary.reserve(context_length, device)  # before any graph captures it
+        return loaded, ModelRunner.from_loaded(loaded, load_config, spec.cache_config)
+    except BaseException:
+        tp.close()
+        raise
+
+
+def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
+    """Process entry of rank > 0: reports ("ready", None) or ("error", message), then serves."""
+    logging.basicConfig(level=spec.log_level, format=f"%(levelname)s tp{rank}: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(spec.num_threads)
+    try:
+        _, runner = build_rank(rank, spec)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    conn.send(("ready", None))
+    try:
+        serve_forwards(runner, conn)
+    except BaseException as exc:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        _send_quietly(conn, ("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    finally:
+        runner.model.tp.close()
+
+
+@torch.inference_mode()
+def serve_forwards(runner: ModelRunner, conn: Connection) -> None:
+    """Runs each forward rank 0 announces; returns on None or when rank 0's end closes."""
+    tp = runner.model.tp
+    while True:
+        try:
+            header = conn.recv()
+        except EOFError:  # rank 0 is gone
+            return
+        if header is None:
+            return
+        batch, new_pages = receive_batch(BatchHeader(*header), tp, runner.device)
+        if new_pages.numel():
+            runner.pool.zero_pages(new_pages)
+        runner.forward(batch)
+
+
+def _send_quietly(conn: Connection, message) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass
