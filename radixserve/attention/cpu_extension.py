@@ -76,12 +76,24 @@ def load_cpu_ops() -> Any:
     return _loaded
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package (a dependency) ships one
+    in the venv's bin folder, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build_and_load() -> Any:
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) on PATH")
+    _put_ninja_on_path()
     cpp_extension.verify_ninja_availability()
     flags = compiler_flags()
     name = f"radixserve_cpu_{build_key(flags)}"
