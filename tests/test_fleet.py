@@ -131,6 +131,31 @@ def test_missing_router_is_a_clear_error(monkeypatch, tiny_chat_model):
         main(["fleet", tiny_chat_model, "--workers", "1"])
 
 
+def test_children_stop_when_the_fleet_is_killed():
+    program = (
+        "import time; from radixserve.fleet.launch import Child; "
+        "c = Child('x', ['sleep', '60'], ''); c.start(); print(c.proc.pid, flush=True); "
+        "time.sleep(60)"
+    )
+    fleet = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    child = int(fleet.stdout.readline())
+    fleet.kill()  # SIGKILL: no handler of ours runs
+    fleet.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.1)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is alive (reaped or a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 # ---- through the real router -------------------------------------------------------------
 
 

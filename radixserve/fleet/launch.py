@@ -11,6 +11,7 @@ moves to the others); the fleet stops when the router dies or no worker is left.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ WORKER_HOST = "127.0.0.1"
 POLL_S = 0.5
 STOP_TIMEOUT_S = 45.0
 """Per process, after SIGTERM: a worker drains for up to 30 s (server/launch.py), then exits."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key")
 """Set by the fleet itself: workers listen on loopback; the API key guards the router."""
 
@@ -59,13 +61,21 @@ class Child:
 
     def start(self) -> None:
         cores = self.cores
-        preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         env = os.environ | self.env
-        self.proc = subprocess.Popen(self.command, env=env, preexec_fn=preexec)
+        self.proc = subprocess.Popen(self.command, env=env, preexec_fn=lambda: _setup(cores))
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def _setup(cores: list[int] | None) -> None:
+    """In the child before exec: pin it to `cores`; on Linux, have it get SIGTERM when the
+    fleet process dies, even by SIGKILL, so that no worker outlives its fleet."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def worker_children(
