@@ -40,6 +40,7 @@ ROUTER_COMPLETION_DEFAULTS = {
     "skip_special_tokens": True, "return_hidden_states": False,
 }  # fmt: skip
 JSON = {"Content-Type": "application/json"}  # the router answers 415 without it
+AUTH = JSON | {"Authorization": "Bearer k"}
 HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
 needs_router = pytest.mark.skipif(
     not HAS_ROUTER, reason="sglang-router is not installed (pip install 'radixserve[fleet]')"
@@ -218,23 +219,28 @@ class FleetProcess:
 
 @needs_router
 def test_fleet_behind_the_real_router(tiny_chat_model, server):
-    fleet = FleetProcess(tiny_chat_model, 2, "--served-model-name", "tiny")
+    fleet = FleetProcess(tiny_chat_model, 2, "--served-model-name", "tiny", "--api-key", "k")
+    children = fleet.children()
     try:
-        children = fleet.children()
         assert len(children) == 3  # two workers and the router
+        status, _ = run(post(fleet.url + "/generate", {"text": "hi"}, headers=JSON))
+        assert status == 401  # the router holds the key; workers listen on loopback only
         body = {"input_ids": prompt_ids(5), "sampling_params": GREEDY, "rid": "r1"}
-        status, routed = run(post(fleet.url + "/generate", body, headers=JSON))
+        status, routed = run(post(fleet.url + "/generate", body, headers=AUTH))
         assert status == 200 and routed["meta_info"]["id"] == "r1"
         _, direct = run(post(server.url + "/generate", body | {"rid": None}))
         assert routed["output_ids"] == direct["output_ids"]  # same greedy tokens as one worker
+        status, sse = run(post(fleet.url + "/generate", body | {"stream": True}, headers=AUTH))
+        assert status == 200 and sse.rstrip().endswith("data: [DONE]")
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        status, out = run(post(fleet.url + "/v1/chat/completions", chat, headers=JSON))
+        status, out = run(post(fleet.url + "/v1/chat/completions", chat, headers=AUTH))
         assert status == 200 and out["choices"][0]["finish_reason"] == "length"
-        status, models = run(get(fleet.url + "/v1/models"))
+        status, models = run(get(fleet.url + "/v1/models", headers=AUTH))
         assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
-        status, flushed = run(post(fleet.url + "/flush_cache", {}, headers=JSON))
+        status, flushed = run(post(fleet.url + "/flush_cache", {}, headers=AUTH))
         assert status == 200 and flushed["workers_flushed"] == 2
-        assert run(get(fleet.url + "/get_model_info"))[1]["model_path"] == tiny_chat_model
+        status, info = run(get(fleet.url + "/get_model_info", headers=AUTH))
+        assert status == 200 and info["model_path"] == tiny_chat_model
         assert run(get(fleet.url + "/health"))[0] == 200
     finally:
         assert fleet.stop() == 0, "".join(fleet.log[-30:])
