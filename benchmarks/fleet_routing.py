@@ -191,8 +191,9 @@ def start_workers(model: str, num_workers: int) -> list[Child]:
 def start_router(workers: list[Child], policy: str, extra_args: str = "") -> Child:
     port = free_port()
     urls = [w.url for w in workers if w.alive]
-    command = router_command(urls, "127.0.0.1", port, policy, extra_args=extra_args)
-    command += ["--log-level", "warn"]
+    command = router_command(
+        urls, "127.0.0.1", port, policy, log_level="warning", extra_args=extra_args
+    )
     router = Child(f"router ({policy})", command, f"http://127.0.0.1:{port}")
     router.start()
     deadline = time.monotonic() + 60

@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 from test_server_native import get, post, run
 
 from conftest import prompt_ids
@@ -23,6 +24,7 @@ from radixserve.cli import build_parser, engine_args_from, main, server_config_f
 from radixserve.cli_args import dataclass_flags
 from radixserve.config import CacheConfig, FleetConfig, LoadConfig, SchedulerConfig, ServerConfig
 from radixserve.fleet.launch import worker_children
+from radixserve.fleet.router import router_command
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 ROUTER_GENERATE_DEFAULTS = {
@@ -110,6 +112,25 @@ def test_workers_get_their_own_port_cores_and_one_thread(tiny_chat_model):
         assert "--api-key" not in command and "--page-size" in command
         assert worker.cores == [allowed[i % len(allowed)]]
         assert worker.env["OMP_NUM_THREADS"] == "1"
+
+
+def test_cuda_workers_get_one_visible_gpu_each(monkeypatch, tiny_chat_model):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    config = FleetConfig(workers=2, base_gpu_id=1)
+    workers = worker_children(config, ServerConfig(), {"model": tiny_chat_model, "device": "cuda"})
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["5", "6"]
+    assert all(w.cores is None and "cuda" in w.command for w in workers)
+    with pytest.raises(ValueError, match="--base-gpu-id 2 needs 4 GPUs; 3 visible"):
+        worker_children(FleetConfig(workers=2, base_gpu_id=2), ServerConfig(), {"device": "cuda"})
+
+
+def test_router_command_maps_log_level_and_lets_extra_args_override():
+    command = router_command(
+        ["http://a"], "h", 1, "round_robin", log_level="warning", extra_args="--policy random"
+    )
+    assert command[command.index("--log-level") + 1] == "warn"
+    assert command[-2:] == ["--policy", "random"]  # the router's argparse: the last one wins
 
 
 @pytest.mark.parametrize(

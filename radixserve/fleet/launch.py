@@ -95,7 +95,7 @@ def worker_children(
         command += ["--host", WORKER_HOST, "--port", str(port)]
         child = Child(f"worker {i}", command, f"http://{WORKER_HOST}:{port}")
         if on_cuda:
-            child.env = {"CUDA_VISIBLE_DEVICES": str(config.base_gpu_id + i)}
+            child.env = {"CUDA_VISIBLE_DEVICES": visible_gpu(config.base_gpu_id + i)}
         else:
             child.cores = worker_cores(i, config.cpu_cores_per_worker)
             child.env = thread_env(config.cpu_cores_per_worker)
@@ -119,6 +119,12 @@ def check_gpus(config: FleetConfig) -> None:
         )
 
 
+def visible_gpu(index: int) -> str:
+    """The id of this process's `index`-th visible GPU (its CUDA_VISIBLE_DEVICES, if set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
 def worker_cores(index: int, per_worker: int) -> list[int]:
     """Worker `index`'s cores, in order from this process's affinity, wrapping around."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -137,7 +143,13 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
     workers = worker_children(config, server, engine_args)
     urls = [w.url for w in workers]
     command = router_command(
-        urls, server.host, config.router_port, config.policy, server.api_key, config.router_args
+        urls,
+        server.host,
+        config.router_port,
+        config.policy,
+        api_key=server.api_key,
+        log_level=server.log_level,
+        extra_args=config.router_args,
     )
     router = Child("router", command, f"http://{server.host}:{config.router_port}")
     stop = install_stop_signals()

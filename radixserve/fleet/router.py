@@ -7,6 +7,8 @@ import shlex
 import sys
 
 ROUTER_MODULE = "sglang_router.launch_router"
+ROUTER_LOG_LEVELS = {"warning": "warn"}
+"""Our --log-level names where the router's differ (it takes debug | info | warn | error)."""
 INSTALL_HINT = "pip install 'radixserve[fleet]' (or: pip install sglang-router)"
 
 
@@ -26,11 +28,15 @@ def router_command(
     port: int,
     policy: str,
     api_key: str | None = None,
+    log_level: str | None = None,
     extra_args: str = "",
 ) -> list[str]:
-    """`python -m sglang_router.launch_router ...` in this interpreter, fronting `worker_urls`."""
+    """`python -m sglang_router.launch_router ...` in this interpreter, fronting `worker_urls`;
+    `extra_args` come last, so they override."""
     command = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
     command += ["--worker-urls", *worker_urls, "--policy", policy]
     if api_key:
         command += ["--api-key", api_key]
+    if log_level:
+        command += ["--log-level", ROUTER_LOG_LEVELS.get(log_level, log_level)]
     return command + shlex.split(extra_args)
