@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model to serve; default: a tiny random Llama")
     p.add_argument("--out", default="bench_results/fleet_routing.json")
     args = p.parse_args(argv)
+    if args.workers < len(KILL_RUNS) + 1:
+        p.error(f"--workers must be >= {len(KILL_RUNS) + 1}: the failover runs kill one each")
     require_router()
     print(f"{'workload':<14} {'policy':<23} {'reqs':>4} {'failed':>6} {'hit rate':>8} "
           f"{'req/s':>7} {'out tok/s':>8}  requests per worker")  # fmt: skip
