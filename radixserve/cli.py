@@ -1,5 +1,5 @@
-"""`radixserve` command line: `generate` (offline batch), `serve` (HTTP server), `bench`
-(the benchmarks, a separate package)."""
+"""`radixserve` command line: `generate` (offline batch), `serve` (HTTP server), `fleet`
+(workers behind sglang-router), `bench` (the benchmarks, a separate package)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import (
     CacheConfig,
+    FleetConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -35,19 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(gen, SchedulerConfig, "scheduler")
     add_dataclass_args(gen, ParallelConfig, "parallelism")
     srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
-    srv.add_argument("model_arg", nargs="?", metavar="MODEL", help="model (default: SmolLM2)")
-    add_dataclass_args(srv, ServerConfig, "server")
-    add_dataclass_args(srv, LoadConfig, "model")
-    srv.add_argument("--model-path", dest="model", help="alias of --model")
-    add_dataclass_args(srv, CacheConfig, "KV cache")
-    add_dataclass_args(srv, SchedulerConfig, "scheduler")
+    add_server_args(srv)
     add_dataclass_args(srv, ParallelConfig, "parallelism")
+    fleet = sub.add_parser(
+        "fleet", help="serve N data-parallel workers behind sglang-router (extra: [fleet])"
+    )
+    add_dataclass_args(fleet, FleetConfig, "fleet")
+    add_server_args(fleet, exclude=("port",))  # workers' ports: --worker-base-port
     # listed for --help only: main hands everything after `bench` to radixserve_bench
     sub.add_parser("bench", add_help=False, help="benchmark serving workloads (see `bench -h`)")
     return parser
 
 
+def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """The options of `serve` (all but `exclude` of the server's): model, server, cache,
+    scheduler."""
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="model (default: SmolLM2)")
+    add_dataclass_args(parser, ServerConfig, "server", exclude)
+    add_dataclass_args(parser, LoadConfig, "model")
+    parser.add_argument("--model-path", dest="model", help="alias of --model")
+    add_dataclass_args(parser, CacheConfig, "KV cache")
+    add_dataclass_args(parser, SchedulerConfig, "scheduler")
+
+
 def engine_args_from(args: argparse.Namespace) -> dict:
+    if getattr(args, "model_arg", None) is not None:  # `serve MODEL` / `fleet MODEL`
+        args.model = args.model_arg
     return {
         name: getattr(args, name)
         for cls in (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig)
@@ -58,10 +72,24 @@ def engine_args_from(args: argparse.Namespace) -> dict:
 def run_serve(args: argparse.Namespace) -> int:
     from radixserve.server.launch import serve
 
-    if args.model_arg is not None:
-        args.model = args.model_arg
-    config = ServerConfig(**{name: getattr(args, name) for name in field_names(ServerConfig)})
-    return serve(engine_args_from(args), config)
+    return serve(engine_args_from(args), server_config_from(args))
+
+
+def server_config_from(args: argparse.Namespace) -> ServerConfig:
+    names = [name for name in field_names(ServerConfig) if hasattr(args, name)]
+    return ServerConfig(**{name: getattr(args, name) for name in names})
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    from radixserve.fleet.launch import run_fleet as launch_fleet
+    from radixserve.fleet.router import RouterNotInstalledError
+
+    server = server_config_from(args)
+    config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
+    try:
+        return launch_fleet(config, server, engine_args_from(args))
+    except RouterNotInstalledError as exc:
+        raise SystemExit(f"radixserve fleet: {exc}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -120,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "fleet":
+        return run_fleet(args)
     return 2
 
 

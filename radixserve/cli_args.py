@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import textwrap
 from functools import cache
+from typing import Any
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -30,12 +31,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """Adds one `--field-name` option per dataclass field, typed and documented from the class."""
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, title: str, exclude: tuple[str, ...] = ()
+) -> None:
+    """Adds one `--field-name` option per dataclass field (but those in `exclude`), typed and
+    documented from the class."""
     group = parser.add_argument_group(title)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        if f.name in exclude:
+            continue
+        flag = _flag(f.name)
         help_text = f"{docs.get(f.name, '')} (default: {f.default})"
         annotation = str(f.type).replace(" | None", "").strip()
         if annotation == "bool":
@@ -49,3 +55,22 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
 def field_names(cls: type) -> list[str]:
     """The dataclass's field names, which are also its options' argparse destinations."""
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def dataclass_flags(values: dict[str, Any], cls: type, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The inverse of `add_dataclass_args`: the options that reproduce `values` (fields at
+    their default are left out), to hand a parsed configuration to a child command."""
+    flags: list[str] = []
+    for f in dataclasses.fields(cls):
+        value = values.get(f.name, f.default)
+        if f.name in exclude or value == f.default:
+            continue
+        if isinstance(value, bool):
+            flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            flags += [_flag(f.name), str(value)]
+    return flags
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -387,3 +387,41 @@ class ServerConfig:
     """debug | info | warning | error."""
     max_body_mb: float = 32.0
     """Largest request body accepted, in MiB (larger: 413)."""
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+"""sglang-router's --policy choices that need no extra setup (`manual` needs routing keys)."""
+
+
+@dataclass
+class FleetConfig:
+    """`radixserve fleet`: N `radixserve serve` workers on this machine behind sglang-router.
+    Workers listen on loopback only; the router listens on --host (with --api-key, if set)."""
+
+    workers: int = 2
+    """Number of data-parallel workers (each a full `radixserve serve`)."""
+    router_port: int = 30000
+    """Port the router listens on: the fleet's one public endpoint."""
+    worker_base_port: int = 31000
+    """Worker i listens on 127.0.0.1:(worker_base_port + i)."""
+    policy: str = "cache_aware"
+    """Router policy: cache_aware | round_robin | random | power_of_two."""
+    base_gpu_id: int = 0
+    """On CUDA: worker i runs on GPU base_gpu_id + i (CUDA_VISIBLE_DEVICES)."""
+    cpu_cores_per_worker: int = 1
+    """On CPU: worker i is pinned to its own cores (taken in order from this process's
+    affinity, wrapping around when there are too few) and runs that many torch threads."""
+    router_args: str = ""
+    """Extra sglang-router flags, one shell-quoted string, e.g. "--cb-failure-threshold 2
+    --health-check-interval-secs 2" for fast failover."""
+    startup_timeout_s: float = 600.0
+    """Seconds to wait for every worker, then the router, to get healthy."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("workers", 1), ("cpu_cores_per_worker", 1), ("base_gpu_id", 0)):
+            if getattr(self, name) < minimum:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
+        if self.policy not in ROUTER_POLICIES:
+            allowed = " | ".join(ROUTER_POLICIES)
+            raise ValueError(f"--policy must be one of {allowed}; got {self.policy!r}")

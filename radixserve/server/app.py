@@ -20,6 +20,7 @@ from radixserve.engine.request_builder import GenerateArgs
 from radixserve.engine.result import ResultStream
 from radixserve.server import openai_api
 from radixserve.server.errors import BadRequest, error_response
+from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
 }  # fmt: skip
+GENERATE_NO_OP_VALUES = {"log_metrics": True}
+"""Fields accepted at their SGLang default only; sglang-router writes them into every body.
+(Other unknown fields are accepted while null, false or empty.)"""
 
 
 # ---- middlewares -------------------------------------------------------------------------
@@ -106,7 +110,9 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
     for key, value in body.items():
-        if key not in GENERATE_FIELDS and value not in (None, False, [], {}, ""):
+        if key in GENERATE_FIELDS or value in (None, False, [], {}, ""):
+            continue
+        if key not in GENERATE_NO_OP_VALUES or not is_same_value(value, GENERATE_NO_OP_VALUES[key]):
             raise BadRequest(f"{key} is not supported by this server", param=key)
     stream = body.get("stream") or False
     with_text = body.get("return_text_in_logprobs") or False
@@ -204,12 +210,17 @@ async def concate_and_append_request(request: web.Request) -> web.Response:
 # ---- info and health ---------------------------------------------------------------------
 
 
+def model_paths(state: ServerState) -> dict[str, str]:
+    """SGLang's `model_path` and `tokenizer_path`, which sglang-router reads from server info."""
+    tokenizer_path = state.client.info.get("tokenizer_path") or state.model_path
+    return {"model_path": state.model_path, "tokenizer_path": tokenizer_path}
+
+
 async def model_info(request: web.Request) -> web.Response:
     state = state_of(request)
     info = state.client.info
     return web.json_response({
-        "model_path": state.model_path,
-        "tokenizer_path": info.get("tokenizer_path") or state.model_path,
+        **model_paths(state),
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
@@ -227,6 +238,7 @@ async def server_info(request: web.Request) -> web.Response:
     return web.json_response({
         **state.engine_args,
         **{k: v for k, v in asdict(state.config).items() if k != "api_key"},
+        **model_paths(state),
         "served_model_name": state.served_model_name,
         "engine": state.client.info,
         "num_active_requests": state.client.num_active,

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+
+
+class Http2ProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for an HTTP/2 connection preface. sglang-router probes each
+    worker it adds for gRPC that way before it settles on HTTP/1.1; the probe still gets its
+    400, the log just stays readable."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
+
+
+HTTP2_PROBE_FILTER = Http2ProbeFilter()
 
 
 async def serve_app(
@@ -21,6 +36,7 @@ async def serve_app(
     `stop` is set) stops taking connections, awaits `drain()` (in-flight requests finish or
     are aborted), then cleans up."""
     loop = asyncio.get_running_loop()
+    logging.getLogger("aiohttp.server").addFilter(HTTP2_PROBE_FILTER)  # once: filters are a set
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -57,8 +57,14 @@ TOKENIZE_FIELDS = {
     "chat_template_kwargs",
 }  # fmt: skip
 
-# OpenAI fields this server does not implement: accepted only at their no-op value.
-NO_OP_VALUES: dict[str, Any] = {"best_of": 1, "logit_bias": {}, "suffix": ""}
+# Fields this server does not implement: accepted only at their no-op value. Besides OpenAI's,
+# the SGLang extensions that sglang-router writes into every body it forwards, at its defaults
+# (it re-serializes requests; without a reasoning parser, separating reasoning is a no-op).
+NO_OP_VALUES: dict[str, Any] = {
+    "best_of": 1, "logit_bias": {}, "suffix": "",
+    "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
+    "return_hidden_states": False,
+}  # fmt: skip
 
 
 def bad_request(message: str, param: str | None = None) -> ValueError:
@@ -173,12 +179,17 @@ def check_fields(body: dict, known: set[str]) -> None:
     for key, value in body.items():
         if value is None or key in known:
             continue
-        if key in NO_OP_VALUES and value == NO_OP_VALUES[key]:
+        if key in NO_OP_VALUES and is_same_value(value, NO_OP_VALUES[key]):
             continue
         reason = (
             "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
         )
         raise bad_request(f"{key} {reason}; got {value!r}", param=key)
+
+
+def is_same_value(value: Any, expected: Any) -> bool:
+    """Equal and of the same type: 1 is not true, 0 is not false."""
+    return type(value) is type(expected) and value == expected
 
 
 def check_bool(body: dict, name: str, default: bool = False) -> bool:

@@ -1,0 +1,252 @@
+"""Starts N workers and the router, supervises them, stops them all on SIGTERM / SIGINT.
+
+    radixserve fleet --workers N
+        worker i: radixserve serve --host 127.0.0.1 --port (worker_base_port + i)
+                  CPU: pinned to its own cores, that many torch threads; CUDA: one GPU each
+        router:   python -m sglang_router.launch_router --worker-urls ... (on --host, --router-port)
+
+A worker that dies is left to the router's health checks and circuit breaker (its traffic
+moves to the others); the fleet stops when the router dies or no worker is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from radixserve.cli_args import dataclass_flags
+from radixserve.config import (
+    CacheConfig,
+    FleetConfig,
+    LoadConfig,
+    SchedulerConfig,
+    ServerConfig,
+    split_engine_kwargs,
+)
+from radixserve.fleet.router import require_router, router_command
+
+logger = logging.getLogger(__name__)
+WORKER_HOST = "127.0.0.1"
+POLL_S = 0.5
+STOP_TIMEOUT_S = 45.0
+"""Per process, after SIGTERM: a worker drains for up to 30 s (server/launch.py), then exits."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key")
+"""Set by the fleet itself: workers listen on loopback; the API key guards the router."""
+
+
+@dataclass
+class Child:
+    """One process of the fleet: a worker (with its URL) or the router."""
+
+    name: str
+    command: list[str]
+    url: str
+    env: dict[str, str] = field(default_factory=dict)
+    cores: list[int] | None = None
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cores = self.cores
+        env = os.environ | self.env
+        self.proc = subprocess.Popen(self.command, env=env, preexec_fn=lambda: _setup(cores))
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def _setup(cores: list[int] | None) -> None:
+    """In the child before exec: pin it to `cores`; on Linux, have it get SIGTERM when the
+    fleet process dies, even by SIGKILL, so that no worker outlives its fleet."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def worker_children(
+    config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]
+) -> list[Child]:
+    """The worker processes to start: command line, port and CPU cores or GPU of each."""
+    on_cuda = split_engine_kwargs(None, engine_args)[0].torch_device().type == "cuda"
+    if on_cuda:
+        check_gpus(config)
+        engine_args = engine_args | {"device": "cuda"}
+    flags = engine_flags(engine_args)
+    flags += dataclass_flags(asdict(server), ServerConfig, SERVER_FLAGS_EXCLUDED)
+    children = []
+    for i in range(config.workers):
+        port = config.worker_base_port + i
+        command = [sys.executable, "-m", "radixserve.cli", "serve", *flags]
+        command += ["--host", WORKER_HOST, "--port", str(port)]
+        child = Child(f"worker {i}", command, f"http://{WORKER_HOST}:{port}")
+        if on_cuda:
+            child.env = {"CUDA_VISIBLE_DEVICES": visible_gpu(config.base_gpu_id + i)}
+        else:
+            child.cores = worker_cores(i, config.cpu_cores_per_worker)
+            child.env = thread_env(config.cpu_cores_per_worker)
+        children.append(child)
+    return children
+
+
+def engine_flags(engine_args: dict[str, Any]) -> list[str]:
+    return [
+        flag for cls in (LoadConfig, CacheConfig, SchedulerConfig)
+        for flag in dataclass_flags(engine_args, cls)
+    ]  # fmt: skip
+
+
+def check_gpus(config: FleetConfig) -> None:
+    available = torch.cuda.device_count()
+    if config.base_gpu_id + config.workers > available:
+        raise ValueError(
+            f"--workers {config.workers} from --base-gpu-id {config.base_gpu_id} needs "
+            f"{config.base_gpu_id + config.workers} GPUs; {available} visible"
+        )
+
+
+def visible_gpu(index: int) -> str:
+    """The id of this process's `index`-th visible GPU (its CUDA_VISIBLE_DEVICES, if set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
+def worker_cores(index: int, per_worker: int) -> list[int]:
+    """Worker `index`'s cores, in order from this process's affinity, wrapping around."""
+    allowed = sorted(os.sched_getaffinity(0))
+    start = index * per_worker
+    return [allowed[(start + k) % len(allowed)] for k in range(per_worker)]
+
+
+def thread_env(num_threads: int) -> dict[str, str]:
+    """Torch (OpenMP, MKL) threads for a worker pinned to `num_threads` cores."""
+    return {name: str(num_threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]) -> int:
+    """Runs the fleet until SIGTERM / SIGINT (0) or until it cannot serve any more (1)."""
+    require_router()
+    workers = worker_children(config, server, engine_args)
+    urls = [w.url for w in workers]
+    command = router_command(
+        urls,
+        server.host,
+        config.router_port,
+        config.policy,
+        api_key=server.api_key,
+        log_level=server.log_level,
+        extra_args=config.router_args,
+    )
+    router = Child("router", command, f"http://{server.host}:{config.router_port}")
+    stop = install_stop_signals()
+    try:
+        if not start_all(workers, router, config, stop):
+            return 0 if stop.is_set() else 1
+        print(f"radixserve fleet ready at {router.url} ({len(workers)} workers, "
+              f"policy {config.policy})", flush=True)  # fmt: skip
+        return supervise(workers, router, stop)
+    finally:
+        stop_all([router, *workers])
+
+
+def install_stop_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def start_all(workers: list[Child], router: Child, config: FleetConfig, stop) -> bool:
+    """Starts the workers, waits until each is healthy, then the router until it sees them all;
+    False (with the reason logged) when one fails or a stop signal comes first."""
+    deadline = time.monotonic() + config.startup_timeout_s
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        if not wait_until(worker, lambda w=worker: worker_healthy(w.url), deadline, stop):
+            return False
+    router.start()
+    return wait_until(router, lambda: router_ready(router.url, len(workers)), deadline, stop)
+
+
+def wait_until(child: Child, ready, deadline: float, stop: threading.Event) -> bool:
+    while not ready():
+        if not child.alive:
+            logger.error("%s exited with code %s while starting", child.name, child.proc.returncode)
+            return False
+        if time.monotonic() > deadline:
+            logger.error("%s not ready after --startup-timeout-s", child.name)
+            return False
+        if stop.wait(POLL_S):
+            return False
+    return True
+
+
+def worker_healthy(url: str) -> bool:
+    return http_get(url + "/health") is not None
+
+
+def router_ready(url: str, num_workers: int) -> bool:
+    """Whether the router answers and counts every worker healthy (it adds them in the
+    background after it starts listening)."""
+    body = http_get(url + "/readiness")
+    try:
+        return json.loads(body)["healthy_workers"] >= num_workers
+    except (TypeError, ValueError, KeyError):
+        return False
+
+
+def http_get(url: str) -> bytes | None:
+    """The body of a 200 answer, or None."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.read() if response.status == 200 else None
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def supervise(workers: list[Child], router: Child, stop: threading.Event) -> int:
+    """Waits for a stop signal; a worker's exit is logged (the router routes around it)."""
+    reported: set[str] = set()
+    while not stop.wait(POLL_S):
+        if not router.alive:
+            logger.error("the router exited with code %s; stopping", router.proc.returncode)
+            return 1
+        for worker in workers:
+            if not worker.alive and worker.name not in reported:
+                reported.add(worker.name)
+                logger.error("%s exited with code %s", worker.name, worker.proc.returncode)
+        if len(reported) == len(workers):
+            logger.error("no worker left; stopping")
+            return 1
+    return 0
+
+
+def stop_all(children: list[Child]) -> None:
+    """SIGTERM to every child at once (workers drain in parallel), then waits; kills any that
+    outlive STOP_TIMEOUT_S."""
+    running = [c for c in children if c.alive]
+    for child in running:
+        child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for child in running:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.error("%s did not stop in %.0f s; killing it", child.name, STOP_TIMEOUT_S)
+            child.proc.kill()
+            child.proc.wait()

@@ -1,0 +1,271 @@
+"""`radixserve fleet` and the HTTP contract sglang-router relies on.
+
+The router re-serializes every body it forwards (unknown fields dropped, its own defaults
+written in); the bodies below are what sglang-router 0.3 sends, captured from the wire. The
+tests through the real router run where `sglang-router` is installed (the `test` extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from test_server_native import get, post, run
+
+from conftest import prompt_ids
+from radixserve.cli import build_parser, engine_args_from, main, server_config_from
+from radixserve.cli_args import dataclass_flags
+from radixserve.config import CacheConfig, FleetConfig, LoadConfig, SchedulerConfig, ServerConfig
+from radixserve.fleet.launch import worker_children
+from radixserve.fleet.router import router_command
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+ROUTER_GENERATE_DEFAULTS = {
+    "model": None, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+    "return_hidden_states": False, "background": False, "no_logs": False,
+    "return_bytes": False, "return_entropy": False,
+}  # fmt: skip
+ROUTER_CHAT_DEFAULTS = {
+    "logprobs": False, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+    "stream_reasoning": True, "return_hidden_states": False,
+}  # fmt: skip
+ROUTER_COMPLETION_DEFAULTS = {
+    "stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+    "skip_special_tokens": True, "return_hidden_states": False,
+}  # fmt: skip
+JSON = {"Content-Type": "application/json"}  # the router answers 415 without it
+AUTH = JSON | {"Authorization": "Bearer k"}
+HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
+needs_router = pytest.mark.skipif(
+    not HAS_ROUTER, reason="sglang-router is not installed (pip install 'radixserve[fleet]')"
+)
+
+
+# ---- the router's bodies, sent straight to one worker --------------------------------------
+
+
+def test_generate_accepts_the_routers_defaults(server):
+    body = ROUTER_GENERATE_DEFAULTS | {"input_ids": prompt_ids(3), "sampling_params": GREEDY}
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200 and len(out["output_ids"]) == 8
+    for value in ("yes", 1):
+        status, out = run(post(server.url + "/generate", body | {"log_metrics": value}))
+        assert status == 400 and out["error"]["param"] == "log_metrics"
+
+
+def test_openai_routes_accept_the_routers_defaults(server):
+    messages = [{"role": "user", "content": "hi"}]
+    chat = ROUTER_CHAT_DEFAULTS | {"model": "tiny", "messages": messages}
+    status, out = run(
+        post(server.url + "/v1/chat/completions", chat | {"max_completion_tokens": 4})
+    )
+    assert status == 200 and out["usage"]["completion_tokens"] <= 4
+    status, out = run(post(server.url + "/v1/chat/completions", chat | {"separate_reasoning": 1}))
+    assert status == 400 and out["error"]["param"] == "separate_reasoning"
+    completion = ROUTER_COMPLETION_DEFAULTS | {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    status, out = run(post(server.url + "/v1/completions", completion))
+    assert status == 200 and out["usage"]["completion_tokens"] <= 4
+
+
+def test_server_info_names_model_and_tokenizer_paths(server):
+    status, info = run(get(server.url + "/server_info"))
+    assert status == 200 and info["model_path"] and info["tokenizer_path"]
+
+
+# ---- the fleet command -------------------------------------------------------------------
+
+
+def test_dataclass_flags_round_trip_through_the_serve_parser(tiny_chat_model):
+    argv = ["serve", tiny_chat_model, "--page-size", "8", "--disable-radix-cache"]
+    argv += ["--max-total-tokens", "4096", "--served-model-name", "x", "--log-level", "info"]
+    args = build_parser().parse_args(argv)
+    engine_args, server = engine_args_from(args), server_config_from(args)
+    assert engine_args["model"] == tiny_chat_model and engine_args["page_size"] == 8
+    flags = [
+        f
+        for cls in (LoadConfig, CacheConfig, SchedulerConfig)
+        for f in dataclass_flags(engine_args, cls)
+    ]
+    flags += dataclass_flags(vars(server), ServerConfig)
+    again = build_parser().parse_args(["serve", *flags])
+    assert engine_args_from(again) == engine_args and server_config_from(again) == server
+
+
+def test_workers_get_their_own_port_cores_and_one_thread(tiny_chat_model):
+    config = FleetConfig(workers=3, worker_base_port=40100)
+    server = ServerConfig(host="0.0.0.0", port=1, api_key="k", served_model_name="tiny")
+    engine_args = {"model": tiny_chat_model, "device": "cpu", "page_size": 8}
+    workers = worker_children(config, server, engine_args)
+    allowed = sorted(os.sched_getaffinity(0))
+    for i, worker in enumerate(workers):
+        command = worker.command
+        assert command[command.index("--port") + 1] == str(40100 + i)
+        assert command[command.index("--host") + 1] == "127.0.0.1"  # loopback, whatever --host
+        assert "--api-key" not in command and "--page-size" in command
+        assert worker.cores == [allowed[i % len(allowed)]]
+        assert worker.env["OMP_NUM_THREADS"] == "1"
+
+
+def test_cuda_workers_get_one_visible_gpu_each(monkeypatch, tiny_chat_model):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    config = FleetConfig(workers=2, base_gpu_id=1)
+    workers = worker_children(config, ServerConfig(), {"model": tiny_chat_model, "device": "cuda"})
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["5", "6"]
+    assert all(w.cores is None and "cuda" in w.command for w in workers)
+    with pytest.raises(ValueError, match="--base-gpu-id 2 needs 4 GPUs; 3 visible"):
+        worker_children(FleetConfig(workers=2, base_gpu_id=2), ServerConfig(), {"device": "cuda"})
+
+
+def test_router_command_maps_log_level_and_lets_extra_args_override():
+    command = router_command(
+        ["http://a"], "h", 1, "round_robin", log_level="warning", extra_args="--policy random"
+    )
+    assert command[command.index("--log-level") + 1] == "warn"
+    assert command[-2:] == ["--policy", "random"]  # the router's argparse: the last one wins
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("workers", 0), ("policy", "best"), ("cpu_cores_per_worker", 0), ("base_gpu_id", -1)],
+)
+def test_fleet_config_errors_name_the_flag(field, value):
+    with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
+        FleetConfig(**{field: value})
+
+
+def test_missing_router_is_a_clear_error(monkeypatch, tiny_chat_model):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sglang_router" else real_find_spec(name, *a),
+    )
+    with pytest.raises(SystemExit, match=r"pip install 'radixserve\[fleet\]'"):
+        main(["fleet", tiny_chat_model, "--workers", "1"])
+
+
+def test_children_stop_when_the_fleet_is_killed():
+    program = (
+        "import time; from radixserve.fleet.launch import Child; "
+        "c = Child('x', ['sleep', '60'], ''); c.start(); print(c.proc.pid, flush=True); "
+        "time.sleep(60)"
+    )
+    fleet = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    child = int(fleet.stdout.readline())
+    fleet.kill()  # SIGKILL: no handler of ours runs
+    fleet.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.1)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is alive (reaped or a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- through the real router -------------------------------------------------------------
+
+
+def free_port_run(count: int) -> int:
+    """A first port of `count` consecutive ports nothing listens on right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count < 65536 and all(_port_free(first + k) for k in range(count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class FleetProcess:
+    """`radixserve fleet` in a subprocess, one torch thread per worker; `url`: the router."""
+
+    def __init__(self, model: str, workers: int, *flags: str):
+        router_port, base = free_port_run(1), free_port_run(workers)
+        self.url = f"http://127.0.0.1:{router_port}"
+        command = [sys.executable, "-m", "radixserve.cli", "fleet", model]
+        command += ["--workers", str(workers), "--router-port", str(router_port)]
+        command += ["--worker-base-port", str(base), "--max-total-tokens", "16384", *flags]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.log: list[str] = []
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if "fleet ready at" in line:
+                break
+        else:
+            raise RuntimeError("fleet did not start:\n" + "".join(self.log))
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def children(self) -> list[int]:
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
+        )
+        return [int(pid) for pid in out.stdout.split()]
+
+    def stop(self, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@needs_router
+def test_fleet_behind_the_real_router(tiny_chat_model, server):
+    fleet = FleetProcess(tiny_chat_model, 2, "--served-model-name", "tiny", "--api-key", "k")
+    children = fleet.children()
+    try:
+        assert len(children) == 3  # two workers and the router
+        status, _ = run(post(fleet.url + "/generate", {"text": "hi"}, headers=JSON))
+        assert status == 401  # the router holds the key; workers listen on loopback only
+        body = {"input_ids": prompt_ids(5), "sampling_params": GREEDY, "rid": "r1"}
+        status, routed = run(post(fleet.url + "/generate", body, headers=AUTH))
+        assert status == 200 and routed["meta_info"]["id"] == "r1"
+        _, direct = run(post(server.url + "/generate", body | {"rid": None}))
+        assert routed["output_ids"] == direct["output_ids"]  # same greedy tokens as one worker
+        status, sse = run(post(fleet.url + "/generate", body | {"stream": True}, headers=AUTH))
+        assert status == 200 and sse.rstrip().endswith("data: [DONE]")
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, out = run(post(fleet.url + "/v1/chat/completions", chat, headers=AUTH))
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+        status, models = run(get(fleet.url + "/v1/models", headers=AUTH))
+        assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+        status, flushed = run(post(fleet.url + "/flush_cache", {}, headers=AUTH))
+        assert status == 200 and flushed["workers_flushed"] == 2
+        status, info = run(get(fleet.url + "/get_model_info", headers=AUTH))
+        assert status == 200 and info["model_path"] == tiny_chat_model
+        assert run(get(fleet.url + "/health"))[0] == 200
+    finally:
+        assert fleet.stop() == 0, "".join(fleet.log[-30:])
+    time.sleep(0.5)
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # every worker and the router stopped with the fleet
