@@ -387,3 +387,5 @@ class ServerConfig:
     """debug | info | warning | error."""
     max_body_mb: float = 32.0
     """Largest request body accepted, in MiB (larger: 413)."""
+    disable_dashboard: bool = False
+    """Do not serve the live dashboard at /dashboard (behind --api-key when one is set)."""
