@@ -358,3 +358,46 @@ def test_dashboard_in_headless_chromium(tiny_chat_model, browser_path, tmp_path)
         assert proc.stop() == 0
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert console == [], "\n".join(console)
+
+
+def test_stats_show_speculative_counters_when_it_is_on(tiny_chat_model):
+    """In process (TestClient over an Engine): the speculative section mirrors the core."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from conftest import make_engine
+    from radixserve.server.metrics import ServerMetrics
+    from radixserve.server.state import ServerState
+
+    engine = make_engine(tiny_chat_model, speculative_algorithm="NGRAM")
+    state = ServerState(
+        client=engine.client,
+        builder=engine.builder,
+        tokenizer=engine.tokenizer,
+        config=ServerConfig(),
+        engine_args={"speculative_algorithm": "NGRAM"},
+        model_path=tiny_chat_model,
+        served_model_name="tiny",
+        max_running_requests=256,
+        metrics=ServerMetrics(),
+    )
+    repeating = {"input_ids": [5, 6, 7, 8] * 12, "sampling_params": GREEDY | {"max_new_tokens": 24}}
+
+    async def run():
+        async with TestClient(TestServer(build_app(state))) as client:
+            assert (await client.post("/generate", json=repeating)).status == 200
+            return await (await client.get("/dashboard/stats")).json()
+
+    try:
+        board = asyncio.run(run())
+        engine_stats = engine.get_stats()
+    finally:
+        engine.shutdown()
+    spec = board["speculative"]
+    assert spec["draft_tokens"] == engine_stats["spec_draft_tokens"]
+    assert spec["accepted_tokens"] == engine_stats["spec_accepted_tokens"]
+    assert spec["accept_length"] == pytest.approx(engine_stats["spec_accept_length"])
+    assert spec["draft_tokens"] > 0  # the repeating prompt gives the n-gram drafter matches
+    assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
+    assert board["model"] == "tiny" and board["requests"]["total"] == 1
