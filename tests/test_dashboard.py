@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -401,3 +402,34 @@ def test_stats_show_speculative_counters_when_it_is_on(tiny_chat_model):
     assert spec["draft_tokens"] > 0  # the repeating prompt gives the n-gram drafter matches
     assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
     assert board["model"] == "tiny" and board["requests"]["total"] == 1
+
+
+# ---- the Grafana dashboard -----------------------------------------------------------
+
+GRAFANA = Path(__file__).parents[1] / "deploy" / "grafana"
+
+
+def test_grafana_dashboard_is_generated_and_queries_exported_metrics():
+    import importlib.util
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixserve.server.metrics import ServerMetrics
+
+    spec = importlib.util.spec_from_file_location("make_dashboard", GRAFANA / "make_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shipped = json.loads((GRAFANA / "radixserve.json").read_text())
+    assert shipped == module.dashboard(), "rerun deploy/grafana/make_dashboard.py"
+
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(ServerMetrics().render({}).decode())
+        for sample in family.samples
+    }
+    exprs = [t["expr"] for p in shipped["panels"] for t in p.get("targets", [])]
+    queried = {name for expr in exprs for name in re.findall(r"radixserve:[a-z0-9_]+", expr)}
+    assert len(queried) >= 15 and queried <= exported, queried - exported
+    ids = [p["id"] for p in shipped["panels"]]
+    assert len(ids) == len(set(ids))

@@ -25,6 +25,13 @@ ENGINE_METRICS = {
     "kv_usage": ("radixserve:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", "g"),
     "cache_hit_rate": ("radixserve:cache_hit_rate", "Prompt tokens served from cache", "g"),
     "tree_pages": ("radixserve:radix_tree_pages", "KV pages owned by the radix tree", "g"),
+    "tree_protected_pages": (
+        "radixserve:radix_tree_locked_pages",
+        "Tree pages shared by running requests",
+        "g",
+    ),
+    "pool_free_pages": ("radixserve:kv_pool_free_pages", "KV pages free in the pool", "g"),
+    "pool_capacity_pages": ("radixserve:kv_pool_capacity_pages", "KV pages in the pool", "g"),
     "prompt_tokens": ("radixserve:prompt_tokens", "Prompt tokens received", "c"),
     "cached_tokens": ("radixserve:cached_tokens", "Prompt tokens served from cache", "c"),
     "prefill_tokens_computed": ("radixserve:prefill_tokens", "Prefill tokens computed", "c"),
