@@ -1,10 +1,10 @@
 """A bounded summary of the radix tree for display: the largest subtrees, by tokens.
 
-    (all namespaces)                     every node reports its own tokens, its subtree's
-      ├── "You are a helpful…" 512 / 96    tokens, its hit count and its first token ids;
-      │     ├── "Question: 1…"  64 / 64    children are kept largest first, at most
-      │     └── … 3 smaller children       `max_children` of them, and the rest are counted
-      └── "Translate…"          32 / 32    (`num_hidden`, `hidden_tokens`)
+    (all namespaces)          own / subtree tokens   every node reports its own tokens, its
+      ├── "You are a helpful…"   96 / 512          subtree's tokens, its hit count and its
+      │     ├── "Question: 1…"   64 / 64           first token ids; children are kept largest
+      │     └── … 3 smaller children, 352 tokens   first, at most `max_children` of them, and
+      └── "Translate…"           32 / 32           the rest are counted (`num_hidden`, ...)
 
 One pass over the nodes (sizes from the leaves up), then a top-down pick bounded by
 `max_nodes`; the tree itself is not changed. Token ids stay ids: the caller decodes them.
