@@ -387,6 +387,8 @@ class ServerConfig:
     """debug | info | warning | error."""
     max_body_mb: float = 32.0
     """Largest request body accepted, in MiB (larger: 413)."""
+    disable_dashboard: bool = False
+    """Do not serve the live dashboard at /dashboard (behind --api-key when one is set)."""
 
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")

@@ -29,4 +29,11 @@ if [ "${1:-}" = "--test" ]; then
     # its import needs (torch, transformers and triton are ours).
     "${pip[@]}" --no-deps sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 \
         pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1
+    # The dashboard's browser test drives the system Chromium (Playwright's own browser
+    # downloads need more than a package registry); without one that test skips.
+    if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+        && [ "$(id -u)" = 0 ]; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+            >/dev/null 2>&1 || echo "chromium not installed: the dashboard browser test will skip"
+    fi
 fi

@@ -387,7 +387,7 @@ KNOWN_ROUTES = {
     "/generate", "/abort_request", "/flush_cache", "/concate_and_append_request",
     "/get_model_info", "/model_info", "/server_info", "/get_server_info", "/health_generate",
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-    "/check_integrity",
+    "/check_integrity", "/dashboard", "/dashboard/stats", "/dashboard/login", "/dashboard/{name}",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
 
@@ -408,7 +408,10 @@ def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
     async def status(session, method: str, path: str, authorization: str | None) -> int:
         headers = {} if authorization is None else {"Authorization": authorization}
         body = {} if method == "POST" else None
-        async with session.request(method, proc.url + path, headers=headers, json=body) as r:
+        request = session.request(
+            method, proc.url + path, headers=headers, json=body, allow_redirects=False
+        )
+        async with request as r:
             return r.status
 
     async def walk() -> list:

@@ -43,7 +43,16 @@ from radixserve.cache.prefix_cache import (
 class TreeNode:
     """A run of whole pages: `key` tokens whose KV lives in `pages`."""
 
-    __slots__ = ("key", "pages", "parent", "children", "lock_count", "last_access", "evicted")
+    __slots__ = (
+        "key",
+        "pages",
+        "parent",
+        "children",
+        "lock_count",
+        "last_access",
+        "evicted",
+        "hit_count",
+    )
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: TreeNode | None):
         self.key = key
@@ -53,6 +62,7 @@ class TreeNode:
         self.lock_count = 0
         self.last_access = 0
         self.evicted = False
+        self.hit_count = 0  # admitted requests whose cached prefix covered this node
 
     @property
     def is_root(self) -> bool:
@@ -197,6 +207,7 @@ class RadixCache(PrefixCache):
         upper = TreeNode(node.key[:num_tokens], node.pages[:num_pages], node.parent)
         upper.lock_count = node.lock_count
         upper.last_access = node.last_access
+        upper.hit_count = node.hit_count
         node.parent.children[node.key[: self.page_size]] = upper
         node.key, node.pages, node.parent = node.key[num_tokens:], node.pages[num_pages:], upper
         upper.children[node.key[: self.page_size]] = node
@@ -213,6 +224,15 @@ class RadixCache(PrefixCache):
     def _path_pages(self, node: TreeNode) -> list[int]:
         runs = [n.pages for n in node.path_to_root()]
         return list(chain.from_iterable(reversed(runs)))
+
+    def roots(self) -> list[RootNode]:
+        """The roots of every namespace with pages in the tree (the default one first)."""
+        return list(self._roots.values())
+
+    def record_hit(self, node: object) -> None:
+        node = self._live_node(node)
+        for n in node.path_to_root():
+            n.hit_count += 1
 
     # ---- lock / unlock ----
 

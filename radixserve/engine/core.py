@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.radix_cache import create_prefix_cache
+from radixserve.cache.tree_summary import summarize_tree
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from radixserve.engine.scheduler import Scheduler
 from radixserve.model.loader import LoadedModel, load_model
@@ -82,6 +83,10 @@ class EngineCore:
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
         self.cache.check_integrity(self.scheduler.held_pages())
+
+    def tree_summary(self) -> dict[str, Any]:
+        """The radix tree's largest subtrees with their hit counts (cache/tree_summary.py)."""
+        return summarize_tree(self.cache)
 
     def get_stats(self) -> dict[str, Any]:
         pool = self.runner.pool

@@ -101,6 +101,7 @@ class CoreLoop:
             "flush_cache": self.core.flush_cache,
             "get_stats": self.core.get_stats,
             "check_integrity": self.core.check_integrity,
+            "tree_summary": self.core.tree_summary,
         }
         if call.method not in methods:
             return CallResult(call.call_id, error=f"unknown method {call.method!r}")

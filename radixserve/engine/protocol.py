@@ -136,7 +136,7 @@ class AbortRequests:
 @dataclass
 class Call:
     call_id: int
-    method: str  # flush_cache | get_stats | check_integrity (CoreLoop._call)
+    method: str  # flush_cache | get_stats | check_integrity | tree_summary (CoreLoop._call)
 
 
 @dataclass

@@ -385,6 +385,8 @@ class Scheduler:
             req.queue_time = time.perf_counter() - req.arrival_time
             req.cached_tokens = match.num_tokens
             self.stats.cached_tokens += match.num_tokens
+            if match.num_tokens:
+                self.cache.record_hit(match.node)
         self.waiting.remove(req)
         self.running.append(req)
         req.state = ReqState.RUNNING

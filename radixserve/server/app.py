@@ -18,7 +18,7 @@ from radixserve.engine.client import EngineBusyError, EngineDeadError
 from radixserve.engine.output import LogprobCursor, format_output
 from radixserve.engine.request_builder import GenerateArgs
 from radixserve.engine.result import ResultStream
-from radixserve.server import openai_api
+from radixserve.server import dashboard, openai_api
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
@@ -71,10 +71,18 @@ async def error_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = state_of(request).config.api_key
-    if key and request.path not in OPEN_PATHS:
-        if not api_key_matches(request.headers.get("Authorization", ""), key):
-            return error_response(401, "missing or invalid API key", param="Authorization")
+    if key and request.path not in OPEN_PATHS and not await _authorized(request, key):
+        if (login_form := dashboard.unauthorized(request)) is not None:
+            return login_form
+        return error_response(401, "missing or invalid API key", param="Authorization")
     return await handler(request)
+
+
+async def _authorized(request: web.Request, key: str) -> bool:
+    """The Bearer key, or on the dashboard's paths its session cookie or login form."""
+    if api_key_matches(request.headers.get("Authorization", ""), key):
+        return True
+    return dashboard.has_session(request) or await dashboard.posts_key(request, key)
 
 
 def api_key_matches(authorization: str, key: str) -> bool:
@@ -312,4 +320,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
+    if not state.config.disable_dashboard:
+        dashboard.register_dashboard_routes(app)
     return app

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.result import RequestResult
+from radixserve.server.sliding_window import LatencyWindow
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -24,6 +25,13 @@ ENGINE_METRICS = {
     "kv_usage": ("radixserve:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", "g"),
     "cache_hit_rate": ("radixserve:cache_hit_rate", "Prompt tokens served from cache", "g"),
     "tree_pages": ("radixserve:radix_tree_pages", "KV pages owned by the radix tree", "g"),
+    "tree_protected_pages": (
+        "radixserve:radix_tree_locked_pages",
+        "Tree pages shared by running requests",
+        "g",
+    ),
+    "pool_free_pages": ("radixserve:kv_pool_free_pages", "KV pages free in the pool", "g"),
+    "pool_capacity_pages": ("radixserve:kv_pool_capacity_pages", "KV pages in the pool", "g"),
     "prompt_tokens": ("radixserve:prompt_tokens", "Prompt tokens received", "c"),
     "cached_tokens": ("radixserve:cached_tokens", "Prompt tokens served from cache", "c"),
     "prefill_tokens_computed": ("radixserve:prefill_tokens", "Prefill tokens computed", "c"),
@@ -67,6 +75,8 @@ class ServerMetrics:
             ["finished_reason"],
             registry=self.registry,
         )
+        # the last minute of each latency, for the dashboard's P50 / P99
+        self.recent = {"ttft": LatencyWindow(), "itl": LatencyWindow(), "e2e": LatencyWindow()}
         # id(result) -> [start time, last token time, tokens seen, queue time recorded]
         self._timing: dict[int, list] = {}
 
@@ -88,18 +98,23 @@ class ServerMetrics:
         if new <= 0:
             return
         if last is None:
-            self.ttft.observe(now - start)
+            self._observe("ttft", now - start)
         else:
             for _ in range(new):
-                self.itl.observe((now - last) / new)
+                self._observe("itl", (now - last) / new)
         timing[1], timing[2] = now, len(result.output_ids)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        """Into the Prometheus histogram and the dashboard's recent window."""
+        getattr(self, name).observe(seconds)
+        self.recent[name].observe(seconds)
 
     def on_finish(self, result: RequestResult) -> None:
         """Records a request's end once (later calls do nothing)."""
         timing = self._timing.pop(id(result), None)
         if timing is None:
             return
-        self.e2e.observe(time.perf_counter() - timing[0])
+        self._observe("e2e", time.perf_counter() - timing[0])
         reason = "abort" if result.finish_reason is None else result.finish_reason.kind
         self.finished.labels(finished_reason=reason).inc()
 
