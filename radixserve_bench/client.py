@@ -136,8 +136,7 @@ async def run_online(
     progress: bool = True,
 ) -> BenchRun:
     """Benchmarks the server behind `backend` on `workload`; page_size None asks the server."""
-    timeout, connector = aiohttp.ClientTimeout(total=None), aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with bench_session() as session:
         await backend.prepare(session)
         await warm_up(session, backend, warmup)
         before = await _server_info(session, backend)
@@ -148,6 +147,17 @@ async def run_online(
     page_size = page_size or info.get("page_size") or DEFAULT_PAGE_SIZE
     metrics = compute_metrics(results, duration, page_size) | load_metrics(load)
     return BenchRun(system, backend.name, metrics, results, server_run_info(backend, before, info))
+
+
+def bench_session() -> aiohttp.ClientSession:
+    """A session that opens a fresh connection per request, as vLLM's benchmark client does.
+
+    A pooled keep-alive connection the server has already closed fails the next request with
+    `ClientOSError: Can not write request body` (llama-server closes idle ones), which would
+    count the client's reuse against the server; a loopback connect costs ~0.1 ms.
+    """
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector)
 
 
 def server_run_info(backend, before: dict, after: dict) -> dict:
