@@ -76,3 +76,31 @@ def test_a_real_server_error_still_counts():
     run = asyncio.run(run_against_dropper([11, FAIL_FIRST_TOKEN, 13]))
     assert run.metrics["completed"] == 2 and run.metrics["failed"] == 1
     assert run.results[1].error.startswith("HTTP 500")
+
+
+async def never_answer_12(reader, writer) -> None:
+    """Answers at once, except prompts that start with 12: those it never answers."""
+    try:
+        body = await read_request(reader)
+        prompt = body.get("input_ids") or []
+        if prompt[:1] != [12]:
+            writer.write(sse_answer(prompt))
+            await writer.drain()
+        await reader.read()  # until the client gives up
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    writer.close()
+
+
+def test_a_time_limit_fails_the_requests_still_out():
+    async def run():
+        server = await asyncio.start_server(never_answer_12, "127.0.0.1", 0)
+        backend = NativeBackend(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with server:
+            return await run_online(workload([11, 12, 11]), backend, LoadShape(num_warmup=0),
+                                    page_size=16, progress=False, time_limit=1.0)  # fmt: skip
+
+    run = asyncio.run(run())
+    assert [r.success for r in run.results] == [True, False, True]
+    assert run.results[1].error == "not finished within the 1 s cap"
+    assert 1.0 <= run.metrics["duration"] < 10
