@@ -75,6 +75,9 @@ class LaunchOptions:
     """Extra flags for every radixserve server, e.g. "--max-total-tokens 65536"."""
     hf_max_batch_size: int | None = None
     """Static batch size of the transformers baseline (default: --max-concurrency, else 16)."""
+    llama_server_args: str = ""
+    """Extra flags for llama-server, e.g. "--no-repack" where its AMX / repacked kernels
+    crash (a Q4_1 GGUF on this 2-core VM's AMX build: SIGSEGV at the first forward)."""
     llama_cpp_ctx: int = 8192
     """llama-cpp-python's context length (n_ctx); llama-server's is sized per workload."""
     startup_timeout: float = 600.0
@@ -133,7 +136,7 @@ def server_command(
                 str(port), *batch, *spec.flags]  # fmt: skip
     if spec.kind == "llama-server":
         return _llama_server_command(spec, options, port, max_batch, max_seq_len)
-    threads = str(os.cpu_count() or 1)
+    threads = str(cpu_threads())
     return [
         sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path(options.model)),
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(options.llama_cpp_ctx),
@@ -155,8 +158,16 @@ def _llama_server_command(
         gguf = convert_f32_gguf(options.model) if f32 else gguf_path(options.model)
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"preparing {spec.name} failed: {exc}") from exc
-    threads = os.cpu_count() or 1
-    return llama_server_command(binary, gguf, port, max_batch, max_seq_len, threads)
+    threads = cpu_threads()
+    command = llama_server_command(binary, gguf, port, max_batch, max_seq_len, threads)
+    return [*command, *shlex.split(options.llama_server_args)]
+
+
+def cpu_threads() -> int:
+    """The threads a peer gets: what OMP_NUM_THREADS gives radixserve and torch, else every
+    core, so that every system in a run computes on as many threads."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else os.cpu_count() or 1
 
 
 def free_port() -> int:

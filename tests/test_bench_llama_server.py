@@ -124,3 +124,20 @@ def test_max_seq_len_covers_the_longest_prompt_and_output():
     workload = Workload("w", [BenchRequest(None, [1] * 30, 4), BenchRequest(None, [2] * 10, 50)])
     assert max_seq_len(workload) == 30 + 50
     assert max_seq_len(Workload("w", [BenchRequest(None, [1] * 30, 4)])) == 30 + 8  # the probe
+
+
+def test_peers_get_the_threads_radixserve_gets_and_extra_llama_server_flags(monkeypatch):
+    from radixserve_bench.systems import cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert cpu_threads() >= 1
+    monkeypatch.setattr("radixserve_bench.llama_build.build_llama_server",
+                        lambda: Path("/b/llama-server"))  # fmt: skip
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    options = LaunchOptions(llama_server_args="--no-repack")
+    command = server_command(SYSTEMS["llama-server"], options, 1234, 16, 1120)
+    assert command[0] == "/b/llama-server" and command[-1] == "--no-repack"
+    assert flag(command, "-t") == flag(command, "-tb") == "1"
+    assert flag(command, "-c") == str(16 * 1120)
