@@ -174,11 +174,14 @@ def compare_runs(
     for run in runs:
         if run is ref or not run.metrics.get("completed"):
             continue
-        speedup = run.metrics["duration"] / m["duration"]
+        # a run cut short by --max-run-seconds (or with failures) has no comparable duration
+        complete = not run.metrics.get("failed")
+        speedup = run.metrics["duration"] / m["duration"] if complete else None
         # the ideal is the limit over a system that shares no prefix; one that does has none
         limit = ideal if not run.metrics.get("total_cached_tokens") else None
         row = {"system": run.system, "weights": run.info.get("weights"), "speedup": speedup,
-               "ideal_speedup": limit, "of_ideal": speedup / limit if limit else None}  # fmt: skip
+               "ideal_speedup": limit, "of_ideal": speedup / limit if limit and speedup else None,
+               "completed": run.metrics["completed"]}  # fmt: skip
         target = SPEEDUP_TARGETS.get(run.system)
         if target is not None:
             value, relative = target
@@ -225,13 +228,18 @@ def format_comparison(comparison: dict[str, Any], costs: dict[str, TokenCosts]) 
     lines += [header + f"{'target':>9}{'P99 TTFT follow-up ratio':>27}", "-" * 100]
     for row in comparison["rows"]:
         target = row.get("target")
-        verdict = "" if target is None else (" met" if row["speedup"] >= target else " MISSED")
+        verdict = (
+            ""
+            if target is None or row["speedup"] is None
+            else (" met" if row["speedup"] >= target else " MISSED")
+        )
         ratio = row.get("p99_ttft_followup_ratio")
         followup = _fmt(ratio, ".3f")
         if ratio is not None and row["system"] == "radixserve-no-cache":
             followup += " met" if ratio <= FOLLOWUP_TTFT_TARGET else " MISSED"
         lines.append(
-            f"{row['system']:<22}{row.get('weights') or '-':<14}{row['speedup']:>8.2f}x"
+            f"{row['system']:<22}{row.get('weights') or '-':<14}"
+            f"{_fmt(row['speedup'], '.2f') + ('x' if row['speedup'] else ''):>9}"
             f"{_fmt(row['ideal_speedup'], '.2f'):>9}"
             f"{_fmt(row['of_ideal'], '.1%'):>10}{_fmt(target, '.2f'):>9}{verdict:<7}"
             f"{followup:>20}"

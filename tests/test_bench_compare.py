@@ -150,3 +150,10 @@ def test_llama_cpp_command_keeps_concurrent_streams():
     command = server_command(SYSTEMS["llama-cpp"], LaunchOptions(), 1234, 16)
     assert command[command.index("--interrupt_requests") + 1] == "False"
     assert command[command.index("--model") + 1].endswith(".gguf")
+
+
+def test_a_run_cut_short_gets_no_speedup():
+    runs = [_run("radixserve", 1.0), _run("llama-server", 2.0, failed=62, completed=2)]
+    [row] = compare_runs(runs, {})["rows"]
+    assert row["speedup"] is None and row["completed"] == 2 and row["target"] == 2.0
+    assert "llama-server" in format_comparison(compare_runs(runs, {}), {})
