@@ -7,6 +7,8 @@ openai              POST /v1/completions with token-id prompts and
                     `usage.prompt_tokens_details.cached_tokens`; the answer's ids are the
                     answer's text re-tokenized, as a chat client would resend it
 llama-cpp           the same against llama-cpp-python's server, with text prompts
+llama-server        llama.cpp's own server: POST /completion with token ids, its tokens
+                    streamed back, cached tokens from the final event's `timings.cache_n`
 """
 
 from __future__ import annotations
@@ -179,7 +181,79 @@ class LlamaCppBackend(OpenAIBackend):
         return super().payload(prompt, output_len) | extra
 
 
-BACKENDS = ("radixserve", "sglang", "openai", "llama-cpp")
+class LlamaServerBackend:
+    """llama.cpp's own server (`llama-server`) through its native `/completion`: token-id
+    prompts, greedy with EOS ignored, each streamed event carrying its token id, and the final
+    event (`stop: true`) its `timings`: `cache_n` prompt tokens reused from the slot's cache,
+    `prompt_n` prefilled, `predicted_n` generated."""
+
+    name = "llama-server"
+
+    def __init__(self, url: str, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def payload(self, prompt: list[int], output_len: int) -> dict[str, Any]:
+        return {
+            "prompt": prompt,
+            "n_predict": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": True,
+            "return_tokens": True,
+            "stream": True,
+        }
+
+    async def generate(
+        self, session: aiohttp.ClientSession, prompt: list[int], output_len: int, result
+    ) -> None:
+        """Sends one request and records its tokens, timings and counts into `result`."""
+        sent = time.perf_counter()
+        body = self.payload(prompt, output_len)
+        final: dict[str, Any] = {}
+        async with session.post(self.url + "/completion", json=body, headers=self.headers) as resp:
+            if resp.status != 200:
+                return result.fail(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for event in sse_events(resp):
+                if "error" in event:
+                    return result.fail(str(event["error"]))
+                if tokens := event.get("tokens"):
+                    result.add_chunk(time.perf_counter() - sent, len(tokens))
+                    result.output_ids += tokens
+                if event.get("stop"):
+                    final = event
+        result.e2e = time.perf_counter() - sent
+        record_llama_server_end(result, final, len(prompt))
+
+    async def prepare(self, session: aiohttp.ClientSession) -> None:
+        """Nothing to look up: /completion takes no model name."""
+
+    async def flush_cache(self, session: aiohttp.ClientSession) -> bool:
+        """No endpoint empties both its slots and its RAM prompt cache; the warm-up prompts
+        share no prefix with the workload's, so what they leave cannot raise its hit rate."""
+        return False
+
+    async def server_info(self, session: aiohttp.ClientSession) -> dict[str, Any]:
+        async with session.get(self.url + "/props", headers=self.headers) as resp:
+            if resp.status != 200:
+                return {}
+            props = await resp.json()
+        keys = ("total_slots", "build_info", "model_path")
+        return {k: props[k] for k in keys if k in props}
+
+
+def record_llama_server_end(result: RequestResult, final: dict[str, Any], prompt_len: int) -> None:
+    """Counts from llama-server's final event; a stream without one failed."""
+    if not final:
+        return result.fail("stream ended without llama-server's final event")
+    timings = final.get("timings") or {}
+    result.prompt_len = final.get("tokens_evaluated", prompt_len)
+    result.output_len = timings.get("predicted_n", len(result.output_ids))
+    result.cached_tokens = timings.get("cache_n") or 0
+    result.success = True
+
+
+BACKENDS = ("radixserve", "sglang", "openai", "llama-cpp", "llama-server")
 
 
 def make_backend(name: str, url: str, tokenizer, model: str | None, api_key: str | None):
@@ -190,4 +264,6 @@ def make_backend(name: str, url: str, tokenizer, model: str | None, api_key: str
         return OpenAIBackend(url, tokenizer, model, api_key)
     if name == "llama-cpp":
         return LlamaCppBackend(url, tokenizer, model, api_key)
+    if name == "llama-server":
+        return LlamaServerBackend(url, api_key)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -55,7 +55,8 @@ class ServerTarget:
     url: str = "http://127.0.0.1:30000"
     """Base URL of the server."""
     backend: str = "radixserve"
-    """radixserve | sglang (native /generate) | openai (/v1/completions) | llama-cpp."""
+    """radixserve | sglang (native /generate) | openai (/v1/completions) | llama-cpp |
+    llama-server (llama.cpp's own /completion)."""
     model: str | None = None
     """Model name for OpenAI-compatible servers (default: the first one /v1/models lists)."""
     api_key: str | None = None

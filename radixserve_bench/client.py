@@ -73,10 +73,17 @@ class OnlineRun:
         self.gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
         self.start = 0.0
 
-    async def run(self) -> tuple[list[RequestResult], float]:
-        """Every request's result and the wall time from the first send to the last answer."""
+    async def run(self, time_limit: float | None = None) -> tuple[list[RequestResult], float]:
+        """Every request's result and the wall time from the first send to the last answer;
+        after `time_limit` seconds the requests still out are dropped and count as failed."""
         self.start = time.perf_counter()
-        await asyncio.gather(*(self._one(i) for i in range(len(self.results))))
+        sends = asyncio.gather(*(self._one(i) for i in range(len(self.results))))
+        try:
+            await asyncio.wait_for(sends, time_limit)
+        except TimeoutError:
+            for result in self.results:
+                if not result.success and not result.error:
+                    result.fail(f"not finished within the {time_limit:g} s cap")
         return self.results, time.perf_counter() - self.start
 
     async def _one(self, index: int) -> None:
@@ -134,20 +141,33 @@ async def run_online(
     page_size: int | None = None,
     system: str | None = None,
     progress: bool = True,
+    time_limit: float | None = None,
 ) -> BenchRun:
-    """Benchmarks the server behind `backend` on `workload`; page_size None asks the server."""
-    timeout, connector = aiohttp.ClientTimeout(total=None), aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    """Benchmarks the server behind `backend` on `workload`; page_size None asks the server;
+    `time_limit` caps the measured run (seconds, see OnlineRun.run)."""
+    async with bench_session() as session:
         await backend.prepare(session)
         await warm_up(session, backend, warmup)
         before = await _server_info(session, backend)
         system = system or backend.name
         with progress_bar(len(workload.requests), system, progress) as bar:
-            results, duration = await OnlineRun(session, backend, workload, load, seed, bar).run()
+            online = OnlineRun(session, backend, workload, load, seed, bar)
+            results, duration = await online.run(time_limit)
         info = await _server_info(session, backend)
     page_size = page_size or info.get("page_size") or DEFAULT_PAGE_SIZE
     metrics = compute_metrics(results, duration, page_size) | load_metrics(load)
     return BenchRun(system, backend.name, metrics, results, server_run_info(backend, before, info))
+
+
+def bench_session() -> aiohttp.ClientSession:
+    """A session that opens a fresh connection per request, as vLLM's benchmark client does.
+
+    A pooled keep-alive connection the server has already closed fails the next request with
+    `ClientOSError: Can not write request body` (llama-server closes idle ones), which would
+    count the client's reuse against the server; a loopback connect costs ~0.1 ms.
+    """
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector)
 
 
 def server_run_info(backend, before: dict, after: dict) -> dict:

@@ -81,6 +81,7 @@ class HFRequest:
     loop: asyncio.AbstractEventLoop
     steps: asyncio.Queue[Step] = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client left before its batch started
+    cached_tokens: int = 0  # prompt tokens served from a cache (continuous batching only)
     num_generated: int = 0  # worker thread only
     finished: bool = False  # worker thread only
 

@@ -1,11 +1,13 @@
 """HF transformers baseline server for `radixserve bench compare`: the part of SGLang's native
-API the bench client uses, served by plain `model.generate` on static batches.
+API the bench client uses, served by plain `model.generate` on static batches, or by
+transformers' continuous batching (`--batching continuous`, see hf_continuous.py).
 
     python -m radixserve_bench.hf_server [--model M] [--port P] [--max-batch-size 16]
 
 POST /generate   {"input_ids" | "text", "sampling_params": {"temperature": 0, "max_new_tokens",
                  "ignore_eos"}, "stream"}; greedy only, one prompt per request
-GET  /health, GET /server_info, POST /flush_cache (nothing to flush: no cache across requests)
+GET  /health, GET /server_info, POST /flush_cache (static: nothing to flush; continuous:
+     transformers offers no flush of its shared blocks, so it flushes nothing either)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.http_runner import serve_app
 from radixserve.server.state import read_json
 from radixserve_bench.hf_batcher import HFModel, HFRequest, StaticBatcher, Step, load_hf_model
+from radixserve_bench.hf_continuous import ContinuousBatcher, ContinuousConfig
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream"}
 # Greedy decoding takes the argmax, which top_p / top_k / min_p always keep: they are no-ops.
@@ -52,12 +55,23 @@ class HFServerConfig:
     """auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda."""
+    batching: str = "static"
+    """static (one `model.generate` per batch) | continuous (transformers'
+    `init_continuous_batching`: paged cache, prefix sharing; --max-batch-size caps a step)."""
+    cb_page_size: int = 64
+    """continuous: tokens per cache block (transformers' default 256)."""
+    cb_num_blocks: int = 512
+    """continuous: cache blocks (transformers sizes them from GPU memory, none here)."""
+    cb_max_batch_tokens: int = 2048
+    """continuous: most tokens in one step (radixserve's chunked prefill size)."""
+    cb_scheduler: str = "fifo"
+    """continuous: fifo | prefill_first."""
 
 
 @dataclass
 class HFServer:
     hf: HFModel
-    batcher: StaticBatcher
+    batcher: StaticBatcher | ContinuousBatcher
     config: HFServerConfig
 
 
@@ -175,7 +189,7 @@ class Answer:
         meta = {
             "prompt_tokens": len(self.req.input_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.req.cached_tokens,
             "finish_reason": self.finish_reason,
             "e2e_latency": time.perf_counter() - self.arrival,
         }
@@ -272,13 +286,23 @@ def main(argv: list[str] | None = None) -> int:
     config = HFServerConfig(**{name: getattr(args, name) for name in field_names(HFServerConfig)})
     if config.max_batch_size < 1 or config.batch_wait_ms < 0:
         parser.error("--max-batch-size must be >= 1 and --batch-wait-ms >= 0")
+    if config.batching not in ("static", "continuous"):
+        parser.error(f"--batching must be static or continuous; got {config.batching!r}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # the weight-loading bar would flood a benchmark's server log
     hf = load_hf_model(config.model, config.dtype, config.device)
-    batcher = StaticBatcher(hf, config.max_batch_size, config.batch_wait_ms / 1000)
-    return asyncio.run(serve(HFServer(hf, batcher, config)))
+    return asyncio.run(serve(HFServer(hf, make_batcher(hf, config), config)))
+
+
+def make_batcher(hf: HFModel, config: HFServerConfig) -> StaticBatcher | ContinuousBatcher:
+    """The batcher `--batching` names."""
+    if config.batching == "static":
+        return StaticBatcher(hf, config.max_batch_size, config.batch_wait_ms / 1000)
+    cb = ContinuousConfig(config.cb_page_size, config.cb_num_blocks, config.cb_max_batch_tokens,
+                          config.max_batch_size, config.cb_scheduler)  # fmt: skip
+    return ContinuousBatcher(hf, cb)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,14 @@
 radixserve               radix cache, lpm scheduling (the product)
 radixserve-no-cache      --disable-radix-cache: every prompt token prefilled
 radixserve-fcfs          --schedule-policy fcfs: cache on, arrival order
+radixserve-gguf          --quantization gguf: the GGUF's Q4_1 blocks as shipped (bfloat16)
 hf-transformers          `model.generate` on static batches (radixserve_bench.hf_server)
+hf-transformers-cb       transformers' continuous batching (paged cache, prefix sharing)
 llama-cpp                llama-cpp-python's OpenAI server on the same GGUF, when installed
+                         (one request at a time)
+llama-server             llama.cpp's own server (slots, continuous batching, prompt cache) on
+                         the GGUF as shipped; built on demand (radixserve_bench.llama_build)
+llama-server-f32         the same on an F32 GGUF of the weights radixserve loads
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ from radixserve.model.source import resolve_model
 class SystemSpec:
     name: str
     kind: str
-    """radixserve | hf | llama-cpp: which server program runs."""
+    """radixserve | hf | llama-cpp | llama-server: which server program runs."""
     backend: str
     """The bench backend that talks to it (radixserve: native /generate)."""
     flags: tuple[str, ...] = ()
     """Extra command-line flags of its server."""
+    weights: str = "dtype"
+    """The report's quant column: dtype (the server's --dtype: fp32 on CPU) | gguf-shipped
+    (the model's GGUF as shipped, e.g. Q4_1) | gguf-f32 (an F32 GGUF of the same weights).
+    For llama-server it also picks the file."""
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -42,11 +52,17 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("radixserve", "radixserve", "radixserve"),
         SystemSpec("radixserve-no-cache", "radixserve", "radixserve", ("--disable-radix-cache",)),
         SystemSpec("radixserve-fcfs", "radixserve", "radixserve", ("--schedule-policy", "fcfs")),
+        SystemSpec("radixserve-gguf", "radixserve", "radixserve", ("--quantization", "gguf"),
+                   "gguf-shipped"),
         SystemSpec("hf-transformers", "hf", "radixserve"),
-        SystemSpec("llama-cpp", "llama-cpp", "llama-cpp"),
+        SystemSpec("hf-transformers-cb", "hf", "radixserve", ("--batching", "continuous")),
+        SystemSpec("llama-cpp", "llama-cpp", "llama-cpp", (), "gguf-shipped"),
+        SystemSpec("llama-server", "llama-server", "llama-server", (), "gguf-shipped"),
+        SystemSpec("llama-server-f32", "llama-server", "llama-server", (), "gguf-f32"),
     )
-}
-HEALTH_PATHS = {"radixserve": "/health", "hf": "/health", "llama-cpp": "/v1/models"}
+}  # fmt: skip
+HEALTH_PATHS = {"radixserve": "/health", "hf": "/health", "llama-cpp": "/v1/models",
+                "llama-server": "/health"}  # fmt: skip
 
 
 @dataclass
@@ -59,8 +75,11 @@ class LaunchOptions:
     """Extra flags for every radixserve server, e.g. "--max-total-tokens 65536"."""
     hf_max_batch_size: int | None = None
     """Static batch size of the transformers baseline (default: --max-concurrency, else 16)."""
+    llama_server_args: str = ""
+    """Extra flags for llama-server, e.g. "--no-repack" where its AMX / repacked kernels
+    crash (a Q4_1 GGUF on this 2-core VM's AMX build: SIGSEGV at the first forward)."""
     llama_cpp_ctx: int = 8192
-    """llama.cpp context length (n_ctx)."""
+    """llama-cpp-python's context length (n_ctx); llama-server's is sized per workload."""
     startup_timeout: float = 600.0
     """Seconds a server may take to become ready."""
 
@@ -84,6 +103,12 @@ def unavailable_reason(spec: SystemSpec, options: LaunchOptions) -> str | None:
             return "llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')"
         if gguf_path(options.model) is None:
             return "llama.cpp needs a .gguf model"
+    if spec.weights == "gguf-shipped" and gguf_path(options.model) is None:
+        return f"{spec.name} runs the GGUF as shipped and needs a .gguf model"
+    if spec.kind == "llama-server":
+        from radixserve_bench.llama_server import unavailable_reason as llama_server_reason
+
+        return llama_server_reason()
     return None
 
 
@@ -93,9 +118,10 @@ def gguf_path(model: str | None) -> Path | None:
 
 
 def server_command(
-    spec: SystemSpec, options: LaunchOptions, port: int, max_batch: int
+    spec: SystemSpec, options: LaunchOptions, port: int, max_batch: int, max_seq_len: int = 0
 ) -> list[str]:
-    """The command line that serves `spec` on 127.0.0.1:`port`."""
+    """The command line that serves `spec` on 127.0.0.1:`port`, for `max_batch` concurrent
+    requests of at most `max_seq_len` tokens (prompt + output)."""
     model = [options.model] if options.model else []
     if spec.kind == "radixserve":
         flags = [*spec.flags, *shlex.split(options.server_args)]
@@ -107,14 +133,41 @@ def server_command(
         wait = ["--batch-wait-ms", "100"]
         batch = ["--max-batch-size", str(options.hf_max_batch_size or max_batch), *wait]
         return [sys.executable, "-m", "radixserve_bench.hf_server", *model_flag, "--port",
-                str(port), *batch]  # fmt: skip
-    threads = str(os.cpu_count() or 1)
+                str(port), *batch, *spec.flags]  # fmt: skip
+    if spec.kind == "llama-server":
+        return _llama_server_command(spec, options, port, max_batch, max_seq_len)
+    threads = str(cpu_threads())
     return [
         sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path(options.model)),
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(options.llama_cpp_ctx),
         "--n_threads", threads, "--n_threads_batch", threads, "--model_alias", spec.name,
         "--interrupt_requests", "False",  # its default drops a running stream for a new request
     ]  # fmt: skip
+
+
+def _llama_server_command(
+    spec: SystemSpec, options: LaunchOptions, port: int, max_batch: int, max_seq_len: int
+) -> list[str]:
+    """Builds llama-server and converts the F32 GGUF first where they are not cached."""
+    from radixserve_bench.llama_build import build_llama_server
+    from radixserve_bench.llama_server import convert_f32_gguf, llama_server_command
+
+    try:
+        binary = build_llama_server()
+        f32 = spec.weights == "gguf-f32"
+        gguf = convert_f32_gguf(options.model) if f32 else gguf_path(options.model)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"preparing {spec.name} failed: {exc}") from exc
+    threads = cpu_threads()
+    command = llama_server_command(binary, gguf, port, max_batch, max_seq_len, threads)
+    return [*command, *shlex.split(options.llama_server_args)]
+
+
+def cpu_threads() -> int:
+    """The threads a peer gets: what OMP_NUM_THREADS gives radixserve and torch, else every
+    core, so that every system in a run computes on as many threads."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else os.cpu_count() or 1
 
 
 def free_port() -> int:
@@ -176,11 +229,11 @@ class ManagedServer:
 
 
 def launch(
-    spec: SystemSpec, options: LaunchOptions, max_batch: int, log_dir: Path
+    spec: SystemSpec, options: LaunchOptions, max_batch: int, log_dir: Path, max_seq_len: int = 0
 ) -> ManagedServer:
     """Starts `spec` on a free port and waits until it answers its health check."""
     port = free_port()
-    command = server_command(spec, options, port, max_batch)
+    command = server_command(spec, options, port, max_batch, max_seq_len)
     server = ManagedServer(command, HEALTH_PATHS[spec.kind], log_dir / f"{spec.name}.log", port)
     server.start(options.startup_timeout)
     return server

@@ -44,7 +44,7 @@ def test_compare_runs_rows_targets_and_followup_ratio():
         _run("llama-cpp", 1.5),
         _run("radixserve-fcfs", 1.1, total_cached_tokens=800),
     ]
-    comparison = compare_runs(runs, costs)
+    comparison = compare_runs(runs, {"radixserve": costs})
     ideal = 2.1 / 0.5
     assert comparison["ideal_speedup"] == pytest.approx(ideal)
     rows = {r["system"]: r for r in comparison["rows"]}
@@ -56,7 +56,7 @@ def test_compare_runs_rows_targets_and_followup_ratio():
     assert rows["llama-cpp"]["target"] == 2.0
     assert "target" not in rows["radixserve-fcfs"]
     assert rows["radixserve-fcfs"]["ideal_speedup"] is None  # it shares prefixes itself
-    table = format_comparison(comparison, costs)
+    table = format_comparison(comparison, {"radixserve": costs})
     assert "radixserve-no-cache" in table and "MISSED" in table  # llama-cpp: 1.5x < 2x
     assert "hit rate / optimum: 0.990" in table
 
@@ -71,9 +71,27 @@ def test_probe_prompts_share_exactly_the_requested_prefix():
     assert len({p[0] for p in prefill}) == 4
 
 
+def test_ideal_is_priced_with_the_fastest_decode_and_printed_both_ways():
+    costs = {
+        "radixserve": TokenCosts(prefill_s=0.002, decode_s=0.01),
+        "llama-server": TokenCosts(prefill_s=0.001, decode_s=0.005),
+        "hf-transformers": TokenCosts(prefill_s=0.003, decode_s=0.0),  # probe told nothing
+    }
+    runs = [_run("radixserve", 1.0), _run("hf-transformers", 3.0)]
+    comparison = compare_runs(runs, costs)
+    # radixserve's prefill, llama-server's decode: (2 + 0.05) / (0.4 + 0.05)
+    assert comparison["ideal_speedup"] == pytest.approx(2.05 / 0.45)
+    assert comparison["ideal_speedup_own_decode"] == pytest.approx(2.1 / 0.5)
+    assert comparison["decode_priced_by"] == "llama-server"
+    assert comparison["rows"][0]["ideal_speedup"] == pytest.approx(2.05 / 0.45)
+    table = format_comparison(comparison, costs)
+    assert "ideal speedup: 4.20x with radixserve's decode, 4.56x with the fastest" in table
+    assert "measured cost per token (llama-server): prefill 1.000 ms, decode 5.000 ms" in table
+
+
 def test_compare_runs_without_reference_or_costs():
-    assert compare_runs([_run("hf-transformers", 2.0)], None)["rows"] == []
-    rows = compare_runs([_run("radixserve", 1.0), _run("hf-transformers", 2.0)], None)["rows"]
+    assert compare_runs([_run("hf-transformers", 2.0)], {})["rows"] == []
+    rows = compare_runs([_run("radixserve", 1.0), _run("hf-transformers", 2.0)], {})["rows"]
     assert rows[0]["ideal_speedup"] is None and rows[0]["speedup"] == pytest.approx(2.0)
 
 
@@ -87,7 +105,7 @@ def test_systems_are_checked(tiny_chat_model):
 
 def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "compare"
-    argv = ["bench", "compare", "--systems", "radixserve,radixserve-no-cache,hf-transformers",
+    argv = ["bench", "compare", "--systems", "radixserve,radixserve-no-cache,hf-transformers-cb",
             "--model", tiny_chat_model, "--server-args", "--max-total-tokens 16384",
             "--workload-args", SHARED_PREFIX, "--max-concurrency", "2", "--num-warmup", "1",
             "--out", str(out), "--no-progress"]  # fmt: skip
@@ -96,18 +114,20 @@ def test_bench_compare_starts_measures_and_stops_systems(tiny_chat_model, tmp_pa
     assert "radixserve vs peers" in printed and "measured cost per token" in printed
     report = json.loads((out / "bench.json").read_text())
     runs = {r["system"]: r["metrics"] for r in report["runs"]}
-    assert set(runs) == {"radixserve", "radixserve-no-cache", "hf-transformers"}
+    assert set(runs) == {"radixserve", "radixserve-no-cache", "hf-transformers-cb"}
     assert all(m["completed"] == 6 and m["total_output_tokens"] == 24 for m in runs.values())
     assert runs["radixserve"]["total_cached_tokens"] > 0
     assert runs["radixserve-no-cache"]["total_cached_tokens"] == 0
     comparison = report["config"]["comparison"]
-    costs = report["config"]["token_costs"]
+    assert set(report["config"]["token_costs"]) == set(runs)  # every system calibrated
+    costs = report["config"]["token_costs"]["radixserve"]
     assert costs["prefill_s"] > 0 and costs["decode_s"] >= 0
     # the decode probe shared its prompts' prefix, so the radix server prefilled it once
     assert costs["probe"]["decode_prefilled_tokens"] < 2 * costs["probe"]["prompt_len"]
     assert comparison["ideal_speedup"] > 1
     rows = [r["system"] for r in comparison["rows"]]
-    assert rows == ["radixserve-no-cache", "hf-transformers"]
+    assert rows == ["radixserve-no-cache", "hf-transformers-cb"]
+    assert "ideal_speedup_own_decode" in comparison and comparison["decode_priced_by"] in runs
     assert (out / "logs" / "radixserve.log").exists()
 
 
@@ -130,3 +150,10 @@ def test_llama_cpp_command_keeps_concurrent_streams():
     command = server_command(SYSTEMS["llama-cpp"], LaunchOptions(), 1234, 16)
     assert command[command.index("--interrupt_requests") + 1] == "False"
     assert command[command.index("--model") + 1].endswith(".gguf")
+
+
+def test_a_run_cut_short_gets_no_speedup():
+    runs = [_run("radixserve", 1.0), _run("llama-server", 2.0, failed=62, completed=2)]
+    [row] = compare_runs(runs, {})["rows"]
+    assert row["speedup"] is None and row["completed"] == 2 and row["target"] == 2.0
+    assert "llama-server" in format_comparison(compare_runs(runs, {}), {})

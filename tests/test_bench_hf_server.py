@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import time
 
@@ -267,3 +268,49 @@ def test_rows_stop_at_their_own_length_or_at_eos():
     assert ignoring[-1].finish_reason == {"type": "length", "length": 3}
     assert [s.token for s in stopping] == [7, 2]  # stops at EOS, later tokens dropped
     assert stopping[-1].finish_reason == {"type": "stop", "matched": 2}
+
+
+# ---- continuous batching (transformers' init_continuous_batching) --------------------------
+
+CB_PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def hf_cb_server(tiny_chat_model):
+    flags = ["--batching", "continuous", "--max-batch-size", str(MAX_BATCH), "--device", "cpu",
+             "--cb-page-size", str(CB_PAGE), "--cb-num-blocks", "64", "--cb-max-batch-tokens",
+             "256"]  # fmt: skip
+    proc = HFServerProcess(tiny_chat_model, *flags)
+    yield proc
+    assert proc.stop() == 0
+
+
+def test_continuous_batching_matches_transformers_and_reports_its_prefix_hits(
+    hf_cb_server, reference
+):
+    shared = prompt_ids(9, 3 * CB_PAGE)
+    prompts = [shared + prompt_ids(i, 5) for i in range(3)]
+    expected = [reference(p, 4) for p in prompts]
+    first = generate_all(
+        hf_cb_server.url, [{"input_ids": prompts[0], "sampling_params": greedy(4)}]
+    )
+    later = generate_all(hf_cb_server.url, [{"input_ids": p, "sampling_params": greedy(4)}
+                                            for p in prompts[1:]])  # fmt: skip
+    answers = first + later
+    assert [a["output_ids"] for a in answers] == expected
+    assert answers[0]["meta_info"]["cached_tokens"] == 0
+    # the later prompts find the first one's three whole shared blocks in its paged cache
+    assert [a["meta_info"]["cached_tokens"] for a in later] == [3 * CB_PAGE] * 2
+    assert all(a["meta_info"]["completion_tokens"] == 4 for a in answers)
+
+
+def test_continuous_batching_streams_and_refuses_an_unknown_mode(hf_cb_server, tiny_chat_model):
+    events = asyncio.run(
+        stream(hf_cb_server.url, {"input_ids": prompt_ids(4), "sampling_params": greedy(5)})
+    )
+    assert events[-1] == "[DONE]" and len(events[-2]["output_ids"]) == 5
+    assert len(events) > 2  # tokens arrive as they are made
+    proc = subprocess.run([sys.executable, "-m", "radixserve_bench.hf_server", "--model",
+                           tiny_chat_model, "--batching", "dynamic"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--batching must be static or continuous" in proc.stderr

