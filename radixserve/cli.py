@@ -62,10 +62,11 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 def engine_args_from(args: argparse.Namespace) -> dict:
     if getattr(args, "model_arg", None) is not None:  # `serve MODEL` / `fleet MODEL`
         args.model = args.model_arg
-    return {
+    return {  # `fleet` has no ParallelConfig flags: its workers are one process each
         name: getattr(args, name)
         for cls in (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig)
         for name in field_names(cls)
+        if hasattr(args, name)
     }
 
 
