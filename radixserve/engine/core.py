@@ -73,11 +73,24 @@ class EngineCore:
         return self.scheduler.cache
 
     def flush_cache(self) -> bool:
-        """Empties the prefix cache; refused (False) while requests are queued or running."""
+        """Empties the prefix cache, pins included; refused (False) while requests are queued
+        or running."""
         if self.scheduler.has_work():
             return False
+        self.scheduler.pins.clear()
         self.cache.reset()
         return True
+
+    def list_pins(self) -> list[dict]:
+        """Every retention pin (sessions and pinned prefixes), oldest first."""
+        return self.scheduler.pins.describe()
+
+    def unpin(self, key: str) -> bool:
+        """Ends the pin named `key` (session:<id> | prefix:<name>); False if there is none."""
+        return self.scheduler.pins.unpin(key)
+
+    def tree_summary(self, top_k: int = 10) -> dict:
+        return self.cache.tree_summary(top_k).to_dict()
 
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
@@ -99,6 +112,10 @@ class EngineCore:
             "tree_pages": tree.total_pages,
             "tree_evictable_pages": tree.evictable_pages,
             "tree_protected_pages": tree.protected_pages,
+            "tree_pinned_pages": tree.pinned_pages,
+            "num_pins": len(scheduler.pins),
+            "max_pinned_pages": scheduler.pins.max_pinned_pages,
+            "pins_degraded": scheduler.pins.num_degraded,
             "new_token_ratio": scheduler.new_token_ratio,
             "num_compiling_reqs": len(scheduler.compiling),
             "grammar_compiles": grammar.compiles if grammar else 0,

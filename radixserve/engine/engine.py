@@ -39,6 +39,7 @@ class Engine:
             self.runner.config.vocab_size,
             self.context_length,
             self.runner.pool.capacity_tokens,
+            enable_priority=self.scheduler.config.enable_priority_scheduling,
         )
         self.client = InProcessClient(self.core)
         self._loop = LoopThread()
@@ -59,12 +60,27 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         stream: bool = False,
         progress_bar: bool | None = None,
+        *,
+        priority: int | None = None,
+        session_id: str | None = None,
+        retention: dict | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
         specs, batched = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, cache_salt,
-        )  # fmt: skip
+            GenerateArgs(
+                text=prompt,
+                input_ids=input_ids,
+                sampling_params=sampling_params,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                rid=rid,
+                cache_salt=cache_salt,
+                priority=priority,
+                session_id=session_id,
+                retention=retention,
+            )
+        )
         if stream:
             return self._loop.iterate(self._stream(specs, return_text_in_logprobs))
         show = len(specs) >= PROGRESS_BAR_MIN_BATCH if progress_bar is None else progress_bar
@@ -83,12 +99,27 @@ class Engine:
         rid: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
         stream: bool = False,
+        *,
+        priority: int | None = None,
+        session_id: str | None = None,
+        retention: dict | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
         specs, batched = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, cache_salt,
-        )  # fmt: skip
+            GenerateArgs(
+                text=prompt,
+                input_ids=input_ids,
+                sampling_params=sampling_params,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                rid=rid,
+                cache_salt=cache_salt,
+                priority=priority,
+                session_id=session_id,
+                retention=retention,
+            )
+        )
         if stream:
             return self._stream(specs, return_text_in_logprobs)
         results = await self._run(specs, progress_bar=False)
@@ -124,20 +155,9 @@ class Engine:
 
     # ---- running requests ----------------------------------------------------------------
 
-    def _build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-               top_logprobs_num, rid, cache_salt) -> tuple[list[RequestSpec], bool]:  # fmt: skip
+    def _build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        args = GenerateArgs(
-            text=prompt,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            rid=rid,
-            cache_salt=cache_salt,
-        )
         return self.builder.build(args)
 
     async def _run(self, specs: list[RequestSpec], progress_bar: bool) -> list[RequestResult]:
