@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from radixserve.cache.retention import prefix_pin_key, session_pin_key
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
 from radixserve.engine.inproc_client import InProcessClient
@@ -139,6 +140,21 @@ class Engine:
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
         self._loop.run(self.client.check_integrity())
+
+    def list_pins(self) -> list[dict]:
+        """Retention pins (sessions, pinned prefixes), oldest first: as GET /cache/sessions."""
+        return self._loop.run(self.client.list_pins())
+
+    def unpin(self, *, name: str | None = None, session_id: str | None = None) -> bool:
+        """Ends a pinned prefix's (`name`) or a session's pin; False if there is none."""
+        if (name is None) == (session_id is None):
+            raise ValueError("unpin: give exactly one of name or session_id")
+        key = prefix_pin_key(name) if session_id is None else session_pin_key(session_id)
+        return self._loop.run(self.client.unpin(key))
+
+    def tree_summary(self, top_k: int = 10) -> dict:
+        """The radix tree's size, depth and largest subtrees: as GET /cache/tree."""
+        return self._loop.run(self.client.tree_summary(top_k))
 
     def shutdown(self) -> None:
         if not self._closed:
