@@ -169,3 +169,49 @@ def _run(sched, reqs: list[Req], max_steps: int = 5000) -> list[str]:
             return finished
         finished += [r.rid for r in sched.step() if r.finished]
     raise AssertionError(f"still busy after {max_steps} steps: a deadlock?")
+
+
+def _pin_two_sessions_then_run_beside_a_long_request(pin_policy: str, tiny_chat_model):
+    """Two pinned sessions (18 pages), a long request running (holding pages), and a new
+    request that fits only if pins give way. Returns (the scheduler, the new request)."""
+    core = make_core(tiny_chat_model, max_pinned_fraction=0.5, pin_policy=pin_policy, **POOL)
+    sched = core.scheduler
+    for i in range(2):
+        _run(sched, [_req(f"s{i}", prompt_ids(i, 144), pin=PinRequest(session_pin_key(str(i))))])
+    runner = _req("runner", prompt_ids(5, 96), max_new_tokens=200)
+    sched.add_request(runner)
+    sched.step()
+    late = _req("late", prompt_ids(6, 160), max_new_tokens=2)
+    sched.add_request(late)
+    for _ in range(3):
+        sched.step()
+    return core, late
+
+
+def test_pin_policy_hard_keeps_pins_while_a_request_waits(tiny_chat_model):
+    core, late = _pin_two_sessions_then_run_beside_a_long_request("hard", tiny_chat_model)
+    assert late.state.value == "waiting" and len(core.scheduler.pins) == 2
+    _run(core.scheduler, [])  # the runner finishes, then the late request fits
+    assert late.finished
+    core.check_integrity()
+
+
+def test_pin_policy_last_lets_pins_yield_to_admission(tiny_chat_model):
+    core, late = _pin_two_sessions_then_run_beside_a_long_request("last", tiny_chat_model)
+    assert late.state.value != "waiting"  # the pinned pages counted as reclaimable
+    _run(core.scheduler, [])
+    core.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"pin_policy": "soft"}, "pin_policy must be one of"),
+        ({"max_pinned_fraction": 1.5}, "in \\[0, 1\\]"),
+    ],
+)
+def test_bad_retention_flags_are_refused(kwargs, message):
+    from radixserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**kwargs).verify()

@@ -10,7 +10,8 @@ the rest. `insert` reports what the tree already had: those own pages are duplic
 
 Retention (cache/retention.py): admitting a request of a session ends the session's pin (the
 request now locks what it reads); a request that asks for a pin gets its whole pages pinned
-when it finishes. Pins give way, oldest first, only when nothing else could free a page.
+when it finishes. Pins give way, oldest first, only when nothing else could free a page
+(pin_policy "hard"), or whenever unpinned pages run out (pin_policy "last").
 
 A speculating request's own pages may, for one step, reach past its sequence to hold draft
 tokens' K/V (`grow_from_free`); after verification `trim` frees the pages past what it
@@ -34,12 +35,14 @@ class ReqPages:
         stats: EngineStats,
         pins: PinTable | None = None,
         use_priority: bool = False,
+        pins_give_way: bool = False,
     ):
         self.pool = pool
         self.cache = cache
         self.stats = stats
         self.pins = pins if pins is not None else PinTable(cache, 0)
         self.use_priority = use_priority  # tree nodes take the priority of their requests
+        self.pins_give_way = pins_give_way  # pin_policy "last": pins yield to any allocation
 
     def _priority(self, req: Req) -> int:
         return req.priority if self.use_priority else 0
@@ -59,6 +62,7 @@ class ReqPages:
         short = num - self.pool.allocator.num_free
         if short > 0:
             self.stats.evicted_pages += self.cache.evict(short)
+        unpin = unpin or self.pins_give_way
         while unpin and self.pool.allocator.num_free < num and self.pins.release_oldest():
             self.stats.evicted_pages += self.cache.evict(num - self.pool.allocator.num_free)
         return self.pool.allocator.num_free >= num

@@ -68,7 +68,12 @@ class Scheduler:
         max_pinned = int(config.max_pinned_fraction * self.pool.allocator.capacity)
         self.pins = PinTable(cache, max_pinned)
         self.pages = ReqPages(
-            self.pool, cache, self.stats, self.pins, config.enable_priority_scheduling
+            self.pool,
+            cache,
+            self.stats,
+            self.pins,
+            use_priority=config.enable_priority_scheduling,
+            pins_give_way=config.pin_policy == "last",
         )
         self.batches = BatchBuilder(self.page_size, runner.device)
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
@@ -383,7 +388,7 @@ class Scheduler:
         self.cache.lock(match.node)
         uncached = req.seq_len - match.num_tokens
         needed = self.pool.num_pages_for(uncached) + self._future_pages(req)
-        available = self.pool.allocator.num_free + self.cache.num_evictable_pages() - reserved
+        available = self.pool.allocator.num_free + self._reclaimable_pages() - reserved
         num_new = min(uncached, budget)
         if needed > available and self.running:
             self.cache.unlock(match.node)
@@ -401,6 +406,14 @@ class Scheduler:
         self.running.append(req)
         req.state = ReqState.RUNNING
         return Work(req, num_new)
+
+    def _reclaimable_pages(self) -> int:
+        """Pages eviction may free for an admission: unpinned ones, and with pin_policy
+        "last" also the pinned pages no running request holds."""
+        if not self.pages.pins_give_way:
+            return self.cache.num_evictable_pages()
+        info = self.cache.size_info()
+        return info.total_pages - info.protected_pages
 
     def _future_pages(self, req: Req) -> int:
         """Estimated pages a request will still need for output."""
