@@ -204,18 +204,18 @@ class AgentSessionsConfig:
 
     num_sessions: int = 12
     num_turns: int = 4
-    context_len: int = 1024
+    context_len: int = 512
     """Each session's own task context (sessions share nothing)."""
     observation_len: int = 64
     """Tool result appended to each resumed turn."""
     output_len: int = 32
-    pause_ms: int = 20000
+    pause_ms: int = 30000
     """Mean tool-call pause between a turn's answer and the next turn (exponential)."""
     session_gap_ms: int = 4000
     """Start of session s: s times this after the start."""
-    num_flood: int = 120
+    num_flood: int = 60
     """One-off prompts, arriving uniformly over the sessions' expected span."""
-    flood_len: int = 512
+    flood_len: int = 256
     flood_output_len: int = 16
     PRESETS: ClassVar[dict[str, dict[str, int]]] = {
         "small": dict(num_sessions=6, num_turns=3, context_len=256, observation_len=32,
