@@ -387,7 +387,7 @@ KNOWN_ROUTES = {
     "/generate", "/abort_request", "/flush_cache", "/concate_and_append_request",
     "/get_model_info", "/model_info", "/server_info", "/get_server_info", "/health_generate",
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-    "/check_integrity",
+    "/check_integrity", "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
 
