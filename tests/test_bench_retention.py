@@ -66,3 +66,21 @@ def test_bench_retention_cli_writes_its_report(tmp_path, capsys):
         "retention last",
         "unbounded",
     ]
+
+
+LIVE = SESSIONS.replace("pause_ms=20000,session_gap_ms=1000", "pause_ms=400,session_gap_ms=50")
+
+
+def test_live_run_on_a_real_engine_keeps_sessions_too(tiny_chat_model):
+    from radixserve_bench.workloads import default_tokenizer
+
+    workload = make_workload("agent-sessions", default_tokenizer(), overrides=parse_overrides(LIVE))
+    bench = RetentionBenchArgs(
+        cache_tokens=sessions_pool_tokens(workload) * 3,
+        max_pinned_fraction=0.9,
+        model=tiny_chat_model,
+    )
+    rows = {row["run"]: row for row in compare(workload, bench)}
+    assert set(rows) == {"lru", "retention hard", "retention last"}
+    assert all(row["failed"] == 0 and row["num_resumed"] == 8 for row in rows.values())
+    assert rows["retention hard"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
