@@ -75,6 +75,9 @@ def test_session_retention_on_generate_and_the_openai_extra_body(retention_serve
         sessions = {p["name"]: p for p in pins if p["kind"] == "session"}
         assert set(sessions) >= {"agent-1", "agent-2"}
         assert 0 < sessions["agent-1"]["expires_in_s"] <= 120
+        status, metrics = await get(url + "/metrics")
+        assert status == 200 and "radixserve:num_pins 2.0" in metrics
+        assert "radixserve:pins_degraded_total" in metrics
         assert (await post(url + "/cache/unpin", {"session_id": "agent-1"}))[0] == 200
         assert (await post(url + "/cache/unpin", {"session_id": "agent-2"}))[0] == 200
 

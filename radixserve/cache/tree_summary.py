@@ -15,7 +15,8 @@ class SubtreeSummary:
     first_token_ids: list[int]  # the subtree's first tokens, a preview
     num_tokens: int  # tokens cached in the subtree
     num_nodes: int
-    hit_count: int  # locks taken on its nodes: admissions that read it
+    hit_count: int  # locks taken on its nodes: admissions that read it (a chunked prefill
+    # also re-locks its own new pages once per chunk)
     max_depth: int  # deepest node below it, in nodes
     pinned: bool  # some retention pin holds part of it
     locked: bool  # some running request holds part of it
