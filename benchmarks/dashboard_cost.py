@@ -1,7 +1,7 @@
 """What one `/dashboard/stats` poll costs: the tree walk on the core and the JSON build.
 
 Builds radix trees of N nodes (a shared prefix, then N branches of `--branch-pages` pages
-each, page size 16), times `summarize_tree` on each, and times `DashboardStats.build` with
+each, page size 16), times `PrefixCache.tree_outline` on each, and times `DashboardStats.build` with
 its latency windows full (4096 samples each); prints a table and writes JSON. The tree walk
 runs on the core's thread between steps, at most once per TREE_REFRESH_S.
 
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.tree_summary import summarize_tree
 from radixserve.server.dashboard_stats import DashboardStats
 from radixserve.server.metrics import ServerMetrics
 
@@ -76,8 +75,8 @@ def main() -> None:
     rows = []
     for num in (int(n) for n in args.nodes.split(",")):
         cache = build_tree(num, args.branch_pages)
-        ms = median_ms(lambda c=cache: summarize_tree(c), args.repeats)
-        rows.append({"what": f"summarize_tree, {num + 1} nodes", "ms": ms})
+        ms = median_ms(lambda c=cache: c.tree_outline(), args.repeats)
+        rows.append({"what": f"tree_outline, {num + 1} nodes", "ms": ms})
     rows.append({"what": "DashboardStats.build, full windows", "ms": stats_build_ms(args.repeats)})
     print(f"| {'what':<40} | {'median ms':>9} |\n|{'-' * 42}|{'-' * 11}|")
     for row in rows:

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
+PIN_POLICIES = ("hard", "last")
 SPECULATIVE_PLANNED = ("STANDALONE", "SELF")  # SGLang's names, accepted by later slices
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -247,6 +248,19 @@ class SchedulerConfig:
     schedule_max_bypass: int = 64
     """Anti-starvation: a waiting request that this many later arrivals were admitted ahead of
     goes first. A bound in requests, not steps, so lpm keeps its order under sustained load."""
+    enable_priority_scheduling: bool = False
+    """Honour each request's `priority` (an int, higher first, as SGLang): admission order,
+    retraction order and eviction order of cached prefixes; aging (schedule_max_bypass) still
+    lets a low-priority request through. Off: a request with a non-zero priority is refused."""
+    # 0.3: the issue's default; what pins hold is at most this share, so admission always
+    # keeps the rest of the pool.
+    max_pinned_fraction: float = 0.3
+    """Most of the KV pool that retention pins (session retention, POST /cache/pin) may hold;
+    past it the oldest pins degrade to plain LRU."""
+    pin_policy: str = "hard"
+    """hard: pinned pages are never evicted while pinned (admission works around them) |
+    last: they count as free for admission but are evicted only after every unpinned page,
+    oldest pin first (for pools too small to set pages aside)."""
     schedule_conservativeness: float = 1.0
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
@@ -270,6 +284,14 @@ class SchedulerConfig:
             allowed = ", ".join(policies)
             raise ValueError(
                 f"schedule_policy must be one of {allowed}; got {self.schedule_policy!r}"
+            )
+        if self.pin_policy not in PIN_POLICIES:
+            raise ValueError(
+                f"pin_policy must be one of {', '.join(PIN_POLICIES)}; got {self.pin_policy!r}"
+            )
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}"
             )
         for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_bypass"):
             if getattr(self, name) < 1:

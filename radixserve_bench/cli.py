@@ -25,7 +25,7 @@ class WorkloadArgs:
     """Which requests to send."""
 
     workload: str = "shared-prefix"
-    """shared-prefix | multi-turn | agent | fork."""
+    """shared-prefix | multi-turn | agent | fork | agent-sessions (pauses: simulate only)."""
     preset: str = "default"
     """default (GPU sizes) | small (about two minutes per system on 2 CPU cores)."""
     workload_args: str | None = None
@@ -95,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(offline, SchedulerConfig, "scheduler")
     _add_common_args(offline)
     from radixserve_bench.compare import add_compare_parser
+    from radixserve_bench.retention_bench import add_retention_parser
     from radixserve_bench.simulate_cli import add_simulate_parser
 
     add_compare_parser(modes)
     add_simulate_parser(modes)
+    add_retention_parser(modes)
     return parser
 
 
@@ -132,6 +134,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from radixserve_bench.simulate_cli import run_simulate_bench
 
         return run_simulate_bench(args)
+    if args.bench_command == "retention":
+        from radixserve_bench.retention_bench import run_retention_bench
+
+        return run_retention_bench(args)
     return run_offline_bench(args)
 
 

@@ -2,7 +2,8 @@
 
 One `Simulation` feeds a workload to a Scheduler over a SimRunner, on a virtual clock:
 
-    ready(i)  = max(arrival slot, parent's finish)     Poisson slots, or all at 0 (rate inf)
+    ready(i)  = max(arrival slot, parent's finish + delay_s)   Poisson slots, or all at 0
+                (rate inf); delay_s: a tool call's pause (a root: its arrival offset)
     sent(i)   : the first step boundary after ready(i) with a free `max_concurrency` slot;
                 ready requests go in workload order, as in the offline bench
     admitted  : the step that first schedules it;  first token / finish: the end of a step
@@ -10,6 +11,8 @@ One `Simulation` feeds a workload to a Scheduler over a SimRunner, on a virtual 
 Each step advances the clock by the cost of its batch. The step's real CPU time, minus the
 fake forward, is the scheduler's own cost (matching, ordering, batch building, sampling).
 A request's arrival_time is its submission number: the scheduler only orders by it.
+With `retention_ttl_s`, session requests ask for retention and the pins' TTLs run on the
+virtual clock.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 from radixserve.cache.radix_cache import create_prefix_cache
+from radixserve.cache.retention import session_pin_key
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.engine.protocol import PinRequest
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
@@ -80,11 +85,14 @@ class Simulation:
         cache_config: CacheConfig,
         cost: CostModel | None = None,
         load: SimLoad | None = None,
+        retention_ttl_s: float | None = None,
     ):
         load = load or SimLoad()
         self.workload = workload
+        self.retention_ttl_s = retention_ttl_s
         self.runner = SimRunner(cache_config, cost or CostModel())
         self.scheduler = sim_scheduler(self.runner, scheduler_config)
+        self.scheduler.pins.clock = lambda: self.now
         self.context_length = scheduler_config.context_length
         num = len(workload.requests)
         self.limit = load.max_concurrency or num
@@ -96,7 +104,7 @@ class Simulation:
         self.upcoming: list[tuple[float, int]] = []  # heap of (ready time, index)
         for i, req in enumerate(workload.requests):
             if req.parent is None:
-                self._make_ready(i, self.slots[i])
+                self._make_ready(i, max(self.slots[i], req.delay_s))
         self.released: list[int] = []  # heap of indices that are ready, waiting for a slot
         self.released_at: dict[int, float] = {}  # index -> the boundary that released it
         self.in_flight: dict[Req, int] = {}
@@ -155,6 +163,9 @@ class Simulation:
             return self._fail(index, error)
         self.num_submitted += 1
         req = Req(str(index), prompt, params, seed=0, arrival_time=float(self.num_submitted))
+        req.session_id = self.workload.requests[index].session_id
+        if req.session_id is not None and self.retention_ttl_s is not None:
+            req.pin = PinRequest(session_pin_key(req.session_id), self.retention_ttl_s)
         self.scheduler.add_request(req)
         self.in_flight[req] = index
 
@@ -213,7 +224,8 @@ class Simulation:
             if req.finish_reason.is_abort:
                 return self._fail(index, req.finish_reason.message)
             for child in self.children[index]:
-                self._make_ready(child, max(self.slots[child], self.now))
+                pause = self.workload.requests[child].delay_s
+                self._make_ready(child, max(self.slots[child], self.now + pause))
 
     def _fail(self, index: int, error: str) -> None:
         """Marks a request failed, and with it every later turn of its conversation."""
@@ -244,6 +256,8 @@ def simulate(
     cache_config: CacheConfig,
     cost: CostModel | None = None,
     load: SimLoad | None = None,
+    retention_ttl_s: float | None = None,
 ) -> SimResult:
     """Runs `workload` through the real scheduler on a simulated model."""
-    return Simulation(workload, scheduler_config, cache_config, cost, load).run()
+    simulation = Simulation(workload, scheduler_config, cache_config, cost, load, retention_ttl_s)
+    return simulation.run()

@@ -32,6 +32,11 @@ class BenchRequest:
     """Group, conversation, agent or tree the request belongs to."""
     turn: int = 0
     """Depth in its conversation: 0 for a first turn or root."""
+    session_id: str | None = None
+    """The agent session it belongs to (retention runs send it with a TTL)."""
+    delay_s: float = 0.0
+    """Seconds it waits before it may go: after its parent finishes (a tool call's pause), or
+    after the start without a parent. Only `bench simulate`'s clock honours it."""
 
 
 @dataclass
@@ -192,6 +197,72 @@ def fork(cfg: ForkConfig, text: TextSource) -> list[BenchRequest]:
     return reqs
 
 
+@dataclass
+class AgentSessionsConfig:
+    """Agent sessions that pause for tool calls while one-off prompts flood the server: the
+    workload where plain LRU evicts exactly the sessions about to resume."""
+
+    num_sessions: int = 12
+    num_turns: int = 4
+    context_len: int = 512
+    """Each session's own task context (sessions share nothing)."""
+    observation_len: int = 64
+    """Tool result appended to each resumed turn."""
+    output_len: int = 32
+    pause_ms: int = 30000
+    """Mean tool-call pause between a turn's answer and the next turn (exponential)."""
+    session_gap_ms: int = 4000
+    """Start of session s: s times this after the start."""
+    num_flood: int = 60
+    """One-off prompts, arriving uniformly over the sessions' expected span."""
+    flood_len: int = 256
+    flood_output_len: int = 16
+    PRESETS: ClassVar[dict[str, dict[str, int]]] = {
+        "small": dict(num_sessions=6, num_turns=3, context_len=256, observation_len=32,
+                      output_len=8, pause_ms=10000, session_gap_ms=2000, num_flood=40,
+                      flood_len=256, flood_output_len=8),
+    }  # fmt: skip
+
+
+def agent_sessions(cfg: AgentSessionsConfig, text: TextSource) -> list[BenchRequest]:
+    """S first turns, then the flood (roots with arrival delays), then the later turns
+    turn-major, each a child of the session's previous turn after a drawn pause."""
+    rng = text.rng
+    task, observe = text.encode("\nTask:"), text.encode("\nObservation:")
+    reqs = [
+        BenchRequest(
+            None,
+            task + text.tokens(cfg.context_len),
+            cfg.output_len,
+            s,
+            0,
+            f"agent-{s}",
+            s * cfg.session_gap_ms / 1000,
+        )  # fmt: skip
+        for s in range(cfg.num_sessions)
+    ]
+    span_s = (cfg.num_sessions * cfg.session_gap_ms + cfg.num_turns * cfg.pause_ms) / 1000
+    for i in range(cfg.num_flood):
+        flood = BenchRequest(
+            parent=None,
+            new_ids=text.tokens(cfg.flood_len),
+            output_len=cfg.flood_output_len,
+            conversation=cfg.num_sessions + i,
+            delay_s=rng.uniform(0, span_s),
+        )
+        reqs.append(flood)
+    previous = list(range(cfg.num_sessions))
+    for turn in range(1, cfg.num_turns):
+        for s in range(cfg.num_sessions):
+            pause = rng.expovariate(1000 / cfg.pause_ms)
+            ids = observe + text.tokens(cfg.observation_len)
+            reqs.append(
+                BenchRequest(previous[s], ids, cfg.output_len, s, turn, f"agent-{s}", pause)
+            )
+            previous[s] = len(reqs) - 1
+    return reqs
+
+
 # ---- registry ------------------------------------------------------------------------------
 
 Generator = Callable[[Any, TextSource], list[BenchRequest]]
@@ -200,6 +271,7 @@ WORKLOADS: dict[str, tuple[type, Generator]] = {
     "multi-turn": (MultiTurnConfig, multi_turn),
     "agent": (AgentConfig, agent),
     "fork": (ForkConfig, fork),
+    "agent-sessions": (AgentSessionsConfig, agent_sessions),
 }
 
 

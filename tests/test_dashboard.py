@@ -19,7 +19,6 @@ from conftest import ServerProcess, prompt_ids
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import NoPrefixCache
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.tree_summary import summarize_tree
 from radixserve.config import ServerConfig
 from radixserve.server.app import build_app
 from radixserve.server.dashboard import STATIC_DIR
@@ -59,7 +58,7 @@ def test_tree_summary_sizes_hits_and_labels():
     insert(cache, [20, 21])
     for _ in range(3):
         cache.record_hit(cache.match_prefix(shared + [9, 10, 99]).node)
-    tree = summarize_tree(cache)
+    tree = cache.tree_outline()
     assert tree["subtree_tokens"] == 6 + 2 + 4 + 2
     big, small = tree["children"]
     assert (big["tokens"], big["subtree_tokens"], big["first_ids"]) == (6, 12, shared)
@@ -74,18 +73,18 @@ def test_tree_summary_bounds_nodes_and_counts_what_it_hides():
     cache = make_cache(num_pages=64)
     for i in range(10):
         insert(cache, [1, 1, 100 + i, 0] + [0] * 2 * i)  # 10 branches under one node
-    tree = summarize_tree(cache, max_nodes=4, max_children=3)
+    tree = cache.tree_outline(max_nodes=4, max_children=3)
     (root_child,) = tree["children"]
     assert len(root_child["children"]) == 3 and root_child["num_hidden"] == 7
     shown = sum(c["subtree_tokens"] for c in root_child["children"])
     assert shown + root_child["hidden_tokens"] == root_child["subtree_tokens"] - 2
-    assert summarize_tree(cache, max_nodes=1)["children"][0]["num_hidden"] == 10
+    assert cache.tree_outline(max_nodes=1)["children"][0]["num_hidden"] == 10
     with pytest.raises(ValueError, match="max_nodes"):
-        summarize_tree(cache, max_nodes=0)
+        cache.tree_outline(max_nodes=0)
 
 
 def test_tree_summary_of_no_cache_is_empty():
-    tree = summarize_tree(NoPrefixCache(PageAllocator(8), 2))
+    tree = NoPrefixCache(PageAllocator(8), 2).tree_outline()
     assert tree["children"] == [] and tree["subtree_tokens"] == 0
 
 

@@ -179,3 +179,18 @@ def test_lpm_keeps_its_order_when_every_request_has_waited_long(tiny_chat_model)
             break
     assert blocker.finished and len(blocker.output_ids) == 30  # everyone waited > 16 steps
     assert admitted == ["hot0", "hot1", "hot2", "cold0", "cold1", "hot3", "hot4"]
+
+
+def test_priority_orders_before_the_policy_and_starved_requests_still_go_first():
+    cache = _cache_with(A)
+    hot = _req("hot", A + [1, 2, 3, 4])
+    cold_high = _req("cold_high", [9] * 8)
+    cold_high.priority = 5
+    starved_low = _req("starved_low", [7] * 8, num_bypassed=100)
+    starved_low.priority = -3
+    reqs = [hot, cold_high, starved_low]
+    matches = {r: cache.match_prefix(r.input_ids) for r in reqs}
+    plain = order_waiting(reqs, "lpm", matches, 100, cache.parent_of)
+    ranked = order_waiting(reqs, "lpm", matches, 100, cache.parent_of, by_priority=True)
+    assert [r.rid for r in plain] == ["starved_low", "hot", "cold_high"]
+    assert [r.rid for r in ranked] == ["starved_low", "cold_high", "hot"]

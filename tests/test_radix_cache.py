@@ -310,6 +310,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.requests: list[dict] = []
         self.content: dict[int, tuple] = {}
         self.tree_pages: set[int] = set()
+        self.pins: list[tuple] = []  # (node, pages its path held when pinned)
 
     def held_pages(self) -> list[int]:
         return [p for req in self.requests for p in req["own"]]
@@ -396,6 +397,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.unlock(req["match"].node)
         req["extra_locks"] -= 1
 
+    @precondition(lambda self: self.tree_pages and len(self.pins) < 3)
+    @rule(tokens=TOKENS, namespace=NAMESPACES)
+    def pin(self, tokens, namespace):
+        match = self.cache.match_prefix(tokens, namespace, max_tokens=len(tokens))
+        if match.num_tokens:
+            self.cache.pin(match.node)
+            self.pins.append((match.node, list(match.pages)))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        node, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        self.cache.unpin(node)
+
     @rule(num_pages=st.integers(0, 30))
     def evict(self, num_pages):
         self.evict_checked(num_pages)
@@ -408,6 +423,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.tree_pages -= set(self.allocator.free_pages().tolist())
         for req in self.requests:  # locked prefixes survive
             assert set(req["match"].pages) <= self.tree_pages
+        for _, pages in self.pins:  # and pinned ones
+            assert set(pages) <= self.tree_pages
 
     @invariant()
     def pages_are_accounted_for(self):
@@ -422,6 +439,8 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "cache"):
             return
+        for node, _ in self.pins:
+            self.cache.unpin(node)
         for req in self.requests:
             for _ in range(req["extra_locks"] + 1):
                 self.cache.unlock(req["match"].node)

@@ -388,6 +388,7 @@ KNOWN_ROUTES = {
     "/get_model_info", "/model_info", "/server_info", "/get_server_info", "/health_generate",
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
     "/check_integrity", "/dashboard", "/dashboard/stats", "/dashboard/login", "/dashboard/{name}",
+    "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.cache.kv_pool import RESERVED_PAGES, PageAllocator
+from radixserve.cache.tree_summary import TreeSummary, summarize_tree, tree_outline
 
 
 class CacheIntegrityError(RuntimeError):
@@ -39,9 +40,10 @@ class MatchResult:
 
 @dataclass(frozen=True)
 class CacheSizeInfo:
-    evictable_pages: int  # pages in tree nodes with lock count 0
+    evictable_pages: int  # pages in tree nodes neither locked nor pinned
     protected_pages: int  # pages in locked nodes
-    total_pages: int  # evictable + protected
+    total_pages: int  # every page of the tree
+    pinned_pages: int = 0  # pages in pinned nodes (locked ones too): retention
 
 
 class PrefixCache(ABC):
@@ -69,13 +71,18 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(
-        self, token_ids: Sequence[int], pages: Sequence[int], namespace: str | None = None
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        namespace: str | None = None,
+        priority: int = 0,
     ) -> int:
         """Caches the whole pages of `token_ids`; returns how many tokens were already cached.
 
         `pages[i]` holds tokens [i*page_size, (i+1)*page_size). With n the whole-page length
         and k the return value, the cache takes ownership of pages for [k, n); the caller
         keeps (and frees where duplicate) pages for [0, k) and for tokens beyond n.
+        `priority`: the inserting request's; eviction takes lower priorities first.
         """
 
     @abstractmethod
@@ -87,8 +94,22 @@ class PrefixCache(ABC):
         """Undoes one `lock(node)`; raises RuntimeError if the node is not locked."""
 
     @abstractmethod
+    def pin(self, node: object) -> None:
+        """Keeps the path from `node` to its root out of eviction (reference counted), like
+        a lock, but held by a retention pin (cache/retention.py) rather than a request."""
+
+    @abstractmethod
+    def unpin(self, node: object) -> None:
+        """Undoes one `pin(node)`."""
+
+    def num_pinned_pages(self) -> int:
+        """Pages some pin keeps (locked ones included)."""
+        return 0
+
+    @abstractmethod
     def evict(self, num_pages: int) -> int:
-        """Frees least-recently-used unlocked pages until `num_pages` are freed; returns count."""
+        """Frees unlocked, unpinned pages, lowest priority then least recently used first,
+        until `num_pages` are freed; returns count."""
 
     @abstractmethod
     def size_info(self) -> CacheSizeInfo:
@@ -97,6 +118,18 @@ class PrefixCache(ABC):
     @abstractmethod
     def num_evictable_pages(self) -> int:
         """Pages `evict` could free right now (O(1))."""
+
+    def tree_summary(self, top_k: int = 10) -> TreeSummary:
+        """Size and shape of the cached tree, its `top_k` largest top-level subtrees."""
+        return summarize_tree(self.roots(), top_k)
+
+    def tree_outline(self, max_nodes: int = 200, max_children: int = 8) -> dict:
+        """The cached tree as a bounded nested outline, largest subtrees first (dashboard)."""
+        return tree_outline(self.roots(), max_nodes, max_children)
+
+    def roots(self) -> list:
+        """The roots of the cached tree, one per namespace; none without a tree."""
+        return []
 
     @abstractmethod
     def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
@@ -128,7 +161,11 @@ class NoPrefixCache(PrefixCache):
         return MatchResult(pages=[], num_tokens=0, node=self._root)
 
     def insert(
-        self, token_ids: Sequence[int], pages: Sequence[int], namespace: str | None = None
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        namespace: str | None = None,
+        priority: int = 0,
     ) -> int:
         num_pages = len(token_ids) // self.page_size
         check_enough_pages(pages, num_pages)
@@ -139,6 +176,12 @@ class NoPrefixCache(PrefixCache):
         pass
 
     def unlock(self, node: object) -> None:
+        pass
+
+    def pin(self, node: object) -> None:
+        pass
+
+    def unpin(self, node: object) -> None:
         pass
 
     def evict(self, num_pages: int) -> int:

@@ -49,9 +49,11 @@ class TreeNode:
         "parent",
         "children",
         "lock_count",
+        "pin_count",
+        "priority",
+        "hit_count",
         "last_access",
         "evicted",
-        "hit_count",
     )
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: TreeNode | None):
@@ -59,10 +61,12 @@ class TreeNode:
         self.pages = pages
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.lock_count = 0
+        self.lock_count = 0  # running requests below (or at) this node
+        self.pin_count = 0  # retention pins below (or at) this node: see cache/retention.py
+        self.priority = 0  # highest priority of the requests that inserted or hit it
+        self.hit_count = 0  # admitted requests whose cached prefix covered this node
         self.last_access = 0
         self.evicted = False
-        self.hit_count = 0  # admitted requests whose cached prefix covered this node
 
     @property
     def is_root(self) -> bool:
@@ -102,6 +106,8 @@ class RadixCache(PrefixCache):
     def reset(self) -> None:
         if self._num_protected:
             raise RuntimeError("cannot reset the radix cache while some nodes are locked")
+        if self._num_pinned:
+            raise RuntimeError("cannot reset the radix cache while some nodes are pinned")
         nodes = list(self._nodes())
         self.allocator.free([page for node in nodes for page in node.pages])
         for node in [*nodes, *self._empty_roots.values()]:
@@ -114,8 +120,10 @@ class RadixCache(PrefixCache):
             weakref.WeakValueDictionary()
         )
         self._leaves: set[TreeNode] = set()  # childless non-root nodes: eviction candidates
-        self._num_evictable = 0
-        self._num_protected = 0
+        self._num_evictable = 0  # pages neither locked nor pinned
+        self._num_protected = 0  # pages locked by running requests
+        self._num_pinned = 0  # pages pinned (locked ones too)
+        self._num_total = 0
         self._clock = 0
 
     # ---- match / insert ----
@@ -136,7 +144,11 @@ class RadixCache(PrefixCache):
         return MatchResult(pages=self._path_pages(node), num_tokens=num_tokens, node=node)
 
     def insert(
-        self, token_ids: Sequence[int], pages: Sequence[int], namespace: str | None = None
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        namespace: str | None = None,
+        priority: int = 0,
     ) -> int:
         num_pages = len(token_ids) // self.page_size
         check_enough_pages(pages, num_pages)
@@ -146,7 +158,9 @@ class RadixCache(PrefixCache):
         if num_cached < len(key):
             new_pages = [int(p) for p in pages[num_cached // self.page_size : num_pages]]
             self._keep_root(root)
-            self._add_leaf(node, key[num_cached:], new_pages)
+            node = self._add_leaf(node, key[num_cached:], new_pages)
+        if priority:
+            _raise_priority(node, priority)
         return num_cached
 
     def _root(self, namespace: str | None) -> RootNode:
@@ -205,21 +219,23 @@ class RadixCache(PrefixCache):
         """
         num_pages = num_tokens // self.page_size
         upper = TreeNode(node.key[:num_tokens], node.pages[:num_pages], node.parent)
-        upper.lock_count = node.lock_count
+        upper.lock_count, upper.pin_count = node.lock_count, node.pin_count
+        upper.priority, upper.hit_count = node.priority, node.hit_count
         upper.last_access = node.last_access
-        upper.hit_count = node.hit_count
         node.parent.children[node.key[: self.page_size]] = upper
         node.key, node.pages, node.parent = node.key[num_tokens:], node.pages[num_pages:], upper
         upper.children[node.key[: self.page_size]] = node
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: list[int]) -> None:
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: list[int]) -> TreeNode:
         leaf = TreeNode(key, pages, parent)
         leaf.last_access = self._clock
         parent.children[key[: self.page_size]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         self._num_evictable += len(pages)
+        self._num_total += len(pages)
+        return leaf
 
     def _path_pages(self, node: TreeNode) -> list[int]:
         runs = [n.pages for n in node.path_to_root()]
@@ -230,29 +246,48 @@ class RadixCache(PrefixCache):
         return list(self._roots.values())
 
     def record_hit(self, node: object) -> None:
+        """Counts one admitted request whose cached prefix ends at `node`, on its whole path."""
         node = self._live_node(node)
         for n in node.path_to_root():
             n.hit_count += 1
 
-    # ---- lock / unlock ----
+    # ---- lock / unlock, pin / unpin ----
+    # A lock (running request) and a pin (retention) both count along the path to the root;
+    # a node with either is never evicted. `_account` keeps the page counters in step.
 
     def lock(self, node: object) -> None:
-        node = self._live_node(node)
-        for n in node.path_to_root():
-            if n.lock_count == 0:
-                self._num_evictable -= len(n.pages)
-                self._num_protected += len(n.pages)
-            n.lock_count += 1
+        self._count_path(self._live_node(node), "lock_count", 1)
 
     def unlock(self, node: object) -> None:
         node = self._live_node(node)
         if node.lock_count == 0 and not node.is_root:
             raise RuntimeError("unlock of a radix cache node that is not locked")
+        self._count_path(node, "lock_count", -1)
+
+    def pin(self, node: object) -> None:
+        self._count_path(self._live_node(node), "pin_count", 1)
+
+    def unpin(self, node: object) -> None:
+        node = self._live_node(node)
+        if node.pin_count == 0 and not node.is_root:
+            raise RuntimeError("unpin of a radix cache node that is not pinned")
+        self._count_path(node, "pin_count", -1)
+
+    def _count_path(self, node: TreeNode, counter: str, delta: int) -> None:
         for n in node.path_to_root():
-            n.lock_count -= 1
-            if n.lock_count == 0:
-                self._num_protected -= len(n.pages)
-                self._num_evictable += len(n.pages)
+            self._account(n, -1)
+            setattr(n, counter, getattr(n, counter) + delta)
+            self._account(n, 1)
+
+    def _account(self, node: TreeNode, sign: int) -> None:
+        """Adds (sign 1) or removes (-1) a node's pages from the counters its state selects."""
+        num = sign * len(node.pages)
+        if node.lock_count:
+            self._num_protected += num
+        if node.pin_count:
+            self._num_pinned += num
+        if not node.lock_count and not node.pin_count:
+            self._num_evictable += num
 
     def _live_node(self, node: object) -> TreeNode:
         if not isinstance(node, TreeNode):
@@ -264,24 +299,25 @@ class RadixCache(PrefixCache):
     # ---- evict ----
 
     def evict(self, num_pages: int) -> int:
-        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._evictable_leaves()]
+        heap = [_evict_key(leaf) for leaf in self._evictable_leaves()]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            leaf = heapq.heappop(heap)[-1]
             freed += self._detach_leaf(leaf)
             parent = leaf.parent
-            if not parent.is_root and not parent.children and parent.lock_count == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if not parent.is_root and not parent.children and _is_evictable(parent):
+                heapq.heappush(heap, _evict_key(parent))
         self.allocator.free(freed)
         return len(freed)
 
     def _evictable_leaves(self) -> Iterator[TreeNode]:
-        return (leaf for leaf in self._leaves if leaf.lock_count == 0)
+        return (leaf for leaf in self._leaves if _is_evictable(leaf))
 
     def _detach_leaf(self, leaf: TreeNode) -> list[int]:
         """Takes an unlocked leaf out of the tree; returns its pages, for the caller to free."""
         self._num_evictable -= len(leaf.pages)
+        self._num_total -= len(leaf.pages)
         del leaf.parent.children[leaf.key[: self.page_size]]
         leaf.evicted = True
         self._leaves.discard(leaf)
@@ -303,8 +339,12 @@ class RadixCache(PrefixCache):
         return CacheSizeInfo(
             evictable_pages=self._num_evictable,
             protected_pages=self._num_protected,
-            total_pages=self._num_evictable + self._num_protected,
+            total_pages=self._num_total,
+            pinned_pages=self._num_pinned,
         )
+
+    def num_pinned_pages(self) -> int:
+        return self._num_pinned
 
     def num_evictable_pages(self) -> int:
         return self._num_evictable
@@ -327,11 +367,13 @@ class RadixCache(PrefixCache):
         for first_page, child in node.children.items():
             if child.parent is not node or child.key[:size] != first_page or child.evicted:
                 raise CacheIntegrityError("a child is filed under the wrong key or parent")
-        children_locks = sum(child.lock_count for child in node.children.values())
-        if not node.is_root and node.lock_count < children_locks:
-            raise CacheIntegrityError(
-                f"node lock count {node.lock_count} is below its children's sum {children_locks}"
-            )
+        for counter in ("lock_count", "pin_count"):
+            children_sum = sum(getattr(child, counter) for child in node.children.values())
+            if not node.is_root and getattr(node, counter) < children_sum:
+                raise CacheIntegrityError(
+                    f"node {counter} {getattr(node, counter)} is below its children's sum "
+                    f"{children_sum}"
+                )
 
     def _check_roots(self) -> None:
         for namespace, root in self._roots.items():
@@ -345,15 +387,18 @@ class RadixCache(PrefixCache):
 
     def _check_counters(self) -> None:
         nodes = list(self._nodes())
-        evictable = sum(len(n.pages) for n in nodes if n.lock_count == 0)
+        evictable = sum(len(n.pages) for n in nodes if _is_evictable(n))
         protected = sum(len(n.pages) for n in nodes if n.lock_count > 0)
-        if (evictable, protected) != (self._num_evictable, self._num_protected):
+        pinned = sum(len(n.pages) for n in nodes if n.pin_count > 0)
+        total = sum(len(n.pages) for n in nodes)
+        counted = (self._num_evictable, self._num_protected, self._num_pinned, self._num_total)
+        if (evictable, protected, pinned, total) != counted:
             raise CacheIntegrityError(
-                f"counters say {self._num_evictable} evictable / {self._num_protected} protected "
-                f"pages; the tree holds {evictable} / {protected}"
+                f"counters say {counted} evictable / protected / pinned / total pages; the tree "
+                f"holds {(evictable, protected, pinned, total)}"
             )
-        if any(n.lock_count < 0 for n in nodes):
-            raise CacheIntegrityError("a node has a negative lock count")
+        if any(n.lock_count < 0 or n.pin_count < 0 for n in nodes):
+            raise CacheIntegrityError("a node has a negative lock or pin count")
         if self._leaves != {n for n in nodes if not n.children and not n.is_root}:
             raise CacheIntegrityError("the set of leaves disagrees with the tree")
 
@@ -368,6 +413,24 @@ class RadixCache(PrefixCache):
     def _tree_pages(self) -> Iterator[int]:
         for node in self._nodes():
             yield from node.pages
+
+
+def _raise_priority(node: TreeNode, priority: int) -> None:
+    """Raises the priority of `node` and its ancestors to at least `priority` (SGLang
+    propagates a max along the path, so a shared prefix is as precious as its best user)."""
+    for n in node.path_to_root():
+        n.priority = max(n.priority, priority)
+
+
+def _is_evictable(node: TreeNode) -> bool:
+    """Neither a running request nor a retention pin holds it: a second tier would read the
+    same test to demote a pinned node instead of keeping it in the pool."""
+    return node.lock_count == 0 and node.pin_count == 0
+
+
+def _evict_key(node: TreeNode) -> tuple[int, int, int, TreeNode]:
+    """Eviction order: lowest priority first, least recently used among equals."""
+    return (node.priority, node.last_access, id(node), node)
 
 
 def create_prefix_cache(disable: bool, allocator: PageAllocator, page_size: int) -> PrefixCache:

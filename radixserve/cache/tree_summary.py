@@ -1,48 +1,113 @@
-"""A bounded summary of the radix tree for display: the largest subtrees, by tokens.
+"""Summaries of a radix tree, read-only, for people: `summarize_tree` (`GET /cache/tree`: size,
+shape, the largest top-level subtrees with their tokens, hits and pins) and `tree_outline`
+(the dashboard's drawing: a bounded nested outline, largest subtrees first).
 
-    (all namespaces)          own / subtree tokens   every node reports its own tokens, its
-      ├── "You are a helpful…"   96 / 512          subtree's tokens, its hit count and its
-      │     ├── "Question: 1…"   64 / 64           first token ids; children are kept largest
-      │     └── … 3 smaller children, 352 tokens   first, at most `max_children` of them, and
-      └── "Translate…"           32 / 32           the rest are counted (`num_hidden`, ...)
+    (all namespaces)          own / subtree tokens   in the outline every node reports its own
+      ├── "You are a helpful…"   96 / 512          tokens, its subtree's tokens, its hit count
+      │     ├── "Question: 1…"   64 / 64           and its first token ids; children are kept
+      │     └── … 3 smaller children, 352 tokens   largest first, at most `max_children` of
+      └── "Translate…"           32 / 32           them, the rest counted (`num_hidden`, ...)
 
-One pass over the nodes (sizes from the leaves up), then a top-down pick bounded by
-`max_nodes`; the tree itself is not changed. Token ids stay ids: the caller decodes them.
+A node's hit count is the number of admitted requests whose cached prefix covered it
+(`RadixCache.record_hit`), so a subtree's hits are its top node's. Token ids stay ids: the
+caller decodes them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from radixserve.cache.prefix_cache import PrefixCache
-from radixserve.cache.radix_cache import RadixCache, TreeNode
-
-LABEL_TOKENS = 8  # first token ids a node reports, for its label
+PREVIEW_TOKENS = 8  # token ids shown per subtree or outline node: enough to tell prompts apart
 
 
-def summarize_tree(
-    cache: PrefixCache, max_nodes: int = 200, max_children: int = 8
-) -> dict[str, Any]:
-    """The tree as nested dicts `{tokens, subtree_tokens, hits, locked, first_ids,
-    children, num_hidden, hidden_tokens}` under one root that stands for every namespace."""
+@dataclass(frozen=True)
+class SubtreeSummary:
+    namespace: str | None
+    first_token_ids: list[int]  # the subtree's first tokens, a preview
+    num_tokens: int  # tokens cached in the subtree
+    num_nodes: int
+    hit_count: int  # admitted requests whose cached prefix covered its top node
+    max_depth: int  # deepest node below it, in nodes
+    pinned: bool  # some retention pin holds part of it
+    locked: bool  # some running request holds part of it
+
+
+@dataclass(frozen=True)
+class TreeSummary:
+    num_nodes: int  # roots excluded
+    num_namespaces: int  # namespaces with cached pages (the default one included)
+    max_depth: int  # nodes on the longest root-to-leaf path
+    num_tokens: int
+    largest_subtrees: list[SubtreeSummary]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize_tree(roots: Iterable, top_k: int = 10) -> TreeSummary:
+    """Walks every node once; `roots` are RadixCache roots (nodes with `children`, `key`,
+    `hit_count`, `pin_count`, `lock_count`)."""
+    roots = list(roots)
+    subtrees = [
+        _summarize_subtree(child, root.namespace)
+        for root in roots
+        for child in root.children.values()
+    ]
+    subtrees.sort(key=lambda s: s.num_tokens, reverse=True)
+    return TreeSummary(
+        num_nodes=sum(s.num_nodes for s in subtrees),
+        num_namespaces=sum(1 for root in roots if root.children),
+        max_depth=max((s.max_depth for s in subtrees), default=0),
+        num_tokens=sum(s.num_tokens for s in subtrees),
+        largest_subtrees=subtrees[:top_k],
+    )
+
+
+def _summarize_subtree(top, namespace: str | None) -> SubtreeSummary:
+    num_tokens = num_nodes = max_depth = 0
+    stack = [(top, 1)]
+    while stack:
+        node, depth = stack.pop()
+        num_tokens += len(node.key)
+        num_nodes += 1
+        max_depth = max(max_depth, depth)
+        stack.extend((child, depth + 1) for child in node.children.values())
+    return SubtreeSummary(
+        namespace=namespace,
+        first_token_ids=list(top.key[:PREVIEW_TOKENS]),
+        num_tokens=num_tokens,
+        num_nodes=num_nodes,
+        hit_count=top.hit_count,
+        max_depth=max_depth,
+        pinned=top.pin_count > 0,
+        locked=top.lock_count > 0,
+    )
+
+
+def tree_outline(roots: Iterable, max_nodes: int = 200, max_children: int = 8) -> dict[str, Any]:
+    """The tree as nested dicts `{tokens, subtree_tokens, hits, locked, pinned, first_ids,
+    children, num_hidden, hidden_tokens}` under one root that stands for every namespace.
+    One pass over the nodes (sizes from the leaves up), then a top-down pick bounded by
+    `max_nodes`."""
     if max_nodes < 1 or max_children < 1:
         raise ValueError(
             f"max_nodes and max_children must be >= 1; got {max_nodes}, {max_children}"
         )
-    roots = cache.roots() if isinstance(cache, RadixCache) else []
+    roots = list(roots)
     sizes = _subtree_tokens(roots)
     top = [c for r in roots for c in r.children.values()]
     summary = {"tokens": 0, "subtree_tokens": sum(sizes[c] for c in top), "hits": 0,
-               "locked": False, "first_ids": []}  # fmt: skip
+               "locked": False, "pinned": False, "first_ids": []}  # fmt: skip
     return _add_children(summary, top, sizes, max_children, [max_nodes])
 
 
-def _subtree_tokens(roots: list[TreeNode]) -> dict[TreeNode, int]:
+def _subtree_tokens(roots: list[Any]) -> dict[Any, int]:
     """Each node's tokens plus its descendants', from the leaves up."""
     order = list(_depth_first(roots))
-    sizes: dict[TreeNode, int] = {}
+    sizes: dict[Any, int] = {}
     for node in reversed(order):  # children come after their parent in `order`
         size = len(node.key)
         for child in node.children.values():  # a plain loop: ~2x faster than sum(genexpr)
@@ -51,7 +116,7 @@ def _subtree_tokens(roots: list[TreeNode]) -> dict[TreeNode, int]:
     return sizes
 
 
-def _depth_first(roots: list[TreeNode]) -> Iterator[TreeNode]:
+def _depth_first(roots: list[Any]) -> Iterator[Any]:
     stack = list(roots)
     while stack:
         node = stack.pop()
@@ -61,8 +126,8 @@ def _depth_first(roots: list[TreeNode]) -> Iterator[TreeNode]:
 
 def _add_children(
     entry: dict[str, Any],
-    children: list[TreeNode],
-    sizes: dict[TreeNode, int],
+    children: list[Any],
+    sizes: dict[Any, int],
     max_children: int,
     budget: list[int],
 ) -> dict[str, Any]:
@@ -79,11 +144,12 @@ def _add_children(
     return entry
 
 
-def _entry(node: TreeNode, sizes: dict[TreeNode, int]) -> dict[str, Any]:
+def _entry(node: Any, sizes: dict[Any, int]) -> dict[str, Any]:
     return {
         "tokens": len(node.key),
         "subtree_tokens": sizes[node],
         "hits": node.hit_count,
         "locked": node.lock_count > 0,
-        "first_ids": list(node.key[:LABEL_TOKENS]),
+        "pinned": node.pin_count > 0,
+        "first_ids": list(node.key[:PREVIEW_TOKENS]),
     }

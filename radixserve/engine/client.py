@@ -177,15 +177,15 @@ class EngineClient(ABC):
 
     # ---- calls ---------------------------------------------------------------------------
 
-    async def call(self, method: str, timeout_s: float = 30.0) -> Any:
-        """Runs `method` on the core between steps; its result, or RuntimeError."""
+    async def call(self, method: str, timeout_s: float = 30.0, **args: Any) -> Any:
+        """Runs `method(**args)` on the core between steps; its result, or RuntimeError."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-        self._send(Call(call_id, method))
+        self._send(Call(call_id, method, args))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         finally:
@@ -200,6 +200,15 @@ class EngineClient(ABC):
 
     async def check_integrity(self) -> None:
         await self.call("check_integrity")
+
+    async def list_pins(self) -> list[dict]:
+        return await self.call("list_pins")
+
+    async def unpin(self, key: str) -> bool:
+        return await self.call("unpin", key=key)
+
+    async def tree_summary(self, top_k: int = 10) -> dict:
+        return await self.call("tree_summary", top_k=top_k)
 
     # ---- what the core sends back (any thread) -------------------------------------------
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.radix_cache import create_prefix_cache
-from radixserve.cache.tree_summary import summarize_tree
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from radixserve.engine.scheduler import Scheduler
 from radixserve.model.loader import LoadedModel, load_model
@@ -74,19 +73,32 @@ class EngineCore:
         return self.scheduler.cache
 
     def flush_cache(self) -> bool:
-        """Empties the prefix cache; refused (False) while requests are queued or running."""
+        """Empties the prefix cache, pins included; refused (False) while requests are queued
+        or running."""
         if self.scheduler.has_work():
             return False
+        self.scheduler.pins.clear()
         self.cache.reset()
         return True
+
+    def list_pins(self) -> list[dict]:
+        """Every retention pin (sessions and pinned prefixes), oldest first."""
+        return self.scheduler.pins.describe()
+
+    def unpin(self, key: str) -> bool:
+        """Ends the pin named `key` (session:<id> | prefix:<name>); False if there is none."""
+        return self.scheduler.pins.unpin(key)
+
+    def tree_summary(self, top_k: int = 10) -> dict:
+        return self.cache.tree_summary(top_k).to_dict()
 
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
         self.cache.check_integrity(self.scheduler.held_pages())
 
-    def tree_summary(self) -> dict[str, Any]:
-        """The radix tree's largest subtrees with their hit counts (cache/tree_summary.py)."""
-        return summarize_tree(self.cache)
+    def tree_outline(self) -> dict[str, Any]:
+        """The radix tree as the dashboard draws it (cache/tree_summary.py)."""
+        return self.cache.tree_outline()
 
     def get_stats(self) -> dict[str, Any]:
         pool = self.runner.pool
@@ -104,6 +116,10 @@ class EngineCore:
             "tree_pages": tree.total_pages,
             "tree_evictable_pages": tree.evictable_pages,
             "tree_protected_pages": tree.protected_pages,
+            "tree_pinned_pages": tree.pinned_pages,
+            "num_pins": len(scheduler.pins),
+            "max_pinned_pages": scheduler.pins.max_pinned_pages,
+            "pins_degraded": scheduler.pins.num_degraded,
             "new_token_ratio": scheduler.new_token_ratio,
             "num_compiling_reqs": len(scheduler.compiling),
             "grammar_compiles": grammar.compiles if grammar else 0,

@@ -101,11 +101,14 @@ class CoreLoop:
             "flush_cache": self.core.flush_cache,
             "get_stats": self.core.get_stats,
             "check_integrity": self.core.check_integrity,
+            "list_pins": self.core.list_pins,
+            "unpin": self.core.unpin,
             "tree_summary": self.core.tree_summary,
+            "tree_outline": self.core.tree_outline,
         }
         if call.method not in methods:
             return CallResult(call.call_id, error=f"unknown method {call.method!r}")
         try:
-            return CallResult(call.call_id, value=methods[call.method]())
+            return CallResult(call.call_id, value=methods[call.method](**call.args))
         except Exception as exc:  # reported to the caller, the core keeps serving
             return CallResult(call.call_id, error=f"{type(exc).__name__}: {exc}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from radixserve.cache.retention import prefix_pin_key, session_pin_key
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
 from radixserve.engine.inproc_client import InProcessClient
@@ -39,6 +40,7 @@ class Engine:
             self.runner.config.vocab_size,
             self.context_length,
             self.runner.pool.capacity_tokens,
+            enable_priority=self.scheduler.config.enable_priority_scheduling,
         )
         self.client = InProcessClient(self.core)
         self._loop = LoopThread()
@@ -59,12 +61,27 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         stream: bool = False,
         progress_bar: bool | None = None,
+        *,
+        priority: int | None = None,
+        session_id: str | None = None,
+        retention: dict | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
         specs, batched = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, cache_salt,
-        )  # fmt: skip
+            GenerateArgs(
+                text=prompt,
+                input_ids=input_ids,
+                sampling_params=sampling_params,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                rid=rid,
+                cache_salt=cache_salt,
+                priority=priority,
+                session_id=session_id,
+                retention=retention,
+            )
+        )
         if stream:
             return self._loop.iterate(self._stream(specs, return_text_in_logprobs))
         show = len(specs) >= PROGRESS_BAR_MIN_BATCH if progress_bar is None else progress_bar
@@ -83,12 +100,27 @@ class Engine:
         rid: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
         stream: bool = False,
+        *,
+        priority: int | None = None,
+        session_id: str | None = None,
+        retention: dict | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
         specs, batched = self._build(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, cache_salt,
-        )  # fmt: skip
+            GenerateArgs(
+                text=prompt,
+                input_ids=input_ids,
+                sampling_params=sampling_params,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                rid=rid,
+                cache_salt=cache_salt,
+                priority=priority,
+                session_id=session_id,
+                retention=retention,
+            )
+        )
         if stream:
             return self._stream(specs, return_text_in_logprobs)
         results = await self._run(specs, progress_bar=False)
@@ -109,6 +141,21 @@ class Engine:
         """Raises unless every page is free, owned by the tree, or held by a running request."""
         self._loop.run(self.client.check_integrity())
 
+    def list_pins(self) -> list[dict]:
+        """Retention pins (sessions, pinned prefixes), oldest first: as GET /cache/sessions."""
+        return self._loop.run(self.client.list_pins())
+
+    def unpin(self, *, name: str | None = None, session_id: str | None = None) -> bool:
+        """Ends a pinned prefix's (`name`) or a session's pin; False if there is none."""
+        if (name is None) == (session_id is None):
+            raise ValueError("unpin: give exactly one of name or session_id")
+        key = prefix_pin_key(name) if session_id is None else session_pin_key(session_id)
+        return self._loop.run(self.client.unpin(key))
+
+    def tree_summary(self, top_k: int = 10) -> dict:
+        """The radix tree's size, depth and largest subtrees: as GET /cache/tree."""
+        return self._loop.run(self.client.tree_summary(top_k))
+
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
@@ -124,20 +171,9 @@ class Engine:
 
     # ---- running requests ----------------------------------------------------------------
 
-    def _build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-               top_logprobs_num, rid, cache_salt) -> tuple[list[RequestSpec], bool]:  # fmt: skip
+    def _build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        args = GenerateArgs(
-            text=prompt,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            rid=rid,
-            cache_salt=cache_salt,
-        )
         return self.builder.build(args)
 
     async def _run(self, specs: list[RequestSpec], progress_bar: bool) -> list[RequestResult]:

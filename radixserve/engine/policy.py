@@ -26,8 +26,11 @@ def order_waiting(
     matches: dict[Req, MatchResult],
     max_bypass: int,
     parent_of: Callable[[object], object | None],
+    by_priority: bool = False,
 ) -> list[Req]:
-    """Starved requests first (oldest first), then the rest in the policy's order."""
+    """Starved requests first (oldest first), then the rest in the policy's order;
+    `by_priority`: the rest by priority first (higher first), the policy's order among equals.
+    Aging still applies, so a low-priority request waits behind at most `max_bypass`."""
     starved = sorted((r for r in waiting if r.num_bypassed >= max_bypass), key=_age_key)
     rest = [r for r in waiting if r.num_bypassed < max_bypass]
     if policy == "lpm":
@@ -36,6 +39,8 @@ def order_waiting(
         rest = _dfs_weight_order(rest, matches, parent_of)
     else:
         rest.sort(key=_age_key)
+    if by_priority:
+        rest.sort(key=lambda r: -r.priority)  # stable: the policy's order within a priority
     return starved + rest
 
 

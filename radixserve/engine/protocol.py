@@ -86,6 +86,15 @@ TopLogprobs = list[tuple[float, int]] | None
 
 
 @dataclass(frozen=True)
+class PinRequest:
+    """Keep the request's prompt + output pinned in the cache when it finishes (see
+    cache/retention.py): under `key`, for `ttl_s` seconds (None: until unpinned)."""
+
+    key: str  # session:<id> | prefix:<name>
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """A validated request, as the core receives it."""
 
@@ -97,6 +106,9 @@ class RequestSpec:
     namespace: str | None = None  # cache namespace (cache_salt): shares prefixes only within
     logprob_start_len: int | None = None  # None: no logprobs; -1: output logprobs only
     top_logprobs_num: int = 0
+    priority: int = 0  # higher first (SGLang's field); needs --enable-priority-scheduling
+    session_id: str | None = None  # admitting it ends the session's previous retention pin
+    pin: PinRequest | None = None  # retention: pin what it leaves in the cache
 
     @property
     def wants_logprobs(self) -> bool:
@@ -136,7 +148,8 @@ class AbortRequests:
 @dataclass
 class Call:
     call_id: int
-    method: str  # flush_cache | get_stats | check_integrity | tree_summary (CoreLoop._call)
+    method: str  # flush_cache | get_stats | check_integrity | tree_summary | ... (CoreLoop._call)
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the method
 
 
 @dataclass

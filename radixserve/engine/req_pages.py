@@ -8,6 +8,11 @@ as it computes, may hand computed full pages to the tree while running (so other
 them) and, when it finishes or is retracted, gives all its full pages to the tree and frees
 the rest. `insert` reports what the tree already had: those own pages are duplicates.
 
+Retention (cache/retention.py): admitting a request of a session ends the session's pin (the
+request now locks what it reads); a request that asks for a pin gets its whole pages pinned
+when it finishes. Pins give way, oldest first, only when nothing else could free a page
+(pin_policy "hard"), or whenever unpinned pages run out (pin_policy "last").
+
 A speculating request's own pages may, for one step, reach past its sequence to hold draft
 tokens' K/V (`grow_from_free`); after verification `trim` frees the pages past what it
 computed, so only committed tokens ever reach the tree.
@@ -17,15 +22,30 @@ from __future__ import annotations
 
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import MatchResult, PrefixCache
+from radixserve.cache.retention import PinTable, session_pin_key
 from radixserve.engine.request import Req
 from radixserve.engine.stats import EngineStats
 
 
 class ReqPages:
-    def __init__(self, pool: KVPool, cache: PrefixCache, stats: EngineStats):
+    def __init__(
+        self,
+        pool: KVPool,
+        cache: PrefixCache,
+        stats: EngineStats,
+        pins: PinTable | None = None,
+        use_priority: bool = False,
+        pins_give_way: bool = False,
+    ):
         self.pool = pool
         self.cache = cache
         self.stats = stats
+        self.pins = pins if pins is not None else PinTable(cache, 0)
+        self.use_priority = use_priority  # tree nodes take the priority of their requests
+        self.pins_give_way = pins_give_way  # pin_policy "last": pins yield to any allocation
+
+    def _priority(self, req: Req) -> int:
+        return req.priority if self.use_priority else 0
 
     def attach(self, req: Req, match: MatchResult) -> None:
         """Gives an admitted request its matched prefix: the (locked) tree pages, as computed."""
@@ -33,19 +53,25 @@ class ReqPages:
         req.num_tree_pages = len(match.pages)
         req.last_node = match.node
         req.num_computed = match.num_tokens
+        if req.session_id is not None:
+            self.pins.unpin(session_pin_key(req.session_id))
 
-    def ensure_free(self, num: int) -> bool:
-        """Evicts unlocked cache pages until `num` pages are free; False if impossible."""
+    def ensure_free(self, num: int, unpin: bool = False) -> bool:
+        """Evicts unlocked, unpinned cache pages until `num` pages are free; False if
+        impossible. `unpin`: nothing else can progress, so pins give way, oldest first."""
         short = num - self.pool.allocator.num_free
         if short > 0:
             self.stats.evicted_pages += self.cache.evict(short)
+        unpin = unpin or self.pins_give_way
+        while unpin and self.pool.allocator.num_free < num and self.pins.release_oldest():
+            self.stats.evicted_pages += self.cache.evict(num - self.pool.allocator.num_free)
         return self.pool.allocator.num_free >= num
 
-    def grow(self, req: Req, num_new: int) -> bool:
+    def grow(self, req: Req, num_new: int, unpin: bool = False) -> bool:
         """Allocates the pages `num_new` more tokens of `req` need; False if memory is short."""
         missing = self.pool.num_pages_for(req.num_computed + num_new) - len(req.page_table)
         if missing > 0:
-            if not self.ensure_free(missing):
+            if not self.ensure_free(missing, unpin):
                 return False
             req.page_table = req.page_table + self.pool.allocator.allocate(missing).tolist()
         return True
@@ -74,6 +100,7 @@ class ReqPages:
                 req.seq_ids()[: num_full * self.pool.page_size],
                 req.page_table[:num_full],
                 req.namespace,
+                self._priority(req),
             )
             to_free += req.page_table[req.num_tree_pages : max(present // self.pool.page_size, 0)]
         else:
@@ -83,13 +110,21 @@ class ReqPages:
             self.cache.unlock(req.last_node)
         req.page_table, req.num_tree_pages, req.last_node = [], 0, None
 
+    def retain(self, req: Req) -> None:
+        """Pins a finished request's cached sequence, if it asked for retention."""
+        if req.pin is not None:
+            num_cached = req.num_computed // self.pool.page_size * self.pool.page_size
+            tokens = req.seq_ids()[:num_cached]
+            self.pins.pin(req.pin.key, tokens, req.namespace, req.pin.ttl_s)
+
     def cache_unfinished(self, req: Req) -> None:
         """Puts a running request's computed full pages into the tree, so others can hit them."""
         num_full = req.num_computed // self.pool.page_size
         if not self.cache.shares_prefixes or num_full <= req.num_tree_pages:
             return
         seq = req.seq_ids()[: num_full * self.pool.page_size]
-        present = self.cache.insert(seq, req.page_table[:num_full], req.namespace)
+        priority = self._priority(req)
+        present = self.cache.insert(seq, req.page_table[:num_full], req.namespace, priority)
         match = self.cache.match_prefix(seq, req.namespace, max_tokens=len(seq))
         self.pool.allocator.free(
             req.page_table[req.num_tree_pages : present // self.pool.page_size]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.engine.protocol import FinishReason, RequestSpec, SpecCounts
+from radixserve.engine.protocol import FinishReason, PinRequest, RequestSpec, SpecCounts
 from radixserve.sampling.params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -44,6 +44,9 @@ class Req:
     seed: int
     namespace: str | None = None
     logprob: LogprobRequest | None = None
+    priority: int = 0  # higher first, with --enable-priority-scheduling
+    session_id: str | None = None
+    pin: PinRequest | None = None  # retention: pin the sequence when it finishes
     request_id: str = ""  # unique within the engine; defaults to rid (direct scheduler users)
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
@@ -88,6 +91,9 @@ class Req:
             seed=spec.seed,
             namespace=spec.namespace,
             logprob=logprob,
+            priority=spec.priority,
+            session_id=spec.session_id,
+            pin=spec.pin,
         )
 
     @property

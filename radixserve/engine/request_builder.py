@@ -7,12 +7,14 @@ with the same ValueError naming the offending parameter.
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from radixserve.engine.protocol import RequestSpec
+from radixserve.cache.retention import session_pin_key
+from radixserve.engine.protocol import PinRequest, RequestSpec
 from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams, is_int64
@@ -34,11 +36,15 @@ class GenerateArgs:
     top_logprobs_num: int | None = None
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    priority: int | None = None  # higher first; needs --enable-priority-scheduling
+    session_id: str | None = None  # an agent session: its next request ends its retention
+    retention: dict | None = None  # {"ttl_s": s}: keep prompt + output pinned (needs session_id)
 
 
 class RequestBuilder:
     """`max_outputs`: most requests one call may make (prompts x n); the server's running +
-    queued limit, since a call with more could never be admitted."""
+    queued limit, since a call with more could never be admitted. `enable_priority`: the
+    engine's --enable-priority-scheduling (without it a non-zero priority is refused)."""
 
     def __init__(
         self,
@@ -47,12 +53,14 @@ class RequestBuilder:
         context_length: int,
         capacity_tokens: int,
         max_outputs: int | None = None,
+        enable_priority: bool = False,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.capacity_tokens = capacity_tokens
         self.max_outputs = max_outputs
+        self.enable_priority = enable_priority
         self._rng = random.Random()
 
     def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
@@ -72,7 +80,25 @@ class RequestBuilder:
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
             specs += [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
-        return specs, batched
+        return self.with_retention(specs, args), batched
+
+    def with_retention(self, specs: list[RequestSpec], args: GenerateArgs) -> list[RequestSpec]:
+        """`specs` with the call's priority, session and retention, checked."""
+        priority = _priority(args.priority, self.enable_priority)
+        session_id = args.session_id
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string; got {session_id!r}")
+        pin = None
+        if args.retention is not None:
+            if session_id is None:
+                raise ValueError("retention needs a session_id: the pin is the session's")
+            if len(specs) != 1:
+                raise ValueError(
+                    f"retention needs one output (one prompt, n = 1); got {len(specs)}"
+                )
+            pin = PinRequest(session_pin_key(session_id), _retention_ttl(args.retention))
+        fields = dict(priority=priority, session_id=session_id, pin=pin)
+        return [replace(spec, **fields) for spec in specs]
 
     def _check_num_outputs(self, num: int) -> None:
         if self.max_outputs is not None and num > self.max_outputs:
@@ -184,6 +210,28 @@ def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | Non
     if not return_logprob:
         return None
     return LogprobRequest(start_len=start_len, top_num=top_num)
+
+
+def _priority(priority: Any, enabled: bool) -> int:
+    if priority is None:
+        return 0
+    if not is_int64(priority):
+        raise ValueError(f"priority must be a 64-bit int; got {priority!r}")
+    if priority and not enabled:
+        raise ValueError("priority needs a server started with --enable-priority-scheduling")
+    return priority
+
+
+def _retention_ttl(retention: Any) -> float:
+    """The TTL of a `retention` object: {"ttl_s": seconds > 0}."""
+    if not isinstance(retention, dict) or set(retention) != {"ttl_s"}:
+        raise ValueError(f'retention must be an object {{"ttl_s": seconds}}; got {retention!r}')
+    ttl = retention["ttl_s"]
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl):
+        raise ValueError(f"retention.ttl_s must be a number of seconds; got {ttl!r}")
+    if ttl <= 0:
+        raise ValueError(f"retention.ttl_s must be > 0; got {ttl!r}")
+    return float(ttl)
 
 
 def _is_int(value: Any) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.prefix_cache import MatchResult, PrefixCache
+from radixserve.cache.retention import PinTable
 from radixserve.config import SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
@@ -64,7 +65,16 @@ class Scheduler:
         self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
-        self.pages = ReqPages(self.pool, cache, self.stats)
+        max_pinned = int(config.max_pinned_fraction * self.pool.allocator.capacity)
+        self.pins = PinTable(cache, max_pinned)
+        self.pages = ReqPages(
+            self.pool,
+            cache,
+            self.stats,
+            self.pins,
+            use_priority=config.enable_priority_scheduling,
+            pins_give_way=config.pin_policy == "last",
+        )
         self.batches = BatchBuilder(self.page_size, runner.device)
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
@@ -212,6 +222,7 @@ class Scheduler:
 
     def _schedule(self) -> list[Work]:
         self._retracted.clear()
+        self.pins.expire()
         decodes, prefilling = self._schedule_decodes()
         chunks = self._schedule_chunks(prefilling)
         while not decodes and not chunks and len(prefilling) > 1:
@@ -220,18 +231,21 @@ class Scheduler:
             self._retract_one()
             prefilling = list(self.running)
             chunks = self._schedule_chunks(prefilling)
+        if not decodes and not chunks and prefilling:  # one prefill, stuck: pins give way
+            chunks = self._schedule_chunks(prefilling, unpin=True)
         budget = self._prefill_budget() - sum(w.num_new for w in chunks)
         return decodes + chunks + self._admit_waiting(budget, list(prefilling))
 
-    def _schedule_chunks(self, prefilling: list[Req]) -> list[Work]:
-        """The next chunk of each partly prefilled request, while the budget and pages last."""
+    def _schedule_chunks(self, prefilling: list[Req], unpin: bool = False) -> list[Work]:
+        """The next chunk of each partly prefilled request, while the budget and pages last
+        (`unpin`: retention pins give way if pages are short)."""
         budget = self._prefill_budget()
         chunks: list[Work] = []
         for req in prefilling:
             if budget <= 0:
                 break
             num_new = min(req.num_uncomputed, budget)
-            if self.pages.grow(req, num_new):
+            if self.pages.grow(req, num_new, unpin):
                 chunks.append(Work(req, num_new))
                 budget -= num_new
         return chunks
@@ -306,7 +320,9 @@ class Scheduler:
             policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
         matches = {} if policy == "fcfs" else {r: self._match(r) for r in candidates}
         max_bypass = self.config.schedule_max_bypass
-        ordered = order_waiting(candidates, policy, matches, max_bypass, self.cache.parent_of)
+        by_priority = self.config.enable_priority_scheduling
+        parent_of = self.cache.parent_of
+        ordered = order_waiting(candidates, policy, matches, max_bypass, parent_of, by_priority)
         return matches, deque(ordered)
 
     def _admit_in_order(
@@ -372,13 +388,14 @@ class Scheduler:
         self.cache.lock(match.node)
         uncached = req.seq_len - match.num_tokens
         needed = self.pool.num_pages_for(uncached) + self._future_pages(req)
-        available = self.pool.allocator.num_free + self.cache.num_evictable_pages() - reserved
+        available = self.pool.allocator.num_free + self._reclaimable_pages() - reserved
         num_new = min(uncached, budget)
         if needed > available and self.running:
             self.cache.unlock(match.node)
             return None
         self.pages.attach(req, match)
-        if not self.pages.grow(req, num_new):
+        # alone, it must run: retention pins give way rather than leave it waiting forever
+        if not self.pages.grow(req, num_new, unpin=not self.running):
             self.pages.release(req)
             return None
         if req.num_retractions == 0:
@@ -391,6 +408,14 @@ class Scheduler:
         self.running.append(req)
         req.state = ReqState.RUNNING
         return Work(req, num_new)
+
+    def _reclaimable_pages(self) -> int:
+        """Pages eviction may free for an admission: unpinned ones, and with pin_policy
+        "last" also the pinned pages no running request holds."""
+        if not self.pages.pins_give_way:
+            return self.cache.num_evictable_pages()
+        info = self.cache.size_info()
+        return info.total_pages - info.protected_pages
 
     def _future_pages(self, req: Req) -> int:
         """Estimated pages a request will still need for output."""
@@ -405,11 +430,12 @@ class Scheduler:
     # ---- memory pressure -----------------------------------------------------------------
 
     def _retract_one(self) -> bool:
-        """Moves the running request holding the most own pages (the youngest of those) back
-        to the queue; its computed full pages stay in the tree."""
+        """Moves the running request holding the most own pages (the youngest of those;
+        the lowest priority first, with priority scheduling) back to the queue; its computed
+        full pages stay in the tree."""
         if not self.running:
             return False
-        victim = max(self.running, key=lambda r: (len(r.own_pages()), r.arrival_time))
+        victim = max(self.running, key=self._retract_key)
         self.pages.release(victim)
         self.running.remove(victim)
         self._retracted.add(victim)
@@ -421,6 +447,10 @@ class Scheduler:
         self.ratio.reset_after_retraction(self.running)
         logger.info("retracted %s (%d tokens) under memory pressure", victim.rid, victim.seq_len)
         return True
+
+    def _retract_key(self, req: Req) -> tuple[int, int, float]:
+        priority = req.priority if self.config.enable_priority_scheduling else 0
+        return (-priority, len(req.own_pages()), req.arrival_time)
 
     # ---- forward and commit --------------------------------------------------------------
 
@@ -525,6 +555,7 @@ class Scheduler:
         if self.drafter is not None and not req.finish_reason.is_abort:
             self.drafter.on_finished(req)
         self.pages.release(req)
+        self.pages.retain(req)
         self.running.remove(req)
 
     def _count_computed(self, w: Work) -> None:

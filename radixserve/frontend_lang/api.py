@@ -37,9 +37,13 @@ def gen(
     choices_method: ChoicesSamplingMethod | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    priority: int | None = None,
+    session_id: str | None = None,
+    retention: dict | None = None,
 ) -> Expr:
     """Generate into variable `name`; unset options inherit the run's. With `choices` this is
-    `select`; `dtype`, `regex` and `json_schema` constrain the output."""
+    `select`; `dtype`, `regex` and `json_schema` constrain the output. `session_id` with
+    `retention={"ttl_s": s}` keeps the call's prompt + output cached while the agent pauses."""
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     options = dict(locals())

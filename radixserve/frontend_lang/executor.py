@@ -129,7 +129,7 @@ class Executor:
         params = expr.params.merged_over(self.defaults)
         params = params.with_stop(self.backend.chat_template.stop_str)
         sampling = params.sampling_params() | _detokenize_options()
-        logprob = params.logprob_options()
+        logprob = params.payload_options()  # logprob fields, priority, session, retention
         if (params.n or 1) > 1:
             self._gen_samples(expr, sampling, logprob)
             return

@@ -21,7 +21,8 @@ from radixserve.frontend_lang.tracing import cache_program
 RUN_OPTIONS = (
     "max_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
     "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob",
-    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "priority",
+    "session_id", "retention",
 )  # fmt: skip
 
 
@@ -45,7 +46,7 @@ def resolve_backend(backend: Backend | Engine | None) -> Backend:
 
 def run_defaults(options: dict[str, Any]) -> GenParams:
     """GenParams from run()'s sampling keywords (`options` may hold more)."""
-    params = {name: options[name] for name in RUN_OPTIONS}
+    params = {name: options.get(name) for name in RUN_OPTIONS}  # run_batch: no session
     return GenParams(max_tokens=params.pop("max_new_tokens"), **params)
 
 
@@ -98,6 +99,9 @@ class SglFunction:
         stream: bool = False,
         backend: Backend | Engine | None = None,
         use_thread: bool = True,
+        priority: int | None = None,
+        session_id: str | None = None,
+        retention: dict | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Runs the program once with the run-level sampling defaults; other keyword arguments
@@ -129,6 +133,7 @@ class SglFunction:
         return_text_in_logprobs: bool | None = None,
         backend: Backend | Engine | None = None,
         num_threads: int | str = "auto",
+        priority: int | None = None,
         progress_bar: bool = False,
         generator_style: bool = False,
     ) -> list[ProgramState] | Iterator[ProgramState]:

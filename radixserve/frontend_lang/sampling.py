@@ -1,5 +1,6 @@
-"""GenParams: a gen's sampling and logprob options in the frontend's names (max_tokens, ...),
-merged over the run's defaults and turned into the native `/generate` payload."""
+"""GenParams: a gen's sampling, logprob and request options in the frontend's names
+(max_tokens, ...), merged over the run's defaults and turned into the native `/generate`
+payload."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 WIRE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
                   "return_text_in_logprobs")  # fmt: skip
+# Per-request options of /generate beside sampling_params: priority (needs the server's
+# --enable-priority-scheduling), an agent session and its retention ({"ttl_s": seconds}).
+REQUEST_FIELDS = ("priority", "session_id", "retention")
+TOP_LEVEL_FIELDS = LOGPROB_FIELDS + REQUEST_FIELDS
 
 
 @dataclass
@@ -45,6 +50,9 @@ class GenParams:
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
+    priority: int | None = None
+    session_id: str | None = None
+    retention: dict | None = None
 
     def merged_over(self, defaults: GenParams) -> GenParams:
         """These options, with unset ones taken from `defaults`."""
@@ -63,13 +71,13 @@ class GenParams:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and f.name not in LOGPROB_FIELDS:
+            if value is not None and f.name not in TOP_LEVEL_FIELDS:
                 out[WIRE_NAMES.get(f.name, f.name)] = value
         return out
 
-    def logprob_options(self) -> dict[str, Any]:
-        """The payload's top-level logprob fields that are set."""
-        return {k: getattr(self, k) for k in LOGPROB_FIELDS if getattr(self, k) is not None}
+    def payload_options(self) -> dict[str, Any]:
+        """The payload's top-level fields that are set: logprob and request options."""
+        return {k: getattr(self, k) for k in TOP_LEVEL_FIELDS if getattr(self, k) is not None}
 
 
 def resolve_dtype(dtype: type | str | None) -> type | None:

@@ -19,6 +19,7 @@ from radixserve.engine.output import LogprobCursor, format_output
 from radixserve.engine.request_builder import GenerateArgs
 from radixserve.engine.result import ResultStream
 from radixserve.server import dashboard, openai_api
+from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
@@ -33,6 +34,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
+    "priority", "session_id", "retention",
 }  # fmt: skip
 GENERATE_NO_OP_VALUES = {"log_metrics": True}
 """Fields accepted at their SGLang default only; sglang-router writes them into every body.
@@ -136,6 +138,9 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
         top_logprobs_num=body.get("top_logprobs_num"),
         rid=body.get("rid"),
         cache_salt=body.get("cache_salt"),
+        priority=body.get("priority"),
+        session_id=body.get("session_id"),
+        retention=body.get("retention"),
     )
     return args, stream, with_text
 
@@ -320,6 +325,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
+    register_cache_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

@@ -100,7 +100,7 @@ async def stats(request: web.Request) -> web.Response:
     board = request.app[BOARD_KEY]
     core_stats = await state.client.stats()
     if board.tree_is_stale():
-        tree = await state.client.call("tree_summary")
+        tree = await state.client.call("tree_outline")
         board.set_tree(await state.off_loop(label_tree, tree, state.tokenizer.decode))
     spec_on = bool(state.engine_args.get("speculative_algorithm"))
     body = {"model": state.served_model_name} | board.build(core_stats, state.metrics, spec_on)

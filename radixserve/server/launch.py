@@ -46,6 +46,7 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
         info["context_length"],
         info["capacity_tokens"],
         max_outputs=max_running + config.max_queued_requests,
+        enable_priority=engine_args.get("enable_priority_scheduling", False),
     )
     model_path = engine_args.get("model") or info["model_name"]
     return ServerState(

@@ -43,9 +43,12 @@ SAMPLING_FIELDS = (
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "no_stop_trim",
 )  # fmt: skip
+# SGLang's priority and session_id, and retention (ours): extra body fields, as on /generate.
+RETENTION_FIELDS = ("priority", "session_id", "retention")
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
+    *RETENTION_FIELDS,
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -87,6 +90,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     echo: bool = False
     cache_salt: Any = None
+    retention: dict[str, Any] = field(default_factory=dict)  # RETENTION_FIELDS given
     max_tokens_name: str = "max_tokens"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice("none")
@@ -124,6 +128,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         stream=stream,
         include_usage=check_stream_options(body.get("stream_options"), stream),
         cache_salt=body.get("cache_salt"),
+        retention={name: body[name] for name in RETENTION_FIELDS if name in body},
     )
     if chat:
         _parse_chat(body, parsed)

@@ -1,0 +1,139 @@
+"""Retention pins: cached prefixes kept out of eviction for a while, by name.
+
+A pin holds one radix node (`PrefixCache.pin`: a reference count along the path to the root,
+beside the lock count of running requests), so the prefix up to that node stays in the pool
+until the pin ends. Pins are named: `session:<id>` for an agent session's last turn (renewed
+by each turn, ended when the next turn is admitted: that request then locks what it reads),
+`prefix:<name>` for a prefix pinned through `POST /cache/pin`.
+
+    pin ends when:  its TTL passes (`expire`) | it is replaced or unpinned by name
+                    | the bound needs room: pinned pages > max_pinned_pages, oldest first
+                    | nothing else can progress (`release_oldest`: admission would deadlock)
+
+A pin that ends only stops protecting: its pages go back to plain LRU, nothing is freed.
+Eviction reads the node's pin count (`_is_evictable` in radix_cache.py), so a second KV tier
+can later demote pinned pages instead of keeping them, without changing this table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from radixserve.cache.prefix_cache import PrefixCache
+
+
+def session_pin_key(session_id: str) -> str:
+    return f"session:{session_id}"
+
+
+def prefix_pin_key(name: str) -> str:
+    return f"prefix:{name}"
+
+
+@dataclass
+class Pin:
+    key: str  # session:<id> | prefix:<name>
+    node: object  # the pinned radix node (the deepest of the prefix)
+    num_tokens: int  # tokens of the pinned prefix (whole pages)
+    namespace: str | None
+    pinned_at: float  # when pinned or renewed: the bound lets the oldest go first
+    expires_at: float | None  # None: until unpinned
+
+    def describe(self, now: float, page_size: int) -> dict:
+        """What `GET /cache/sessions` lists for this pin."""
+        kind, _, name = self.key.partition(":")
+        remaining = None if self.expires_at is None else max(self.expires_at - now, 0.0)
+        return {
+            "kind": kind,
+            "name": name,
+            "namespace": self.namespace,
+            "num_tokens": self.num_tokens,
+            "num_pages": self.num_tokens // page_size,
+            "age_s": now - self.pinned_at,
+            "expires_in_s": remaining,
+        }
+
+
+class PinTable:
+    """The live pins of one prefix cache, with their TTLs and the bound on pinned pages."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        max_pinned_pages: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_pinned_pages < 0:
+            raise ValueError(f"max_pinned_pages must be >= 0; got {max_pinned_pages}")
+        self.cache = cache
+        self.max_pinned_pages = max_pinned_pages
+        self.clock = clock
+        self._pins: dict[str, Pin] = {}  # insertion order = pinned_at order (renewals move)
+        self.num_degraded = 0  # pins ended early by the bound or by memory pressure
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._pins
+
+    def pin(
+        self,
+        key: str,
+        token_ids: Sequence[int],
+        namespace: str | None = None,
+        ttl_s: float | None = None,
+    ) -> Pin | None:
+        """Pins the cached part of `token_ids` under `key` (replacing its old pin); None if
+        none of it is cached or the bound let it go at once (it alone is too large)."""
+        self.unpin(key)
+        match = self.cache.match_prefix(token_ids, namespace, max_tokens=len(token_ids))
+        if match.num_tokens == 0 or not self.cache.shares_prefixes:
+            return None
+        now = self.clock()
+        expires_at = None if ttl_s is None else now + ttl_s
+        self.cache.pin(match.node)
+        self._pins[key] = Pin(key, match.node, match.num_tokens, namespace, now, expires_at)
+        self._enforce_bound()
+        return self._pins.get(key)
+
+    def unpin(self, key: str) -> bool:
+        """Ends the pin named `key`; False if there is none."""
+        pin = self._pins.pop(key, None)
+        if pin is None:
+            return False
+        self.cache.unpin(pin.node)
+        return True
+
+    def expire(self) -> int:
+        """Ends the pins whose TTL has passed; returns how many."""
+        now = self.clock()
+        expired = [
+            k for k, p in self._pins.items() if p.expires_at is not None and p.expires_at <= now
+        ]
+        for key in expired:
+            self.unpin(key)
+        return len(expired)
+
+    def release_oldest(self) -> bool:
+        """Ends the oldest pin (memory pressure with nothing else to free); False if none."""
+        if not self._pins:
+            return False
+        self.unpin(next(iter(self._pins)))
+        self.num_degraded += 1
+        return True
+
+    def _enforce_bound(self) -> None:
+        while self.cache.num_pinned_pages() > self.max_pinned_pages and self.release_oldest():
+            pass
+
+    def clear(self) -> None:
+        for key in list(self._pins):
+            self.unpin(key)
+
+    def describe(self) -> list[dict]:
+        """Every live pin, oldest first (`GET /cache/sessions`)."""
+        now = self.clock()
+        return [pin.describe(now, self.cache.page_size) for pin in self._pins.values()]

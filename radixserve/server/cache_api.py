@@ -1,0 +1,115 @@
+"""Cache introspection and retention endpoints: pin a prefix, unpin, list pins, summarize the
+radix tree (for dashboards).
+
+    POST /cache/pin       {"text" | "input_ids", "name", "ttl_s"?, "cache_salt"?}
+                          prefills the prefix (max_new_tokens 0) and pins it as prefix:<name>
+    POST /cache/unpin     {"name"} | {"session_id"}
+    GET  /cache/sessions  every pin: sessions and prefixes, their sizes and TTLs
+    GET  /cache/tree      ?top_k=10: node count, depth, largest subtrees with tokens and hits
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.engine.protocol import PinRequest
+from radixserve.engine.request_builder import GenerateArgs
+from radixserve.server.errors import BadRequest, error_response
+from radixserve.server.state import read_json, state_of
+
+PIN_FIELDS = {"text", "input_ids", "name", "ttl_s", "cache_salt"}
+MAX_TREE_TOP_K = 1000
+
+
+async def pin_prefix(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = _object(await read_json(request), PIN_FIELDS)
+    name = _name(body.get("name"), "name")
+    ttl_s = _ttl(body.get("ttl_s"))
+    args = GenerateArgs(
+        text=body.get("text"),
+        input_ids=body.get("input_ids"),
+        sampling_params={"max_new_tokens": 0},
+        cache_salt=body.get("cache_salt"),
+    )
+    specs, batched = await state.off_loop(state.builder.build, args)
+    if batched:
+        raise BadRequest("pin one prefix per request: text or input_ids, not a list", "text")
+    key = prefix_pin_key(name)
+    specs = [replace(specs[0], pin=PinRequest(key, ttl_s))]
+    await state.run(state.open(specs))
+    pin = _find_pin(await state.client.list_pins(), "prefix", name)
+    return web.json_response({"name": name, "pinned": pin is not None, "pin": pin})
+
+
+async def unpin(request: web.Request) -> web.Response:
+    body = _object(await read_json(request), {"name", "session_id"})
+    if ("name" in body) == ("session_id" in body):
+        raise BadRequest("give exactly one of name (a pinned prefix) or session_id", "name")
+    if "name" in body:
+        key = prefix_pin_key(_name(body["name"], "name"))
+    else:
+        key = session_pin_key(_name(body["session_id"], "session_id"))
+    if not await state_of(request).client.unpin(key):
+        return error_response(404, f"no pin named {key!r}", param="name")
+    return web.json_response({"success": True})
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    client = state_of(request).client
+    stats = await client.stats()
+    return web.json_response({
+        "pins": await client.list_pins(),
+        "pinned_pages": stats["tree_pinned_pages"],
+        "max_pinned_pages": stats["max_pinned_pages"],
+        "page_size": stats["page_size"],
+        "pins_degraded": stats["pins_degraded"],
+    })  # fmt: skip
+
+
+async def tree(request: web.Request) -> web.Response:
+    raw = request.query.get("top_k", "10")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_TREE_TOP_K:
+        raise BadRequest(f"top_k must be an int in [1, {MAX_TREE_TOP_K}]; got {raw!r}", "top_k")
+    summary = await state_of(request).client.tree_summary(top_k=int(raw))
+    return web.json_response(summary)
+
+
+def register_cache_routes(app: web.Application) -> None:
+    app.router.add_post("/cache/pin", pin_prefix)
+    app.router.add_post("/cache/unpin", unpin)
+    app.router.add_get("/cache/sessions", list_sessions)
+    app.router.add_get("/cache/tree", tree)
+
+
+def _object(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", param="body")
+    for key in body:
+        if key not in allowed:
+            raise BadRequest(f"{key} is not a field of this endpoint", param=key)
+    return body
+
+
+def _name(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{param} must be a non-empty string; got {value!r}", param=param)
+    return value
+
+
+def _ttl(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"ttl_s must be a number of seconds > 0; got {value!r}", "ttl_s")
+    return float(value)
+
+
+def _find_pin(pins: list[dict], kind: str, name: str) -> dict | None:
+    return next((p for p in pins if p["kind"] == kind and p["name"] == name), None)

@@ -1,0 +1,182 @@
+"""`radixserve bench retention`: the agent-sessions workload through the real scheduler and
+radix cache (the simulator's virtual clock and cost model), with plain LRU, with session
+retention (pin_policy hard and last), and with an unbounded cache (the hit-rate ceiling).
+
+Resumed turns (a session's turns after the first) are what retention is for: their hit rate
+and TTFT are the headline numbers; the one-off flood's TTFT shows what retention costs it.
+A table on stdout, every number in `<out>/retention.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.cli_args import add_dataclass_args
+from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve_bench.cli import from_args, load_tokenizer
+from radixserve_bench.metrics import latency_stats
+from radixserve_bench.sessions_live import LiveRun
+from radixserve_bench.sim_runner import CostModel
+from radixserve_bench.simulate import SimResult, simulate
+from radixserve_bench.simulate_cli import write_json
+from radixserve_bench.workloads import Workload, make_workload, parse_overrides
+
+SESSIONS_IN_POOL = 1 / 3  # the issue's sizing: the pool holds about a third of the sessions
+
+
+@dataclass
+class RetentionBenchArgs:
+    """Workload size, pool, and retention settings."""
+
+    preset: str = "default"
+    """default | small (agent-sessions presets)."""
+    workload_args: str | None = None
+    """Overrides of the agent-sessions workload, e.g. num_sessions=24,pause_ms=30000."""
+    seed: int = 0
+    """Seed of the workload's text, pauses and flood arrivals."""
+    cache_tokens: int = 0
+    """KV pool in tokens (0: a third of the sessions' final size, as the issue asks)."""
+    retention_ttl_s: float = 120.0
+    """TTL each session turn asks for."""
+    max_pinned_fraction: float = 0.3
+    """The retention run's bound on pinned pages (--max-pinned-fraction)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    model: str | None = None
+    """Run on a real Engine with this model, in real time (pauses are slept), instead of the
+    simulator ("default": the default model); the unbounded run is skipped."""
+    out: str = "bench_results/retention"
+    """Folder for retention.json."""
+    log_level: str = "warning"
+    """debug | info | warning | error."""
+
+
+def add_retention_parser(modes) -> None:
+    parser = modes.add_parser(
+        "retention", help="agent sessions with pauses: plain LRU vs retention vs unbounded"
+    )
+    add_dataclass_args(parser, RetentionBenchArgs, "retention benchmark")
+
+
+def run_retention_bench(args: argparse.Namespace) -> int:
+    """Entry point of `radixserve bench retention`."""
+    bench = from_args(RetentionBenchArgs, args)
+    overrides = parse_overrides(bench.workload_args)
+    workload = make_workload("agent-sessions", load_tokenizer(None), bench.seed, bench.preset,
+                             overrides)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = compare(workload, bench)
+    finally:
+        torch.set_num_threads(threads)
+    print(format_rows(rows, f"agent-sessions ({bench.preset}), {len(workload.requests)} requests"))
+    config = {"workload_config": workload.config, "bench": dataclasses.asdict(bench)}
+    print(f"wrote {write_json(Path(bench.out) / 'retention.json', rows, config)}")
+    return 0
+
+
+def compare(workload: Workload, bench: RetentionBenchArgs) -> list[dict[str, Any]]:
+    """One summary each: plain LRU, retention, unbounded (all lpm, same workload)."""
+    pool = bench.cache_tokens or sessions_pool_tokens(workload)
+    unbounded = sum(len(p) for p in workload.prompts()) + pool
+    ttl, fraction = bench.retention_ttl_s, bench.max_pinned_fraction
+    runs = [
+        ("lru", pool, None, "hard"),
+        ("retention hard", pool, ttl, "hard"),
+        ("retention last", pool, ttl, "last"),
+        ("unbounded", unbounded, None, "hard"),
+    ]
+    if bench.model is not None:
+        runs = runs[:-1]  # an unbounded pool of real KV is too large to allocate
+    rows = []
+    for name, tokens, ttl, pin_policy in runs:
+        scheduler = SchedulerConfig(max_pinned_fraction=fraction, pin_policy=pin_policy)
+        cache = CacheConfig(page_size=bench.page_size, max_total_tokens=tokens)
+        start = time.perf_counter()
+        if bench.model is None:
+            result = simulate(workload, scheduler, cache, CostModel(), retention_ttl_s=ttl)
+        else:
+            result = run_live(bench.model, workload, scheduler, cache, ttl)
+        rows.append({"run": name, "cache_tokens": tokens} | summarize(workload, result))
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return rows
+
+
+def run_live(model: str, workload: Workload, scheduler, cache, ttl: float | None) -> SimResult:
+    """One run on a fresh Engine (an empty cache), in real time."""
+    from radixserve import Engine
+
+    kwargs = dataclasses.asdict(scheduler) | dataclasses.asdict(cache)
+    with Engine(None if model == "default" else model, **kwargs) as engine:
+        result = LiveRun(engine, workload, ttl).run()
+        result.stats = engine.get_stats()
+    return result
+
+
+def sessions_pool_tokens(workload: Workload) -> int:
+    """A pool of about a third of the sessions' final sizes (last turn's prompt + output)."""
+    prompts = workload.prompts()
+    last: dict[str, int] = {}
+    for req, prompt in zip(workload.requests, prompts):
+        if req.session_id is not None:
+            last[req.session_id] = len(prompt) + req.output_len
+    return int(sum(last.values()) * SESSIONS_IN_POOL)
+
+
+def summarize(workload: Workload, result: SimResult) -> dict[str, Any]:
+    """Hit rates and TTFTs of resumed turns, and the flood's TTFT."""
+    resumed, flood, failed = [], [], 0
+    for req, times in zip(workload.requests, result.requests):
+        if times.error:
+            failed += 1
+        elif req.session_id is not None and req.turn > 0:
+            resumed.append(times)
+        elif req.session_id is None:
+            flood.append(times)
+    cached = sum(t.cached_tokens for t in resumed)
+    prompt = sum(t.prompt_len for t in resumed)
+    return {
+        "num_resumed": len(resumed),
+        "failed": failed,
+        "resumed_hit_rate": cached / prompt if prompt else 0.0,
+        **latency_stats("resumed_ttft", [t.first_token - t.sent for t in resumed]),
+        **latency_stats("flood_ttft", [t.first_token - t.sent for t in flood]),
+        "makespan_s": result.makespan,
+        "evicted_pages": result.stats.get("evicted_pages", 0),
+    }
+
+
+COLUMNS = [
+    ("run", "run", "{}"),
+    ("pool tok", "cache_tokens", "{}"),
+    ("resumed hit", "resumed_hit_rate", "{:.3f}"),
+    ("resumed TTFT p50 s", "median_resumed_ttft_ms", "{:.2f}"),
+    ("resumed TTFT p99 s", "p99_resumed_ttft_ms", "{:.2f}"),
+    ("flood TTFT p99 s", "p99_flood_ttft_ms", "{:.2f}"),
+    ("makespan s", "makespan_s", "{:.0f}"),
+    ("evicted pages", "evicted_pages", "{}"),
+    ("failed", "failed", "{}"),
+]
+
+
+def format_rows(rows: list[dict[str, Any]], title: str) -> str:
+    """One line per run; TTFTs in virtual seconds."""
+    cells = [[h for h, *_ in COLUMNS]]
+    for row in rows:
+        cells.append([_cell(row[key], key, fmt) for _, key, fmt in COLUMNS])
+    widths = [max(len(line[c]) for line in cells) for c in range(len(COLUMNS))]
+    lines = [" ".join(f"{v:>{w}}" for v, w in zip(line, widths)) for line in cells]
+    return "\n".join([f" {title} ".center(len(lines[0]), "="), *lines])
+
+
+def _cell(value: Any, key: str, fmt: str) -> str:
+    return fmt.format(value / 1000 if key.endswith("_ms") else value)

@@ -1,0 +1,86 @@
+"""The agent-sessions workload and `radixserve bench retention`: pauses on the virtual clock,
+and retention that keeps paused sessions' prefixes where plain LRU loses them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve_bench.cli import main as bench_main
+from radixserve_bench.retention_bench import RetentionBenchArgs, compare, sessions_pool_tokens
+from radixserve_bench.simulate import simulate
+from radixserve_bench.workloads import make_workload, parse_overrides
+
+SESSIONS = (
+    "num_sessions=4,num_turns=3,context_len=128,observation_len=16,output_len=8,"
+    "pause_ms=20000,session_gap_ms=1000,num_flood=24,flood_len=96,flood_output_len=4"
+)
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    from radixserve_bench.workloads import default_tokenizer
+
+    return make_workload("agent-sessions", default_tokenizer(), overrides=parse_overrides(SESSIONS))
+
+
+def test_workload_shape(sessions):
+    reqs = sessions.requests
+    turns = [r for r in reqs if r.session_id is not None]
+    assert len(turns) == 4 * 3 and sum(r.session_id is None for r in reqs) == 24
+    assert all(r.parent is None for r in turns if r.turn == 0)
+    assert all(reqs[r.parent].session_id == r.session_id for r in turns if r.turn > 0)
+    assert all(r.delay_s >= 0 for r in reqs)
+
+
+def test_pauses_run_on_the_virtual_clock(sessions):
+    result = simulate(sessions, SchedulerConfig(), CacheConfig(page_size=16, max_total_tokens=8192))
+    for req, times in zip(sessions.requests, result.requests):
+        if req.parent is not None:
+            assert times.ready >= result.requests[req.parent].finished + req.delay_s - 1e-9
+
+
+def test_retention_keeps_paused_sessions_that_lru_loses(sessions):
+    bench = RetentionBenchArgs(
+        cache_tokens=sessions_pool_tokens(sessions) * 3, max_pinned_fraction=0.9
+    )
+    rows = {row["run"]: row for row in compare(sessions, bench)}
+    assert all(row["failed"] == 0 for row in rows.values())
+    assert rows["lru"]["resumed_hit_rate"] < 0.5
+    for run in ("retention hard", "retention last"):
+        assert rows[run]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"] + 0.3
+    assert rows["unbounded"]["resumed_hit_rate"] >= rows["retention hard"]["resumed_hit_rate"]
+
+
+def test_bench_retention_cli_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "retention"
+    args = ["retention", "--workload-args", SESSIONS, "--out", str(out)]
+    assert bench_main(args) == 0
+    assert "retention hard" in capsys.readouterr().out
+    report = json.loads((out / "retention.json").read_text())
+    assert [r["run"] for r in report["runs"]] == [
+        "lru",
+        "retention hard",
+        "retention last",
+        "unbounded",
+    ]
+
+
+LIVE = SESSIONS.replace("pause_ms=20000,session_gap_ms=1000", "pause_ms=400,session_gap_ms=50")
+
+
+def test_live_run_on_a_real_engine_keeps_sessions_too(tiny_chat_model):
+    from radixserve_bench.workloads import default_tokenizer
+
+    workload = make_workload("agent-sessions", default_tokenizer(), overrides=parse_overrides(LIVE))
+    bench = RetentionBenchArgs(
+        cache_tokens=sessions_pool_tokens(workload) * 3,
+        max_pinned_fraction=0.9,
+        model=tiny_chat_model,
+    )
+    rows = {row["run"]: row for row in compare(workload, bench)}
+    assert set(rows) == {"lru", "retention hard", "retention last"}
+    assert all(row["failed"] == 0 and row["num_resumed"] == 8 for row in rows.values())
+    assert rows["retention hard"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
