@@ -212,8 +212,10 @@ def test_stats_match_engine_counters_after_a_known_workload(fresh_server):
     )
     assert board["requests"] == {"running": 0, "waiting": 0, "total": 3}
     kv = board["kv_pages"]
-    assert kv["free"] + kv["tree_evictable"] + kv["tree_locked"] + kv["held"] == kv["capacity"]
+    parts = ("free", "tree_evictable", "tree_locked", "tree_pinned", "held")
+    assert sum(kv[p] for p in parts) == kv["capacity"]
     assert (kv["free"], kv["held"], kv["tree_locked"]) == (engine["pool_free_pages"], 0, 0)
+    assert kv["tree_pinned"] == engine["tree_pinned_pages"] == 0
     assert kv["tree_evictable"] == engine["tree_pages"] == 3
     latency = board["latency"]
     assert latency["window_s"] == 60

@@ -62,7 +62,8 @@ class DashboardStats:
 
 
 def kv_pages(stats: dict[str, Any]) -> dict[str, int]:
-    """The pool split four ways; free + tree_evictable + tree_locked + held == capacity."""
+    """The pool split five ways; free + tree_evictable + tree_locked + tree_pinned + held ==
+    capacity (a page both locked and pinned counts as locked)."""
     capacity, free, tree = (
         stats["pool_capacity_pages"],
         stats["pool_free_pages"],
@@ -74,6 +75,7 @@ def kv_pages(stats: dict[str, Any]) -> dict[str, int]:
         "free": free,
         "tree_evictable": stats["tree_evictable_pages"],
         "tree_locked": stats["tree_protected_pages"],  # shared by running requests
+        "tree_pinned": tree - stats["tree_evictable_pages"] - stats["tree_protected_pages"],
         "held": capacity - free - tree,  # running requests' own pages, not (yet) in the tree
     }
 

@@ -72,6 +72,7 @@ function renderKv(kv) {
   const parts = [
     ["held", "held by requests", kv.held],
     ["tree_locked", "tree, in use", kv.tree_locked],
+    ["tree_pinned", "tree, pinned", kv.tree_pinned],
     ["tree_evictable", "tree, evictable", kv.tree_evictable],
     ["free", "free", kv.free],
   ];
