@@ -35,6 +35,8 @@ TINY = {
     "multi-turn": "num_conversations=3,num_turns=3,system_len=16,user_len=8,output_len=5",
     "agent": "num_agents=2,num_rounds=3,system_len=64,task_len=8,observation_len=8,output_len=4",
     "fork": "num_trees=2,fan_out=2,depth=2,context_len=32,branch_len=4,output_len=4",
+    "agent-sessions": "num_sessions=2,num_turns=2,context_len=16,observation_len=4,output_len=4,"
+    "num_flood=2,flood_len=8,flood_output_len=2",
 }
 
 

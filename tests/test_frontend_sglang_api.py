@@ -50,12 +50,16 @@ RUN_SAMPLING = (
 )
 
 # sglang.lang.api: name -> signature.
+# radixserve's own keyword additions, each after SGLang's parameters so that SGLang's calls
+# bind as they do there: agent-aware retention and priority (the cache-hierarchy issue).
+RETENTION = "priority=None, session_id=None, retention=None"
+
 API = {
     "function": "(func=None, num_api_spec_tokens=None)",
     "set_default_backend": "(backend)",
     "flush_cache": "(backend=None)",
     "get_server_info": "(backend=None)",
-    "gen": f"({GEN})",
+    "gen": f"({GEN}, {RETENTION})",
     "gen_int": f"({TYPED_GEN})",
     "gen_string": f"({TYPED_GEN})",
     "image": "(expr)",
@@ -80,11 +84,12 @@ METHODS = {
     ("SglFunction", "__init__"): "(self, func, num_api_spec_tokens=None, bind_arguments=None)",
     ("SglFunction", "bind"): "(self, **kwargs)",
     ("SglFunction", "run"): (
-        f"(self, *args, {RUN_SAMPLING}, stream=False, backend=None, use_thread=True, **kwargs)"
+        f"(self, *args, {RUN_SAMPLING}, stream=False, backend=None, use_thread=True, "
+        f"{RETENTION}, **kwargs)"
     ),
     ("SglFunction", "run_batch"): (
         f"(self, batch_kwargs, *, {RUN_SAMPLING}, backend=None, num_threads='auto', "
-        "progress_bar=False, generator_style=False)"
+        "priority=None, progress_bar=False, generator_style=False)"
     ),
     ("SglFunction", "trace"): "(self, *, backend=None, **kwargs)",
     ("SglFunction", "cache"): "(self, backend=None)",
