@@ -11,6 +11,7 @@ from typing import Any
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.speculative import create_drafter
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
@@ -43,7 +44,10 @@ class EngineCore:
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
-        scheduler = Scheduler(runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer)
+        drafter = create_drafter(scheduler_config, runner, load_config, cache_config, tokenizer)
+        scheduler = Scheduler(
+            runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer, drafter=drafter
+        )
         return cls(loaded, runner, scheduler, tokenizer, context_length)
 
     @property
