@@ -52,12 +52,12 @@ def test_backoff_doubles_on_each_failed_window_and_resets_when_drafts_pay():
             assert policy.should_draft(req)
             policy.record(req, num_draft=4, num_accepted=0)
         assert _skipped(policy, req) == expected
-    for _ in range(WINDOW_STEPS):  # a window that pays: the next failure starts over
+    for _ in range(WINDOW_STEPS):  # a window that pays: the next back-off halves
         policy.record(req, num_draft=4, num_accepted=1)
-    assert policy.should_draft(req) and policy.state(req).num_backoffs == 0
+    assert policy.should_draft(req) and policy.state(req).num_backoffs == 2
     for _ in range(WINDOW_STEPS):
         policy.record(req, num_draft=4, num_accepted=0)
-    assert _skipped(policy, req) == FIRST_BACKOFF_STEPS
+    assert _skipped(policy, req) == 4 * FIRST_BACKOFF_STEPS
     policy.state(req).num_backoffs = 30  # the doubling is capped
     for _ in range(WINDOW_STEPS):
         policy.record(req, num_draft=4, num_accepted=0)

@@ -8,7 +8,7 @@ cap), then retries. Large decode batches do not speculate at all: there the step
 compute-bound and a verify row costs as much as another request's token.
 
     drafted steps:  |--window--| below? -> skip 8 | window | below? -> skip 16 | ...
-                                 above? -> the back-off resets
+                                 above? -> the next back-off halves
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class AdaptivePolicy:
         if state.window_accepted / state.window_steps < self.threshold:
             state.skip_steps = min(FIRST_BACKOFF_STEPS << state.num_backoffs, MAX_BACKOFF_STEPS)
             state.num_backoffs += 1
-        else:
-            state.num_backoffs = 0
+        else:  # a window that pays halves the next back-off (one lucky window is not a trend)
+            state.num_backoffs = max(state.num_backoffs - 1, 0)
         state.window_steps = state.window_accepted = 0
 
     def state(self, req: Req) -> Acceptance | None:

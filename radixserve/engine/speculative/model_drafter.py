@@ -28,7 +28,7 @@ from radixserve.config import CacheConfig, LoadConfig
 from radixserve.engine.request import Req
 from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.forward_batch import ForwardBatch
-from radixserve.model.loader import load_model
+from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.sampling.sampler import SamplingBatch, scale_and_filter
@@ -89,26 +89,27 @@ def load_draft_runner(
     """STANDALONE's draft model from `path`, on the target's device and dtype, with a pool
     of as many tokens as the target's; refused unless it shares the target's vocabulary."""
     loaded = load_model(dataclasses.replace(load_config, model=path, quantization="auto"))
-    check_same_vocab(loaded.config.vocab_size, load_tokenizer(loaded), target, target_tokenizer)
+    check_same_vocab(loaded, target, target_tokenizer)
     draft_cache = dataclasses.replace(
         cache_config, max_total_tokens=target.pool.capacity_tokens, disable_cuda_graph=True
     )
     return ModelRunner.from_loaded(loaded, load_config, draft_cache)
 
 
-def check_same_vocab(vocab_size: int, tokenizer, target: ModelRunner, target_tokenizer) -> None:
+def check_same_vocab(draft: LoadedModel, target: ModelRunner, target_tokenizer) -> None:
     """A draft must speak the target's token ids: same vocabulary size and token -> id map."""
-    if vocab_size != target.config.vocab_size:
+    if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             "speculative_draft_model_path: the draft model's vocabulary has "
-            f"{vocab_size} tokens, the target's {target.config.vocab_size}"
+            f"{draft.config.vocab_size} tokens, the target's {target.config.vocab_size}"
         )
-    if tokenizer is not None and target_tokenizer is not None:
-        if tokenizer.get_vocab() != target_tokenizer.get_vocab():
-            raise ValueError(
-                "speculative_draft_model_path: the draft model's tokenizer differs from the "
-                "target's (token ids would not mean the same text)"
-            )
+    if target_tokenizer is None:
+        return
+    if load_tokenizer(draft).get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(
+            "speculative_draft_model_path: the draft model's tokenizer differs from the "
+            "target's (the same token ids would mean other text)"
+        )
 
 
 def _draft_pool(config, target: ModelRunner) -> KVPool:
