@@ -113,3 +113,21 @@ def test_large_decode_batches_do_not_speculate(tiny_chat_model, limit, speculate
     one = spec.generate(input_ids=prompts[0], sampling_params=greedy(12))  # alone: it drafts
     assert one["meta_info"]["spec_draft_token_num"] > 0
     assert one["output_ids"] == outputs[0]["output_ids"]
+
+
+class FailingDrafter(Drafter):
+    num_draft_tokens = 3
+
+    def propose(self, req: Req) -> list[int]:
+        raise RuntimeError("draft model broke")
+
+
+def test_a_failing_drafter_costs_the_drafts_only(tiny_chat_model):
+    prompts = [prompt_ids(i, 24) for i in range(2)]
+    expected = make_engine(tiny_chat_model).generate(input_ids=prompts, sampling_params=greedy(10))
+    spec = make_engine(tiny_chat_model, **NGRAM)
+    spec.scheduler.drafter = FailingDrafter()
+    outputs = spec.generate(input_ids=prompts, sampling_params=greedy(10))
+    assert [o["output_ids"] for o in outputs] == [e["output_ids"] for e in expected]
+    assert spec.get_stats()["spec_draft_tokens"] == 0
+    spec.check_integrity()

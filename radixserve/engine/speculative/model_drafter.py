@@ -144,9 +144,13 @@ class ModelDrafter(Drafter):
             self.pool.allocator.free(state.page_table)
 
     def _reserve(self, req: Req) -> bool:
-        """Pages for the request's sequence plus K - 1 draft tokens; False if none are free."""
+        """Pages for the request's sequence plus K - 1 draft tokens; False if none are free
+        or the draft model's positions end before that."""
+        num_tokens = req.seq_len + self.num_draft_tokens - 1
+        if num_tokens > self.runner.config.max_position_embeddings:
+            return False
         state = self._states.setdefault(req, DraftState([]))
-        needed = self.pool.num_pages_for(req.seq_len + self.num_draft_tokens - 1)
+        needed = self.pool.num_pages_for(num_tokens)
         missing = needed - len(state.page_table)
         if missing > self.pool.allocator.num_free:
             return False

@@ -4,6 +4,7 @@ which decodes carry a draft this step (`add_drafts`), what verification taught
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from radixserve.config import SchedulerConfig
@@ -12,6 +13,8 @@ from radixserve.engine.request import Req
 from radixserve.engine.speculative.adaptive import AdaptivePolicy
 from radixserve.engine.speculative.drafter import Drafter
 from radixserve.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class Speculator:
@@ -34,7 +37,12 @@ class Speculator:
         if not self.policy.batch_speculates(len(decodes)):
             return
         chosen = [w for w in decodes if _room(w.req) > 0 and self.policy.should_draft(w.req)]
-        for w, draft in zip(chosen, self.drafter.propose_all([w.req for w in chosen])):
+        try:
+            drafts = self.drafter.propose_all([w.req for w in chosen]) if chosen else []
+        except Exception:  # drafts only save time: decode without them this step
+            logger.exception("drafting failed; %d requests decode without a draft", len(chosen))
+            return
+        for w, draft in zip(chosen, drafts):
             req = w.req
             draft = draft.cut(min(_room(req), self.drafter.num_draft_tokens))
             if draft.tokens and req.grammar is not None:
