@@ -25,7 +25,7 @@ class WorkloadArgs:
     """Which requests to send."""
 
     workload: str = "shared-prefix"
-    """shared-prefix | multi-turn | agent | fork."""
+    """shared-prefix | multi-turn | agent | fork | tool-echo (answers quote a tool result)."""
     preset: str = "default"
     """default (GPU sizes) | small (about two minutes per system on 2 CPU cores)."""
     workload_args: str | None = None

@@ -194,3 +194,16 @@ def test_resampling_from_p_instead_of_the_residual_fails_the_check(monkeypatch):
     results, target = _verify_sampled_drafts()
     stat, dof = _chi_square([r.tokens[0] for r in results], target[0])
     assert stat > CHI2_999[dof]
+
+
+def test_num_steps_bounds_a_model_draft(models):
+    spec = make_engine(
+        models["target"],
+        speculative_num_steps=2,
+        speculative_adaptive_threshold=0,
+        **_standalone(models["target"]),
+    )
+    out = spec.generate(input_ids=prompt_ids(2, 30), sampling_params=greedy(20))
+    meta = out["meta_info"]
+    assert 0 < meta["spec_draft_token_num"] <= 2 * meta["spec_verify_ct"]
+    assert meta["spec_accept_length"] > 2.5  # the target drafting itself: 2 drafts + 1 each
