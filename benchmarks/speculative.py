@@ -172,14 +172,16 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--self-layers", type=int, default=6, help="SELF: layers that draft")
     parser.add_argument("--draft-model", default=None, help="STANDALONE; default: the target")
+    parser.add_argument("--quantization", default=None, help="none: the fp32 model")
     parser.add_argument("--out", default="bench_results/speculative.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     common = {"speculative_num_draft_tokens": args.num_draft_tokens}
+    load = {} if args.quantization is None else {"quantization": args.quantization}
     engines = {}
     for mode in args.modes.split(","):
         flags = mode_flags(mode, args)
-        engines[mode] = Engine(args.model, **(flags and common | flags))
+        engines[mode] = Engine(args.model, **load, **(flags and common | flags))
     template = next(iter(engines.values())).tokenizer.apply_chat_template
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
