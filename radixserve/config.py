@@ -268,8 +268,8 @@ class SchedulerConfig:
     """SELF: how many of the target's first layers draft (then its final norm and LM head)."""
     speculative_adaptive_threshold: float = 1.0
     """Adaptive fallback: a request whose drafts average fewer accepted tokens per verify
-    step than this (over its last 4 drafted steps) stops drafting for 8, then 16, ... up to
-    128 decode steps, then retries; 0: never stop. 1: a draft must at least double a
+    step than this (over its last 2 drafted steps) stops drafting for 16, then 32, ... up
+    to 128 decode steps, then retries; 0: never stop. 1: a draft must at least double a
     step's tokens, about what a verify of 4 drafts costs over a decode on CPU."""
     speculative_disable_by_batch_size: int | None = None
     """Decode batches of more requests than this do not speculate (there decode is
