@@ -1,14 +1,20 @@
-"""Speculative decoding (NGRAM) side by side with plain decoding: single-stream greedy decode
-speed and acceptance on the default model, one CPU thread by default.
+"""Speculative decoding side by side with plain decoding: greedy decode speed and acceptance
+on the default model, one CPU thread by default.
 
-Workloads: `tool_quote`, an answer that quotes a tool output from the prompt (what n-gram
-drafting is for), and `free_chat`, an open-ended answer (little to look up). For each, spec
-off and on run interleaved `--repeats` times; decode tok/s is measured from the first
-streamed chunk to the last (prefill excluded), the median is reported, and the greedy
-outputs of off and on are compared (they must be identical). Each run starts with an empty
-n-gram store, so drafts come from the prompt and the answer so far only.
+Workloads (chat-templated): `tool_echo`, agents asked to copy their tool's JSON result (the
+first round of radixserve_bench's `tool-echo` workload); `json_extract`, a JSON record
+extracted from a document in the prompt; `free_chat`, open-ended answers (little to look
+up). Modes: `off`, `ngram`, `self` (the target's first --self-layers layers draft),
+`standalone` (a draft model; default: the target itself, an acceptance ceiling that shows
+the drafting cost, since no smaller model with SmolLM2's tokenizer ships offline).
 
-Run:  python benchmarks/speculative.py [--max-new-tokens 160] [--repeats 2] [--threads 1]
+Each run first prefills its prompts into the cache (max_new_tokens 0), then times the
+batch's generation, so tok/s is decode speed (completion tokens / wall time). Modes run
+interleaved, `--repeats` times, the median is reported; NGRAM starts each run with an empty
+n-gram store. Greedy outputs are compared with `off` (the `identical` column).
+
+Run:  python benchmarks/speculative.py [--modes off,ngram,self,standalone]
+      [--batch-sizes 1,8] [--max-new-tokens 128] [--repeats 2] [--threads 1]
 Prints a table and writes all numbers to `--out` (JSON).
 """
 
@@ -24,104 +30,166 @@ from pathlib import Path
 import torch
 
 from radixserve import Engine
-from radixserve.engine.speculative import create_drafter
+from radixserve.engine.speculative import NgramDrafter, create_drafter
+from radixserve.model.source import default_model_path
+from radixserve_bench.workloads import default_tokenizer, make_workload
 
-TOOL_OUTPUT = """{"city": "Lisbon", "forecast": [
-  {"day": "Monday", "high_c": 21, "low_c": 14, "sky": "sunny", "wind_kmh": 12},
-  {"day": "Tuesday", "high_c": 19, "low_c": 13, "sky": "cloudy", "wind_kmh": 20},
-  {"day": "Wednesday", "high_c": 17, "low_c": 12, "sky": "rain", "wind_kmh": 28}
-]}"""
+TOPICS = [
+    "a lighthouse keeper", "a lost robot", "a city garden", "an old violin", "a desert",
+    "a night train", "a chess club", "a mountain village",
+]  # fmt: skip
+PEOPLE = [
+    ("Ana Ribeiro", "Lisbon", 1987, "architect"), ("Tomas Berg", "Oslo", 1975, "pilot"),
+    ("Mei Tanaka", "Osaka", 1992, "chemist"), ("Luca Conti", "Turin", 1968, "baker"),
+    ("Sara Haddad", "Beirut", 1990, "lawyer"), ("Ivan Petrov", "Sofia", 1983, "teacher"),
+    ("Nora Quinn", "Cork", 1979, "nurse"), ("Omar Diallo", "Dakar", 1995, "engineer"),
+]  # fmt: skip
+
+
+def tool_echo_messages(num: int) -> list[list[dict]]:
+    """The first round of the bench `tool-echo` workload, one user message per agent."""
+    tokenizer = default_tokenizer()
+    workload = make_workload("tool-echo", tokenizer, preset="small", overrides={"num_agents": num})
+    return [
+        [{"role": "user", "content": tokenizer.decode(r.new_ids)}] for r in workload.requests[:num]
+    ]
+
+
+def json_extract_messages(num: int) -> list[list[dict]]:
+    messages = []
+    for name, city, year, job in (PEOPLE * 2)[:num]:
+        document = (
+            f"{name} was born in {city} in {year}. After school, {name.split()[0]} trained as "
+            f"an {job} and has worked as one ever since, mostly in {city}. Friends describe "
+            f"{name.split()[0]} as patient and curious."
+        )
+        ask = 'Extract {"name", "city", "birth_year", "job"} from the document as JSON.'
+        messages.append([{"role": "user", "content": f"Document:\n{document}\n\n{ask}"}])
+    return messages
+
+
+def free_chat_messages(num: int) -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": f"Write a short story about {topic}."}]
+        for topic in (TOPICS * 2)[:num]
+    ]
+
+
 WORKLOADS = {
-    "tool_quote": [
-        {
-            "role": "user",
-            "content": f"Here is a JSON document:\n{TOOL_OUTPUT}\n\n"
-            "Copy the JSON document above exactly, character for character.",
-        }
-    ],
-    "free_chat": [
-        {"role": "user", "content": "Write a short story about a lighthouse keeper."},
-    ],
+    "tool_echo": tool_echo_messages,
+    "json_extract": json_extract_messages,
+    "free_chat": free_chat_messages,
 }
 
 
-def decode_run(engine: Engine, prompt: str, max_new_tokens: int) -> dict:
-    """One streamed greedy generation: decode tok/s after the first token, and meta_info."""
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
-    first = last = None
-    final = None
-    for chunk in engine.generate(prompt=prompt, sampling_params=params, stream=True):
-        now = time.perf_counter()
-        first = first if first is not None else now
-        last, final = now, chunk
-    meta = final["meta_info"]
-    decode_tokens = meta["completion_tokens"] - 1  # those after the first chunk's token
+def mode_flags(mode: str, args) -> dict:
+    draft = args.draft_model or str(default_model_path())
     return {
-        "output_ids": final["output_ids"],
-        "completion_tokens": meta["completion_tokens"],
-        "decode_tok_s": decode_tokens / (last - first) if last > first else 0.0,
-        "spec_accept_length": meta.get("spec_accept_length"),
-        "spec_accept_rate": meta.get("spec_accept_rate"),
-        "spec_verify_ct": meta.get("spec_verify_ct"),
+        "off": {},
+        "ngram": {"speculative_algorithm": "NGRAM"},
+        "self": {"speculative_algorithm": "SELF", "speculative_self_layers": args.self_layers},
+        "standalone": {
+            "speculative_algorithm": "STANDALONE",
+            "speculative_draft_model_path": draft,
+        },
+    }[mode]
+
+
+def timed_run(engine: Engine, prompts: list[str], max_new_tokens: int) -> dict:
+    """Prefills `prompts` into the cache, then times their greedy generation as one batch."""
+    if isinstance(engine.scheduler.drafter, NgramDrafter):  # an empty store for every run
+        engine.scheduler.drafter = create_drafter(engine.scheduler.config)
+    engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 0})
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    start = time.perf_counter()
+    outputs = engine.generate(prompt=prompts, sampling_params=params)
+    wall = time.perf_counter() - start
+    metas = [o["meta_info"] for o in outputs]
+    tokens = sum(m["completion_tokens"] for m in metas)
+    lengths = [m["spec_accept_length"] for m in metas if "spec_accept_length" in m]
+    return {
+        "output_ids": [o["output_ids"] for o in outputs],
+        "completion_tokens": tokens,
+        "tok_s": tokens / wall,
+        "spec_accept_length": statistics.mean(lengths) if lengths else None,
     }
+
+
+def run_workload(engines: dict, template, name: str, batch_size: int, args) -> list[dict]:
+    prompts = [
+        template(m, tokenize=False, add_generation_prompt=True) for m in WORKLOADS[name](batch_size)
+    ]
+    runs = {mode: [] for mode in engines}
+    for _ in range(args.repeats):
+        for mode, engine in engines.items():
+            runs[mode].append(timed_run(engine, prompts, args.max_new_tokens))
+    base = statistics.median(r["tok_s"] for r in runs["off"]) if "off" in runs else None
+    rows = []
+    for mode, mode_runs in runs.items():
+        tok_s = statistics.median(r["tok_s"] for r in mode_runs)
+        last = mode_runs[-1]
+        rows.append(
+            {
+                "workload": name,
+                "batch_size": batch_size,
+                "mode": mode,
+                "completion_tokens": last["completion_tokens"],
+                "tok_s": tok_s,
+                "speedup": tok_s / base if base else None,
+                "spec_accept_length": last["spec_accept_length"],
+                "identical": last["output_ids"] == runs["off"][-1]["output_ids"]
+                if "off" in runs
+                else None,
+            }
+        )
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(
+        f"{'workload':>12} {'batch':>5} {'mode':>10} {'tokens':>6} {'tok/s':>7} "
+        f"{'speedup':>7} {'accept len':>10} {'identical':>9}"
+    )
+    for r in rows:
+        speedup = f"{r['speedup']:6.2f}x" if r["speedup"] else "      -"
+        length = f"{r['spec_accept_length']:10.2f}" if r["spec_accept_length"] else "         -"
+        print(
+            f"{r['workload']:>12} {r['batch_size']:5d} {r['mode']:>10} "
+            f"{r['completion_tokens']:6d} {r['tok_s']:7.1f} {speedup} {length} "
+            f"{str(r['identical']):>9}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--modes", default="off,ngram,self,standalone")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--min-window", type=int, default=1, help="shortest suffix matched")
+    parser.add_argument("--self-layers", type=int, default=6, help="SELF: layers that draft")
+    parser.add_argument("--draft-model", default=None, help="STANDALONE; default: the target")
+    parser.add_argument("--quantization", default=None, help="none: the fp32 model")
     parser.add_argument("--out", default="bench_results/speculative.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engines = {
-        "off": Engine(args.model),
-        "on": Engine(
-            args.model,
-            speculative_algorithm="NGRAM",
-            speculative_num_draft_tokens=args.num_draft_tokens,
-            speculative_ngram_min_match_window_size=args.min_window,
-        ),
-    }
-    template = engines["off"].tokenizer.apply_chat_template
+    common = {"speculative_num_draft_tokens": args.num_draft_tokens}
+    load = {} if args.quantization is None else {"quantization": args.quantization}
+    engines = {}
+    for mode in args.modes.split(","):
+        flags = mode_flags(mode, args)
+        engines[mode] = Engine(args.model, **load, **(flags and common | flags))
+    template = next(iter(engines.values())).tokenizer.apply_chat_template
     rows = []
-    for name, messages in WORKLOADS.items():
-        prompt = template(messages, tokenize=False, add_generation_prompt=True)
-        runs = {mode: [] for mode in engines}
-        for _ in range(args.repeats):
-            for mode, engine in engines.items():
-                # a fresh n-gram store: a repeat must not draft from the run before it
-                engine.scheduler.drafter = create_drafter(engine.scheduler.config)
-                runs[mode].append(decode_run(engine, prompt, args.max_new_tokens))
-        off, on = runs["off"][-1], runs["on"][-1]
-        tok_s = {
-            mode: statistics.median(r["decode_tok_s"] for r in rs) for mode, rs in runs.items()
-        }
-        rows.append(
-            {
-                "workload": name,
-                "completion_tokens": on["completion_tokens"],
-                "off_tok_s": tok_s["off"],
-                "on_tok_s": tok_s["on"],
-                "speedup": tok_s["on"] / tok_s["off"],
-                "spec_accept_length": on["spec_accept_length"],
-                "spec_accept_rate": on["spec_accept_rate"],
-                "identical_output": off["output_ids"] == on["output_ids"],
-            }
-        )
-    print(
-        f"{'workload':>11} {'tokens':>6} {'off tok/s':>9} {'on tok/s':>9} {'speedup':>7} "
-        f"{'accept len':>10} {'accept rate':>11} {'identical':>9}"
-    )
-    for r in rows:
-        print(
-            f"{r['workload']:>11} {r['completion_tokens']:6d} {r['off_tok_s']:9.1f} "
-            f"{r['on_tok_s']:9.1f} {r['speedup']:6.2f}x {r['spec_accept_length']:10.2f} "
-            f"{r['spec_accept_rate']:11.2f} {str(r['identical_output']):>9}"
-        )
+    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        for name in args.workloads.split(","):
+            rows += run_workload(engines, template, name, batch_size, args)
+            print_rows(rows[-len(engines) :])
+    print()
+    print_rows(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     info = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__}

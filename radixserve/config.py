@@ -14,9 +14,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE")  # SGLang's names (SELF: ours)
+DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE")
 PIN_POLICIES = ("hard", "last")
-SPECULATIVE_PLANNED = ("STANDALONE", "SELF")  # SGLang's names, accepted by later slices
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -266,10 +266,28 @@ class SchedulerConfig:
     context_length: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
     speculative_algorithm: str | None = None
-    """Speculative decoding: NGRAM (drafts looked up in the request's own prompt + output and
-    in an n-gram store of recent requests, verified in the running batch); default: off."""
+    """Speculative decoding, drafts verified in the running batch: NGRAM (looked up in the
+    request's own prompt + output and in an n-gram store of recent requests), SELF (the
+    target's first --speculative-self-layers layers), STANDALONE (a smaller model,
+    --speculative-draft-model-path); default: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request per step (K: the request computes K + 1)."""
+    speculative_num_steps: int | None = None
+    """SELF / STANDALONE: draft-model forwards per step, one draft token each; default and
+    most: --speculative-num-draft-tokens."""
+    speculative_draft_model_path: str | None = None
+    """STANDALONE: the draft model (HF folder or GGUF, as --model); it must share the
+    target's tokenizer, checked at start."""
+    speculative_self_layers: int = 2
+    """SELF: how many of the target's first layers draft (then its final norm and LM head)."""
+    speculative_adaptive_threshold: float = 1.0
+    """Adaptive fallback: a request whose drafts average fewer accepted tokens per verify
+    step than this (over its last 2 drafted steps) stops drafting for 16, then 32, ... up
+    to 128 decode steps, then retries; 0: never stop. 1: a draft must at least double a
+    step's tokens, about what a verify of 4 drafts costs over a decode on CPU."""
+    speculative_disable_by_batch_size: int | None = None
+    """Decode batches of more requests than this do not speculate (there decode is
+    compute-bound: a verify row costs as much as another request's token); default: any."""
     speculative_ngram_min_match_window_size: int = 1
     """NGRAM: shortest suffix of the sequence (in tokens) matched to find a draft."""
     speculative_ngram_max_match_window_size: int = 12
@@ -306,16 +324,16 @@ class SchedulerConfig:
         algorithm = self.speculative_algorithm
         if algorithm is None:
             return
-        if algorithm.upper() in SPECULATIVE_PLANNED:
-            raise ValueError(
-                f"speculative_algorithm {algorithm!r} is not supported yet; supported: NGRAM"
-            )
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be NGRAM or unset; got {algorithm!r}")
+            raise ValueError(
+                f"speculative_algorithm must be NGRAM, SELF, STANDALONE or unset; got {algorithm!r}"
+            )
+        self.speculative_algorithm = algorithm.upper()
         for name in (
             "speculative_num_draft_tokens",
             "speculative_ngram_min_match_window_size",
             "speculative_ngram_capacity",
+            "speculative_self_layers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -326,6 +344,43 @@ class SchedulerConfig:
                 "speculative_ngram_max_match_window_size must be >= "
                 f"speculative_ngram_min_match_window_size ({low}); got {high}"
             )
+        if self.speculative_adaptive_threshold < 0:
+            raise ValueError(
+                "speculative_adaptive_threshold must be >= 0; "
+                f"got {self.speculative_adaptive_threshold}"
+            )
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1; got {limit}")
+        self._verify_draft_model()
+
+    def _verify_draft_model(self) -> None:
+        """The flags of SELF / STANDALONE: each only with the algorithm that reads it."""
+        algorithm = self.speculative_algorithm
+        steps = self.speculative_num_steps
+        if steps is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
+            raise ValueError(
+                "speculative_num_steps needs --speculative-algorithm SELF or STANDALONE"
+            )
+        if steps is not None and not 1 <= steps <= self.speculative_num_draft_tokens:
+            raise ValueError(
+                "speculative_num_steps must be between 1 and speculative_num_draft_tokens "
+                f"({self.speculative_num_draft_tokens}); got {steps}"
+            )
+        path = self.speculative_draft_model_path
+        if algorithm == "STANDALONE" and path is None:
+            raise ValueError(
+                "speculative_algorithm STANDALONE needs --speculative-draft-model-path"
+            )
+        if algorithm != "STANDALONE" and path is not None:
+            raise ValueError(
+                "speculative_draft_model_path needs --speculative-algorithm STANDALONE"
+            )
+
+    @property
+    def speculative_draft_steps(self) -> int:
+        """Draft tokens per proposal of a draft model (SELF / STANDALONE)."""
+        return self.speculative_num_steps or self.speculative_num_draft_tokens
 
 
 DIST_BACKENDS = ("auto", "nccl", "gloo")

@@ -25,7 +25,8 @@ class WorkloadArgs:
     """Which requests to send."""
 
     workload: str = "shared-prefix"
-    """shared-prefix | multi-turn | agent | fork | agent-sessions (pauses: simulate only)."""
+    """shared-prefix | multi-turn | agent | fork | tool-echo (answers quote a tool result) |
+    agent-sessions (pauses: simulate only)."""
     preset: str = "default"
     """default (GPU sizes) | small (about two minutes per system on 2 CPU cores)."""
     workload_args: str | None = None

@@ -70,6 +70,20 @@ class TextSource:
             text_ids += self.encode("\n" + self._tool_line())
         return text_ids[:num_tokens]
 
+    def json_records(self, num_records: int) -> str:
+        """A tool's JSON result: a list of `num_records` flat records of words and numbers."""
+        keys = [self.rng.choice(WORDS) for _ in range(4)]
+        lines = [
+            "  {" + ", ".join(f'"{k}": ' + self._json_value() for k in keys) + "}"
+            for _ in range(num_records)
+        ]
+        return "[\n" + ",\n".join(lines) + "\n]"
+
+    def _json_value(self) -> str:
+        if self.rng.random() < 0.5:
+            return str(self.rng.randint(0, 999))
+        return '"' + self.words(self.rng.randint(1, 3)).strip() + '"'
+
     def _tool_line(self) -> str:
         name = "_".join(self.rng.choice(WORDS) for _ in range(2))
         args = ", ".join(f"{self.rng.choice(WORDS)}: str" for _ in range(self.rng.randint(1, 3)))

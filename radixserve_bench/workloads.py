@@ -162,6 +162,36 @@ def agent(cfg: AgentConfig, text: TextSource) -> list[BenchRequest]:
 
 
 @dataclass
+class ToolEchoConfig:
+    """Agents whose answers quote their tool's output back (speculative decoding's best
+    case: n-gram drafts come from the prompt): each round a JSON tool result, then the
+    request to copy it; the next round continues after the copy."""
+
+    num_agents: int = 8
+    num_rounds: int = 4
+    system_len: int = 512
+    num_records: int = 6
+    output_len: int = 160
+    PRESETS: ClassVar[dict[str, dict[str, int]]] = {
+        "small": dict(num_agents=4, num_rounds=2, system_len=128, num_records=3, output_len=64),
+    }  # fmt: skip
+
+
+def tool_echo(cfg: ToolEchoConfig, text: TextSource) -> list[BenchRequest]:
+    """A x R rounds, round-major; each round appends a tool result and the copy request."""
+    system = text.tool_definitions(cfg.system_len)
+    ask = text.encode("\nCopy the tool result above exactly, character for character:\n")
+    reqs: list[BenchRequest] = []
+    for rnd in range(cfg.num_rounds):
+        for agent_id in range(cfg.num_agents):
+            result = text.encode("\nTool result:\n" + text.json_records(cfg.num_records)) + ask
+            parent = None if rnd == 0 else len(reqs) - cfg.num_agents
+            ids = (system if rnd == 0 else []) + result
+            reqs.append(BenchRequest(parent, ids, cfg.output_len, agent_id, rnd))
+    return reqs
+
+
+@dataclass
 class ForkConfig:
     """Tree-of-thought: a root thought over a context, then branches that fan out from it."""
 
@@ -270,6 +300,7 @@ WORKLOADS: dict[str, tuple[type, Generator]] = {
     "shared-prefix": (SharedPrefixConfig, shared_prefix),
     "multi-turn": (MultiTurnConfig, multi_turn),
     "agent": (AgentConfig, agent),
+    "tool-echo": (ToolEchoConfig, tool_echo),
     "fork": (ForkConfig, fork),
     "agent-sessions": (AgentSessionsConfig, agent_sessions),
 }

@@ -37,6 +37,7 @@ TINY = {
     "fork": "num_trees=2,fan_out=2,depth=2,context_len=32,branch_len=4,output_len=4",
     "agent-sessions": "num_sessions=2,num_turns=2,context_len=16,observation_len=4,output_len=4,"
     "num_flood=2,flood_len=8,flood_output_len=2",
+    "tool-echo": "num_agents=2,num_rounds=2,system_len=32,num_records=2,output_len=6",
 }
 
 
@@ -71,6 +72,15 @@ def test_parents_come_first_and_prompts_extend_them(name, tokenizer):
         if req.parent is not None:
             assert req.parent < i
             assert prompts[i] == prompts[req.parent] + outputs[req.parent] + req.new_ids
+
+
+def test_tool_echo_asks_to_copy_a_json_tool_result(tokenizer):
+    workload = tiny("tool-echo", tokenizer)
+    assert [r.turn for r in workload.requests] == [0, 0, 1, 1]
+    for req in workload.requests:
+        text = tokenizer.decode(req.new_ids)
+        assert "Tool result:\n[\n  {" in text and text.endswith("character for character:\n")
+    assert tokenizer.decode(workload.requests[0].new_ids).count("{") == 2
 
 
 def test_shared_prefix_shape(tokenizer):

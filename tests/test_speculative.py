@@ -287,6 +287,66 @@ def test_http_generate_reports_spec_meta_info_and_metrics(periodic_model):
     assert values["radixserve:spec_accept_length"] > 1
 
 
+def test_openai_endpoints_take_the_opt_out_and_stay_free_of_spec_counts(periodic_model):
+    """`speculative` is an extra body field of both OpenAI endpoints (false: no verify step
+    counted); the counts stay native-only, as in SGLang and vLLM (usage has none)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from radixserve.config import ServerConfig
+    from radixserve.server.app import build_app
+    from radixserve.server.metrics import ServerMetrics
+    from radixserve.server.state import ServerState
+
+    engine = make_engine(periodic_model, **NGRAM)
+    state = ServerState(
+        client=engine.client,
+        builder=engine.builder,
+        tokenizer=engine.tokenizer,
+        config=ServerConfig(),
+        engine_args={},
+        model_path=periodic_model,
+        served_model_name="periodic",
+        max_running_requests=256,
+        metrics=ServerMetrics(),
+    )
+    completion = {"prompt": prompt_ids(4, 40), "max_tokens": 20, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0}
+
+    async def post(client, path, body):
+        before = engine.get_stats()["spec_verify_steps"]
+        response = await client.post(path, json=body)
+        counted = engine.get_stats()["spec_verify_steps"] - before
+        return response.status, await response.json(), counted
+
+    async def run():
+        async with TestClient(TestServer(build_app(state))) as client:
+            results = {}
+            for name, path, body in [
+                ("completion", "/v1/completions", completion),
+                ("chat", "/v1/chat/completions", chat),
+            ]:
+                results[name, True] = await post(client, path, body)
+                results[name, False] = await post(client, path, body | {"speculative": False})
+                results[name, "bad"] = await post(client, path, body | {"speculative": "no"})
+            return results
+
+    results = asyncio.run(run())
+    for name in ("completion", "chat"):
+        (status_on, on, steps_on), (status_off, off, steps_off) = (
+            results[name, True],
+            results[name, False],
+        )
+        assert status_on == status_off == 200
+        assert steps_on > 0 and steps_off == 0  # verify steps: the speculating request's only
+        assert (
+            on["choices"][0]["text" if name == "completion" else "message"]
+            == off["choices"][0]["text" if name == "completion" else "message"]
+        )
+        assert not any("spec" in key for key in on["usage"])
+        status, error, _ = results[name, "bad"]
+        assert status == 400 and "speculative" in error["error"]["message"]
+
+
 def test_spec_counts_cross_the_core_pipe():
     from radixserve.engine.protocol import RequestOutput, SpecCounts, StepOutputs
     from radixserve.server.wire import decode_from_core, encode
@@ -401,9 +461,20 @@ def test_bad_speculative_flags_fail_naming_the_flag(tiny_chat_model):
         "speculative_ngram_max_match_window_size": dict(
             speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2
         ),
-        "speculative_algorithm must be NGRAM": dict(speculative_algorithm="MEDUSA"),
-        "'STANDALONE' is not supported yet": dict(speculative_algorithm="STANDALONE"),
-        "'SELF' is not supported yet": dict(speculative_algorithm="SELF"),
+        "speculative_algorithm must be NGRAM, SELF, STANDALONE": dict(
+            speculative_algorithm="MEDUSA"
+        ),
+        "STANDALONE needs --speculative-draft-model-path": dict(speculative_algorithm="STANDALONE"),
+        "speculative_draft_model_path needs --speculative-algorithm STANDALONE": dict(
+            speculative_algorithm="SELF", speculative_draft_model_path="x"
+        ),
+        "speculative_num_steps needs": dict(speculative_num_steps=2),
+        "speculative_num_steps must be between 1 and": dict(
+            speculative_algorithm="SELF", speculative_num_steps=5
+        ),
+        "speculative_self_layers must be >= 1": dict(speculative_self_layers=0),
+        "speculative_adaptive_threshold must be >= 0": dict(speculative_adaptive_threshold=-1),
+        "speculative_disable_by_batch_size must be >= 1": dict(speculative_disable_by_batch_size=0),
     }
     for message, flags in cases.items():
         with pytest.raises(ValueError, match=message):

@@ -22,6 +22,7 @@ class Work:
     req: Req
     num_new: int
     draft: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft), vocab] q of a sampled draft
 
     @property
     def num_forward(self) -> int:

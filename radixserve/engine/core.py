@@ -11,6 +11,7 @@ from typing import Any
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.speculative import create_drafter
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
@@ -38,7 +39,7 @@ class EngineCore:
         parallel_config.verify()
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         try:
-            return cls._assemble(loaded, runner, scheduler_config)
+            return cls._assemble(loaded, runner, load_config, cache_config, scheduler_config)
         except BaseException:
             if isinstance(runner, TPModelRunner):
                 runner.close()
@@ -49,6 +50,8 @@ class EngineCore:
         cls,
         loaded: LoadedModel,
         runner: ModelRunner | TPModelRunner,
+        load_config: LoadConfig,
+        cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
     ) -> EngineCore:
         """The tokenizer, prefix cache and scheduler around a built runner."""
@@ -60,7 +63,10 @@ class EngineCore:
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
-        scheduler = Scheduler(runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer)
+        drafter = create_drafter(scheduler_config, runner, load_config, cache_config, tokenizer)
+        scheduler = Scheduler(
+            runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer, drafter=drafter
+        )
         return cls(loaded, runner, scheduler, tokenizer, _context_length(scheduler_config, loaded))
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
-from radixserve.engine.speculative import Verified, Verifier, create_drafter
+from radixserve.engine.speculative import Drafter, Speculator, Verified, Verifier, create_drafter
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.token_sampler import TokenSampler
 from radixserve.model.runner import ModelRunner
@@ -50,7 +50,10 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer=None,
+        drafter: Drafter | None = None,
     ):
+        """`drafter`: built by the caller for SELF / STANDALONE (a draft model); NGRAM's is
+        built here from the config when not given."""
         config.verify()
         self.runner = runner
         self.pool = runner.pool
@@ -84,8 +87,22 @@ class Scheduler:
         self.sampler = TokenSampler(
             self.eos_token_ids, tokenizer, lambda: self.grammar, self.faults
         )
-        self.drafter = create_drafter(config)
+        drafter = drafter or create_drafter(config)
+        self.speculator = None if drafter is None else Speculator(drafter, config, self.stats)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return None if self.speculator is None else self.speculator.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        """Replaces the drafter (tests, benchmarks); speculation must be on."""
+        if drafter is None and self.speculator is None:
+            return
+        if self.speculator is None:
+            raise ValueError("speculation is off: start with --speculative-algorithm")
+        self.speculator.drafter = drafter
 
     @property
     def new_token_ratio(self) -> float:
@@ -109,7 +126,7 @@ class Scheduler:
         reqs = self._all_reqs()
         for req in reqs:
             if req.state is ReqState.RUNNING:
-                self.pages.release(req)
+                self._release(req)
             req.finish(FinishReason.abort(message, status_code=500))
         self.inbox.clear()
         self.compiling, self.waiting, self.running = [], [], []
@@ -212,7 +229,7 @@ class Scheduler:
     def _end_running(self, req: Req, reason, outputs: list[Req]) -> None:
         """Takes a running request out of the batch, its pages to the tree or the allocator."""
         if req in self.running:
-            self.pages.release(req)
+            self._release(req)
             self.running.remove(req)
         req.finish(reason)
         if req not in outputs:
@@ -272,23 +289,14 @@ class Scheduler:
             for req, page in zip(needing, reversed(pages)):
                 req.page_table = req.page_table + [page]
         decodes = [Work(r, 1) for r in decoding]
-        if self.drafter is not None:
-            self._add_drafts(decodes)
+        if self.speculator is not None:
+            speculating = [w for w in decodes if w.req.spec_counts is not None]
+            self.speculator.add_drafts(speculating, self.pages.grow_from_free, self._valid_draft)
         return decodes, prefilling
 
-    def _add_drafts(self, decodes: list[Work]) -> None:
-        """Gives each speculating decode a draft to verify, while free pages last: a draft
-        never evicts the cache or causes a retraction. Drafts stop at max_new_tokens."""
-        for w in decodes:
-            req = w.req
-            room = req.params.max_new_tokens - len(req.output_ids) - 1
-            if req.spec_counts is None or room <= 0:
-                continue
-            draft = self.drafter.propose(req)[: min(room, self.drafter.num_draft_tokens)]
-            if draft and req.grammar is not None:  # drafts the grammar forbids cannot win
-                draft = self.grammar.valid_draft(req.grammar, draft)
-            if draft and self.pages.grow_from_free(req, w.num_new + len(draft)):
-                w.draft = draft
+    def _valid_draft(self, req: Req, draft: list[int]) -> list[int]:
+        """The draft's prefix that the request's grammar allows (the rest cannot win)."""
+        return self.grammar.valid_draft(req.grammar, draft)
 
     def _split_running(self) -> tuple[list[Req], list[Req]]:
         """The running requests that decode this step, and those still prefilling."""
@@ -436,7 +444,7 @@ class Scheduler:
         if not self.running:
             return False
         victim = max(self.running, key=self._retract_key)
-        self.pages.release(victim)
+        self._release(victim)
         self.running.remove(victim)
         self._retracted.add(victim)
         victim.state = ReqState.WAITING
@@ -515,8 +523,9 @@ class Scheduler:
         if not index:
             return {}
         reqs, drafts = [work[i].req for i in index], [work[i].draft for i in index]
+        probs = [work[i].draft_probs for i in index]
         try:
-            results = self.verifier.verify(reqs, drafts, logits)
+            results = self.verifier.verify(reqs, drafts, logits, probs)
         except Exception as exc:
             logger.exception("verifying drafts failed; aborting %d requests", len(reqs))
             for req in reqs:
@@ -544,7 +553,7 @@ class Scheduler:
         # K/V now covers the last token and every kept token but the newest
         req.num_computed += num_emitted
         self.stats.decode_tokens += num_emitted
-        self._count_verify(req, len(w.draft), min(verified.num_accepted, num_emitted))
+        self.speculator.record(req, len(w.draft), min(verified.num_accepted, num_emitted))
         if req.finished:
             self._leave_finished(req)
         else:
@@ -552,11 +561,16 @@ class Scheduler:
 
     def _leave_finished(self, req: Req) -> None:
         """A finished request's pages to the tree; its sequence to the drafter's store."""
-        if self.drafter is not None and not req.finish_reason.is_abort:
-            self.drafter.on_finished(req)
-        self.pages.release(req)
+        self._release(req, finished=not req.finish_reason.is_abort)
         self.pages.retain(req)
         self.running.remove(req)
+
+    def _release(self, req: Req, finished: bool = False) -> None:
+        """A request leaves the batch: its pages to the tree or the allocator, and what the
+        drafter held for it freed (a finished one teaches the drafter first)."""
+        if self.speculator is not None:
+            self.speculator.on_left(req, finished)
+        self.pages.release(req)
 
     def _count_computed(self, w: Work) -> None:
         if w.num_new > 1 or not w.req.output_ids:
@@ -564,16 +578,7 @@ class Scheduler:
         else:
             self.stats.decode_tokens += w.num_new
             if w.req.spec_counts is not None:  # a decode without a draft verifies none
-                self._count_verify(w.req, 0, 0)
-
-    def _count_verify(self, req: Req, num_draft: int, num_accepted: int) -> None:
-        counts = req.spec_counts
-        counts.verify_ct += 1
-        counts.draft_tokens += num_draft
-        counts.accepted_tokens += num_accepted
-        self.stats.spec_verify_steps += 1
-        self.stats.spec_draft_tokens += num_draft
-        self.stats.spec_accepted_tokens += num_accepted
+                self.speculator.record(w.req, 0, 0)
 
 
 def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:

@@ -41,7 +41,7 @@ MIN_LOGPROB = -9999.0
 SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim",
+    "no_stop_trim", "speculative",
 )  # fmt: skip
 # SGLang's priority and session_id, and retention (ours): extra body fields, as on /generate.
 RETENTION_FIELDS = ("priority", "session_id", "retention")

@@ -10,22 +10,60 @@ one forward (K + 1 extend tokens per speculating request), the `Verifier` keeps 
 
 from __future__ import annotations
 
-from radixserve.config import SchedulerConfig
-from radixserve.engine.speculative.drafter import Drafter
+from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
+from radixserve.engine.speculative.drafter import Draft, Drafter
+from radixserve.engine.speculative.model_drafter import (
+    ModelDrafter,
+    load_draft_runner,
+    self_draft_runner,
+)
 from radixserve.engine.speculative.ngram import NgramDrafter
+from radixserve.engine.speculative.speculator import Speculator
 from radixserve.engine.speculative.verifier import Verified, Verifier
+from radixserve.model.runner import ModelRunner
 
-__all__ = ["Drafter", "NgramDrafter", "Verified", "Verifier", "create_drafter"]
+__all__ = [
+    "Draft",
+    "Drafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "Speculator",
+    "Verified",
+    "Verifier",
+    "create_drafter",
+]
 
 
-def create_drafter(config: SchedulerConfig) -> Drafter | None:
-    """The drafter `config.speculative_algorithm` names; None when speculation is off."""
+def create_drafter(
+    config: SchedulerConfig,
+    target: ModelRunner | None = None,
+    load_config: LoadConfig | None = None,
+    cache_config: CacheConfig | None = None,
+    tokenizer=None,
+) -> Drafter | None:
+    """The drafter `config.speculative_algorithm` names; None when speculation is off.
+    SELF and STANDALONE draft with a model: they need the `target` runner (and STANDALONE
+    the load and cache configs to load its draft model like the target)."""
     if config.speculative_algorithm is None:
         return None
-    config.verify()  # names the flag of an unknown or not yet supported algorithm
-    return NgramDrafter(
-        config.speculative_num_draft_tokens,
-        config.speculative_ngram_min_match_window_size,
-        config.speculative_ngram_max_match_window_size,
-        config.speculative_ngram_capacity,
-    )
+    config.verify()  # names the flag of an unknown algorithm or a bad combination
+    algorithm = config.speculative_algorithm
+    if algorithm == "NGRAM":
+        return NgramDrafter(
+            config.speculative_num_draft_tokens,
+            config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size,
+            config.speculative_ngram_capacity,
+        )
+    if target is None:
+        raise ValueError(f"speculative_algorithm {algorithm} needs the target model's runner")
+    cache_config = cache_config or CacheConfig()
+    if algorithm == "SELF":
+        layers = config.speculative_self_layers
+        runner = self_draft_runner(target, layers, cache_config.attention_backend)
+    else:
+        path = config.speculative_draft_model_path
+        runner = load_draft_runner(
+            path, load_config or LoadConfig(), cache_config, target, tokenizer
+        )
+    return ModelDrafter(runner, config.speculative_draft_steps)

@@ -5,19 +5,44 @@ a request's sequence may continue with; the target model verifies them in the ru
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
 
 from radixserve.engine.request import Req
 
 
-class Drafter(ABC):
-    """Proposes draft tokens for a decoding request (NGRAM today; STANDALONE, SELF later)."""
+@dataclass
+class Draft:
+    """Proposed tokens and, for a sampled draft, the distribution q each was drawn from
+    (`probs` [len(tokens), vocab]); None: deterministic (q one-hot on each token)."""
 
-    num_draft_tokens: int  # K: the most tokens `propose` returns
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+    def cut(self, num: int) -> Draft:
+        """The first `num` tokens (with their rows of q)."""
+        return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for decoding requests: NGRAM (lookup), SELF and STANDALONE
+    (a draft model: model_drafter.py)."""
+
+    num_draft_tokens: int  # K: the most tokens a proposal holds
 
     @abstractmethod
     def propose(self, req: Req) -> list[int]:
         """Up to K tokens that may follow `req.seq_ids()`; [] when there is no good guess
         (the request then decodes one token, as without speculation)."""
 
+    def propose_all(self, reqs: list[Req]) -> list[Draft]:
+        """One draft per request (a model drafter batches them); deterministic by default."""
+        return [Draft(self.propose(req)) for req in reqs]
+
     def on_finished(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Learns from a request that finished (its prompt + output); nothing by default."""
+
+    def release(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
+        """Frees what the drafter holds for a request that left the batch (finished,
+        aborted or retracted); nothing by default."""

@@ -3,13 +3,15 @@ speculating request's K + 1 verify rows (row j: after the last committed token a
 first j drafts).
 
 Greedy: accept drafts while they equal the target's argmax, then emit the argmax at the
-first mismatch (the bonus token when all were accepted). Sampling, with a deterministic
-draft (q one-hot on draft t): accept t with probability p(t); on rejection draw from p with
-t removed, renormalized; the bonus token is drawn from p. p is the distribution plain
-sampling draws from at that step (same penalties, min-tokens mask, temperature and
-filters: sampling/sampler.py), and every draw uses the request's seed and the step's
-index, so speculative outputs are reproducible. A constrained request's rows are masked
-by its grammar advanced over the drafts before each row (sampling/grammar.py).
+first mismatch (the bonus token when all were accepted). Sampling, the standard rejection
+rule: accept draft t, drawn from q, with probability min(1, p(t) / q(t)); on rejection draw
+from max(0, p - q) renormalized; the bonus token is drawn from p. A deterministic draft
+(NGRAM) has q one-hot on t: accept with probability p(t), else draw from p without t.
+p is the distribution plain sampling draws from at that step (same penalties, min-tokens
+mask, temperature and filters: sampling/sampler.py), and every draw uses the request's
+seed and the step's index, so speculative outputs are reproducible. A constrained
+request's rows are masked by its grammar advanced over the drafts before each row
+(sampling/grammar.py).
 """
 
 from __future__ import annotations
@@ -52,9 +54,14 @@ class Verifier:
         self.grammar = grammar  # built lazily by the scheduler, as for TokenSampler
 
     def verify(
-        self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
+        self,
+        reqs: list[Req],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+        probs: list[torch.Tensor | None] | None = None,
     ) -> list[Verified]:
-        """logits: [sum(len(d) + 1 for d in drafts), vocab], the requests' rows in order."""
+        """logits: [sum(len(d) + 1 for d in drafts), vocab], the requests' rows in order;
+        probs: per request, the q its draft was drawn from ([len(d), vocab]; None: one-hot)."""
         columns = [t for draft in drafts for t in (*draft, NO_DRAFT)]
         draft_col = torch.tensor(columns, dtype=torch.int64, device=logits.device)
         if any(r.grammar is not None for r in reqs):
@@ -64,7 +71,8 @@ class Verifier:
             accepted = target == draft_col
         else:
             batch = self._batch(reqs, drafts, logits.shape[-1], logits.device)
-            accepted, target = accept_or_replace(logits, batch, draft_col)
+            q = draft_rows(drafts, probs, logits.shape[-1], logits.device)
+            accepted, target = accept_or_replace(logits, batch, draft_col, q)
         return _first_rejections(drafts, accepted.tolist(), target.tolist())
 
     def _mask_grammar(
@@ -99,11 +107,36 @@ class Verifier:
         )
 
 
+def draft_rows(
+    drafts: list[list[int]],
+    probs: list[torch.Tensor | None] | None,
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """q at every verify row [R, V] (one-hot on deterministic drafts, zeros on bonus rows);
+    None when every draft is deterministic."""
+    if probs is None or all(p is None for p in probs):
+        return None
+    rows = []
+    for draft, q in zip(drafts, probs):
+        if q is None:
+            q = torch.nn.functional.one_hot(torch.tensor(draft, device=device), vocab_size)
+        rows += [
+            q.to(device=device, dtype=torch.float32),
+            torch.zeros(1, vocab_size, device=device),
+        ]
+    return torch.cat(rows)
+
+
 def accept_or_replace(
-    logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    drafts: torch.Tensor,
+    q: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `logits` [R, V]: whether its draft (`drafts` [R], NO_DRAFT on bonus rows)
-    is accepted, and the token emitted there if it is not. Both [R]."""
+    is accepted, and the token emitted there if it is not. Both [R]. q [R, V]: the draft
+    distribution of each row (None: one-hot on the draft)."""
     logits = apply_min_tokens(apply_penalties(logits.float(), batch), batch)
     target = logits.argmax(dim=-1)
     accepted = target == drafts
@@ -112,7 +145,10 @@ def accept_or_replace(
     rows = batch.sample_rows
     if rows is None:
         rows = torch.arange(logits.shape[0], device=logits.device)
-    ok, replaced = _accept_sampled(logits[rows], batch, rows, drafts[rows])
+    if q is None:
+        ok, replaced = _accept_sampled(logits[rows], batch, rows, drafts[rows])
+    else:
+        ok, replaced = _accept_sampled_q(logits[rows], batch, rows, drafts[rows], q[rows])
     return accepted.index_copy(0, rows, ok), target.index_copy(0, rows, replaced)
 
 
@@ -131,6 +167,31 @@ def _accept_sampled(
     without = filtered.scatter(1, col, float("-inf"))
     filtered = torch.where(has_draft[:, None], without, filtered)
     return accepted, (filtered + gumbel_from_uniform(uniform)).argmax(dim=-1)
+
+
+def _accept_sampled_q(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    rows: torch.Tensor,
+    drafts: torch.Tensor,
+    q: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general rejection rule: u * q(t) < p(t) accepts t; otherwise a Gumbel-max draw
+    from max(0, p - q). A rejection means p(t) < q(t), so t is outside that residual and the
+    draw never reads u's column. A bonus row draws from p as plain sampling does."""
+    filtered = scale_and_filter(logits, batch, rows)  # [R, V]
+    uniform = uniform_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
+    has_draft = drafts != NO_DRAFT
+    col = drafts.clamp(min=0)[:, None]  # [R, 1]
+    p = filtered.softmax(dim=-1)
+    q_draft = q.gather(1, col)[:, 0]
+    accepted = has_draft & (uniform.gather(1, col)[:, 0] * q_draft < p.gather(1, col)[:, 0])
+    residual = (p - q).clamp(min=0)
+    # p == q leaves no residual; a rejection cannot happen there (u < 1), so any draw is moot
+    use_residual = has_draft & (residual.sum(dim=-1) > 0)
+    log_residual = torch.where(residual > 0, residual.log(), float("-inf"))
+    scores = torch.where(use_residual[:, None], log_residual, filtered)
+    return accepted, (scores + gumbel_from_uniform(uniform)).argmax(dim=-1)
 
 
 def _first_rejections(

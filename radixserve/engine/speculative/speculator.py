@@ -1,0 +1,73 @@
+"""Speculator: the scheduler's side of speculative decoding behind one small interface:
+which decodes carry a draft this step (`add_drafts`), what verification taught
+(`record`), and a request leaving the batch (`on_left`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from radixserve.config import SchedulerConfig
+from radixserve.engine.batch_builder import Work
+from radixserve.engine.request import Req
+from radixserve.engine.speculative.adaptive import AdaptivePolicy
+from radixserve.engine.speculative.drafter import Drafter
+from radixserve.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats):
+        self.drafter = drafter
+        self.stats = stats
+        self.policy = AdaptivePolicy(
+            config.speculative_adaptive_threshold, config.speculative_disable_by_batch_size
+        )
+
+    def add_drafts(
+        self,
+        decodes: list[Work],
+        grow_from_free: Callable[[Req, int], bool],
+        valid_draft: Callable[[Req, list[int]], list[int]],
+    ) -> None:
+        """Gives each speculating decode that the adaptive policy lets draft a draft to
+        verify, while free pages last (`grow_from_free`: a draft never evicts the cache or
+        causes a retraction). Drafts stop at max_new_tokens and where a grammar forbids."""
+        if not self.policy.batch_speculates(len(decodes)):
+            return
+        chosen = [w for w in decodes if _room(w.req) > 0 and self.policy.should_draft(w.req)]
+        try:
+            drafts = self.drafter.propose_all([w.req for w in chosen]) if chosen else []
+        except Exception:  # drafts only save time: decode without them this step
+            logger.exception("drafting failed; %d requests decode without a draft", len(chosen))
+            return
+        for w, draft in zip(chosen, drafts):
+            req = w.req
+            draft = draft.cut(min(_room(req), self.drafter.num_draft_tokens))
+            if draft.tokens and req.grammar is not None:
+                draft = draft.cut(len(valid_draft(req, draft.tokens)))
+            if draft.tokens and grow_from_free(req, w.num_new + len(draft.tokens)):
+                w.draft, w.draft_probs = draft.tokens, draft.probs
+
+    def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
+        """Counts one decode step of a speculating request (its draft may be empty)."""
+        counts = req.spec_counts
+        counts.verify_ct += 1
+        counts.draft_tokens += num_draft
+        counts.accepted_tokens += num_accepted
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_draft_tokens += num_draft
+        self.stats.spec_accepted_tokens += num_accepted
+        self.policy.record(req, num_draft, num_accepted)
+
+    def on_left(self, req: Req, finished: bool) -> None:
+        """A request left the batch: a finished one teaches the drafter; its state goes."""
+        if finished:
+            self.drafter.on_finished(req)
+        self.drafter.release(req)
+
+
+def _room(req: Req) -> int:
+    """Draft tokens the request may still keep: one of its remaining tokens is the target's."""
+    return req.params.max_new_tokens - len(req.output_ids) - 1
