@@ -21,7 +21,7 @@ from conftest import (
     prompt_ids,
     save_tiny_model,
 )
-from radixserve.config import CacheConfig, LoadConfig, ParallelConfig
+from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from radixserve.engine.client import EngineDeadError
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.tp_runner import TPModelRunner
@@ -97,6 +97,15 @@ def test_quantization_with_tp_is_refused_naming_both_flags(tiny_models):
     config = LoadConfig(model=str(tiny_models["llama"]), device="cpu", quantization="int8")
     with pytest.raises(QuantizationError, match="--quantization int8.*--tp-size 2"):
         TPModelRunner.create(config, CacheConfig(), ParallelConfig(tp_size=2))
+
+
+def test_draft_model_speculation_with_tp_is_refused_naming_both_flags(tiny_models):
+    from radixserve.engine.core import EngineCore
+
+    load = LoadConfig(model=str(tiny_models["llama"]), device="cpu")
+    scheduler = SchedulerConfig(speculative_algorithm="SELF", speculative_self_layers=1)
+    with pytest.raises(ValueError, match="--speculative-algorithm SELF.*--tp-size 2"):
+        EngineCore.build(load, CacheConfig(), scheduler, ParallelConfig(tp_size=2))
 
 
 @pytest.fixture(scope="module")

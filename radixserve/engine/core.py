@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.radix_cache import create_prefix_cache
-from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
+from radixserve.config import (
+    DRAFT_MODEL_ALGORITHMS,
+    CacheConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.loader import LoadedModel, load_model
@@ -37,6 +43,12 @@ class EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
         parallel_config.verify()
+        algorithm = scheduler_config.speculative_algorithm
+        if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-algorithm {algorithm} drafts with a model, which is not sharded "
+                f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
+            )
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         try:
             return cls._assemble(loaded, runner, load_config, cache_config, scheduler_config)
