@@ -51,8 +51,8 @@ MATMUL_BACKENDS = ("torch", "triton")
 class UnquantizedLinear(nn.Linear):
     """The fp layer: what every projection is before quantize-on-load replaces it."""
 
-    def dequantize(self) -> torch.Tensor:
-        return self.weight
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.weight if dtype is None else self.weight.to(dtype)
 
 
 class QuantizedLinear(nn.Module):
@@ -326,8 +326,8 @@ class Fp8Linear(QuantizedLinear):
             x_fp8, self.qweight.t(), scale_a=x_scales, scale_b=self.scales, out_dtype=x.dtype
         )
 
-    def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.t()
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (self.qweight.float() * self.scales.t()).to(dtype or torch.float32)
 
 
 def _bias_of(linear: nn.Linear) -> torch.Tensor | None:
