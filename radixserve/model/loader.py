@@ -26,10 +26,9 @@ from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, load_p
 from radixserve.model.quant.quantize import (
     QuantizationError,
     check_quantization,
+    configure_int_layers,
     quantize_model,
     resolve_quantization,
-    set_batch_invariant,
-    set_compute_dtype,
 )
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
 from radixserve.model.tp_shard import ShardLayout
@@ -80,8 +79,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     else:
         model.load_weights(_iter_safetensors(folder, model.layout))
     quantize_model(model, load_config)
-    set_compute_dtype(model, load_config.quant_compute_dtype())
-    set_batch_invariant(model, load_config.enable_deterministic_inference)
+    configure_int_layers(model, load_config)
     model.eval()
     tokenizer_path = folder if folder is not None and has_tokenizer(folder) else None
     return _loaded(model, config, tokenizer_path, source.name, load_config)
@@ -121,8 +119,7 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
     check_quantization(load_config, config)
     model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
     load_gguf_weights(model, reader, config)
-    set_compute_dtype(model, load_config.quant_compute_dtype())
-    set_batch_invariant(model, load_config.enable_deterministic_inference)
+    configure_int_layers(model, load_config)
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     tokenizer_path = tokenizer_folder(source.path) if has_vocab else None

@@ -268,19 +268,16 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
     )
 
 
-def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """Runs every int8 / int4 layer's kernel in `dtype` (LoadConfig.quant_compute_dtype)."""
+def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
+    """Every int8 / int4 layer, however it was built: its kernel runs in
+    LoadConfig.quant_compute_dtype, and with --enable-deterministic-inference it stays on its
+    row-wise kernel for every batch."""
+    dtype = load_config.quant_compute_dtype()
     for module in model.modules():
         if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
             if module.compute_dtype != dtype:
                 module.set_compute_dtype(dtype)
-
-
-def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
-    """--enable-deterministic-inference: every int8 / int4 layer stays on its row-wise kernel."""
-    if enabled:
-        for module in model.modules():
-            if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            if load_config.enable_deterministic_inference:
                 module.dequant_min_rows = None
 
 
