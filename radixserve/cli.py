@@ -12,6 +12,7 @@ from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import (
     CacheConfig,
     FleetConfig,
+    HiCacheConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(gen, CacheConfig, "KV cache")
     add_dataclass_args(gen, SchedulerConfig, "scheduler")
+    add_dataclass_args(gen, HiCacheConfig, "hierarchical cache")
     add_dataclass_args(gen, ParallelConfig, "parallelism")
     srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
     add_server_args(srv)
@@ -57,6 +59,7 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     parser.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(parser, CacheConfig, "KV cache")
     add_dataclass_args(parser, SchedulerConfig, "scheduler")
+    add_dataclass_args(parser, HiCacheConfig, "hierarchical cache")
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:
@@ -64,7 +67,7 @@ def engine_args_from(args: argparse.Namespace) -> dict:
         args.model = args.model_arg
     return {  # `fleet` has no ParallelConfig flags: its workers are one process each
         name: getattr(args, name)
-        for cls in (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+        for cls in (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, HiCacheConfig)
         for name in field_names(cls)
         if hasattr(args, name)
     }

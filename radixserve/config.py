@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -383,6 +384,77 @@ class SchedulerConfig:
         return self.speculative_num_steps or self.speculative_num_draft_tokens
 
 
+HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")  # SGLang's
+
+
+@dataclass
+class HiCacheConfig:
+    """The second KV tier below the pool (SGLang's HiCache): host memory, or a memory-mapped
+    file under --hicache-dir that also survives a restart."""
+
+    enable_hierarchical_cache: bool = False
+    """Keep KV pages evicted from the pool in a host tier and load them back on a hit,
+    instead of recomputing them."""
+    hicache_ratio: float = 2.0
+    """Tier size as a multiple of the KV pool's pages (SGLang's default: 2.0); ignored when
+    --hicache-size is given."""
+    hicache_size: float = 0.0
+    """Tier size in GB (10^9 bytes); 0: sized by --hicache-ratio."""
+    hicache_write_policy: str = "write_through"
+    """write_through (copy a page to the tier when it enters the radix tree) | write_back
+    (copy when it is evicted from the pool) | write_through_selective (copy once its node
+    was hit twice: only reused prefixes take tier room)."""
+    hicache_dir: str | None = None
+    """Folder for the tier's memory-mapped file and its index: a restarted server with the
+    same model, page size and KV dtype serves the cached prefixes from it. Default: the tier
+    lives in anonymous host memory and dies with the process."""
+
+    def verify(self) -> None:
+        """Rejects bad values, naming the flag; creates --hicache-dir if missing."""
+        if not self.enable_hierarchical_cache:
+            self._verify_unused()
+            return
+        policy = self.hicache_write_policy
+        if policy not in HICACHE_WRITE_POLICIES:
+            allowed = " | ".join(HICACHE_WRITE_POLICIES)
+            raise ValueError(f"--hicache-write-policy must be one of {allowed}; got {policy!r}")
+        if self.hicache_size < 0:
+            raise ValueError(
+                f"--hicache-size must be > 0 GB (0: use --hicache-ratio); got {self.hicache_size}"
+            )
+        if self.hicache_ratio <= 0:
+            raise ValueError(f"--hicache-ratio must be > 0; got {self.hicache_ratio}")
+        if self.hicache_dir is not None:
+            _check_writable_dir(self.hicache_dir)
+
+    def _verify_unused(self) -> None:
+        for f in fields(self):
+            if f.name != "enable_hierarchical_cache" and getattr(self, f.name) != f.default:
+                flag = "--" + f.name.replace("_", "-")
+                raise ValueError(f"{flag} needs --enable-hierarchical-cache")
+
+    def num_tier_pages(self, pool_pages: int, page_nbytes: int) -> int:
+        """Slots of the tier: --hicache-size GB of pages, else --hicache-ratio x the pool."""
+        if self.hicache_size > 0:
+            num = int(self.hicache_size * 1e9) // page_nbytes
+            flag = f"--hicache-size {self.hicache_size}"
+        else:
+            num = int(self.hicache_ratio * pool_pages)
+            flag = f"--hicache-ratio {self.hicache_ratio}"
+        if num < 1:
+            raise ValueError(f"{flag} holds no KV page of {page_nbytes} bytes; raise it")
+        return num
+
+
+def _check_writable_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--hicache-dir {path!r} cannot be created: {exc}") from exc
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--hicache-dir {path!r} is not a writable folder")
+
+
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -427,9 +499,9 @@ class ParallelConfig:
 
 def split_engine_kwargs(
     model_path: str | None, kwargs: dict[str, Any]
-) -> tuple[LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+) -> tuple[LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, HiCacheConfig]:
     """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses."""
-    groups = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+    groups = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, HiCacheConfig)
     values: dict[type, dict[str, Any]] = {cls: {} for cls in groups}
     if model_path is not None:
         values[LoadConfig]["model"] = model_path
@@ -438,12 +510,7 @@ def split_engine_kwargs(
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         values[owner][key] = value
-    return (
-        LoadConfig(**values[LoadConfig]),
-        CacheConfig(**values[CacheConfig]),
-        SchedulerConfig(**values[SchedulerConfig]),
-        ParallelConfig(**values[ParallelConfig]),
-    )
+    return tuple(cls(**values[cls]) for cls in groups)
 
 
 @dataclass

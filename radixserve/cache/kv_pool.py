@@ -182,6 +182,25 @@ class KVPool:
         """K and V of one layer, each [num_slots, num_kv_heads, head_dim]."""
         return self.k[layer], self.v[layer]
 
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of the K/V of `pages`, all layers: [num, 2, layers, page_size, kv_heads,
+        head_dim] (one page's bytes are what a tier slot or a KV transfer holds)."""
+        index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+        kv = torch.stack([self._paged(buf).index_select(1, index) for buf in (self.k, self.v)])
+        return kv.permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Stores `kv` (as `read_pages` returns it, any device) into `pages`."""
+        index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+        kv = kv.to(self.device, self.dtype).permute(1, 2, 0, 3, 4, 5)
+        self._paged(self.k).index_copy_(1, index, kv[0])
+        self._paged(self.v).index_copy_(1, index, kv[1])
+
+    def _paged(self, buf: torch.Tensor) -> torch.Tensor:
+        """`buf` viewed by page: [layers, num_pages, page_size, kv_heads, head_dim]."""
+        s = self.shape
+        return buf.view(s.num_layers, s.num_pages, s.page_size, s.num_kv_heads, s.head_dim)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
         self.k[layer].index_copy_(0, slots, k.to(self.dtype))

@@ -25,8 +25,7 @@ def page_nbytes(pool: KVPool) -> int:
 
 def read_page(pool: KVPool, page: int) -> bytes:
     """A copy of page `page`'s K and V, as bytes (off the device)."""
-    kv = torch.stack([buf[:, _slots(pool, page)] for buf in (pool.k, pool.v)])
-    return kv.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return pool.read_pages([page]).cpu().view(torch.uint8).numpy().tobytes()
 
 
 def write_page(pool: KVPool, page: int, data: bytes) -> None:
@@ -35,10 +34,4 @@ def write_page(pool: KVPool, page: int, data: bytes) -> None:
         raise ValueError(f"a KV page is {page_nbytes(pool)} bytes here; got {len(data)}")
     s = pool.shape
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(pool.dtype)
-    kv = raw.view(2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim).to(pool.device)
-    pool.k[:, _slots(pool, page)] = kv[0]
-    pool.v[:, _slots(pool, page)] = kv[1]
-
-
-def _slots(pool: KVPool, page: int) -> slice:
-    return slice(page * pool.page_size, (page + 1) * pool.page_size)
+    pool.write_pages([page], raw.view(1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim))

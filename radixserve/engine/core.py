@@ -12,6 +12,7 @@ from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import (
     DRAFT_MODEL_ALGORITHMS,
     CacheConfig,
+    HiCacheConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -39,10 +40,13 @@ class EngineCore:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         parallel_config: ParallelConfig | None = None,
+        hicache_config: HiCacheConfig | None = None,
     ) -> EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
         parallel_config.verify()
+        hicache_config = hicache_config or HiCacheConfig()
+        hicache_config.verify()
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(

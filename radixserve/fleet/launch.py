@@ -31,6 +31,7 @@ from radixserve.cli_args import dataclass_flags
 from radixserve.config import (
     CacheConfig,
     FleetConfig,
+    HiCacheConfig,
     LoadConfig,
     SchedulerConfig,
     ServerConfig,
@@ -93,6 +94,8 @@ def worker_children(
         port = config.worker_base_port + i
         command = [sys.executable, "-m", "radixserve.cli", "serve", *flags]
         command += ["--host", WORKER_HOST, "--port", str(port)]
+        if engine_args.get("hicache_dir"):  # a tier file is one process's: a folder each
+            command += ["--hicache-dir", os.path.join(engine_args["hicache_dir"], f"worker-{i}")]
         child = Child(f"worker {i}", command, f"http://{WORKER_HOST}:{port}")
         if on_cuda:
             child.env = {"CUDA_VISIBLE_DEVICES": visible_gpu(config.base_gpu_id + i)}
@@ -105,7 +108,7 @@ def worker_children(
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:
     return [
-        flag for cls in (LoadConfig, CacheConfig, SchedulerConfig)
+        flag for cls in (LoadConfig, CacheConfig, SchedulerConfig, HiCacheConfig)
         for flag in dataclass_flags(engine_args, cls)
     ]  # fmt: skip
 

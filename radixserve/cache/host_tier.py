@@ -1,0 +1,180 @@
+"""HostTier: the second KV tier below the pool, fixed page slots in host memory or a file.
+
+A slot holds one pool page's K and V of every layer, laid out as `KVPool.read_pages` gives
+it (and as disaggregation ships a page):
+
+    data: [num_slots, page_nbytes] uint8      slot s = [2, layers, page_size, kv_heads, head_dim]
+    crc:  [num_slots] CRC32 of each slot's bytes, set when the slot is written
+
+Without a folder the slots live in anonymous host memory. With one (`--hicache-dir`) they
+are a memory-mapped file, `kv_tier.bin`, locked against a second process; the radix cache
+saves an index of what the slots hold beside it (cache/tier_index.py), so that a restarted
+server finds its prefixes again. On GPU, pinned host memory and copies overlapping the
+forward would be the natural home; this tier copies synchronously, which is what runs on CPU.
+
+The tier only stores and hands out slots; which pages to keep, and the LRU that picks what
+goes when it is full, belong to the radix cache that owns it (cache/hiradix_cache.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import zlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+TIER_FILE = "kv_tier.bin"
+
+
+class TierFullError(RuntimeError):
+    """The tier has fewer free slots than were asked for."""
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """What one slot holds: a KV page of every layer, in `dtype` (a torch dtype's name)."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return (2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def page_nbytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return int(np.prod(self.page_shape)) * itemsize
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class HostTier:
+    """Page slots with a free list and a checksum per slot; see the module docstring."""
+
+    def __init__(self, layout: TierLayout, num_slots: int, folder: str | None = None):
+        if num_slots < 1:
+            raise ValueError(f"a tier needs at least one slot; got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.folder = folder
+        self._lock_fd: int | None = None
+        self._mmap: np.memmap | None = None
+        self.data = self._storage(num_slots, layout.page_nbytes)  # [num_slots, page_nbytes]
+        self.crc = np.zeros(num_slots, dtype=np.uint32)
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
+        self._is_free = np.ones(num_slots, dtype=bool)
+        self.bytes_written = 0  # pool -> tier
+        self.bytes_read = 0  # tier -> pool
+
+    def _storage(self, num_slots: int, page_nbytes: int) -> torch.Tensor:
+        if self.folder is None:
+            return torch.zeros((num_slots, page_nbytes), dtype=torch.uint8)
+        path = os.path.join(self.folder, TIER_FILE)
+        self._lock_fd = _lock_exclusive(path)
+        size = num_slots * page_nbytes
+        mode = "r+" if os.path.getsize(path) == size else "w+"  # another size: start afresh
+        self._mmap = np.memmap(path, dtype=np.uint8, mode=mode, shape=(num_slots, page_nbytes))
+        return torch.from_numpy(self._mmap)
+
+    @property
+    def path(self) -> str | None:
+        return None if self.folder is None else os.path.join(self.folder, TIER_FILE)
+
+    # ---- slots ----
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num: int) -> list[int]:
+        """`num` free slots; raises TierFullError if short."""
+        if num > len(self._free):
+            raise TierFullError(f"asked for {num} tier slots; {len(self._free)} are free")
+        slots = [self._free.pop() for _ in range(num)]
+        self._is_free[slots] = False
+        return slots
+
+    def claim(self, slots: list[int]) -> None:
+        """Marks specific free slots used (a restart rebuilding what the file holds)."""
+        if any(not self._is_free[s] for s in slots):
+            raise ValueError("claim of a tier slot that is in use")
+        self._is_free[slots] = False
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
+
+    def free(self, slots: list[int]) -> None:
+        """Returns slots to the free list; raises ValueError on a double free."""
+        if any(self._is_free[s] for s in slots) or len(set(slots)) != len(slots):
+            raise ValueError("double free of a tier slot")
+        self._is_free[slots] = True
+        self._free.extend(reversed(slots))
+
+    def used_slots(self) -> list[int]:
+        return np.flatnonzero(~self._is_free).tolist()
+
+    # ---- data ----
+
+    def write(self, slots: list[int], kv: torch.Tensor) -> None:
+        """Stores pages `kv` ([len(slots), *page_shape], as `KVPool.read_pages` gives) and
+        records their checksums."""
+        raw = kv.detach().to("cpu", self.layout.torch_dtype).contiguous().view(torch.uint8)
+        raw = raw.view(len(slots), -1)
+        self.data[torch.as_tensor(slots, dtype=torch.int64)] = raw
+        for slot, row in zip(slots, raw):
+            self.crc[slot] = zlib.crc32(row.numpy())
+        self.bytes_written += raw.numel()
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """The pages in `slots`: [len(slots), *page_shape] in the layout's dtype (a copy)."""
+        raw = self.data[torch.as_tensor(slots, dtype=torch.int64)]
+        self.bytes_read += raw.numel()
+        return raw.view(self.layout.torch_dtype).view(len(slots), *self.layout.page_shape)
+
+    def checksum(self, slot: int) -> int:
+        """The CRC32 of what `slot` holds now (recomputed from its bytes)."""
+        return zlib.crc32(self.data[slot].numpy())
+
+    def bad_slots(self, slots: list[int]) -> list[int]:
+        """The slots whose bytes no longer match the checksum recorded when written."""
+        return [s for s in slots if self.checksum(s) != int(self.crc[s])]
+
+    # ---- lifetime ----
+
+    def flush(self) -> None:
+        """Writes the mapped file's dirty pages to disk (no-op in memory)."""
+        if self._mmap is not None:
+            self._mmap.flush()
+
+    def close(self) -> None:
+        """Flushes and releases the file and its lock."""
+        self.flush()
+        self._mmap = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _lock_exclusive(path: str) -> int:
+    """Opens (creating) the tier file and locks it: two servers must not share a tier."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise ValueError(
+            f"--hicache-dir {os.path.dirname(path)!r} is in use by another process ({path} is "
+            "locked); give each server its own folder"
+        ) from exc
+    return fd
