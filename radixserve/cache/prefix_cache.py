@@ -16,7 +16,7 @@ one of: free in the allocator, owned by the cache's tree, or held by a running r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,8 @@ class MatchResult:
     pages: list[int]  # page ids of the cached prefix; len == num_tokens // page_size
     num_tokens: int  # matched tokens, a multiple of page_size
     node: object  # handle for lock()/unlock(): deepest matched node (a root if none)
+    host_tokens: int = 0  # tokens past num_tokens cached in a second tier only (load_back)
+    host_node: object = None  # deepest node of those, when host_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,20 @@ class PrefixCache(ABC):
     def num_pinned_pages(self) -> int:
         """Pages some pin keeps (locked ones included)."""
         return 0
+
+    def load_back(self, match: MatchResult, ensure_free: Callable[[int], bool]) -> MatchResult:
+        """Copies a match's tier-only pages (`host_tokens`) into the pool, as far as pages can
+        be had (`ensure_free(n)` frees n; False if it cannot); returns the longer match. The
+        caller holds `match.node` locked and then moves its lock to the result's node."""
+        return match
+
+    def tier_stats(self) -> dict[str, int]:
+        """Counters of a second tier (sizes, bytes moved each way); none without one."""
+        return {}
+
+    def close(self) -> None:
+        """Saves what must survive a restart (a persistent tier) and releases files."""
+        return None
 
     @abstractmethod
     def evict(self, num_pages: int) -> int:

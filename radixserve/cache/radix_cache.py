@@ -54,6 +54,7 @@ class TreeNode:
         "hit_count",
         "last_access",
         "evicted",
+        "host_slots",
     )
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: TreeNode | None):
@@ -67,6 +68,7 @@ class TreeNode:
         self.hit_count = 0  # admitted requests whose cached prefix covered this node
         self.last_access = 0
         self.evicted = False
+        self.host_slots: list[int] | None = None  # second-tier copy (hiradix_cache.py)
 
     @property
     def is_root(self) -> bool:
@@ -155,12 +157,19 @@ class RadixCache(PrefixCache):
         key = tuple(token_ids[: num_pages * self.page_size])
         root = self._root(namespace)
         node, num_cached = self._walk(root, key)
+        num_present = self._take_pages_on_path(node, num_cached, pages)
         if num_cached < len(key):
             new_pages = [int(p) for p in pages[num_cached // self.page_size : num_pages]]
             self._keep_root(root)
             node = self._add_leaf(node, key[num_cached:], new_pages)
         if priority:
             _raise_priority(node, priority)
+        return num_present
+
+    def _take_pages_on_path(self, node: TreeNode, num_cached: int, pages: Sequence[int]) -> int:
+        """Tokens of the walked path (ending at `node`, `num_cached` long) whose pages were in
+        the pool already; a tiered cache hands the caller's `pages` to path nodes that were
+        only in its tier and reports less."""
         return num_cached
 
     def _root(self, namespace: str | None) -> RootNode:
@@ -222,6 +231,11 @@ class RadixCache(PrefixCache):
         upper.lock_count, upper.pin_count = node.lock_count, node.pin_count
         upper.priority, upper.hit_count = node.priority, node.hit_count
         upper.last_access = node.last_access
+        if node.host_slots is not None:
+            upper.host_slots, node.host_slots = (
+                node.host_slots[:num_pages],
+                node.host_slots[num_pages:],
+            )
         node.parent.children[node.key[: self.page_size]] = upper
         node.key, node.pages, node.parent = node.key[num_tokens:], node.pages[num_pages:], upper
         upper.children[node.key[: self.page_size]] = node
@@ -360,10 +374,7 @@ class RadixCache(PrefixCache):
         size = self.page_size
         if not node.is_root and (not node.key or len(node.key) % size):
             raise CacheIntegrityError(f"node key of {len(node.key)} tokens is not whole pages")
-        if len(node.pages) * size != len(node.key):
-            raise CacheIntegrityError(
-                f"node has {len(node.pages)} pages for {len(node.key)} tokens (page_size {size})"
-            )
+        self._check_pages(node)
         for first_page, child in node.children.items():
             if child.parent is not node or child.key[:size] != first_page or child.evicted:
                 raise CacheIntegrityError("a child is filed under the wrong key or parent")
@@ -374,6 +385,13 @@ class RadixCache(PrefixCache):
                     f"node {counter} {getattr(node, counter)} is below its children's sum "
                     f"{children_sum}"
                 )
+
+    def _check_pages(self, node: TreeNode) -> None:
+        if len(node.pages) * self.page_size != len(node.key):
+            raise CacheIntegrityError(
+                f"node has {len(node.pages)} pages for {len(node.key)} tokens "
+                f"(page_size {self.page_size})"
+            )
 
     def _check_roots(self) -> None:
         for namespace, root in self._roots.items():

@@ -1,0 +1,125 @@
+"""The index that makes a tier file survive a restart: which radix paths its slots hold.
+
+    kv_tier_index.json  {"version", "identity": {model fingerprint, tier layout, slots},
+                         "entries": [[parent, namespace, key tokens, slots, crc32s], ...]}
+
+Entries come parents first (`parent` indexes an earlier entry, -1: a namespace root). On
+load, an index whose identity differs from the running server's (another model, weights,
+page size, KV dtype or shape, tier size) or that does not parse is discarded with a warning;
+an entry whose slots no longer match their checksums (the file changed after the save, or
+rotted) is dropped with a warning, and so is everything below it. Nothing unverified is
+ever used. The index is written to a temporary file and renamed, so a crash never leaves
+half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixserve.cache.host_tier import HostTier
+
+logger = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One tier node: its key (whole pages of tokens) and the slots (and CRCs) of its pages."""
+
+    parent: int  # index of the parent entry; -1: under the namespace's root
+    namespace: str | None
+    key: list[int]
+    slots: list[int]
+    crcs: list[int]
+
+
+def tier_identity(tier: HostTier, model_fingerprint: str) -> dict:
+    """What a saved tier must match to be used: the model and the slots' layout and count."""
+    return {
+        "model": model_fingerprint,
+        "layout": tier.layout.to_dict(),
+        "num_slots": tier.num_slots,
+    }
+
+
+def save_tier_index(path: str, identity: dict, tier: HostTier, entries: list[TierEntry]) -> None:
+    rows = [[e.parent, e.namespace, e.key, e.slots, e.crcs] for e in entries]
+    document = {"version": INDEX_VERSION, "identity": identity, "entries": rows}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(document, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def load_tier_index(path: str, identity: dict, tier: HostTier) -> list[TierEntry]:
+    """The verified entries of the index at `path`; [] if there is none or it is unusable
+    (then it is deleted, with a warning saying why)."""
+    if not os.path.exists(path):
+        return []
+    try:
+        entries = _read_entries(path, identity, tier.num_slots)
+    except ValueError as exc:
+        logger.warning("hicache: discarding the saved tier %s: %s", path, exc)
+        os.remove(path)
+        return []
+    return _verified(entries, tier)
+
+
+def _read_entries(path: str, identity: dict, num_slots: int) -> list[TierEntry]:
+    try:
+        with open(path) as f:
+            document = json.load(f)
+        version, saved, rows = document["version"], document["identity"], document["entries"]
+        entries = [TierEntry(*row) for row in rows]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"unreadable index ({type(exc).__name__}: {exc})") from exc
+    if version != INDEX_VERSION:
+        raise ValueError(f"index version {version}, expected {INDEX_VERSION}")
+    if saved != identity:
+        changed = sorted(
+            k for k in identity.keys() | saved.keys() if saved.get(k) != identity.get(k)
+        )
+        raise ValueError(f"it belongs to another setup (differs in: {', '.join(changed)})")
+    _check_shapes(entries, num_slots, identity["layout"]["page_size"])
+    return entries
+
+
+def _check_shapes(entries: list[TierEntry], num_slots: int, page_size: int) -> None:
+    """Parents first, keys of whole pages, one in-range slot and CRC per page, no slot twice."""
+    seen: set[int] = set()
+    for i, e in enumerate(entries):
+        num_pages = len(e.key) // page_size
+        if not -1 <= e.parent < i or not e.key or len(e.key) % page_size:
+            raise ValueError(f"entry {i} has a bad parent or key")
+        if len(e.slots) != num_pages or len(e.crcs) != num_pages:
+            raise ValueError(f"entry {i} has {len(e.slots)} slots for {num_pages} pages")
+        if any(not 0 <= s < num_slots or s in seen for s in e.slots):
+            raise ValueError(f"entry {i} names a slot out of range or used twice")
+        seen.update(e.slots)
+
+
+def _verified(entries: list[TierEntry], tier: HostTier) -> list[TierEntry]:
+    """`entries` but those failing a checksum and everything below them, parents renumbered;
+    the kept slots' checksums become the tier's."""
+    kept: list[TierEntry] = []
+    new_index: dict[int, int] = {}
+    for i, e in enumerate(entries):
+        parent = -1 if e.parent < 0 else new_index.get(e.parent)
+        if parent is None or any(tier.checksum(s) != c for s, c in zip(e.slots, e.crcs)):
+            continue
+        tier.crc[e.slots] = e.crcs
+        new_index[i] = len(kept)
+        kept.append(TierEntry(parent, e.namespace, e.key, e.slots, e.crcs))
+    if len(kept) < len(entries):
+        logger.warning(
+            "hicache: %d saved tier nodes failed their checksums (or hang below one) and "
+            "were dropped",
+            len(entries) - len(kept),
+        )
+    return kept

@@ -1,0 +1,226 @@
+"""HiRadixCache without a model: pages demoted to the tier, matched there, loaded back,
+the tier's own LRU, write policies, integrity of both tiers, and the saved index."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from radixserve.cache.hiradix_cache import INDEX_FILE, HiRadixCache
+from radixserve.cache.host_tier import HostTier, TierLayout
+from radixserve.cache.kv_pool import KVPool, PoolShape
+from radixserve.cache.prefix_cache import CacheIntegrityError
+
+PAGE = 4
+LAYOUT = TierLayout(num_layers=2, page_size=PAGE, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+def _cache(pool_pages=9, tier_slots=16, policy="write_through", folder=None, fingerprint="m"):
+    shape = PoolShape(
+        num_layers=2, num_pages=pool_pages, page_size=PAGE, num_kv_heads=2, head_dim=8
+    )
+    pool = KVPool(shape, torch.float32, "cpu")
+    tier = HostTier(LAYOUT, tier_slots, folder)
+    return HiRadixCache(pool, tier, policy, fingerprint)
+
+
+def _computed(cache: HiRadixCache, tokens: list[int]) -> list[int]:
+    """Pages holding `tokens`' 'KV' (a value derived from the tokens), inserted into the tree."""
+    pages = cache.allocator.allocate(len(tokens) // PAGE).tolist()
+    for i, page in enumerate(pages):
+        value = float(sum(tokens[: (i + 1) * PAGE]))
+        cache.pool.write_pages([page], torch.full((1, *LAYOUT.page_shape), value))
+    present = cache.insert(tokens, pages)
+    cache.allocator.free(pages[: present // PAGE])
+    return pages
+
+
+def _kv_values(cache: HiRadixCache, pages: list[int]) -> list[float]:
+    return cache.pool.read_pages(pages)[:, 0, 0, 0, 0, 0].tolist()
+
+
+def _expected(tokens: list[int]) -> list[float]:
+    return [float(sum(tokens[: (i + 1) * PAGE])) for i in range(len(tokens) // PAGE)]
+
+
+def _ensure_free(cache):
+    def ensure(num: int) -> bool:
+        short = num - cache.allocator.num_free
+        if short > 0:
+            cache.evict(short)
+        return cache.allocator.num_free >= num
+
+    return ensure
+
+
+def _load(cache, tokens):
+    match = cache.match_prefix(tokens, max_tokens=len(tokens))
+    cache.lock(match.node)
+    loaded = cache.load_back(match, _ensure_free(cache))
+    cache.lock(loaded.node)
+    cache.unlock(match.node)
+    return loaded
+
+
+SEQ_A = list(range(1, 17))  # 4 pages
+SEQ_B = list(range(100, 116))
+
+
+def test_evicted_pages_are_demoted_matched_in_the_tier_and_loaded_back_intact():
+    cache = _cache()
+    _computed(cache, SEQ_A)
+    assert cache.evict(4) == 4  # all of A leaves the pool...
+    match = cache.match_prefix(SEQ_A, max_tokens=16)
+    assert (match.num_tokens, match.host_tokens) == (0, 16)  # ...but not the tree
+    cache.check_integrity()
+    loaded = _load(cache, SEQ_A)
+    assert (loaded.num_tokens, loaded.host_tokens) == (16, 0)
+    assert _kv_values(cache, loaded.pages) == _expected(SEQ_A)
+    assert cache.tier_stats()["hicache_pages_to_device"] == 4
+    cache.check_integrity(held_pages=[])
+    cache.unlock(loaded.node)
+    cache.check_integrity()
+
+
+def test_a_partial_load_stops_where_the_pool_runs_out():
+    cache = _cache(pool_pages=7)  # 6 usable pages
+    _computed(cache, SEQ_A[:12])
+    _computed(cache, SEQ_A[:8] + [99] * 4)  # splits A after 2 pages
+    cache.evict(4)
+    held = cache.allocator.allocate(4).tolist()  # a running request holds 4 of 6 pages
+    loaded = _load(cache, SEQ_A[:12])
+    assert (loaded.num_tokens, loaded.host_tokens) == (8, 4)  # the last page found no room
+    assert _kv_values(cache, loaded.pages) == _expected(SEQ_A[:8])
+    cache.unlock(loaded.node)
+    cache.check_integrity(held_pages=held)
+
+
+def test_insert_over_tier_only_nodes_adopts_the_new_pages():
+    cache = _cache()
+    _computed(cache, SEQ_A)
+    cache.evict(4)
+    pages = _computed(cache, SEQ_A + list(range(17, 21)))  # recomputed by someone else
+    match = cache.match_prefix(SEQ_A, max_tokens=16)
+    assert match.num_tokens == 16 and match.pages == pages[:4]
+    cache.check_integrity()
+
+
+def test_the_tier_lru_drops_the_least_recently_used_tier_only_leaf():
+    cache = _cache(pool_pages=9, tier_slots=8, policy="write_back")
+    _computed(cache, SEQ_A)
+    _computed(cache, SEQ_B)
+    cache.evict(8)  # both demoted: the tier is full
+    cache.match_prefix(SEQ_A, max_tokens=16)  # A used more recently than B
+    _computed(cache, list(range(200, 216)))
+    cache.evict(4)  # C needs tier room: B goes
+    assert cache.match_prefix(SEQ_B, max_tokens=16).host_tokens == 0
+    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 16
+    cache.check_integrity()
+
+
+def test_without_tier_room_a_node_is_dropped_as_before():
+    cache = _cache(tier_slots=2, policy="write_back")
+    _computed(cache, SEQ_A)
+    assert cache.evict(4) == 4
+    match = cache.match_prefix(SEQ_A, max_tokens=16)
+    assert match.num_tokens == match.host_tokens == 0
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("policy", "copied_at_insert"),
+    [("write_through", 4), ("write_back", 0), ("write_through_selective", 0)],
+)
+def test_write_policies_copy_at_their_moment(policy, copied_at_insert):
+    cache = _cache(policy=policy)
+    _computed(cache, SEQ_A)
+    assert cache.tier_stats()["hicache_pages_to_host"] == copied_at_insert
+    if policy == "write_through_selective":
+        node = cache.match_prefix(SEQ_A, max_tokens=16).node
+        cache.record_hit(node)
+        assert cache.tier_stats()["hicache_pages_to_host"] == 0
+        cache.record_hit(node)
+        assert cache.tier_stats()["hicache_pages_to_host"] == 4
+    cache.evict(4)
+    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 16
+    assert cache.tier_stats()["hicache_bytes_to_host"] == 4 * LAYOUT.page_nbytes
+
+
+def test_integrity_catches_a_leaked_slot_and_a_rotten_page():
+    cache = _cache()
+    _computed(cache, SEQ_A)
+    cache.check_integrity()
+    slot = cache.tier.allocate(1)
+    with pytest.raises(CacheIntegrityError, match="tier slots leaked"):
+        cache.check_integrity()
+    cache.tier.free(slot)
+    cache.tier.data[0, 3] ^= 0x10
+    with pytest.raises(CacheIntegrityError, match="checksum"):
+        cache.check_integrity()
+
+
+def test_reset_frees_both_tiers():
+    cache = _cache()
+    _computed(cache, SEQ_A)
+    cache.evict(2)
+    cache.reset()
+    assert cache.tier.num_free == cache.tier.num_slots
+    assert cache.allocator.num_free == cache.allocator.capacity
+    cache.check_integrity()
+
+
+# ---- warm restart ----
+
+
+def _saved(tmp_path, fingerprint="m"):
+    cache = _cache(folder=str(tmp_path), fingerprint=fingerprint)
+    _computed(cache, SEQ_A)
+    _computed(cache, SEQ_A[:8] + SEQ_B[:8])
+    cache.close()
+
+
+def test_a_restarted_cache_finds_its_tier_and_loads_it(tmp_path):
+    _saved(tmp_path)
+    cache = _cache(folder=str(tmp_path))
+    match = cache.match_prefix(SEQ_A, max_tokens=16)
+    assert (match.num_tokens, match.host_tokens) == (0, 16)
+    cache.check_integrity()
+    loaded = _load(cache, SEQ_A[:8] + SEQ_B[:8])
+    assert _kv_values(cache, loaded.pages) == _expected(SEQ_A[:8] + SEQ_B[:8])
+
+
+def test_a_tier_of_another_model_is_discarded_with_a_warning(tmp_path, caplog):
+    _saved(tmp_path, fingerprint="other")
+    with caplog.at_level(logging.WARNING):
+        cache = _cache(folder=str(tmp_path))
+    assert "another setup (differs in: model)" in caplog.text
+    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
+    assert not (tmp_path / INDEX_FILE).exists()
+    cache.check_integrity()
+
+
+def test_a_corrupted_page_drops_its_node_and_what_hangs_below(tmp_path, caplog):
+    _saved(tmp_path)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    top = next(e for e in index["entries"] if e[0] == -1)  # the shared first 2 pages
+    with open(tmp_path / "kv_tier.bin", "r+b") as f:
+        f.seek(top[3][1] * LAYOUT.page_nbytes + 5)
+        f.write(b"\x7f")
+    with caplog.at_level(logging.WARNING):
+        cache = _cache(folder=str(tmp_path))
+    assert "failed their checksums" in caplog.text
+    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
+    assert cache.tier.num_free == cache.tier.num_slots
+    cache.check_integrity()
+
+
+def test_an_unreadable_index_is_discarded(tmp_path, caplog):
+    _saved(tmp_path)
+    (tmp_path / INDEX_FILE).write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        cache = _cache(folder=str(tmp_path))
+    assert "unreadable index" in caplog.text
+    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
