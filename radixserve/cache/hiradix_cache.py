@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from radixserve.cache.host_tier import HostTier
+from radixserve.cache.host_tier import HostTier, TierLayout
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
 from radixserve.cache.radix_cache import RadixCache, RootNode, TreeNode, _evict_key, _is_evictable
@@ -41,6 +41,7 @@ from radixserve.cache.tier_index import (
     save_tier_index,
     tier_identity,
 )
+from radixserve.config import HiCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +134,13 @@ class HiRadixCache(RadixCache):
         if not match.host_tokens or host.evicted:  # a stale match: the tier dropped it
             return MatchResult(pages=match.pages, num_tokens=match.num_tokens, node=match.node)
         path = list(reversed(_tier_path(host, match.node)))
-        if any(n.pages for n in path):  # a stale match: loaded since
-            return MatchResult(pages=match.pages, num_tokens=match.num_tokens, node=match.node)
         self.lock(match.host_node)  # the tier LRU and pool eviction keep off the path
         loaded = match.node
         try:
             for node in path:
+                if node.pages:  # a match from before another request loaded it
+                    loaded = node
+                    continue
                 if not ensure_free(len(node.host_slots)):
                     break
                 pages = self.allocator.allocate(len(node.host_slots)).tolist()
@@ -388,3 +390,15 @@ def _root_of(node: TreeNode) -> TreeNode:
     while node.parent is not None:
         node = node.parent
     return node
+
+
+def create_hierarchical_cache(
+    pool: KVPool, config: HiCacheConfig, model_fingerprint: str
+) -> HiRadixCache:
+    """A HiRadixCache over `pool` with a tier sized and placed by `--hicache-*`."""
+    s = pool.shape
+    dtype = str(pool.dtype).removeprefix("torch.")
+    layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
+    num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
+    tier = HostTier(layout, num_slots, config.hicache_dir)
+    return HiRadixCache(pool, tier, config.hicache_write_policy, model_fingerprint)

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cache.hiradix_cache import create_hierarchical_cache
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import (
     DRAFT_MODEL_ALGORITHMS,
@@ -19,6 +22,7 @@ from radixserve.config import (
 )
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
+from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
@@ -47,6 +51,11 @@ class EngineCore:
         parallel_config.verify()
         hicache_config = hicache_config or HiCacheConfig()
         hicache_config.verify()
+        if parallel_config.tp_size > 1 and hicache_config.enable_hierarchical_cache:
+            raise ValueError(
+                "--enable-hierarchical-cache keeps rank 0's KV only, so it does not work with "
+                f"--tp-size {parallel_config.tp_size} yet; use --tp-size 1"
+            )
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
@@ -55,7 +64,9 @@ class EngineCore:
             )
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         try:
-            return cls._assemble(loaded, runner, load_config, cache_config, scheduler_config)
+            return cls._assemble(
+                loaded, runner, load_config, cache_config, scheduler_config, hicache_config
+            )
         except BaseException:
             if isinstance(runner, TPModelRunner):
                 runner.close()
@@ -69,13 +80,11 @@ class EngineCore:
         load_config: LoadConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        hicache_config: HiCacheConfig,
     ) -> EngineCore:
         """The tokenizer, prefix cache and scheduler around a built runner."""
         tokenizer = load_tokenizer(loaded)
-        pool = runner.pool
-        cache = create_prefix_cache(
-            scheduler_config.disable_radix_cache, pool.allocator, pool.page_size
-        )
+        cache = _create_cache(loaded, runner.pool, scheduler_config, hicache_config)
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
@@ -86,7 +95,8 @@ class EngineCore:
         return cls(loaded, runner, scheduler, tokenizer, _context_length(scheduler_config, loaded))
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks, if any (a single process holds nothing to stop)."""
+        """Saves a persistent cache tier and stops the tensor-parallel ranks, if any."""
+        self.cache.close()
         if isinstance(self.runner, TPModelRunner):
             self.runner.close()
 
@@ -146,8 +156,26 @@ class EngineCore:
             "num_compiling_reqs": len(scheduler.compiling),
             "grammar_compiles": grammar.compiles if grammar else 0,
             "grammar_cache_hits": grammar.cache_hits if grammar else 0,
+            **self.cache.tier_stats(),
             **scheduler.stats.as_dict(),
         }
+
+
+def _create_cache(
+    loaded: LoadedModel,
+    pool: KVPool,
+    scheduler_config: SchedulerConfig,
+    hicache_config: HiCacheConfig,
+) -> PrefixCache:
+    """The radix cache (over two tiers with --enable-hierarchical-cache), or none."""
+    if not hicache_config.enable_hierarchical_cache:
+        disable = scheduler_config.disable_radix_cache
+        return create_prefix_cache(disable, pool.allocator, pool.page_size)
+    if scheduler_config.disable_radix_cache:
+        raise ValueError(
+            "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
+        )
+    return create_hierarchical_cache(pool, hicache_config, model_fingerprint(loaded))
 
 
 def _context_length(scheduler_config: SchedulerConfig, loaded: LoadedModel) -> int:

@@ -56,6 +56,17 @@ class ReqPages:
         if req.session_id is not None:
             self.pins.unpin(session_pin_key(req.session_id))
 
+    def load_from_tier(self, match: MatchResult) -> MatchResult:
+        """Brings the tier-only part of a (locked) match into the pool, as far as pages can
+        be freed, and moves the lock to the deeper node it reaches."""
+        if not match.host_tokens:
+            return match
+        loaded = self.cache.load_back(match, self.ensure_free)
+        if loaded.node is not match.node:
+            self.cache.lock(loaded.node)
+            self.cache.unlock(match.node)
+        return loaded
+
     def ensure_free(self, num: int, unpin: bool = False) -> bool:
         """Evicts unlocked, unpinned cache pages until `num` pages are free; False if
         impossible. `unpin`: nothing else can progress, so pins give way, oldest first."""

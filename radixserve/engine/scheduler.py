@@ -397,10 +397,12 @@ class Scheduler:
         uncached = req.seq_len - match.num_tokens
         needed = self.pool.num_pages_for(uncached) + self._future_pages(req)
         available = self.pool.allocator.num_free + self._reclaimable_pages() - reserved
-        num_new = min(uncached, budget)
         if needed > available and self.running:
             self.cache.unlock(match.node)
             return None
+        num_in_pool = match.num_tokens
+        match = self.pages.load_from_tier(match)  # tier pages count as pages needed above
+        num_new = min(req.seq_len - match.num_tokens, budget)
         self.pages.attach(req, match)
         # alone, it must run: retention pins give way rather than leave it waiting forever
         if not self.pages.grow(req, num_new, unpin=not self.running):
@@ -410,6 +412,7 @@ class Scheduler:
             req.queue_time = time.perf_counter() - req.arrival_time
             req.cached_tokens = match.num_tokens
             self.stats.cached_tokens += match.num_tokens
+            self.stats.cached_tokens_host += match.num_tokens - num_in_pool
             if match.num_tokens:
                 self.cache.record_hit(match.node)
         self.waiting.remove(req)

@@ -10,6 +10,7 @@ class EngineStats:
     num_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    cached_tokens_host: int = 0  # of those, loaded back from the hierarchical cache's tier
     prefill_tokens_computed: int = 0  # tokens computed by prefill chunks (recomputes included)
     decode_tokens: int = 0
     evicted_pages: int = 0
