@@ -46,6 +46,7 @@ def test_pages_evicted_to_the_tier_come_back_with_the_same_tokens(tiny_chat_mode
             engine.check_integrity()
         assert resumed["output_ids"] == first["output_ids"] == recomputed["output_ids"], policy
         assert resumed["meta_info"]["cached_tokens"] == 160, policy
+        assert resumed["meta_info"]["cached_tokens_details"]["host"] > 0, policy
         assert stats["cached_tokens_host"] >= 160 and stats["hicache_bytes_to_device"] > 0
         assert stats["hicache_bytes_to_host"] > 0
 

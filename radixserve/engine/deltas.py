@@ -29,6 +29,7 @@ class DeltaTracker:
             request_id=req.request_id,
             new_token_ids=req.output_ids[sent.output :],
             cached_tokens=req.cached_tokens,
+            cached_tokens_host=req.cached_tokens_host,
             queue_time=req.queue_time,
             num_retractions=req.num_retractions,
             finish_reason=req.finish_reason,

@@ -36,6 +36,9 @@ def format_output(
         "finish_reason": None if finish is None else finish.to_dict(),
         "e2e_latency": result.e2e_latency(),
     }
+    if result.cached_tokens_host:  # SGLang's key, present when the host tier served some
+        device = result.cached_tokens - result.cached_tokens_host
+        meta["cached_tokens_details"] = {"device": device, "host": result.cached_tokens_host}
     if result.spec_counts is not None:
         meta |= result.spec_counts.meta_info(len(result.output_ids))
     if result.spec.wants_logprobs:

@@ -122,6 +122,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of cached_tokens, loaded back from the hierarchical tier
     queue_time: float | None = None  # seconds from arrival to first admission, once known
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

@@ -59,6 +59,7 @@ class Req:
 
     # results and accounting
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of those, loaded back from the hierarchical cache's tier
     finish_reason: FinishReason | None = None
     abort_requested: bool = False
     num_bypassed: int = 0  # later arrivals admitted while it waited (policy.py's aging)

@@ -25,6 +25,7 @@ class RequestResult:
         self.faults = faults
         self.output_ids: list[int] = []
         self.cached_tokens = 0
+        self.cached_tokens_host = 0
         self.queue_time: float | None = None
         self.num_retractions = 0
         self.finish_reason: FinishReason | None = None
@@ -44,6 +45,7 @@ class RequestResult:
             return
         self.output_ids += delta.new_token_ids
         self.cached_tokens = delta.cached_tokens
+        self.cached_tokens_host = delta.cached_tokens_host
         self.queue_time = delta.queue_time
         self.num_retractions = delta.num_retractions
         self.input_logprobs += delta.new_input_logprobs

@@ -412,7 +412,8 @@ class Scheduler:
             req.queue_time = time.perf_counter() - req.arrival_time
             req.cached_tokens = match.num_tokens
             self.stats.cached_tokens += match.num_tokens
-            self.stats.cached_tokens_host += match.num_tokens - num_in_pool
+            req.cached_tokens_host = match.num_tokens - num_in_pool
+            self.stats.cached_tokens_host += req.cached_tokens_host
             if match.num_tokens:
                 self.cache.record_hit(match.node)
         self.waiting.remove(req)
