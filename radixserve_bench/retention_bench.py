@@ -1,6 +1,7 @@
 """`radixserve bench retention`: the agent-sessions workload through the real scheduler and
-radix cache (the simulator's virtual clock and cost model), with plain LRU, with session
-retention (pin_policy hard and last), and with an unbounded cache (the hit-rate ceiling).
+radix cache (the simulator's virtual clock and cost model), with plain LRU, with the
+hierarchical cache's host tier, with session retention (pin_policy hard and last), with tier
+and retention together, and with an unbounded cache (the hit-rate ceiling).
 
 Resumed turns (a session's turns after the first) are what retention is for: their hit rate
 and TTFT are the headline numbers; the one-off flood's TTFT shows what retention costs it.
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from radixserve.cli_args import add_dataclass_args
-from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.config import CacheConfig, HiCacheConfig, SchedulerConfig
 from radixserve_bench.cli import from_args, load_tokenizer
 from radixserve_bench.metrics import latency_stats
 from radixserve_bench.sessions_live import LiveRun
@@ -50,6 +51,10 @@ class RetentionBenchArgs:
     """The retention run's bound on pinned pages (--max-pinned-fraction)."""
     page_size: int = 16
     """Tokens per KV page."""
+    hicache_ratio: float = 2.0
+    """The tier runs' host tier, as a multiple of the pool (--hicache-ratio)."""
+    hicache_write_policy: str = "write_through"
+    """The tier runs' --hicache-write-policy."""
     model: str | None = None
     """Run on a real Engine with this model, in real time (pauses are slept), instead of the
     simulator ("default": the default model); the unbounded run is skipped."""
@@ -61,7 +66,8 @@ class RetentionBenchArgs:
 
 def add_retention_parser(modes) -> None:
     parser = modes.add_parser(
-        "retention", help="agent sessions with pauses: plain LRU vs retention vs unbounded"
+        "retention",
+        help="agent sessions with pauses: plain LRU vs host tier vs retention vs unbounded",
     )
     add_dataclass_args(parser, RetentionBenchArgs, "retention benchmark")
 
@@ -85,37 +91,55 @@ def run_retention_bench(args: argparse.Namespace) -> int:
 
 
 def compare(workload: Workload, bench: RetentionBenchArgs) -> list[dict[str, Any]]:
-    """One summary each: plain LRU, retention, unbounded (all lpm, same workload)."""
+    """One summary each: plain LRU, tier, retention, tier + retention, unbounded (all lpm,
+    same workload)."""
     pool = bench.cache_tokens or sessions_pool_tokens(workload)
     unbounded = sum(len(p) for p in workload.prompts()) + pool
     ttl, fraction = bench.retention_ttl_s, bench.max_pinned_fraction
+    tier = HiCacheConfig(
+        enable_hierarchical_cache=True,
+        hicache_ratio=bench.hicache_ratio,
+        hicache_write_policy=bench.hicache_write_policy,
+    )
     runs = [
-        ("lru", pool, None, "hard"),
-        ("retention hard", pool, ttl, "hard"),
-        ("retention last", pool, ttl, "last"),
-        ("unbounded", unbounded, None, "hard"),
+        ("lru", pool, None, "hard", None),
+        ("tier", pool, None, "hard", tier),
+        ("retention hard", pool, ttl, "hard", None),
+        ("retention last", pool, ttl, "last", None),
+        ("tier + retention", pool, ttl, "hard", tier),
+        ("unbounded", unbounded, None, "hard", None),
     ]
     if bench.model is not None:
         runs = runs[:-1]  # an unbounded pool of real KV is too large to allocate
     rows = []
-    for name, tokens, ttl, pin_policy in runs:
+    for name, tokens, ttl, pin_policy, hicache in runs:
         scheduler = SchedulerConfig(max_pinned_fraction=fraction, pin_policy=pin_policy)
         cache = CacheConfig(page_size=bench.page_size, max_total_tokens=tokens)
         start = time.perf_counter()
         if bench.model is None:
-            result = simulate(workload, scheduler, cache, CostModel(), retention_ttl_s=ttl)
+            result = simulate(
+                workload, scheduler, cache, CostModel(), retention_ttl_s=ttl, hicache=hicache
+            )
         else:
-            result = run_live(bench.model, workload, scheduler, cache, ttl)
+            result = run_live(bench.model, workload, scheduler, cache, ttl, hicache)
         rows.append({"run": name, "cache_tokens": tokens} | summarize(workload, result))
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return rows
 
 
-def run_live(model: str, workload: Workload, scheduler, cache, ttl: float | None) -> SimResult:
+def run_live(
+    model: str,
+    workload: Workload,
+    scheduler: SchedulerConfig,
+    cache: CacheConfig,
+    ttl: float | None,
+    hicache: HiCacheConfig | None = None,
+) -> SimResult:
     """One run on a fresh Engine (an empty cache), in real time."""
     from radixserve import Engine
 
     kwargs = dataclasses.asdict(scheduler) | dataclasses.asdict(cache)
+    kwargs |= dataclasses.asdict(hicache or HiCacheConfig())
     with Engine(None if model == "default" else model, **kwargs) as engine:
         result = LiveRun(engine, workload, ttl).run()
         result.stats = engine.get_stats()
@@ -152,6 +176,7 @@ def summarize(workload: Workload, result: SimResult) -> dict[str, Any]:
         **latency_stats("flood_ttft", [t.first_token - t.sent for t in flood]),
         "makespan_s": result.makespan,
         "evicted_pages": result.stats.get("evicted_pages", 0),
+        "host_cached_tokens": sum(t.cached_tokens_host for t in resumed),
     }
 
 
@@ -164,6 +189,7 @@ COLUMNS = [
     ("flood TTFT p99 s", "p99_flood_ttft_ms", "{:.2f}"),
     ("makespan s", "makespan_s", "{:.0f}"),
     ("evicted pages", "evicted_pages", "{}"),
+    ("resumed from tier", "host_cached_tokens", "{}"),
     ("failed", "failed", "{}"),
 ]
 

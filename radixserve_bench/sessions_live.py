@@ -63,6 +63,8 @@ class LiveRun:
                 times.first_token = self._now()
         times.finished = self._now()
         times.cached_tokens = last["meta_info"]["cached_tokens"]
+        details = last["meta_info"].get("cached_tokens_details") or {}
+        times.cached_tokens_host = details.get("host", 0)
         self.outputs[index] = list(last["output_ids"])
 
     def _session_fields(self, session_id: str | None) -> dict:

@@ -41,6 +41,10 @@ class CostModel:
     torch_native copies each page out of the pool, then SDPA reads it, in every layer
     (profiled: ~4e-6 s per token over 30 layers at batch 16, 1.1k-token contexts)."""
 
+    tier_copy_cost: float = 1e-5
+    """Seconds per token copied between the pool and the hierarchical cache's host tier
+    (either way): a memcpy of its KV, ~46 KB per token for SmolLM2 in fp32, at ~5 GB/s."""
+
     def step_seconds(self, extend_lens: list[int], prefix_lens: list[int]) -> float:
         """The virtual duration of a step that computes `extend_lens` new tokens on top of
         `prefix_lens` cached ones, request by request."""

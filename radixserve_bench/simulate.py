@@ -22,9 +22,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from radixserve.cache.hiradix_cache import create_hierarchical_cache
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.cache.retention import session_pin_key
-from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.config import CacheConfig, HiCacheConfig, SchedulerConfig
 from radixserve.engine.protocol import PinRequest
 from radixserve.engine.request import Req
 from radixserve.engine.scheduler import Scheduler
@@ -58,6 +59,7 @@ class RequestTimes:
     finished: float | None = None
     prompt_len: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of those, loaded back from the hierarchical cache's tier
     error: str = ""
 
 
@@ -86,12 +88,13 @@ class Simulation:
         cost: CostModel | None = None,
         load: SimLoad | None = None,
         retention_ttl_s: float | None = None,
+        hicache: HiCacheConfig | None = None,
     ):
         load = load or SimLoad()
         self.workload = workload
         self.retention_ttl_s = retention_ttl_s
         self.runner = SimRunner(cache_config, cost or CostModel())
-        self.scheduler = sim_scheduler(self.runner, scheduler_config)
+        self.scheduler = sim_scheduler(self.runner, scheduler_config, hicache)
         self.scheduler.pins.clock = lambda: self.now
         self.context_length = scheduler_config.context_length
         num = len(workload.requests)
@@ -195,10 +198,13 @@ class Simulation:
         """One scheduler step on the clock; False if it ran no forward."""
         start_time, wall_before = self.now, self.runner.wall_seconds
         forwards = self.scheduler.stats.forward_steps
+        copied = tier_pages_copied(self.scheduler.cache)
         start = time.perf_counter()
         changed = self.scheduler.step()
         elapsed = time.perf_counter() - start
         forwarded = self.scheduler.stats.forward_steps > forwards
+        copied = tier_pages_copied(self.scheduler.cache) - copied
+        self.now += copied * self.runner.pool.page_size * self.runner.cost.tier_copy_cost
         if forwarded:
             self.now += self.runner.last_seconds
             self.result.step_cpu_s.append(elapsed - (self.runner.wall_seconds - wall_before))
@@ -215,6 +221,7 @@ class Simulation:
         if times.admitted is None:
             times.admitted = start_time
             times.cached_tokens = req.cached_tokens
+            times.cached_tokens_host = req.cached_tokens_host
         if times.first_token is None and req.output_ids:
             times.first_token = self.now
         if req.finished:
@@ -234,11 +241,23 @@ class Simulation:
             self._fail(child, f"parent request {index} failed")
 
 
-def sim_scheduler(runner: SimRunner, config: SchedulerConfig) -> Scheduler:
-    """The real Scheduler and prefix cache over a simulated runner (no EOS, no tokenizer)."""
+def sim_scheduler(
+    runner: SimRunner, config: SchedulerConfig, hicache: HiCacheConfig | None = None
+) -> Scheduler:
+    """The real Scheduler and prefix cache (over two tiers with `hicache` enabled) over a
+    simulated runner (no EOS, no tokenizer)."""
     pool = runner.pool
-    cache = create_prefix_cache(config.disable_radix_cache, pool.allocator, pool.page_size)
+    if hicache is not None and hicache.enable_hierarchical_cache:
+        hicache.verify()
+        cache = create_hierarchical_cache(pool, hicache, model_fingerprint="simulated")
+    else:
+        cache = create_prefix_cache(config.disable_radix_cache, pool.allocator, pool.page_size)
     return Scheduler(runner, cache, config)
+
+
+def tier_pages_copied(cache: object) -> int:
+    """Pages a hierarchical cache copied between pool and tier so far (0 without a tier)."""
+    return getattr(cache, "pages_to_host", 0) + getattr(cache, "pages_to_device", 0)
 
 
 def children_of(workload: Workload) -> list[list[int]]:
@@ -257,7 +276,10 @@ def simulate(
     cost: CostModel | None = None,
     load: SimLoad | None = None,
     retention_ttl_s: float | None = None,
+    hicache: HiCacheConfig | None = None,
 ) -> SimResult:
     """Runs `workload` through the real scheduler on a simulated model."""
-    simulation = Simulation(workload, scheduler_config, cache_config, cost, load, retention_ttl_s)
+    simulation = Simulation(
+        workload, scheduler_config, cache_config, cost, load, retention_ttl_s, hicache
+    )
     return simulation.run()

@@ -49,8 +49,9 @@ def test_retention_keeps_paused_sessions_that_lru_loses(sessions):
     rows = {row["run"]: row for row in compare(sessions, bench)}
     assert all(row["failed"] == 0 for row in rows.values())
     assert rows["lru"]["resumed_hit_rate"] < 0.5
-    for run in ("retention hard", "retention last"):
-        assert rows[run]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"] + 0.3
+    for run in ("tier", "retention hard", "retention last", "tier + retention"):
+        assert rows[run]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"] + 0.3, run
+    assert rows["tier"]["host_cached_tokens"] > 0 and rows["lru"]["host_cached_tokens"] == 0
     assert rows["unbounded"]["resumed_hit_rate"] >= rows["retention hard"]["resumed_hit_rate"]
 
 
@@ -62,8 +63,10 @@ def test_bench_retention_cli_writes_its_report(tmp_path, capsys):
     report = json.loads((out / "retention.json").read_text())
     assert [r["run"] for r in report["runs"]] == [
         "lru",
+        "tier",
         "retention hard",
         "retention last",
+        "tier + retention",
         "unbounded",
     ]
 
@@ -81,6 +84,8 @@ def test_live_run_on_a_real_engine_keeps_sessions_too(tiny_chat_model):
         model=tiny_chat_model,
     )
     rows = {row["run"]: row for row in compare(workload, bench)}
-    assert set(rows) == {"lru", "retention hard", "retention last"}
+    assert set(rows) == {"lru", "tier", "retention hard", "retention last", "tier + retention"}
     assert all(row["failed"] == 0 and row["num_resumed"] == 8 for row in rows.values())
     assert rows["retention hard"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
+    assert rows["tier"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
+    assert rows["tier"]["host_cached_tokens"] > 0
