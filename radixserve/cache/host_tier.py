@@ -131,15 +131,16 @@ class HostTier:
         records their checksums."""
         raw = kv.detach().to("cpu", self.layout.torch_dtype).contiguous().view(torch.uint8)
         raw = raw.view(len(slots), -1)
-        self.data[torch.as_tensor(slots, dtype=torch.int64)] = raw
+        index = torch.as_tensor(slots, dtype=torch.int64)
+        _words(self.data).index_copy_(0, index, _words(raw))
         for slot, row in zip(slots, raw):
             self.crc[slot] = zlib.crc32(row.numpy())
         self.bytes_written += raw.numel()
 
     def read(self, slots: list[int]) -> torch.Tensor:
         """The pages in `slots`: [len(slots), *page_shape] in the layout's dtype (a copy)."""
-        raw = self.data[torch.as_tensor(slots, dtype=torch.int64)]
-        self.bytes_read += raw.numel()
+        raw = _words(self.data).index_select(0, torch.as_tensor(slots, dtype=torch.int64))
+        self.bytes_read += len(slots) * self.layout.page_nbytes
         return raw.view(self.layout.torch_dtype).view(len(slots), *self.layout.page_shape)
 
     def checksum(self, slot: int) -> int:
@@ -164,6 +165,12 @@ class HostTier:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows viewed as int32 where their length allows: torch copies rows of words
+    several times faster than rows of bytes."""
+    return rows.view(torch.int32) if rows.shape[-1] % 4 == 0 else rows
 
 
 def _lock_exclusive(path: str) -> int:

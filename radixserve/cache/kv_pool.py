@@ -186,8 +186,12 @@ class KVPool:
         """A copy of the K/V of `pages`, all layers: [num, 2, layers, page_size, kv_heads,
         head_dim] (one page's bytes are what a tier slot or a KV transfer holds)."""
         index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        kv = torch.stack([self._paged(buf).index_select(1, index) for buf in (self.k, self.v)])
-        return kv.permute(2, 0, 1, 3, 4, 5).contiguous()
+        s = self.shape
+        dims = (len(pages), 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
+        out = torch.empty(dims, dtype=self.dtype, device=self.device)
+        for i, buf in enumerate((self.k, self.v)):  # gather, then one strided copy: 2 passes
+            out[:, i].copy_(self._paged(buf)[:, index].transpose(0, 1))
+        return out
 
     def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Stores `kv` (as `read_pages` returns it, any device) into `pages`."""
