@@ -217,6 +217,16 @@ def test_a_corrupted_page_drops_its_node_and_what_hangs_below(tmp_path, caplog):
     cache.check_integrity()
 
 
+def test_the_index_is_saved_while_the_tier_changes(tmp_path, monkeypatch):
+    import radixserve.cache.hiradix_cache as hiradix
+
+    monkeypatch.setattr(hiradix, "PERSIST_INTERVAL_S", 0.0)
+    cache = _cache(folder=str(tmp_path))
+    _computed(cache, SEQ_A)  # write-through: saved at once, no close needed
+    entries = json.loads((tmp_path / INDEX_FILE).read_text())["entries"]
+    assert [e[2] for e in entries] == [SEQ_A]
+
+
 def test_an_unreadable_index_is_discarded(tmp_path, caplog):
     _saved(tmp_path)
     (tmp_path / INDEX_FILE).write_text("{not json")

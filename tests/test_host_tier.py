@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
 from radixserve.cache.host_tier import HostTier, TierFullError, TierLayout
 from radixserve.cache.kv_pool import KVPool, PoolShape
-from radixserve.cli_args import add_dataclass_args
-from radixserve.config import HiCacheConfig
+from radixserve.cli import build_parser, engine_args_from
+from radixserve.config import FleetConfig, HiCacheConfig, ServerConfig
+from radixserve.fleet.launch import worker_children
 
 LAYOUT = TierLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -104,17 +103,13 @@ def test_an_unwritable_dir_is_refused(tmp_path):
         HiCacheConfig(enable_hierarchical_cache=True, hicache_dir=str(blocker / "d")).verify()
 
 
-def test_the_flags_are_generated_from_the_dataclass():
-    parser = argparse.ArgumentParser()
-    add_dataclass_args(parser, HiCacheConfig, "hierarchical cache")
-    args = parser.parse_args(
-        [
-            "--enable-hierarchical-cache",
-            "--hicache-write-policy",
-            "write_back",
-            "--hicache-size",
-            "2",
-        ]
-    )
-    assert args.enable_hierarchical_cache and args.hicache_write_policy == "write_back"
-    assert args.hicache_size == 2.0
+def test_serve_takes_the_flags_and_fleet_workers_get_a_folder_each(tmp_path):
+    argv = ["serve", "m", "--enable-hierarchical-cache", "--hicache-write-policy", "write_back"]
+    argv += ["--hicache-size", "2", "--hicache-dir", str(tmp_path)]
+    engine_args = engine_args_from(build_parser().parse_args(argv))
+    assert engine_args["enable_hierarchical_cache"] and engine_args["hicache_size"] == 2.0
+    assert engine_args["hicache_write_policy"] == "write_back"
+    workers = worker_children(FleetConfig(workers=2), ServerConfig(), engine_args)
+    for i, worker in enumerate(workers):
+        last = len(worker.command) - 1 - worker.command[::-1].index("--hicache-dir")
+        assert worker.command[last + 1] == str(tmp_path / f"worker-{i}")  # argparse: last wins

@@ -173,6 +173,8 @@ class HiRadixCache(RadixCache):
 
     def _make_tier_room(self, num_slots: int) -> bool:
         """Drops tier-only leaves, LRU first, until `num_slots` slots are free."""
+        if num_slots <= self.tier.num_free:
+            return True
         if num_slots > self.tier.num_slots:
             return False
         heap = [_evict_key(n) for n in self._leaves if _is_tier_evictable(n)]
