@@ -4,14 +4,16 @@ a file of another model is never used."""
 
 from __future__ import annotations
 
+import json
 import logging
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
+from conftest import TINY, VOCAB, ServerProcess, greedy, make_engine, prompt_ids
 from radixserve.cache.hiradix_cache import INDEX_FILE
 
 POOL = {"max_total_tokens": 640, "page_size": 16}  # 40 pages
@@ -113,3 +115,31 @@ def _same_model_other_weights(model: str, parent: Path) -> Path:
 def test_engine_flag_errors_name_the_flag(tiny_chat_model, flags, message):
     with pytest.raises(ValueError, match=message):
         make_engine(tiny_chat_model, **flags)
+
+
+def _post_generate(url: str, ids: list[int]) -> dict:
+    body = json.dumps({"input_ids": ids, "sampling_params": greedy(4)}).encode()
+    request = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.loads(reply.read())
+
+
+def test_a_restarted_server_serves_the_prompt_from_its_tier_file(tiny_chat_model, tmp_path):
+    flags = ("--enable-hierarchical-cache", "--hicache-dir", str(tmp_path))
+    ids = HISTORY + prompt_ids(3, 8)
+    first = ServerProcess(tiny_chat_model, *flags)
+    try:
+        before = _post_generate(first.url, ids)
+    finally:
+        assert first.stop() == 0  # SIGTERM: a clean shutdown saves the tier's index
+    second = ServerProcess(tiny_chat_model, *flags)
+    try:
+        after = _post_generate(second.url, ids)
+        with urllib.request.urlopen(second.url + "/metrics", timeout=30) as reply:
+            metrics = reply.read().decode()
+    finally:
+        second.stop()
+    assert after["meta_info"]["cached_tokens"] == 160
+    assert after["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 160}
+    assert after["output_ids"] == before["output_ids"]
+    assert "radixserve:cached_tokens_host_total 160.0" in metrics
