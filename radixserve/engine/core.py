@@ -8,14 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cache.kv_events import KVEventSink, device_medium
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import (
     DRAFT_MODEL_ALGORITHMS,
     CacheConfig,
+    KVEventsConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from radixserve.engine.kv_publisher import KVEventPublisher
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.loader import LoadedModel, load_model
@@ -31,6 +34,7 @@ class EngineCore:
     scheduler: Scheduler
     tokenizer: Any
     context_length: int
+    kv_publisher: KVEventPublisher | None = None  # --kv-events-config (rank 0 only)
 
     @classmethod
     def build(
@@ -43,6 +47,7 @@ class EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
         parallel_config.verify()
+        kv_events = cache_config.kv_events()  # a bad flag fails before the model loads
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
@@ -50,9 +55,15 @@ class EngineCore:
                 f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
             )
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
+        publisher = None
         try:
-            return cls._assemble(loaded, runner, load_config, cache_config, scheduler_config)
+            publisher = _start_publisher(kv_events)
+            return cls._assemble(
+                loaded, runner, load_config, cache_config, scheduler_config, publisher
+            )
         except BaseException:
+            if publisher is not None:
+                publisher.close()
             if isinstance(runner, TPModelRunner):
                 runner.close()
             raise
@@ -65,12 +76,16 @@ class EngineCore:
         load_config: LoadConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        publisher: KVEventPublisher | None = None,
     ) -> EngineCore:
         """The tokenizer, prefix cache and scheduler around a built runner."""
         tokenizer = load_tokenizer(loaded)
         pool = runner.pool
+        events = None
+        if publisher is not None:
+            events = KVEventSink(pool.page_size, device_medium(pool.device.type), publisher.publish)
         cache = create_prefix_cache(
-            scheduler_config.disable_radix_cache, pool.allocator, pool.page_size
+            scheduler_config.disable_radix_cache, pool.allocator, pool.page_size, events
         )
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -79,10 +94,13 @@ class EngineCore:
         scheduler = Scheduler(
             runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer, drafter=drafter
         )
-        return cls(loaded, runner, scheduler, tokenizer, _context_length(scheduler_config, loaded))
+        context_length = _context_length(scheduler_config, loaded)
+        return cls(loaded, runner, scheduler, tokenizer, context_length, publisher)
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks, if any (a single process holds nothing to stop)."""
+        """Stops the KV event publisher and the tensor-parallel ranks, if any."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if isinstance(self.runner, TPModelRunner):
             self.runner.close()
 
@@ -143,7 +161,15 @@ class EngineCore:
             "grammar_compiles": grammar.compiles if grammar else 0,
             "grammar_cache_hits": grammar.cache_hits if grammar else 0,
             **scheduler.stats.as_dict(),
+            **(self.kv_publisher.stats() if self.kv_publisher else {}),
         }
+
+
+def _start_publisher(config: KVEventsConfig | None) -> KVEventPublisher | None:
+    """The ZMQ publisher --kv-events-config asks for; None when off or publisher "null"."""
+    if config is None or config.publisher == "null":
+        return None
+    return KVEventPublisher(config)
 
 
 def _context_length(scheduler_config: SchedulerConfig, loaded: LoadedModel) -> int:
