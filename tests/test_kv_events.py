@@ -3,18 +3,19 @@ publisher's wire format (vLLM's), and an engine whose events replay into its own
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 
 import msgspec
 import pytest
 import zmq
 from test_radix_cache import insert_fresh
+from test_server_native import get, post
 
-from conftest import free_port, greedy, make_engine, prompt_ids
+from conftest import ServerProcess, free_port, greedy, make_engine, prompt_ids
 from radixserve.cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -197,7 +198,19 @@ class Subscriber:
 
     def wait_connected(self, timeout_s: float = 10) -> None:
         assert self.monitor.poll(int(timeout_s * 1000)), "the publisher never connected"
-        time.sleep(0.2)  # let the subscription reach the publisher
+        # libzmq attaches the new connection and sends it our subscription on this socket's
+        # own thread, in a call on it: poll once. A PUB drops what it sends before then.
+        self.sub.poll(200)
+
+    def receive_all(self, replay_endpoint: str) -> list[int]:
+        """Live batches until quiet, then the ones missed before them from the replay socket
+        (what vLLM's example subscriber does on a gap); returns the live seqs."""
+        live = self.receive_until_quiet()
+        expected = range(max(self.batches, default=-1) + 1)
+        missing = [seq for seq in expected if seq not in self.batches]
+        if missing:
+            self.request_replay(replay_endpoint, missing[0])
+        return live
 
     def receive_until_quiet(self) -> list[int]:
         """Every batch until none comes for QUIET_S; returns their seqs in arrival order."""
@@ -306,10 +319,8 @@ def test_engine_events_replay_into_its_tree_through_eviction_and_flush(tiny_chat
         subscriber.wait_connected()
         for i in range(4):
             engine.generate(input_ids=prompt_ids(i, 100), sampling_params=greedy(8))
-        seqs = subscriber.receive_until_quiet()
-        if not seqs or seqs[0] != 0:  # the first batches went out before we subscribed
-            subscriber.request_replay(replay_endpoint, 0)
-        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        seqs = subscriber.receive_all(replay_endpoint)
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) > 0
         assert sorted(subscriber.batches) == list(range(len(subscriber.batches)))
         events = subscriber.events()
         assert any(isinstance(e, BlockRemoved) for e in events), "nothing was evicted"
@@ -343,3 +354,42 @@ def test_engine_without_kv_events_opens_no_socket(tiny_chat_model):
         )
     finally:
         engine.shutdown()
+
+
+# ---- a server with events on ----
+
+
+def test_server_events_replay_into_cache_tree_and_flush_clears(tiny_chat_model, subscriber):
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": subscriber.endpoint,
+        "replay_endpoint": replay_endpoint,
+        "topic": "w0",
+    }
+    server = ServerProcess(tiny_chat_model, "--kv-events-config", json.dumps(config))
+    try:
+        subscriber.wait_connected()
+
+        async def go():
+            for i in range(3):
+                body = {"input_ids": prompt_ids(i, 50), "sampling_params": greedy(4)}
+                assert (await post(server.url + "/generate", body))[0] == 200
+            live = subscriber.receive_all(replay_endpoint)
+            assert live == sorted(live) and len(live) > 0 and subscriber.topics == {b"w0"}
+            seqs = sorted(subscriber.batches)
+            assert seqs == list(range(len(seqs)))
+            status, tree = await get(server.url + "/cache/tree")
+            cached = replay(subscriber.events())
+            assert status == 200 and tree["num_tokens"] == 16 * len(cached) > 0
+            first_pages = {p[:16] for p in cached.values()}
+            assert {tuple(s["first_token_ids"]) for s in tree["largest_subtrees"]} == {
+                p[:8] for p in first_pages
+            }
+            assert (await post(server.url + "/flush_cache", {}))[0] == 200
+            assert subscriber.receive_until_quiet() == [len(seqs)]
+            assert subscriber.events()[-1] == AllBlocksCleared()
+
+        asyncio.run(go())
+    finally:
+        assert server.stop() == 0
