@@ -1,9 +1,9 @@
 """KVEventPublisher: sends the radix cache's KV events over ZMQ, as vLLM's ZmqEventPublisher.
 
 The core thread only puts events into a bounded queue (`publish` never blocks: a full queue
-drops the event and counts it). A background thread owns the sockets: it takes what the queue
-holds (waiting up to `BATCH_LINGER_S` for more, at most `MAX_BATCH_EVENTS`), and sends one
-`KVEventBatch` as a ZMQ multipart message
+drops the event and counts it). A background thread owns the sockets: woken by an event, it
+waits `BATCH_LINGER_S` for the rest of the step's, takes up to `MAX_BATCH_EVENTS`, and sends
+them as one `KVEventBatch` in a ZMQ multipart message
 
     [topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]      seq = 0, 1, 2, ...
 
@@ -131,18 +131,17 @@ class KVEventPublisher:
                 return
 
     def _take_batch(self) -> list[KVCacheEvent]:
-        """Waits up to POLL_S for a first event, then up to BATCH_LINGER_S for more."""
+        """Waits up to POLL_S for a first event, sleeps BATCH_LINGER_S so that the rest of
+        its step piles up, then takes what is there: one wake-up per batch, not per event
+        (a waiting thread woken per event costs the core thread the GIL each time)."""
         try:
             events = [self._queue.get(timeout=POLL_S)]
         except queue.Empty:
             return []
-        deadline = time.monotonic() + BATCH_LINGER_S
+        time.sleep(BATCH_LINGER_S)
         while len(events) < MAX_BATCH_EVENTS:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             try:
-                events.append(self._queue.get(timeout=remaining))
+                events.append(self._queue.get_nowait())
             except queue.Empty:
                 break
         return events
