@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -227,6 +227,19 @@ class KVEventsConfig:
         config.verify()
         return config
 
+    def for_instance(self, index: int) -> KVEventsConfig:
+        """The config of data-parallel instance `index` (a fleet worker): its endpoints moved
+        by `index`, as vLLM does for its DP ranks, so that instances never share a socket."""
+        replay = self.replay_endpoint
+        return replace(
+            self,
+            endpoint=offset_endpoint(self.endpoint, index),
+            replay_endpoint=None if replay is None else offset_endpoint(replay, index),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
     def verify(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError("--kv-events-config enable_kv_cache_events must be true or false")
@@ -244,6 +257,18 @@ class KVEventsConfig:
                 raise ValueError(f"--kv-events-config {name} must be a string")
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
             raise ValueError("--kv-events-config replay_endpoint must be a string or null")
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """A ZMQ endpoint `offset` ports up (tcp), or with `_<offset>` appended (ipc, inproc)."""
+    if offset == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"--kv-events-config endpoint {endpoint!r} has no port")
+        return f"{host}:{int(port) + offset}"
+    return f"{endpoint}_{offset}"
 
 
 @dataclass

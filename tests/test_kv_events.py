@@ -27,8 +27,9 @@ from radixserve.cache.kv_events import (
 )
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.config import CacheConfig, KVEventsConfig
+from radixserve.config import CacheConfig, KVEventsConfig, offset_endpoint
 from radixserve.engine.kv_publisher import END_OF_REPLAY, KVEventPublisher
+from radixserve.fleet.launch import worker_engine_args
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 QUIET_S = 0.5  # no message for this long: the publisher has sent everything
@@ -393,3 +394,19 @@ def test_server_events_replay_into_cache_tree_and_flush_clears(tiny_chat_model, 
         asyncio.run(go())
     finally:
         assert server.stop() == 0
+
+
+def test_fleet_workers_get_their_own_event_sockets():
+    config = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+    config += '"replay_endpoint": "ipc:///tmp/kv-replay"}'
+    args = {"page_size": 16, "kv_events_config": config}
+    assert (
+        worker_engine_args(args, 0)["kv_events_config"]
+        == KVEventsConfig.from_json(config).to_json()
+    )
+    second = KVEventsConfig.from_json(worker_engine_args(args, 2)["kv_events_config"])
+    assert second.endpoint == "tcp://*:5559"
+    assert second.replay_endpoint == "ipc:///tmp/kv-replay_2"
+    assert worker_engine_args({"page_size": 16}, 1) == {"page_size": 16}
+    with pytest.raises(ValueError, match="--kv-events-config endpoint"):
+        offset_endpoint("tcp://collector", 1)

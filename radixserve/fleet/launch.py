@@ -86,11 +86,11 @@ def worker_children(
     if on_cuda:
         check_gpus(config)
         engine_args = engine_args | {"device": "cuda"}
-    flags = engine_flags(engine_args)
-    flags += dataclass_flags(asdict(server), ServerConfig, SERVER_FLAGS_EXCLUDED)
+    server_flags = dataclass_flags(asdict(server), ServerConfig, SERVER_FLAGS_EXCLUDED)
     children = []
     for i in range(config.workers):
         port = config.worker_base_port + i
+        flags = engine_flags(worker_engine_args(engine_args, i)) + server_flags
         command = [sys.executable, "-m", "radixserve.cli", "serve", *flags]
         command += ["--host", WORKER_HOST, "--port", str(port)]
         child = Child(f"worker {i}", command, f"http://{WORKER_HOST}:{port}")
@@ -101,6 +101,14 @@ def worker_children(
             child.env = thread_env(config.cpu_cores_per_worker)
         children.append(child)
     return children
+
+
+def worker_engine_args(engine_args: dict[str, Any], index: int) -> dict[str, Any]:
+    """Worker `index`'s engine arguments: its own KV event sockets (port + index), if any."""
+    kv_events = CacheConfig(kv_events_config=engine_args.get("kv_events_config")).kv_events()
+    if kv_events is None:
+        return engine_args
+    return engine_args | {"kv_events_config": kv_events.for_instance(index).to_json()}
 
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:
