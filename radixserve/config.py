@@ -192,7 +192,7 @@ class LoadConfig:
         return TORCH_DTYPES[self.dtype]
 
 
-KV_EVENT_PUBLISHERS = ("zmq", "null")  # vLLM's names; null: no socket, events dropped
+KV_EVENT_PUBLISHERS = ("zmq", "null")  # vLLM's names; null: no socket, no events
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ import sys
 import msgspec
 import pytest
 import zmq
-from test_radix_cache import insert_fresh
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+from test_radix_cache import CacheMachine, insert_fresh
 from test_server_native import get, post
 
 from conftest import ServerProcess, free_port, greedy, make_engine, prompt_ids
@@ -27,7 +30,8 @@ from radixserve.cache.kv_events import (
 )
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.config import CacheConfig, KVEventsConfig, offset_endpoint
+from radixserve.config import CacheConfig, KVEventsConfig, offset_endpoint, split_engine_kwargs
+from radixserve.engine.core import EngineCore
 from radixserve.engine.kv_publisher import END_OF_REPLAY, KVEventPublisher
 from radixserve.fleet.launch import worker_engine_args
 
@@ -139,6 +143,34 @@ def test_evicted_pages_are_removed_and_reset_clears_everything():
     assert replay(events) == {} == tree_prefixes(cache)
 
 
+class EventsCacheMachine(CacheMachine):
+    """test_radix_cache's random request lifecycles (matches that split nodes, inserts,
+    locks, pins, evictions, namespaces) with a sink: the events replay into the tree."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]))
+    def setup(self, page_size):
+        super().setup(page_size)
+        self.events: list = []
+        sink = KVEventSink(page_size, "CPU", self.events.append)
+        self.cache = RadixCache(self.allocator, page_size, sink)
+
+    @invariant()
+    def events_replay_into_the_tree(self):
+        if hasattr(self, "cache"):
+            assert replay(self.events) == tree_prefixes(self.cache)
+
+    def teardown(self):
+        if hasattr(self, "cache"):
+            super().teardown()
+            assert self.events[-1] == AllBlocksCleared() and replay(self.events) == {}
+
+
+EventsCacheMachine.TestCase.settings = settings(
+    max_examples=50, stateful_step_count=40, deadline=None
+)
+test_events_state_machine = EventsCacheMachine.TestCase
+
+
 def test_without_a_sink_nodes_carry_no_hashes():
     allocator = PageAllocator(9)
     cache = RadixCache(allocator, 2)
@@ -178,6 +210,9 @@ def test_missing_pyzmq_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
     with pytest.raises(RuntimeError, match=r"--kv-events-config .*pyzmq"):
         KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True))
+    config = '{"enable_kv_cache_events": true}'
+    with pytest.raises(RuntimeError, match="pyzmq"):  # before it looks for the model
+        EngineCore.build(*split_engine_kwargs("/no/such/model", {"kv_events_config": config}))
 
 
 # ---- the publisher ----

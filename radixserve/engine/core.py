@@ -18,7 +18,7 @@ from radixserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from radixserve.engine.kv_publisher import KVEventPublisher
+from radixserve.engine.kv_publisher import KVEventPublisher, import_zmq
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.loader import LoadedModel, load_model
@@ -47,7 +47,9 @@ class EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
         parallel_config.verify()
-        kv_events = cache_config.kv_events()  # a bad flag fails before the model loads
+        kv_events = cache_config.kv_events()  # a bad flag or no pyzmq: fail before loading
+        if kv_events is not None and kv_events.publisher == "zmq":
+            import_zmq()
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
