@@ -8,9 +8,11 @@ import logging
 
 import pytest
 import torch
+from test_kv_events import replay, tree_prefixes
 
 from radixserve.cache.hiradix_cache import INDEX_FILE, HiRadixCache
 from radixserve.cache.host_tier import HostTier, TierLayout
+from radixserve.cache.kv_events import BlockRemoved, KVEventSink
 from radixserve.cache.kv_pool import KVPool, PoolShape
 from radixserve.cache.prefix_cache import CacheIntegrityError
 
@@ -18,13 +20,15 @@ PAGE = 4
 LAYOUT = TierLayout(num_layers=2, page_size=PAGE, num_kv_heads=2, head_dim=8, dtype="float32")
 
 
-def _cache(pool_pages=9, tier_slots=16, policy="write_through", folder=None, fingerprint="m"):
+def _cache(
+    pool_pages=9, tier_slots=16, policy="write_through", folder=None, fingerprint="m", events=None
+):
     shape = PoolShape(
         num_layers=2, num_pages=pool_pages, page_size=PAGE, num_kv_heads=2, head_dim=8
     )
     pool = KVPool(shape, torch.float32, "cpu")
     tier = HostTier(LAYOUT, tier_slots, folder)
-    return HiRadixCache(pool, tier, policy, fingerprint)
+    return HiRadixCache(pool, tier, policy, fingerprint, events)
 
 
 def _computed(cache: HiRadixCache, tokens: list[int]) -> list[int]:
@@ -147,6 +151,23 @@ def test_write_policies_copy_at_their_moment(policy, copied_at_insert):
     cache.evict(4)
     assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 16
     assert cache.tier_stats()["hicache_bytes_to_host"] == 4 * LAYOUT.page_nbytes
+
+
+def test_kv_events_describe_the_tree_across_both_tiers():
+    events: list = []
+    cache = _cache(
+        tier_slots=8, policy="write_back", events=KVEventSink(PAGE, "CPU", events.append)
+    )
+    _computed(cache, SEQ_A)
+    _computed(cache, SEQ_B)
+    cache.evict(8)  # demoted, still in the tree: nothing removed
+    assert not any(isinstance(e, BlockRemoved) for e in events)
+    assert replay(events) == tree_prefixes(cache)
+    _load(cache, SEQ_A)
+    _computed(cache, list(range(200, 216)))
+    cache.evict(4)  # the tier makes room: B leaves the tree
+    assert [type(e) for e in events[-1:]] == [BlockRemoved]
+    assert replay(events) == tree_prefixes(cache) and len(replay(events)) == 8
 
 
 def test_integrity_catches_a_leaked_slot_and_a_rotten_page():

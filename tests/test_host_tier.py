@@ -111,5 +111,6 @@ def test_serve_takes_the_flags_and_fleet_workers_get_a_folder_each(tmp_path):
     assert engine_args["hicache_write_policy"] == "write_back"
     workers = worker_children(FleetConfig(workers=2), ServerConfig(), engine_args)
     for i, worker in enumerate(workers):
-        last = len(worker.command) - 1 - worker.command[::-1].index("--hicache-dir")
-        assert worker.command[last + 1] == str(tmp_path / f"worker-{i}")  # argparse: last wins
+        assert worker.command.count("--hicache-dir") == 1
+        folder = worker.command[worker.command.index("--hicache-dir") + 1]
+        assert folder == str(tmp_path / f"worker-{i}")

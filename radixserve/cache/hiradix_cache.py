@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from radixserve.cache.host_tier import HostTier, TierLayout
+from radixserve.cache.kv_events import KVEventSink
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
 from radixserve.cache.radix_cache import RadixCache, RootNode, TreeNode, _evict_key, _is_evictable
@@ -54,10 +55,17 @@ class HiRadixCache(RadixCache):
     """A RadixCache whose evicted pages go to a HostTier and come back on a hit."""
 
     def __init__(
-        self, pool: KVPool, tier: HostTier, write_policy: str, model_fingerprint: str = ""
+        self,
+        pool: KVPool,
+        tier: HostTier,
+        write_policy: str,
+        model_fingerprint: str = "",
+        events: KVEventSink | None = None,
     ):
         """`model_fingerprint`: names the model whose KV the tier holds (a saved tier of
-        another fingerprint is discarded at start)."""
+        another fingerprint is discarded at start). `events` describe the tree across both
+        tiers: a node entering or leaving the tree is an event, a move between the pool and
+        the tier is not (the prefix stays servable without recomputing)."""
         self.pool = pool
         self.tier = tier
         self.write_policy = write_policy
@@ -66,7 +74,7 @@ class HiRadixCache(RadixCache):
         self.pages_to_device = 0
         self._dirty = False
         self._last_persist = time.monotonic()
-        super().__init__(pool.allocator, pool.page_size)
+        super().__init__(pool.allocator, pool.page_size, events)
         if tier.folder is not None:
             self._restore()
 
@@ -395,7 +403,7 @@ def _root_of(node: TreeNode) -> TreeNode:
 
 
 def create_hierarchical_cache(
-    pool: KVPool, config: HiCacheConfig, model_fingerprint: str
+    pool: KVPool, config: HiCacheConfig, model_fingerprint: str, events: KVEventSink | None = None
 ) -> HiRadixCache:
     """A HiRadixCache over `pool` with a tier sized and placed by `--hicache-*`."""
     s = pool.shape
@@ -403,4 +411,4 @@ def create_hierarchical_cache(
     layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
     num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
     tier = HostTier(layout, num_slots, config.hicache_dir)
-    return HiRadixCache(pool, tier, config.hicache_write_policy, model_fingerprint)
+    return HiRadixCache(pool, tier, config.hicache_write_policy, model_fingerprint, events)

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 
+from radixserve.cache.kv_events import KVEventSink
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import (
     CacheIntegrityError,
@@ -55,6 +56,7 @@ class TreeNode:
         "last_access",
         "evicted",
         "host_slots",
+        "block_hashes",
     )
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: TreeNode | None):
@@ -69,6 +71,7 @@ class TreeNode:
         self.last_access = 0
         self.evicted = False
         self.host_slots: list[int] | None = None  # second-tier copy (hiradix_cache.py)
+        self.block_hashes: list[int] | None = None  # one per page, only with KV events on
 
     @property
     def is_root(self) -> bool:
@@ -93,13 +96,15 @@ class RootNode(TreeNode):
 
 
 class RadixCache(PrefixCache):
-    """Prefix cache over a radix tree; LRU eviction of unlocked leaves."""
+    """Prefix cache over a radix tree; LRU eviction of unlocked leaves. With `events`, pages
+    entering and leaving the tree are reported to it (cache/kv_events.py)."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, events: KVEventSink | None = None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
+        self._events = events
         self._clear()
 
     def parent_of(self, node: object) -> TreeNode | None:
@@ -115,6 +120,8 @@ class RadixCache(PrefixCache):
         for node in [*nodes, *self._empty_roots.values()]:
             node.evicted = True  # stale handles must not be locked again
         self._clear()
+        if self._events:
+            self._events.cleared()
 
     def _clear(self) -> None:
         self._roots: dict[str | None, RootNode] = {None: RootNode(None)}
@@ -236,6 +243,9 @@ class RadixCache(PrefixCache):
                 node.host_slots[:num_pages],
                 node.host_slots[num_pages:],
             )
+        if node.block_hashes is not None:
+            upper.block_hashes = node.block_hashes[:num_pages]
+            node.block_hashes = node.block_hashes[num_pages:]
         node.parent.children[node.key[: self.page_size]] = upper
         node.key, node.pages, node.parent = node.key[num_tokens:], node.pages[num_pages:], upper
         upper.children[node.key[: self.page_size]] = node
@@ -249,6 +259,8 @@ class RadixCache(PrefixCache):
         self._leaves.add(leaf)
         self._num_evictable += len(pages)
         self._num_total += len(pages)
+        if self._events:
+            self._events.stored(leaf)
         return leaf
 
     def _path_pages(self, node: TreeNode) -> list[int]:
@@ -339,6 +351,8 @@ class RadixCache(PrefixCache):
             self._leaves.add(leaf.parent)
         if isinstance(leaf.parent, RootNode):
             self._release_empty_root(leaf.parent)
+        if self._events:
+            self._events.removed(leaf)
         return leaf.pages
 
     def _release_empty_root(self, root: RootNode) -> None:
@@ -451,7 +465,11 @@ def _evict_key(node: TreeNode) -> tuple[int, int, int, TreeNode]:
     return (node.priority, node.last_access, id(node), node)
 
 
-def create_prefix_cache(disable: bool, allocator: PageAllocator, page_size: int) -> PrefixCache:
-    """A RadixCache, or a NoPrefixCache when the radix cache is disabled."""
-    cls = NoPrefixCache if disable else RadixCache
-    return cls(allocator, page_size)
+def create_prefix_cache(
+    disable: bool, allocator: PageAllocator, page_size: int, events: KVEventSink | None = None
+) -> PrefixCache:
+    """A RadixCache (reporting to `events`, if given), or a NoPrefixCache when the radix cache
+    is disabled (it caches nothing, so it has no events)."""
+    if disable:
+        return NoPrefixCache(allocator, page_size)
+    return RadixCache(allocator, page_size, events)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.hiradix_cache import create_hierarchical_cache
+from radixserve.cache.kv_events import KVEventSink, device_medium
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import create_prefix_cache
@@ -16,10 +17,12 @@ from radixserve.config import (
     DRAFT_MODEL_ALGORITHMS,
     CacheConfig,
     HiCacheConfig,
+    KVEventsConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from radixserve.engine.kv_publisher import KVEventPublisher, import_zmq
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.fingerprint import model_fingerprint
@@ -36,6 +39,7 @@ class EngineCore:
     scheduler: Scheduler
     tokenizer: Any
     context_length: int
+    kv_publisher: KVEventPublisher | None = None  # --kv-events-config (rank 0 only)
 
     @classmethod
     def build(
@@ -56,6 +60,9 @@ class EngineCore:
                 "--enable-hierarchical-cache keeps rank 0's KV only, so it does not work with "
                 f"--tp-size {parallel_config.tp_size} yet; use --tp-size 1"
             )
+        kv_events = cache_config.kv_events()  # a bad flag or no pyzmq: fail before loading
+        if kv_events is not None and kv_events.publisher == "zmq":
+            import_zmq()
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
@@ -63,11 +70,21 @@ class EngineCore:
                 f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
             )
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
+        publisher = None
         try:
+            publisher = _start_publisher(kv_events)
             return cls._assemble(
-                loaded, runner, load_config, cache_config, scheduler_config, hicache_config
+                loaded,
+                runner,
+                load_config,
+                cache_config,
+                scheduler_config,
+                hicache_config,
+                publisher,
             )
         except BaseException:
+            if publisher is not None:
+                publisher.close()
             if isinstance(runner, TPModelRunner):
                 runner.close()
             raise
@@ -81,10 +98,15 @@ class EngineCore:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         hicache_config: HiCacheConfig,
+        publisher: KVEventPublisher | None = None,
     ) -> EngineCore:
         """The tokenizer, prefix cache and scheduler around a built runner."""
         tokenizer = load_tokenizer(loaded)
-        cache = _create_cache(loaded, runner.pool, scheduler_config, hicache_config)
+        pool = runner.pool
+        events = None
+        if publisher is not None:
+            events = KVEventSink(pool.page_size, device_medium(pool.device.type), publisher.publish)
+        cache = _create_cache(loaded, pool, scheduler_config, hicache_config, events)
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
@@ -92,11 +114,15 @@ class EngineCore:
         scheduler = Scheduler(
             runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer, drafter=drafter
         )
-        return cls(loaded, runner, scheduler, tokenizer, _context_length(scheduler_config, loaded))
+        context_length = _context_length(scheduler_config, loaded)
+        return cls(loaded, runner, scheduler, tokenizer, context_length, publisher)
 
     def close(self) -> None:
-        """Saves a persistent cache tier and stops the tensor-parallel ranks, if any."""
+        """Saves a persistent cache tier, stops the KV event publisher and the tensor-parallel
+        ranks, if any."""
         self.cache.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if isinstance(self.runner, TPModelRunner):
             self.runner.close()
 
@@ -158,6 +184,7 @@ class EngineCore:
             "grammar_cache_hits": grammar.cache_hits if grammar else 0,
             **self.cache.tier_stats(),
             **scheduler.stats.as_dict(),
+            **(self.kv_publisher.stats() if self.kv_publisher else {}),
         }
 
 
@@ -166,16 +193,25 @@ def _create_cache(
     pool: KVPool,
     scheduler_config: SchedulerConfig,
     hicache_config: HiCacheConfig,
+    events: KVEventSink | None,
 ) -> PrefixCache:
     """The radix cache (over two tiers with --enable-hierarchical-cache), or none."""
     if not hicache_config.enable_hierarchical_cache:
         disable = scheduler_config.disable_radix_cache
-        return create_prefix_cache(disable, pool.allocator, pool.page_size)
+        return create_prefix_cache(disable, pool.allocator, pool.page_size, events)
     if scheduler_config.disable_radix_cache:
         raise ValueError(
             "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
         )
-    return create_hierarchical_cache(pool, hicache_config, model_fingerprint(loaded))
+    fingerprint = model_fingerprint(loaded)
+    return create_hierarchical_cache(pool, hicache_config, fingerprint, events)
+
+
+def _start_publisher(config: KVEventsConfig | None) -> KVEventPublisher | None:
+    """The ZMQ publisher --kv-events-config asks for; None when off or publisher "null"."""
+    if config is None or config.publisher == "null":
+        return None
+    return KVEventPublisher(config)
 
 
 def _context_length(scheduler_config: SchedulerConfig, loaded: LoadedModel) -> int:

@@ -87,15 +87,13 @@ def worker_children(
     if on_cuda:
         check_gpus(config)
         engine_args = engine_args | {"device": "cuda"}
-    flags = engine_flags(engine_args)
-    flags += dataclass_flags(asdict(server), ServerConfig, SERVER_FLAGS_EXCLUDED)
+    server_flags = dataclass_flags(asdict(server), ServerConfig, SERVER_FLAGS_EXCLUDED)
     children = []
     for i in range(config.workers):
         port = config.worker_base_port + i
+        flags = engine_flags(worker_engine_args(engine_args, i)) + server_flags
         command = [sys.executable, "-m", "radixserve.cli", "serve", *flags]
         command += ["--host", WORKER_HOST, "--port", str(port)]
-        if engine_args.get("hicache_dir"):  # a tier file is one process's: a folder each
-            command += ["--hicache-dir", os.path.join(engine_args["hicache_dir"], f"worker-{i}")]
         child = Child(f"worker {i}", command, f"http://{WORKER_HOST}:{port}")
         if on_cuda:
             child.env = {"CUDA_VISIBLE_DEVICES": visible_gpu(config.base_gpu_id + i)}
@@ -104,6 +102,19 @@ def worker_children(
             child.env = thread_env(config.cpu_cores_per_worker)
         children.append(child)
     return children
+
+
+def worker_engine_args(engine_args: dict[str, Any], index: int) -> dict[str, Any]:
+    """Worker `index`'s engine arguments: its own KV event sockets (port + index) and its
+    own hierarchical cache folder (`<--hicache-dir>/worker-<index>`: a tier file is one
+    process's), if any."""
+    if engine_args.get("hicache_dir"):
+        folder = os.path.join(engine_args["hicache_dir"], f"worker-{index}")
+        engine_args = engine_args | {"hicache_dir": folder}
+    kv_events = CacheConfig(kv_events_config=engine_args.get("kv_events_config")).kv_events()
+    if kv_events is None:
+        return engine_args
+    return engine_args | {"kv_events_config": kv_events.for_instance(index).to_json()}
 
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:
