@@ -8,7 +8,11 @@ import logging
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_kv_events import replay, tree_prefixes
+from test_radix_cache import NAMESPACES, TOKENS
 
 from radixserve.cache.hiradix_cache import INDEX_FILE, HiRadixCache
 from radixserve.cache.host_tier import HostTier, TierLayout
@@ -255,3 +259,93 @@ def test_an_unreadable_index_is_discarded(tmp_path, caplog):
         cache = _cache(folder=str(tmp_path))
     assert "unreadable index" in caplog.text
     assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
+
+
+# ---- random lifecycles ----
+
+
+class HiCacheMachine(RuleBasedStateMachine):
+    """Requests match (loading tier pages back), run holding their lock, insert and leave,
+    under every write policy and a pool and tier too small for them: every page a match
+    hands out holds exactly its prefix's KV, and both tiers' accounting holds throughout."""
+
+    @initialize(policy=st.sampled_from(["write_through", "write_back", "write_through_selective"]))
+    def setup(self, policy):
+        self.cache = _cache(pool_pages=8, tier_slots=10, policy=policy)
+        self.running: list[tuple[object, list[int]]] = []  # (locked node, own pages)
+
+    def _value(self, namespace, prefix) -> float:
+        return float(hash((namespace, tuple(prefix))) % (1 << 20))
+
+    def _check_pages(self, tokens, namespace, pages) -> None:
+        values = _kv_values(self.cache, pages)
+        for i, value in enumerate(values):
+            assert value == self._value(namespace, tokens[: (i + 1) * PAGE])
+
+    @rule(tokens=TOKENS, namespace=NAMESPACES, keep=st.booleans())
+    def request(self, tokens, namespace, keep):
+        tokens = [t % 7 for t in tokens] * 2  # short alphabet: shared prefixes, splits
+        match = self.cache.match_prefix(tokens, namespace, max_tokens=len(tokens))
+        self.cache.lock(match.node)
+        loaded = self.cache.load_back(match, _ensure_free(self.cache))
+        self.cache.lock(loaded.node)
+        self.cache.unlock(match.node)
+        assert loaded.num_tokens >= match.num_tokens
+        self._check_pages(tokens, namespace, loaded.pages)
+        own = self._compute(tokens, namespace, loaded)
+        if keep:
+            self.running.append((loaded.node, own))
+        else:
+            self._finish(loaded.node, own)
+
+    def _compute(self, tokens, namespace, loaded) -> list[int]:
+        """Own pages for the uncached whole pages (as many as can be had), KV written,
+        inserted into the tree; returns the pages the request still owns (the duplicates)."""
+        num = len(tokens) // PAGE - len(loaded.pages)
+        if not _ensure_free(self.cache)(num):
+            return []
+        own = self.cache.allocator.allocate(num).tolist()
+        for i, page in enumerate(own):
+            end = (len(loaded.pages) + i + 1) * PAGE
+            kv = torch.full((1, *LAYOUT.page_shape), self._value(namespace, tokens[:end]))
+            self.cache.pool.write_pages([page], kv)
+        pages = loaded.pages + own
+        present = self.cache.insert(tokens[: len(pages) * PAGE], pages, namespace)
+        return own[: max(present // PAGE - len(loaded.pages), 0)]
+
+    def _finish(self, node, own) -> None:
+        self.cache.allocator.free(own)
+        self.cache.unlock(node)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish_one(self, data):
+        index = data.draw(st.integers(0, len(self.running) - 1))
+        self._finish(*self.running.pop(index))
+
+    @rule(num=st.integers(1, 6))
+    def evict(self, num):
+        self.cache.evict(num)
+
+    @rule(tokens=TOKENS, namespace=NAMESPACES)
+    def hit(self, tokens, namespace):
+        match = self.cache.match_prefix([t % 7 for t in tokens] * 2, namespace)
+        if match.num_tokens:
+            self.cache.record_hit(match.node)
+
+    @invariant()
+    def both_tiers_consistent(self):
+        if hasattr(self, "cache"):
+            self.cache.check_integrity([p for _, own in self.running for p in own])
+
+    def teardown(self):
+        if hasattr(self, "cache"):
+            for node, own in self.running:
+                self._finish(node, own)
+            self.cache.reset()
+            assert self.cache.allocator.num_free == self.cache.allocator.capacity
+            assert self.cache.tier.num_free == self.cache.tier.num_slots
+
+
+HiCacheMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+test_hicache_state_machine = HiCacheMachine.TestCase
