@@ -410,5 +410,6 @@ def create_hierarchical_cache(
     dtype = str(pool.dtype).removeprefix("torch.")
     layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
     num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
-    tier = HostTier(layout, num_slots, config.hicache_dir)
+    pinned = pool.device.type == "cuda"
+    tier = HostTier(layout, num_slots, config.hicache_dir, pin_memory=pinned)
     return HiRadixCache(pool, tier, config.hicache_write_policy, model_fingerprint, events)

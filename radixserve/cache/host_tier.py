@@ -9,8 +9,9 @@ it (and as disaggregation ships a page):
 Without a folder the slots live in anonymous host memory. With one (`--hicache-dir`) they
 are a memory-mapped file, `kv_tier.bin`, locked against a second process; the radix cache
 saves an index of what the slots hold beside it (cache/tier_index.py), so that a restarted
-server finds its prefixes again. On GPU, pinned host memory and copies overlapping the
-forward would be the natural home; this tier copies synchronously, which is what runs on CPU.
+server finds its prefixes again. Beside a CUDA pool the anonymous tier is pinned host memory;
+copies are synchronous everywhere (overlapping them with the forward, as SGLang does on GPU,
+is not done), which is what runs on CPU.
 
 The tier only stores and hands out slots; which pages to keep, and the LRU that picks what
 goes when it is full, belong to the radix cache that owns it (cache/hiradix_cache.py).
@@ -63,12 +64,21 @@ class TierLayout:
 class HostTier:
     """Page slots with a free list and a checksum per slot; see the module docstring."""
 
-    def __init__(self, layout: TierLayout, num_slots: int, folder: str | None = None):
+    def __init__(
+        self,
+        layout: TierLayout,
+        num_slots: int,
+        folder: str | None = None,
+        pin_memory: bool = False,
+    ):
+        """`pin_memory`: page-locked host memory (a CUDA pool copies to and from it faster);
+        only without a folder, and only where CUDA is available."""
         if num_slots < 1:
             raise ValueError(f"a tier needs at least one slot; got {num_slots}")
         self.layout = layout
         self.num_slots = num_slots
         self.folder = folder
+        self.pin_memory = pin_memory and folder is None
         self._lock_fd: int | None = None
         self._mmap: np.memmap | None = None
         self.data = self._storage(num_slots, layout.page_nbytes)  # [num_slots, page_nbytes]
@@ -80,7 +90,8 @@ class HostTier:
 
     def _storage(self, num_slots: int, page_nbytes: int) -> torch.Tensor:
         if self.folder is None:
-            return torch.zeros((num_slots, page_nbytes), dtype=torch.uint8)
+            shape = (num_slots, page_nbytes)
+            return torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         path = os.path.join(self.folder, TIER_FILE)
         self._lock_fd = _lock_exclusive(path)
         size = num_slots * page_nbytes
