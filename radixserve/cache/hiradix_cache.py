@@ -72,7 +72,6 @@ class HiRadixCache(RadixCache):
         self.identity = tier_identity(tier, model_fingerprint)
         self.pages_to_host = 0
         self.pages_to_device = 0
-        self._dirty = False
         self._last_persist = time.monotonic()
         super().__init__(pool.allocator, pool.page_size, events)
         if tier.folder is not None:
@@ -86,7 +85,6 @@ class HiRadixCache(RadixCache):
         slots = [s for n in self._nodes() if n.host_slots for s in n.host_slots]
         super().reset()
         self.tier.free(slots)
-        self._dirty = True
 
     # ---- match / insert ----
 
@@ -142,7 +140,7 @@ class HiRadixCache(RadixCache):
         if not match.host_tokens or host.evicted:  # a stale match: the tier dropped it
             return MatchResult(pages=match.pages, num_tokens=match.num_tokens, node=match.node)
         path = list(reversed(_tier_path(host, match.node)))
-        self.lock(match.host_node)  # the tier LRU and pool eviction keep off the path
+        self.lock(host)  # the tier LRU and pool eviction keep off the path
         loaded = match.node
         try:
             for node in path:
@@ -157,15 +155,15 @@ class HiRadixCache(RadixCache):
                 self._set_pool_pages(node, pages)
                 loaded = node
         finally:
-            self.unlock(match.host_node)
-        num_loaded = sum(len(n.key) for n in _tier_path(loaded, match.node))
-        rest = match.host_tokens - num_loaded
+            self.unlock(host)
+        num_tokens = _depth(loaded)
+        rest = _depth(host) - num_tokens
         return MatchResult(
             pages=self._path_pages(loaded),
-            num_tokens=match.num_tokens + num_loaded,
+            num_tokens=num_tokens,
             node=loaded,
             host_tokens=rest,
-            host_node=match.host_node if rest else None,
+            host_node=host if rest else None,
         )
 
     def _backup(self, node: TreeNode) -> bool:
@@ -322,10 +320,9 @@ class HiRadixCache(RadixCache):
         """Saves the index of tier nodes (and flushes the tier file) for a warm restart."""
         self.tier.flush()
         save_tier_index(self._index_path(), self.identity, self.tier, self._tier_entries())
-        self._dirty, self._last_persist = False, time.monotonic()
+        self._last_persist = time.monotonic()
 
     def _tier_changed(self) -> None:
-        self._dirty = True
         due = time.monotonic() - self._last_persist >= PERSIST_INTERVAL_S
         if self.tier.folder is not None and due:
             self.persist()
@@ -385,6 +382,11 @@ def _tier_path(node: TreeNode, top: TreeNode) -> list[TreeNode]:
         path.append(node)
         node = node.parent
     return path
+
+
+def _depth(node: TreeNode) -> int:
+    """Tokens from the root to the end of `node`."""
+    return sum(len(n.key) for n in node.path_to_root())
 
 
 def _has_pool_child(node: TreeNode) -> bool:
