@@ -44,6 +44,13 @@ class KVTransferTimeout(KVTransferError):
 class KVTransfer(ABC):
     """One worker's end of the transfer: `publish` on prefill, `fetch` on decode."""
 
+    moves_pages: bool = True  # False: publish ignores its pages (no need to copy them out)
+
+    @property
+    def port(self) -> int | None:
+        """The bootstrap port served (prefill side, once listening); None otherwise."""
+        return None
+
     @abstractmethod
     def publish(self, room: int, pages: list[bytes]) -> None:
         """Prefill: makes `pages` (a prompt's KV, in order) available to room `room`."""
@@ -60,6 +67,8 @@ class KVTransfer(ABC):
 
 class FakeKVTransfer(KVTransfer):
     """Moves nothing and reports success."""
+
+    moves_pages = False
 
     def publish(self, room: int, pages: list[bytes]) -> None:
         return None
@@ -87,6 +96,10 @@ class TcpKVTransfer(KVTransfer):
         self._listener = socket.create_server((host, port))
         threading.Thread(target=self._accept, daemon=True, name="kv-bootstrap").start()
         return self._listener.getsockname()[1]
+
+    @property
+    def port(self) -> int | None:
+        return None if self._listener is None else self._listener.getsockname()[1]
 
     def publish(self, room: int, pages: list[bytes]) -> None:
         with self._ready:

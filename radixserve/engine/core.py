@@ -12,6 +12,7 @@ from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import (
     DRAFT_MODEL_ALGORITHMS,
     CacheConfig,
+    DisaggregationConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -39,10 +40,13 @@ class EngineCore:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         parallel_config: ParallelConfig | None = None,
+        disaggregation_config: DisaggregationConfig | None = None,
     ) -> EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
         parallel_config.verify()
+        disaggregation_config = disaggregation_config or DisaggregationConfig()
+        disaggregation_config.verify(scheduler_config, parallel_config.tp_size)
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
@@ -51,7 +55,8 @@ class EngineCore:
             )
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         try:
-            return cls._assemble(loaded, runner, load_config, cache_config, scheduler_config)
+            configs = (load_config, cache_config, scheduler_config, disaggregation_config)
+            return cls._assemble(loaded, runner, *configs)
         except BaseException:
             if isinstance(runner, TPModelRunner):
                 runner.close()
@@ -65,6 +70,7 @@ class EngineCore:
         load_config: LoadConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        disaggregation_config: DisaggregationConfig,
     ) -> EngineCore:
         """The tokenizer, prefix cache and scheduler around a built runner."""
         tokenizer = load_tokenizer(loaded)
@@ -77,12 +83,19 @@ class EngineCore:
             eos_ids.add(tokenizer.eos_token_id)
         drafter = create_drafter(scheduler_config, runner, load_config, cache_config, tokenizer)
         scheduler = Scheduler(
-            runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer, drafter=drafter
+            runner,
+            cache,
+            scheduler_config,
+            tuple(sorted(eos_ids)),
+            tokenizer,
+            drafter=drafter,
+            disaggregation=disaggregation_config,
         )
         return cls(loaded, runner, scheduler, tokenizer, _context_length(scheduler_config, loaded))
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks, if any (a single process holds nothing to stop)."""
+        """Stops disaggregation's transfer and the tensor-parallel ranks, if any."""
+        self.scheduler.close()
         if isinstance(self.runner, TPModelRunner):
             self.runner.close()
 
