@@ -17,7 +17,7 @@ from conftest import ServerProcess, prompt_ids
 from radixserve_bench.systems import free_port
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-TIMEOUT = ("--disaggregation-transfer-timeout", "5")
+TIMEOUT = ("--disaggregation-transfer-timeout", "5", "--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,14 @@ def test_pd_through_the_real_router(server, pd_servers):
         _, single = run(post(server.url + "/generate", body))
         assert routed["output_ids"] == single["output_ids"]
         assert routed["meta_info"]["cached_tokens"] == 32  # the prompt's KV came from prefill
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi " * 30}],
+            "max_tokens": 4,
+        }
+        status, out = run(post(url + "/v1/chat/completions", chat, headers=JSON))
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
         run(assert_balanced(prefill.url, decode.url))
     finally:
         router.terminate()
