@@ -4,8 +4,10 @@ A prefill worker runs each request for one token (SGLang's prefill server answer
 prefill) and, when a request with a bootstrap room finishes, publishes its prompt's whole KV
 pages under the room. A decode worker parks a request with a bootstrap room off the queue
 while a thread fetches its pages, then stores them into its pool and radix tree and queues
-it: admission matches them like any cached prefix. A request with no room (warm-up, a client
-calling the worker directly) is computed as on a normal worker.
+it: admission matches them like any cached prefix. The stored pages are not locked while
+the request waits for admission: under memory pressure eviction may take them, and the
+request then computes its prompt itself (slower, same tokens). A request with no room
+(warm-up, a client calling the worker directly) is computed as on a normal worker.
 """
 
 from __future__ import annotations
