@@ -55,6 +55,11 @@ class KVTransfer(ABC):
     def publish(self, room: int, pages: list[bytes]) -> None:
         """Prefill: makes `pages` (a prompt's KV, in order) available to room `room`."""
 
+    def publish_error(self, room: int, message: str) -> None:
+        """Prefill: room `room`'s pages will never come (its request was aborted); a decode
+        side asking for it gets `message` at once rather than waiting out its timeout."""
+        return None
+
     @abstractmethod
     def fetch(self, host: str, port: int, room: int, page_nbytes: int, timeout_s: float):
         """Decode: room `room`'s pages from the prefill worker at host:port; None when the
@@ -85,7 +90,7 @@ class TcpKVTransfer(KVTransfer):
 
     def __init__(self, wait_timeout_s: float = 30.0):
         self.wait_timeout_s = wait_timeout_s
-        self._rooms: dict[int, tuple[float, list[bytes]]] = {}
+        self._rooms: dict[int, tuple[float, list[bytes] | str]] = {}  # str: an error
         self._ready = threading.Condition()
         self._listener: socket.socket | None = None
 
@@ -102,6 +107,12 @@ class TcpKVTransfer(KVTransfer):
         return None if self._listener is None else self._listener.getsockname()[1]
 
     def publish(self, room: int, pages: list[bytes]) -> None:
+        self._put(room, pages)
+
+    def publish_error(self, room: int, message: str) -> None:
+        self._put(room, message)
+
+    def _put(self, room: int, pages: list[bytes] | str) -> None:
         with self._ready:
             now = time.monotonic()
             self._rooms = {r: v for r, v in self._rooms.items() if now - v[0] < ROOM_TTL_S}
@@ -141,6 +152,8 @@ class TcpKVTransfer(KVTransfer):
         if pages is None:
             message = f"KV of bootstrap_room {room} not ready after {self.wait_timeout_s} s"
             return _send_error(conn, message)
+        if isinstance(pages, str):
+            return _send_error(conn, pages)
         if any(len(p) != nbytes for p in pages):
             size = len(pages[0])
             return _send_error(conn, f"page size mismatch: {size} bytes here, {nbytes} there")
@@ -148,8 +161,9 @@ class TcpKVTransfer(KVTransfer):
             conn.sendall(FRAME.pack(PAGE, index, zlib.crc32(page), len(page)) + page)
         conn.sendall(FRAME.pack(DONE, 0, 0, 0))
 
-    def _take(self, room: int) -> list[bytes] | None:
-        """Waits up to wait_timeout_s for room `room`, then removes and returns its pages."""
+    def _take(self, room: int) -> list[bytes] | str | None:
+        """Waits up to wait_timeout_s for room `room`, then removes and returns its pages (or
+        its error)."""
         with self._ready:
             if not self._ready.wait_for(lambda: room in self._rooms, self.wait_timeout_s):
                 return None

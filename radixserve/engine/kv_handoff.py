@@ -88,6 +88,17 @@ class KVHandoff:
         self.stats.kv_pages_sent += len(pages)
         self.stats.kv_bytes_sent += sum(len(p) for p in pages)
 
+    def report_aborted(self, reqs: list[Req]) -> None:
+        """Prefill: tells the decode side at once that an aborted request's room will never
+        get its pages (instead of letting it wait out its timeout)."""
+        if self.sender is None:
+            return
+        for req in reqs:
+            if req.bootstrap is not None and req.finished and req.finish_reason.is_abort:
+                room = req.bootstrap.room
+                message = f"the prefill worker aborted bootstrap_room {room}"
+                self.sender.transfer.publish_error(room, f"{message}: {req.finish_reason.message}")
+
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()

@@ -135,6 +135,8 @@ class Scheduler:
             req.finish(FinishReason.abort(message, status_code=500))
         self.inbox.clear()
         self.compiling, self.waiting, self.running, self.receiving = [], [], [], []
+        if self.handoff is not None:
+            self.handoff.report_aborted(reqs)
         return reqs
 
     def _all_reqs(self) -> list[Req]:
@@ -195,6 +197,8 @@ class Scheduler:
             self.ratio.decay()  # per batch run, as SGLang (idle steps do not count)
         changed = compiled or received or self._retracted
         self.last_step_progressed = bool(work or outputs or changed)
+        if self.handoff is not None:
+            self.handoff.report_aborted(outputs)
         return outputs
 
     def pending_compiles(self) -> list[Future]:
