@@ -11,6 +11,7 @@ import time
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import (
     CacheConfig,
+    DisaggregationConfig,
     FleetConfig,
     HiCacheConfig,
     LoadConfig,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
     add_server_args(srv)
     add_dataclass_args(srv, ParallelConfig, "parallelism")
+    add_dataclass_args(srv, DisaggregationConfig, "prefill/decode disaggregation")
     fleet = sub.add_parser(
         "fleet", help="serve N data-parallel workers behind sglang-router (extra: [fleet])"
     )
@@ -65,9 +67,11 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 def engine_args_from(args: argparse.Namespace) -> dict:
     if getattr(args, "model_arg", None) is not None:  # `serve MODEL` / `fleet MODEL`
         args.model = args.model_arg
+    groups = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, DisaggregationConfig)
+    groups += (HiCacheConfig,)
     return {  # `fleet` has no ParallelConfig flags: its workers are one process each
         name: getattr(args, name)
-        for cls in (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, HiCacheConfig)
+        for cls in groups
         for name in field_names(cls)
         if hasattr(args, name)
     }

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -300,7 +301,7 @@ def test_publisher_sends_numbered_batches_in_vllm_format_and_replays(subscriber)
     with pytest.raises(RuntimeError, match="cannot open"):  # the port is taken
         KVEventPublisher(config)
     taken.close(linger=0)
-    publisher = KVEventPublisher(config)
+    publisher = _open_when_released(config)
     try:
         subscriber.wait_connected()
         publisher.publish(BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "CPU"))
@@ -322,6 +323,18 @@ def test_publisher_sends_numbered_batches_in_vllm_format_and_replays(subscriber)
         assert subscriber.events()[-1] == AllBlocksCleared()
     finally:
         publisher.close()
+
+
+def _open_when_released(config: KVEventsConfig, timeout_s: float = 5.0) -> KVEventPublisher:
+    """A publisher on endpoints a just-closed socket held: ZMQ releases them asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return KVEventPublisher(config)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking(subscriber):

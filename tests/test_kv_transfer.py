@@ -92,6 +92,17 @@ def test_a_room_that_never_comes_is_a_clear_error(prefill):
         TcpKVTransfer().fetch(HOST, port, 8, 64, timeout_s=0.1)  # decode gives up first
 
 
+def test_an_aborted_room_fails_its_fetch_at_once(prefill):
+    transfer, port = prefill
+    transfer.wait_timeout_s = 30.0
+    start = time.monotonic()
+    threading.Timer(0.2, transfer.publish_error, (9, "room 9 aborted")).start()
+    with pytest.raises(KVTransferError, match="room 9 aborted"):
+        TcpKVTransfer().fetch(HOST, port, 9, 64, timeout_s=10)
+    assert time.monotonic() - start < 5 and transfer.num_rooms() == 0
+    FakeKVTransfer().publish_error(9, "nothing to tell")  # the fake backend has no peer
+
+
 def test_page_size_mismatch_is_refused(prefill):
     transfer, port = prefill
     transfer.publish(1, [b"x" * 32])

@@ -1,3 +1,3 @@
-"""Prefill/decode disaggregation, the transfer layer: KV pages as bytes (`kv_pages.py`) and
-their transfer between workers, keyed by SGLang's bootstrap room (`transfer.py`). Not wired
-into the engine yet: the flags (`--disaggregation-mode` ...) come with that step."""
+"""Prefill/decode disaggregation: KV pages as bytes (`kv_pages.py`), their transfer between
+workers keyed by SGLang's bootstrap room (`transfer.py`), and each worker's end of it
+(`worker.py`); engine/kv_handoff.py wires them into the scheduler."""

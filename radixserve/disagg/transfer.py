@@ -44,9 +44,21 @@ class KVTransferTimeout(KVTransferError):
 class KVTransfer(ABC):
     """One worker's end of the transfer: `publish` on prefill, `fetch` on decode."""
 
+    moves_pages: bool = True  # False: publish ignores its pages (no need to copy them out)
+
+    @property
+    def port(self) -> int | None:
+        """The bootstrap port served (prefill side, once listening); None otherwise."""
+        return None
+
     @abstractmethod
     def publish(self, room: int, pages: list[bytes]) -> None:
         """Prefill: makes `pages` (a prompt's KV, in order) available to room `room`."""
+
+    def publish_error(self, room: int, message: str) -> None:
+        """Prefill: room `room`'s pages will never come (its request was aborted); a decode
+        side asking for it gets `message` at once rather than waiting out its timeout."""
+        return None
 
     @abstractmethod
     def fetch(self, host: str, port: int, room: int, page_nbytes: int, timeout_s: float):
@@ -60,6 +72,8 @@ class KVTransfer(ABC):
 
 class FakeKVTransfer(KVTransfer):
     """Moves nothing and reports success."""
+
+    moves_pages = False
 
     def publish(self, room: int, pages: list[bytes]) -> None:
         return None
@@ -76,7 +90,7 @@ class TcpKVTransfer(KVTransfer):
 
     def __init__(self, wait_timeout_s: float = 30.0):
         self.wait_timeout_s = wait_timeout_s
-        self._rooms: dict[int, tuple[float, list[bytes]]] = {}
+        self._rooms: dict[int, tuple[float, list[bytes] | str]] = {}  # str: an error
         self._ready = threading.Condition()
         self._listener: socket.socket | None = None
 
@@ -88,7 +102,17 @@ class TcpKVTransfer(KVTransfer):
         threading.Thread(target=self._accept, daemon=True, name="kv-bootstrap").start()
         return self._listener.getsockname()[1]
 
+    @property
+    def port(self) -> int | None:
+        return None if self._listener is None else self._listener.getsockname()[1]
+
     def publish(self, room: int, pages: list[bytes]) -> None:
+        self._put(room, pages)
+
+    def publish_error(self, room: int, message: str) -> None:
+        self._put(room, message)
+
+    def _put(self, room: int, pages: list[bytes] | str) -> None:
         with self._ready:
             now = time.monotonic()
             self._rooms = {r: v for r, v in self._rooms.items() if now - v[0] < ROOM_TTL_S}
@@ -128,6 +152,8 @@ class TcpKVTransfer(KVTransfer):
         if pages is None:
             message = f"KV of bootstrap_room {room} not ready after {self.wait_timeout_s} s"
             return _send_error(conn, message)
+        if isinstance(pages, str):
+            return _send_error(conn, pages)
         if any(len(p) != nbytes for p in pages):
             size = len(pages[0])
             return _send_error(conn, f"page size mismatch: {size} bytes here, {nbytes} there")
@@ -135,8 +161,9 @@ class TcpKVTransfer(KVTransfer):
             conn.sendall(FRAME.pack(PAGE, index, zlib.crc32(page), len(page)) + page)
         conn.sendall(FRAME.pack(DONE, 0, 0, 0))
 
-    def _take(self, room: int) -> list[bytes] | None:
-        """Waits up to wait_timeout_s for room `room`, then removes and returns its pages."""
+    def _take(self, room: int) -> list[bytes] | str | None:
+        """Waits up to wait_timeout_s for room `room`, then removes and returns its pages (or
+        its error)."""
         with self._ready:
             if not self._ready.wait_for(lambda: room in self._rooms, self.wait_timeout_s):
                 return None

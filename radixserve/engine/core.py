@@ -16,6 +16,7 @@ from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import (
     DRAFT_MODEL_ALGORITHMS,
     CacheConfig,
+    DisaggregationConfig,
     HiCacheConfig,
     KVEventsConfig,
     LoadConfig,
@@ -48,6 +49,7 @@ class EngineCore:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         parallel_config: ParallelConfig | None = None,
+        disaggregation_config: DisaggregationConfig | None = None,
         hicache_config: HiCacheConfig | None = None,
     ) -> EngineCore:
         scheduler_config.verify()
@@ -63,6 +65,8 @@ class EngineCore:
         kv_events = cache_config.kv_events()  # a bad flag or no pyzmq: fail before loading
         if kv_events is not None and kv_events.publisher == "zmq":
             import_zmq()
+        disaggregation_config = disaggregation_config or DisaggregationConfig()
+        disaggregation_config.verify(scheduler_config, parallel_config.tp_size)
         algorithm = scheduler_config.speculative_algorithm
         if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
@@ -73,15 +77,8 @@ class EngineCore:
         publisher = None
         try:
             publisher = _start_publisher(kv_events)
-            return cls._assemble(
-                loaded,
-                runner,
-                load_config,
-                cache_config,
-                scheduler_config,
-                hicache_config,
-                publisher,
-            )
+            configs = (load_config, cache_config, scheduler_config, disaggregation_config)
+            return cls._assemble(loaded, runner, *configs, hicache_config, publisher)
         except BaseException:
             if publisher is not None:
                 publisher.close()
@@ -97,6 +94,7 @@ class EngineCore:
         load_config: LoadConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        disaggregation_config: DisaggregationConfig,
         hicache_config: HiCacheConfig,
         publisher: KVEventPublisher | None = None,
     ) -> EngineCore:
@@ -112,17 +110,24 @@ class EngineCore:
             eos_ids.add(tokenizer.eos_token_id)
         drafter = create_drafter(scheduler_config, runner, load_config, cache_config, tokenizer)
         scheduler = Scheduler(
-            runner, cache, scheduler_config, tuple(sorted(eos_ids)), tokenizer, drafter=drafter
+            runner,
+            cache,
+            scheduler_config,
+            tuple(sorted(eos_ids)),
+            tokenizer,
+            drafter=drafter,
+            disaggregation=disaggregation_config,
         )
         context_length = _context_length(scheduler_config, loaded)
         return cls(loaded, runner, scheduler, tokenizer, context_length, publisher)
 
     def close(self) -> None:
-        """Saves a persistent cache tier, stops the KV event publisher and the tensor-parallel
-        ranks, if any."""
+        """Saves a persistent cache tier, stops the KV event publisher, disaggregation's
+        transfer and the tensor-parallel ranks, if any."""
         self.cache.close()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
+        self.scheduler.close()
         if isinstance(self.runner, TPModelRunner):
             self.runner.close()
 

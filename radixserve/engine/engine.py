@@ -41,6 +41,7 @@ class Engine:
             self.context_length,
             self.runner.pool.capacity_tokens,
             enable_priority=self.scheduler.config.enable_priority_scheduling,
+            disaggregation_mode=handoff.mode if (handoff := self.scheduler.handoff) else None,
         )
         self.client = InProcessClient(self.core)
         self._loop = LoopThread()

@@ -71,9 +71,7 @@ class KVEventPublisher:
         self._started.wait()
         if self._start_error is not None:
             self._thread.join()
-            raise RuntimeError(
-                f"{FLAG}: cannot open {config.endpoint}: {self._start_error}"
-            ) from self._start_error
+            raise RuntimeError(f"{FLAG}: cannot open {self._start_error}") from self._start_error
 
     def publish(self, event: KVCacheEvent) -> None:
         """Queues one event for the thread; drops (and counts) it when the queue is full."""
@@ -113,11 +111,12 @@ class KVEventPublisher:
         zmq = self._zmq
         pub = ctx.socket(zmq.PUB)
         pub.set_hwm(self.config.hwm)
-        _open(pub, self.config.endpoint)
+        _open_named(lambda: _open(pub, self.config.endpoint), "endpoint", self.config.endpoint)
         replay = None
         if self.config.replay_endpoint is not None:
             replay = ctx.socket(zmq.ROUTER)
-            replay.bind(self.config.replay_endpoint)  # always bound, as vLLM's
+            endpoint = self.config.replay_endpoint
+            _open_named(lambda: replay.bind(endpoint), "replay_endpoint", endpoint)  # as vLLM
         return pub, replay
 
     def _serve(self, pub: Any, replay: Any | None) -> None:
@@ -173,3 +172,11 @@ def _open(socket: Any, endpoint: str) -> None:
         socket.bind(endpoint)
     else:
         socket.connect(endpoint)
+
+
+def _open_named(open_socket: Any, key: str, endpoint: str) -> None:
+    """Opens a socket; a failure names the config key and endpoint it was for."""
+    try:
+        open_socket()
+    except Exception as exc:
+        raise RuntimeError(f"{key} {endpoint}: {exc}") from exc

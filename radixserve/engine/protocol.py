@@ -95,6 +95,17 @@ class PinRequest:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's KV comes from (SGLang's bootstrap fields, written by
+    sglang-router in PD mode): the prefill worker's host and bootstrap port, and the room
+    that pairs its prefill with its decode."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """A validated request, as the core receives it."""
 
@@ -109,6 +120,7 @@ class RequestSpec:
     priority: int = 0  # higher first (SGLang's field); needs --enable-priority-scheduling
     session_id: str | None = None  # admitting it ends the session's previous retention pin
     pin: PinRequest | None = None  # retention: pin what it leaves in the cache
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the KV's room
 
     @property
     def wants_logprobs(self) -> bool:

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.engine.protocol import FinishReason, PinRequest, RequestSpec, SpecCounts
+from radixserve.engine.protocol import (
+    Bootstrap,
+    FinishReason,
+    PinRequest,
+    RequestSpec,
+    SpecCounts,
+)
 from radixserve.sampling.params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -47,6 +53,7 @@ class Req:
     priority: int = 0  # higher first, with --enable-priority-scheduling
     session_id: str | None = None
     pin: PinRequest | None = None  # retention: pin the sequence when it finishes
+    bootstrap: Bootstrap | None = None  # disaggregation: the room its prompt's KV goes by
     request_id: str = ""  # unique within the engine; defaults to rid (direct scheduler users)
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
@@ -69,6 +76,7 @@ class Req:
     queue_time: float | None = None  # seconds from arrival to first admission
     grammar: Any = field(default=None, repr=False)  # xgrammar matcher of a constrained request
     grammar_future: Any = field(default=None, repr=False)  # its compilation, while pending
+    kv_future: Any = field(default=None, repr=False)  # disaggregated decode: its KV's fetch
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
@@ -95,6 +103,7 @@ class Req:
             priority=spec.priority,
             session_id=spec.session_id,
             pin=spec.pin,
+            bootstrap=spec.bootstrap,
         )
 
     @property

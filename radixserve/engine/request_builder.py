@@ -14,11 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from radixserve.cache.retention import session_pin_key
-from radixserve.engine.protocol import PinRequest, RequestSpec
+from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
 from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams, is_int64
 
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+"""SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
 SEED_MASK = (1 << 64) - 1
 """The sampler hashes a seed's low 64 bits, so any int seed is kept as just those: the same
 draws, and a value the engine core message (msgpack, 64 bits) can carry."""
@@ -39,12 +41,16 @@ class GenerateArgs:
     priority: int | None = None  # higher first; needs --enable-priority-scheduling
     session_id: str | None = None  # an agent session: its next request ends its retention
     retention: dict | None = None  # {"ttl_s": s}: keep prompt + output pinned (needs session_id)
+    bootstrap_host: str | list[str] | None = None  # disaggregation: the prefill worker's host
+    bootstrap_port: int | list[int] | None = None  # ... its bootstrap port
+    bootstrap_room: int | list[int] | None = None  # ... the room pairing prefill and decode
 
 
 class RequestBuilder:
     """`max_outputs`: most requests one call may make (prompts x n); the server's running +
     queued limit, since a call with more could never be admitted. `enable_priority`: the
-    engine's --enable-priority-scheduling (without it a non-zero priority is refused)."""
+    engine's --enable-priority-scheduling (without it a non-zero priority is refused).
+    `disaggregation_mode`: prefill | decode | None (bootstrap fields are refused)."""
 
     def __init__(
         self,
@@ -54,6 +60,7 @@ class RequestBuilder:
         capacity_tokens: int,
         max_outputs: int | None = None,
         enable_priority: bool = False,
+        disaggregation_mode: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -61,6 +68,7 @@ class RequestBuilder:
         self.capacity_tokens = capacity_tokens
         self.max_outputs = max_outputs
         self.enable_priority = enable_priority
+        self.disaggregation_mode = disaggregation_mode
         self._rng = random.Random()
 
     def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
@@ -74,13 +82,32 @@ class RequestBuilder:
                                    args.top_logprobs_num)  # fmt: skip
         parsed = [self.sampling_params(p) for p in params_list]
         self._check_num_outputs(sum(params.n for params in parsed))
+        bootstraps = self._bootstraps(args, count)
         specs = []
-        for ids, params, rid, salt in zip(token_lists, parsed, rids, salts):
+        for ids, params, rid, salt, boot in zip(token_lists, parsed, rids, salts, bootstraps):
             self.check_length(ids, params)
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
-            specs += [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
+            if boot is not None and params.n != 1:
+                raise ValueError("bootstrap_room pairs one prefill with one decode: n must be 1")
+            outputs = [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
+            specs += [replace(spec, bootstrap=boot) for spec in outputs]
         return self.with_retention(specs, args), batched
+
+    def _bootstraps(self, args: GenerateArgs, count: int) -> list[Bootstrap | None]:
+        """Each prompt's bootstrap (host, port, room), checked; all None when not given."""
+        given = [name for name in BOOTSTRAP_FIELDS if getattr(args, name) is not None]
+        if not given:
+            return [None] * count
+        if self.disaggregation_mode is None:
+            raise ValueError(
+                f"{given[0]} needs a worker started with --disaggregation-mode prefill or decode"
+            )
+        missing = [name for name in BOOTSTRAP_FIELDS if name not in given]
+        if missing:
+            raise ValueError(f"{missing[0]} is missing: {', '.join(BOOTSTRAP_FIELDS)} go together")
+        hosts, ports, rooms = (_per_prompt(getattr(args, n), count, n) for n in BOOTSTRAP_FIELDS)
+        return [_bootstrap(*values) for values in zip(hosts, ports, rooms)]
 
     def with_retention(self, specs: list[RequestSpec], args: GenerateArgs) -> list[RequestSpec]:
         """`specs` with the call's priority, session and retention, checked."""
@@ -194,6 +221,16 @@ def _per_prompt(value, count: int, name: str) -> list:
     if value is not None and count > 1 and name == "rid":
         raise ValueError("rid must be a list with one id per prompt")
     return [value] * count
+
+
+def _bootstrap(host: Any, port: Any, room: Any) -> Bootstrap:
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"bootstrap_host must be a non-empty string; got {host!r}")
+    if not _is_int(port) or not 1 <= port <= 65535:
+        raise ValueError(f"bootstrap_port must be an int in [1, 65535]; got {port!r}")
+    if not _is_int(room) or not 0 <= room <= SEED_MASK:
+        raise ValueError(f"bootstrap_room must be an int in [0, 2**64); got {room!r}")
+    return Bootstrap(host=host, port=port, room=room)
 
 
 def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | None:

@@ -20,10 +20,11 @@ import torch
 
 from radixserve.cache.prefix_cache import MatchResult, PrefixCache
 from radixserve.cache.retention import PinTable
-from radixserve.config import SchedulerConfig
+from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
+from radixserve.engine.kv_handoff import KVHandoff
 from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
@@ -51,9 +52,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         tokenizer=None,
         drafter: Drafter | None = None,
+        disaggregation: DisaggregationConfig | None = None,
     ):
         """`drafter`: built by the caller for SELF / STANDALONE (a draft model); NGRAM's is
-        built here from the config when not given."""
+        built here from the config when not given. `disaggregation`: this worker's role in
+        prefill/decode disaggregation, if any."""
         config.verify()
         self.runner = runner
         self.pool = runner.pool
@@ -66,6 +69,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.inbox: deque[Req] = deque()
         self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
+        self.receiving: list[Req] = []  # disaggregated decode: requests whose KV is on its way
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
         max_pinned = int(config.max_pinned_fraction * self.pool.allocator.capacity)
@@ -90,6 +94,7 @@ class Scheduler:
         drafter = drafter or create_drafter(config)
         self.speculator = None if drafter is None else Speculator(drafter, config, self.stats)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
+        self.handoff = KVHandoff.create(disaggregation, self.pages, self.stats)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -129,14 +134,22 @@ class Scheduler:
                 self._release(req)
             req.finish(FinishReason.abort(message, status_code=500))
         self.inbox.clear()
-        self.compiling, self.waiting, self.running = [], [], []
+        self.compiling, self.waiting, self.running, self.receiving = [], [], [], []
+        if self.handoff is not None:
+            self.handoff.report_aborted(reqs)
         return reqs
 
     def _all_reqs(self) -> list[Req]:
-        return [*self.inbox, *self.compiling, *self.waiting, *self.running]
+        return [*self.inbox, *self.receiving, *self.compiling, *self.waiting, *self.running]
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.compiling or self.waiting or self.running)
+        queued = self.inbox or self.receiving or self.compiling or self.waiting
+        return bool(queued or self.running)
+
+    def close(self) -> None:
+        """Stops disaggregation's transfer (its bootstrap port, its fetch threads)."""
+        if self.handoff is not None:
+            self.handoff.close()
 
     def grammar_stats(self) -> GrammarStats | None:
         return None if self._grammar is None else self._grammar.stats
@@ -166,6 +179,7 @@ class Scheduler:
         outputs: list[Req] = []
         self._drain_inbox()
         compiled = self._collect_compiled(outputs)
+        received = self._collect_received(outputs)
         self._handle_aborts(outputs)
         work = self._schedule()
         if work:
@@ -181,7 +195,10 @@ class Scheduler:
             else:
                 self._commit(work, logits, outputs)
             self.ratio.decay()  # per batch run, as SGLang (idle steps do not count)
-        self.last_step_progressed = bool(work or outputs or compiled or self._retracted)
+        changed = compiled or received or self._retracted
+        self.last_step_progressed = bool(work or outputs or changed)
+        if self.handoff is not None:
+            self.handoff.report_aborted(outputs)
         return outputs
 
     def pending_compiles(self) -> list[Future]:
@@ -195,11 +212,17 @@ class Scheduler:
             self.stats.prompt_tokens += len(req.input_ids)
             if self.drafter is not None and req.params.speculative:
                 req.spec_counts = SpecCounts()
-            if req.params.grammar is None:
-                self.waiting.append(req)
-            else:  # waits off the queue so that compiling never stalls the batch
-                req.grammar_future = self.grammar.compile_async(*req.params.grammar)
-                self.compiling.append(req)
+            if self.handoff is not None and self.handoff.prepare(req):
+                self.receiving.append(req)  # waits off the queue while its KV is fetched
+            else:
+                self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        if req.params.grammar is None:
+            self.waiting.append(req)
+        else:  # waits off the queue so that compiling never stalls the batch
+            req.grammar_future = self.grammar.compile_async(*req.params.grammar)
+            self.compiling.append(req)
 
     def _collect_compiled(self, outputs: list[Req]) -> bool:
         """Queues the requests whose grammar compiled (aborts those whose compile failed)."""
@@ -218,11 +241,29 @@ class Scheduler:
             req.grammar_future = None
         return bool(done)
 
+    def _collect_received(self, outputs: list[Req]) -> bool:
+        """Queues the requests whose KV arrived (stored into the pool and tree first); ends
+        those whose transfer failed, with the error naming their room."""
+        done = [r for r in self.receiving if r.kv_future.done()]
+        for req in done:
+            self.receiving.remove(req)
+            try:
+                self.handoff.receive(req)
+            except Exception as exc:
+                logger.warning("KV transfer of %s failed: %s", req.rid, exc)
+                self.stats.kv_transfer_failures += 1
+                req.finish(FinishReason.abort(f"KV transfer failed: {exc}", status_code=500))
+                outputs.append(req)
+                continue
+            self._enqueue(req)
+        return bool(done)
+
     def _handle_aborts(self, outputs: list[Req]) -> None:
-        for req in [r for r in self.waiting + self.compiling if r.abort_requested]:
-            (self.waiting if req in self.waiting else self.compiling).remove(req)
-            req.finish(ABORTED_BY_CLIENT)
-            outputs.append(req)
+        for queue in (self.waiting, self.compiling, self.receiving):
+            for req in [r for r in queue if r.abort_requested]:
+                queue.remove(req)
+                req.finish(ABORTED_BY_CLIENT)
+                outputs.append(req)
         for req in [r for r in self.running if r.abort_requested]:
             self._end_running(req, ABORTED_BY_CLIENT, outputs)
 
@@ -564,7 +605,10 @@ class Scheduler:
             self.pages.trim(req)
 
     def _leave_finished(self, req: Req) -> None:
-        """A finished request's pages to the tree; its sequence to the drafter's store."""
+        """A finished request's pages to the tree (on a prefill worker, its prompt's pages
+        published first); its sequence to the drafter's store."""
+        if self.handoff is not None:
+            self.handoff.on_finished(req)
         self._release(req, finished=not req.finish_reason.is_abort)
         self.pages.retain(req)
         self.running.remove(req)

@@ -19,6 +19,11 @@ class EngineStats:
     spec_verify_steps: int = 0  # decode steps of speculating requests (each verifies a draft)
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # draft tokens accepted
+    kv_pages_sent: int = 0  # disaggregated prefill: prompt KV pages published
+    kv_bytes_sent: int = 0
+    kv_pages_received: int = 0  # disaggregated decode: KV pages stored into the pool
+    kv_bytes_received: int = 0
+    kv_transfer_failures: int = 0  # decode: requests ended because their KV did not arrive
 
     @property
     def cache_hit_rate(self) -> float:

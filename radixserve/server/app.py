@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.config import ServerConfig
 from radixserve.engine.client import EngineBusyError, EngineDeadError
 from radixserve.engine.output import LogprobCursor, format_output
-from radixserve.engine.request_builder import GenerateArgs
+from radixserve.engine.request_builder import BOOTSTRAP_FIELDS, GenerateArgs
 from radixserve.engine.result import ResultStream
 from radixserve.server import dashboard, openai_api
 from radixserve.server.cache_api import register_cache_routes
@@ -34,7 +34,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
-    "priority", "session_id", "retention",
+    "priority", "session_id", "retention", "bootstrap_host", "bootstrap_port", "bootstrap_room",
 }  # fmt: skip
 GENERATE_NO_OP_VALUES = {"log_metrics": True}
 """Fields accepted at their SGLang default only; sglang-router writes them into every body.
@@ -141,6 +141,7 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
         priority=body.get("priority"),
         session_id=body.get("session_id"),
         retention=body.get("retention"),
+        **{name: body.get(name) for name in BOOTSTRAP_FIELDS},
     )
     return args, stream, with_text
 

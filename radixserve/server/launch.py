@@ -7,7 +7,7 @@ import logging
 import signal
 from typing import Any
 
-from radixserve.config import SchedulerConfig, ServerConfig
+from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
 from radixserve.engine.request_builder import RequestBuilder
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.server.app import ServerState, build_app
@@ -47,6 +47,7 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
         info["capacity_tokens"],
         max_outputs=max_running + config.max_queued_requests,
         enable_priority=engine_args.get("enable_priority_scheduling", False),
+        disaggregation_mode=split_engine_kwargs(None, engine_args)[4].mode,
     )
     model_path = engine_args.get("model") or info["model_name"]
     return ServerState(

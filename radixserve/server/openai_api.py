@@ -160,7 +160,7 @@ def build_specs(
         logprob_start_len=0 if parsed.echo and logprobs else None,
         top_logprobs_num=parsed.logprobs,
         cache_salt=parsed.cache_salt,
-        **parsed.retention,
+        **parsed.extra_args,
     )
     try:
         return state.builder.build(args)[0]

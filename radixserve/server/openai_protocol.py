@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from radixserve.engine.request import MAX_LOGPROBS
+from radixserve.engine.request_builder import BOOTSTRAP_FIELDS
 from radixserve.engine.result import RequestResult
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
@@ -43,12 +44,13 @@ SAMPLING_FIELDS = (
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "no_stop_trim", "speculative",
 )  # fmt: skip
-# SGLang's priority and session_id, and retention (ours): extra body fields, as on /generate.
-RETENTION_FIELDS = ("priority", "session_id", "retention")
+# SGLang's priority and session_id, retention (ours) and the bootstrap fields sglang-router's
+# PD mode writes: extra body fields, passed on as on /generate.
+EXTRA_GENERATE_FIELDS = ("priority", "session_id", "retention", *BOOTSTRAP_FIELDS)
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
-    *RETENTION_FIELDS,
+    *EXTRA_GENERATE_FIELDS,
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -90,7 +92,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     echo: bool = False
     cache_salt: Any = None
-    retention: dict[str, Any] = field(default_factory=dict)  # RETENTION_FIELDS given
+    extra_args: dict[str, Any] = field(default_factory=dict)  # EXTRA_GENERATE_FIELDS given
     max_tokens_name: str = "max_tokens"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice("none")
@@ -128,7 +130,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         stream=stream,
         include_usage=check_stream_options(body.get("stream_options"), stream),
         cache_salt=body.get("cache_salt"),
-        retention={name: body[name] for name in RETENTION_FIELDS if name in body},
+        extra_args={name: body[name] for name in EXTRA_GENERATE_FIELDS if name in body},
     )
     if chat:
         _parse_chat(body, parsed)

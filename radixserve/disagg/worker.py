@@ -1,0 +1,104 @@
+"""A worker's end of prefill/decode disaggregation, over a `KVTransfer`.
+
+    prefill worker                              decode worker
+    computes the prompt (its radix cache helps) fetch(room): a thread pulls the pages
+    PrefillSender.send: the prompt's whole  --> DecodeReceiver.store: free pages of its own
+      pages, copied out, under the room           pool, written, given to its radix tree
+    finishes after one token; its pages go      the request is then admitted as a cache
+      to its own tree as usual                    hit of those pages and decodes
+
+Only whole pages move: the decode side computes the prompt's last partial page (fewer than
+page_size tokens, at least the last token) itself, as any cache hit does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.config import DisaggregationConfig
+from radixserve.disagg.kv_pages import page_nbytes, read_page, write_page
+from radixserve.disagg.transfer import FakeKVTransfer, KVTransfer, KVTransferError, TcpKVTransfer
+
+MAX_CONCURRENT_FETCHES = 16
+"""Fetch threads of a decode worker: rooms pulled at once (more wait their turn)."""
+
+
+def create_transfer(config: DisaggregationConfig) -> KVTransfer:
+    """The configured backend; a tcp prefill worker listens on its bootstrap port."""
+    if config.disaggregation_transfer_backend == "fake":
+        return FakeKVTransfer()
+    transfer = TcpKVTransfer(wait_timeout_s=config.disaggregation_transfer_timeout)
+    if config.mode == "prefill":
+        host, port = config.disaggregation_bootstrap_host, config.disaggregation_bootstrap_port
+        try:
+            transfer.listen(host, port)
+        except OSError as exc:
+            raise ValueError(
+                f"--disaggregation-bootstrap-port {port}: cannot listen on {host}: {exc}"
+            ) from exc
+    return transfer
+
+
+class PrefillSender:
+    """Publishes a computed prompt's whole KV pages under its bootstrap room."""
+
+    def __init__(self, transfer: KVTransfer, pool: KVPool):
+        self.transfer = transfer
+        self.pool = pool
+
+    def send(self, room: int, num_tokens: int, page_table: Sequence[int]) -> list[bytes]:
+        """Copies out the pages of the first `num_tokens` tokens' whole pages and publishes
+        them; returns them (for counting)."""
+        num_pages = num_tokens // self.pool.page_size
+        pages = [read_page(self.pool, page) for page in page_table[:num_pages]]
+        self.transfer.publish(room, pages)
+        return pages
+
+
+class DecodeReceiver:
+    """Pulls rooms' pages on its own threads; stores them into the pool and tree on the
+    caller's (the core's) thread."""
+
+    def __init__(self, transfer: KVTransfer, pool: KVPool, cache: PrefixCache, timeout_s: float):
+        self.transfer = transfer
+        self.pool = pool
+        self.cache = cache
+        self.timeout_s = timeout_s
+        self._nbytes = page_nbytes(pool)
+        self._threads = ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, thread_name_prefix="kv-fetch")
+
+    def fetch(self, host: str, port: int, room: int) -> Future:
+        """Starts pulling room `room`; the future's result is its pages (None: nothing moved,
+        the fake backend), or it raises KVTransferError naming the room."""
+        return self._threads.submit(
+            self.transfer.fetch, host, port, room, self._nbytes, self.timeout_s
+        )
+
+    def store(
+        self, room: int, token_ids: Sequence[int], pages: list[bytes], namespace: str | None
+    ) -> None:
+        """Writes `pages` (the whole pages of `token_ids`) into free pages and gives them to
+        the tree; the caller has made sure that len(pages) pages are free."""
+        num_pages = len(token_ids) // self.pool.page_size
+        if len(pages) != num_pages:
+            raise KVTransferError(
+                f"bootstrap_room {room}: the prefill worker sent {len(pages)} KV pages for a "
+                f"prompt of {num_pages} whole pages (another prompt under this room?)"
+            )
+        ids = self.pool.allocator.allocate(num_pages).tolist()
+        try:
+            for page, data in zip(ids, pages):
+                write_page(self.pool, page, data)
+        except BaseException:
+            self.pool.allocator.free(ids)
+            raise
+        num_tokens = num_pages * self.pool.page_size
+        present = self.cache.insert(token_ids[:num_tokens], ids, namespace)
+        self.pool.allocator.free(ids[: present // self.pool.page_size])  # already in the tree
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.transfer.close()
