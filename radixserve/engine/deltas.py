@@ -37,6 +37,7 @@ class DeltaTracker:
             new_output_logprobs=req.output_logprobs[sent.output_logprobs :],
             new_output_top_logprobs=req.output_top_logprobs[sent.output_logprobs :],
             spec_counts=None if req.spec_counts is None else replace(req.spec_counts),
+            jump_forward_tokens=req.jump_forward_tokens,
         )
         sent.output = len(req.output_ids)
         sent.input_logprobs = len(req.input_logprobs)

@@ -73,6 +73,7 @@ class Req:
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # set by the scheduler when the request speculates
+    jump_forward_tokens: int = 0  # output tokens its grammar forced (sampling/jump_forward.py)
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -18,6 +18,7 @@ class EngineStats:
     spec_verify_steps: int = 0  # decode steps of speculating requests (each verifies a draft)
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # draft tokens accepted
+    jump_forward_tokens: int = 0  # output tokens a grammar forced, appended unsampled
 
     @property
     def cache_hit_rate(self) -> float:
