@@ -1,13 +1,15 @@
 """Jump-forward for constrained output (SGLang's compressed FSM): where the grammar admits
 exactly one continuation, its text becomes output tokens without sampling.
 
-The forced text is tokenized together with the request's newest token (SGLang's
-`jump_and_retokenize`), so that a boundary such as `{"` + `name` reads as the tokenizer
-would write it. Retokenization reaches back over that one token only: it was sampled in
+The forced text is what xgrammar's `find_jump_forward_tokens` covers: the forced string
+without a last token that a longer token could still extend (a jump ending in `{` would
+leave the model to write `}` after it, where it writes `{}` as one token). It is tokenized
+together with the request's newest token (SGLang's `jump_and_retokenize`), so that a
+boundary such as `{"` + `name` reads as the tokenizer would write it. Retokenization reaches back over that one token only: it was sampled in
 this very step, so no caller has seen it and no K/V holds it; nothing streamed is ever
 taken back. A retokenization is used only if it decodes to exactly the old text plus the
-forced text and the grammar accepts every token; otherwise the forced text's own tokens
-are appended after the newest token, and failing that xgrammar's `find_jump_forward_tokens`.
+forced text and the grammar accepts every token; otherwise the tokenizer's tokens of the
+forced text are appended after the newest token, and failing that xgrammar's.
 
     output:  ... a b t            t: sampled now (not streamed, no K/V)
     jump:    ... a b [c1 c2 ... cF]   tokenize(text(t) + forced); or ... a b t [c1 ... cF]
@@ -44,13 +46,14 @@ def find_jump(
     longer than the output; None if the grammar forces nothing. `can_replace`: the newest
     token may be retokenized (it is neither streamed nor computed). The matcher ends where
     it started."""
-    if room <= 0:
+    if room <= 0 or not matcher.find_jump_forward_string():
         return None
-    forced = matcher.find_jump_forward_string()
-    if not forced:
+    tokens = list(matcher.find_jump_forward_tokens())
+    forced = tokenizer.decode(tokens)
+    if not tokens or forced.endswith("\ufffd"):
         return None
     context = output_ids[-CONTEXT_TOKENS - 1 :]
-    for jump in _candidates(matcher, tokenizer, context, forced, can_replace):
+    for jump in _candidates(tokenizer, context, forced, tokens, can_replace):
         if jump is None or jump.num_forced <= 0:
             continue
         jump = Jump(jump.num_replaced, jump.tokens[: room + jump.num_replaced])
@@ -60,14 +63,15 @@ def find_jump(
 
 
 def _candidates(
-    matcher: Any, tokenizer, context: list[int], forced: str, can_replace: bool
+    tokenizer, context: list[int], forced: str, tokens: list[int], can_replace: bool
 ) -> Iterator[Jump | None]:
-    """The ways to tokenize the jump, best first (None: that way does not read the same)."""
+    """The ways to tokenize the jump, best first (None: that way does not read the same);
+    the last, xgrammar's own tokens of the forced text, always reads the same."""
     text = tokenizer.decode(context) + forced
     if can_replace and context:
         yield _retokenized(tokenizer, context, forced, text)
     yield _appended(tokenizer, context, forced, text)
-    yield Jump(0, list(matcher.find_jump_forward_tokens()))
+    yield Jump(0, tokens)
 
 
 def _retokenized(tokenizer, context: list[int], forced: str, text: str) -> Jump | None:
