@@ -28,6 +28,10 @@ ORDER = {
     "additionalProperties": False,
 }
 LITERAL = r"The order was (accepted|rejected) by the warehouse after review number [0-9]{2}\."
+LITERAL_EBNF = (
+    'root ::= "The order was " verdict " by the warehouse after review number " [0-9] [0-9] "."\n'
+    'verdict ::= "accepted" | "rejected"'
+)
 
 
 def _run(engine, params: dict, prompts=None, **extra):
@@ -39,7 +43,8 @@ def _run(engine, params: dict, prompts=None, **extra):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_schema_with_fixed_keys_jumps_and_stays_valid(tiny_chat_model, page_size):
     params = greedy(120, json_schema=ORDER, ignore_eos=False)
-    on, on_stats = _run(make_engine(tiny_chat_model, page_size=page_size), params)
+    on_engine = make_engine(tiny_chat_model, page_size=page_size)
+    on, on_stats = _run(on_engine, params)
     off_engine = make_engine(tiny_chat_model, page_size=page_size, disable_jump_forward=True)
     off, off_stats = _run(off_engine, params)
     for out in on + off:
@@ -49,17 +54,20 @@ def test_schema_with_fixed_keys_jumps_and_stays_valid(tiny_chat_model, page_size
     assert all(o["meta_info"]["jump_forward_tokens"] == 0 for o in off)
     assert on_stats["jump_forward_tokens"] > 0 and off_stats["jump_forward_tokens"] == 0
     assert on_stats["forward_steps"] < off_stats["forward_steps"] / 2
+    on_engine.check_integrity()
     off_engine.check_integrity()
 
 
-def test_regex_with_a_long_literal_and_the_requests_around_it(tiny_chat_model):
+@pytest.mark.parametrize("kind", ["regex", "ebnf"])
+def test_a_long_literal_and_the_requests_around_it(tiny_chat_model, kind):
     """A long fixed literal is jumped over, from the first token on; an unconstrained
     request in the same batch gets exactly the tokens it gets alone."""
     engine = make_engine(tiny_chat_model)
     plain = engine.generate(input_ids=prompt_ids(9), sampling_params=greedy(20))
+    constraint = {kind: LITERAL if kind == "regex" else LITERAL_EBNF}
     outputs = engine.generate(
         input_ids=[prompt_ids(9), prompt_ids(1), prompt_ids(2)],
-        sampling_params=[greedy(20), greedy(60, regex=LITERAL), greedy(60, regex=LITERAL)],
+        sampling_params=[greedy(20), greedy(60, **constraint), greedy(60, **constraint)],
     )
     assert outputs[0]["output_ids"] == plain["output_ids"]
     assert "jump_forward_tokens" not in outputs[0]["meta_info"]
@@ -136,6 +144,20 @@ def test_retraction_speculation_and_samples_keep_pages_balanced(tiny_chat_model)
     stats = engine.get_stats()
     assert stats["retractions"] > 0 and stats["jump_forward_tokens"] > 0
     engine.check_integrity()
+
+
+def test_speculation_on_top_changes_no_greedy_token(tiny_chat_model):
+    """NGRAM drafts are checked against the grammar and a request does not speculate while
+    it extends forced tokens: greedy output is the same with and without speculation."""
+    prompts = [prompt_ids(i, 24) for i in range(4)]
+    params = greedy(120, json_schema=ORDER, ignore_eos=False)
+    want, _ = _run(make_engine(tiny_chat_model), params, prompts)
+    spec = make_engine(tiny_chat_model, speculative_algorithm="NGRAM")
+    for _ in range(2):  # the second round drafts from the store the first one filled
+        got, stats = _run(spec, params, prompts)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert stats["spec_accepted_tokens"] > 0 and stats["jump_forward_tokens"] > 0
+    spec.check_integrity()
 
 
 def test_find_jump_retokenizes_the_newest_token_and_leaves_the_matcher(tiny_chat_model):

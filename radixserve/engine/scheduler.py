@@ -35,7 +35,7 @@ from radixserve.engine.stats import EngineStats
 from radixserve.engine.token_sampler import TokenSampler
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
-from radixserve.sampling.jump_forward import find_jump
+from radixserve.sampling.jump_forward import find_jump, num_before_jump
 
 logger = logging.getLogger(__name__)
 
@@ -297,8 +297,14 @@ class Scheduler:
         return decodes, prefilling
 
     def _valid_draft(self, req: Req, draft: list[int]) -> list[int]:
-        """The draft's prefix that the request's grammar allows (the rest cannot win)."""
-        return self.grammar.valid_draft(req.grammar, draft)
+        """The draft's prefix that the request's grammar allows (the rest cannot win), cut
+        before a token that a jump would follow (the target samples it, then jumps)."""
+        draft = self.grammar.valid_draft(req.grammar, draft)
+        if draft and self._jumps_forward(req):
+            room = req.params.max_new_tokens - len(req.output_ids)
+            args = (req.grammar, self.tokenizer, req.output_ids, draft, room)
+            draft = draft[: num_before_jump(*args)]
+        return draft
 
     def _split_running(self) -> tuple[list[Req], list[Req]]:
         """The running requests that decode this step, and those still prefilling."""

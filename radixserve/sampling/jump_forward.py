@@ -5,14 +5,19 @@ The forced text is what xgrammar's `find_jump_forward_tokens` covers: the forced
 without a last token that a longer token could still extend (a jump ending in `{` would
 leave the model to write `}` after it, where it writes `{}` as one token). It is tokenized
 together with the request's newest token (SGLang's `jump_and_retokenize`), so that a
-boundary such as `{"` + `name` reads as the tokenizer would write it. Retokenization reaches back over that one token only: it was sampled in
-this very step, so no caller has seen it and no K/V holds it; nothing streamed is ever
-taken back. A retokenization is used only if it decodes to exactly the old text plus the
-forced text and the grammar accepts every token; otherwise the tokenizer's tokens of the
-forced text are appended after the newest token, and failing that xgrammar's.
+boundary such as `{"` + `name` reads as the tokenizer would write it. Retokenization
+reaches back over that one token only: it was sampled in this very step, so no caller has
+seen it and no K/V holds it; nothing streamed is ever taken back. A retokenization is used
+only if it decodes to exactly the old text plus the forced text and the grammar accepts
+every token; otherwise the tokenizer's tokens of the forced text are appended after the
+newest token, and failing that xgrammar's.
 
     output:  ... a b t            t: sampled now (not streamed, no K/V)
     jump:    ... a b [c1 c2 ... cF]   tokenize(text(t) + forced); or ... a b t [c1 ... cF]
+
+With speculative decoding, a draft stops before the first token that a jump would follow
+(`num_before_jump`): the target samples that token and the jump comes after it, as without
+speculation, so greedy output is the same either way.
 """
 
 from __future__ import annotations
@@ -60,6 +65,22 @@ def find_jump(
         if _grammar_accepts(matcher, output_ids[len(output_ids) - jump.num_replaced :], jump):
             return jump
     return None
+
+
+def num_before_jump(
+    matcher: Any, tokenizer, output_ids: list[int], draft: list[int], room: int
+) -> int:
+    """How many of `draft`'s tokens (valid for the grammar) come before the first one that
+    a jump would follow, were it sampled; the matcher ends where it started."""
+    num = 0
+    for token in draft:
+        matcher.accept_token(token)
+        seq = output_ids + draft[: num + 1]
+        if find_jump(matcher, tokenizer, seq, can_replace=True, room=room - num - 1):
+            break
+        num += 1
+    matcher.rollback(min(num + 1, len(draft)))
+    return num
 
 
 def _candidates(
