@@ -127,6 +127,30 @@ def test_forced_tokens_report_the_models_logprobs(tiny_chat_model):
     assert np.allclose(got, want, atol=1e-4)
 
 
+def test_logprobs_stay_aligned_when_forced_tokens_end_the_request(tiny_chat_model):
+    """Forced tokens that reach max_new_tokens are never computed: their logprob is None.
+    Streamed chunks carry output tokens only with their logprobs (forced ones wait)."""
+    engine = make_engine(tiny_chat_model)
+    args = dict(input_ids=prompt_ids(7), return_logprob=True, top_logprobs_num=1)
+    try:
+        cut = engine.generate(sampling_params=greedy(7, regex=LITERAL), **args)["meta_info"]
+        params = greedy(40, regex=LITERAL)
+        whole = engine.generate(sampling_params=params, **args)
+        chunks = [c for c in engine.generate(sampling_params=params, stream=True, **args)]
+    finally:
+        engine.shutdown()
+    values = [v for v, _, _ in cut["output_token_logprobs"]]
+    assert len(values) == cut["completion_tokens"] == 7 and values[-1] is None
+    assert all(v is not None for v in values[: values.index(None)])
+    assert len(chunks) > 2 and chunks[-1]["output_ids"] == whole["output_ids"]
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"]
+        assert whole["text"].startswith(chunk["text"])
+    streamed = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
+    assert streamed == whole["meta_info"]["output_token_logprobs"]
+
+
 def test_retraction_speculation_and_samples_keep_pages_balanced(tiny_chat_model):
     engine = make_engine(
         tiny_chat_model,

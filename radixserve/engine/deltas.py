@@ -25,9 +25,12 @@ class DeltaTracker:
 
     def delta(self, req: Req) -> RequestOutput:
         sent = self._sent.setdefault(req.request_id, _Sent())
+        # forced tokens (jump-forward) of a request with logprobs wait for theirs, so that
+        # every delta carries as many output tokens as output logprobs (as SGLang's do)
+        num_ready = len(req.output_ids) if req.logprob is None else len(req.output_logprobs)
         output = RequestOutput(
             request_id=req.request_id,
-            new_token_ids=req.output_ids[sent.output :],
+            new_token_ids=req.output_ids[sent.output : num_ready],
             cached_tokens=req.cached_tokens,
             queue_time=req.queue_time,
             num_retractions=req.num_retractions,
@@ -39,7 +42,7 @@ class DeltaTracker:
             spec_counts=None if req.spec_counts is None else replace(req.spec_counts),
             jump_forward_tokens=req.jump_forward_tokens,
         )
-        sent.output = len(req.output_ids)
+        sent.output = num_ready
         sent.input_logprobs = len(req.input_logprobs)
         sent.output_logprobs = len(req.output_logprobs)
         if req.finished:

@@ -6,7 +6,9 @@ the first scored position), as in SGLang. Input entries cover prompt positions
 
 Output tokens that a grammar forced (jump-forward: appended unsampled) get, as in SGLang,
 the logprob the model gives them, read from the row that predicts each one once the extend
-computing them has run: every output entry is its token under the unmasked logits.
+computing them has run: every output entry is its token under the unmasked logits. Forced
+tokens that end the request (max_new_tokens or a stop string reached inside forced text) are
+never computed: their logprob is None, as for the first prompt position.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ def needs_all_logits(req: Req) -> bool:
         return False
     scores_prompt = req.wants_input_logprobs and req.num_computed < len(req.input_ids)
     return scores_prompt or len(req.output_logprobs) < len(req.output_ids)
+
+
+def fill_unscored(req: Req) -> None:
+    """A request that ended with forced output tokens still uncomputed: None for theirs."""
+    missing = req.output_ids[len(req.output_logprobs) :]
+    req.output_logprobs.extend((None, token) for token in missing)
+    req.output_top_logprobs.extend(None for _ in missing)
 
 
 def replace_last_output(req: Req, num_replaced: int, last_logits: torch.Tensor, token: int):

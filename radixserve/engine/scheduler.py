@@ -24,7 +24,7 @@ from radixserve.config import SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
-from radixserve.engine.logprobs import commit_logprobs, replace_last_output
+from radixserve.engine.logprobs import commit_logprobs, fill_unscored, replace_last_output
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
@@ -596,6 +596,8 @@ class Scheduler:
         num_forced = max(num_appended - jump.num_replaced, 0)
         req.jump_forward_tokens += num_forced
         self.stats.jump_forward_tokens += num_forced
+        if req.finished and req.logprob is not None:
+            fill_unscored(req)
 
     def _jumps_forward(self, req: Req) -> bool:
         off = self.config.disable_jump_forward or self.tokenizer is None
