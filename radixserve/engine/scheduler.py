@@ -24,7 +24,8 @@ from radixserve.config import SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
-from radixserve.engine.logprobs import commit_logprobs, fill_unscored, replace_last_output
+from radixserve.engine.jump_forward import JumpForward
+from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
@@ -35,7 +36,6 @@ from radixserve.engine.stats import EngineStats
 from radixserve.engine.token_sampler import TokenSampler
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
-from radixserve.sampling.jump_forward import find_jump, num_before_jump
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class Scheduler:
         drafter = drafter or create_drafter(config)
         self.speculator = None if drafter is None else Speculator(drafter, config, self.stats)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
+        jump_on = not config.disable_jump_forward
+        self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -212,7 +214,7 @@ class Scheduler:
                 if error is not None:
                     raise error
                 req.grammar = self.grammar.matcher(req.grammar_future.result())
-                self._jump_forward(req, None)  # a forced opening is prefilled with the prompt
+                self.jumps.after_token(req, None)  # a forced opening is prefilled with the prompt
                 (outputs if req.finished else self.waiting).append(req)
             except Exception as exc:
                 req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
@@ -299,12 +301,7 @@ class Scheduler:
     def _valid_draft(self, req: Req, draft: list[int]) -> list[int]:
         """The draft's prefix that the request's grammar allows (the rest cannot win), cut
         before a token that a jump would follow (the target samples it, then jumps)."""
-        draft = self.grammar.valid_draft(req.grammar, draft)
-        if draft and self._jumps_forward(req):
-            room = req.params.max_new_tokens - len(req.output_ids)
-            args = (req.grammar, self.tokenizer, req.output_ids, draft, room)
-            draft = draft[: num_before_jump(*args)]
-        return draft
+        return self.jumps.cut_draft(req, self.grammar.valid_draft(req.grammar, draft))
 
     def _split_running(self) -> tuple[list[Req], list[Req]]:
         """The running requests that decode this step, and those still prefilling."""
@@ -517,7 +514,7 @@ class Scheduler:
         if token is not None:
             req.output_ids.append(token)
             self.sampler.check_finish(req, token)
-            self._jump_forward(req, logits.last[index])
+            self.jumps.after_token(req, logits.last[index])
         elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
             req.finish(FinishReason.of_length(0))
         if req.finished:
@@ -563,45 +560,11 @@ class Scheduler:
         req.num_computed += num_emitted
         self.stats.decode_tokens += num_emitted
         self.speculator.record(req, len(w.draft), min(verified.num_accepted, num_emitted))
-        self._jump_forward(req, rows[num_emitted - 1])
+        self.jumps.after_token(req, rows[num_emitted - 1])
         if req.finished:
             self._leave_finished(req)
         else:
             self.pages.trim(req)
-
-    def _jump_forward(self, req: Req, last_logits: torch.Tensor | None) -> None:
-        """Appends what a constrained request's grammar forces next, unsampled, each token
-        checked as a sampled one is; the next steps compute them as an extend (so the
-        request does not speculate then). `last_logits`: the row that sampled the newest
-        token in this step, which the jump may then retokenize; None: nothing was sampled."""
-        if not self._jumps_forward(req):
-            return
-        room = req.params.max_new_tokens - len(req.output_ids)
-        can_replace = last_logits is not None
-        jump = find_jump(req.grammar, self.tokenizer, req.output_ids, can_replace, room)
-        if jump is None:
-            return
-        if jump.num_replaced:
-            req.grammar.rollback(jump.num_replaced)
-            del req.output_ids[-jump.num_replaced :]
-            if req.logprob is not None:
-                replace_last_output(req, jump.num_replaced, last_logits, jump.tokens[0])
-        num_appended = 0
-        for token in jump.tokens:
-            req.output_ids.append(token)
-            num_appended += 1
-            self.sampler.check_finish(req, token)
-            if req.finished:
-                break
-        num_forced = max(num_appended - jump.num_replaced, 0)
-        req.jump_forward_tokens += num_forced
-        self.stats.jump_forward_tokens += num_forced
-        if req.finished and req.logprob is not None:
-            fill_unscored(req)
-
-    def _jumps_forward(self, req: Req) -> bool:
-        off = self.config.disable_jump_forward or self.tokenizer is None
-        return not off and req.grammar is not None and not req.finished
 
     def _leave_finished(self, req: Req) -> None:
         """A finished request's pages to the tree; its sequence to the drafter's store."""
