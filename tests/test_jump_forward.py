@@ -127,6 +127,23 @@ def test_forced_tokens_report_the_models_logprobs(tiny_chat_model):
     assert np.allclose(got, want, atol=1e-4)
 
 
+def test_forced_tokens_found_in_the_cache_are_still_scored(tiny_chat_model):
+    """A forced opening is prefilled with the prompt; a second identical request finds
+    prompt + opening in the cache, yet must compute the rows that score the opening."""
+    engine = make_engine(tiny_chat_model, page_size=1)
+    args = dict(input_ids=prompt_ids(8), return_logprob=True)
+    params = greedy(30, regex=LITERAL)
+    first, again = (engine.generate(sampling_params=params, **args) for _ in range(2))
+    assert again["meta_info"]["cached_tokens"] > 0
+    values = []
+    for out in (first, again):
+        values.append([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert len(values[-1]) == len(out["output_ids"]) and None not in values[-1]
+    assert again["output_ids"] == first["output_ids"]
+    assert np.allclose(values[0], values[1], atol=1e-4)
+    engine.check_integrity()
+
+
 def test_logprobs_stay_aligned_when_forced_tokens_end_the_request(tiny_chat_model):
     """Forced tokens that reach max_new_tokens are never computed: their logprob is None.
     Streamed chunks carry output tokens only with their logprobs (forced ones wait)."""

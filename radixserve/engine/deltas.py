@@ -27,7 +27,8 @@ class DeltaTracker:
         sent = self._sent.setdefault(req.request_id, _Sent())
         # forced tokens (jump-forward) of a request with logprobs wait for theirs, so that
         # every delta carries as many output tokens as output logprobs (as SGLang's do)
-        num_ready = len(req.output_ids) if req.logprob is None else len(req.output_logprobs)
+        waits = req.logprob is not None and not req.finished
+        num_ready = len(req.output_logprobs) if waits else len(req.output_ids)
         output = RequestOutput(
             request_id=req.request_id,
             new_token_ids=req.output_ids[sent.output : num_ready],

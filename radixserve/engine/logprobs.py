@@ -44,6 +44,18 @@ def needs_all_logits(req: Req) -> bool:
     return scores_prompt or len(req.output_logprobs) < len(req.output_ids)
 
 
+def cacheable_len(req: Req) -> int | None:
+    """Most leading tokens of the request's sequence the prefix cache may serve: the rows
+    of the positions it scores (prompt positions, forced output tokens still without a
+    logprob) must be computed. None: no limit."""
+    limits = []
+    if req.wants_input_logprobs:
+        limits.append(min(req.logprob.start_len, req.seq_len - 1))
+    if req.logprob is not None and len(req.output_logprobs) < len(req.output_ids):
+        limits.append(len(req.input_ids) + len(req.output_logprobs) - 1)
+    return min(limits, default=None)
+
+
 def fill_unscored(req: Req) -> None:
     """A request that ended with forced output tokens still uncomputed: None for theirs."""
     missing = req.output_ids[len(req.output_logprobs) :]
@@ -51,7 +63,7 @@ def fill_unscored(req: Req) -> None:
     req.output_top_logprobs.extend(None for _ in missing)
 
 
-def replace_last_output(req: Req, num_replaced: int, last_logits: torch.Tensor, token: int):
+def replace_last_output(req: Req, num_replaced: int, last_logits: torch.Tensor, token: int) -> None:
     """Drops the last `num_replaced` output entries and scores `token` in their place with
     `last_logits` (the row that predicted the first of them)."""
     if num_replaced:

@@ -70,8 +70,9 @@ class Req:
     grammar_future: Any = field(default=None, repr=False)  # its compilation, while pending
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    output_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # None: a forced token that ended the request uncomputed (engine/logprobs.py)
+    output_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # set by the scheduler when the request speculates
     jump_forward_tokens: int = 0  # output tokens its grammar forced (sampling/jump_forward.py)
 

@@ -25,7 +25,7 @@ from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.jump_forward import JumpForward
-from radixserve.engine.logprobs import commit_logprobs
+from radixserve.engine.logprobs import cacheable_len, commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
@@ -372,9 +372,7 @@ class Scheduler:
         return admitted
 
     def _match(self, req: Req):
-        limit = None
-        if req.wants_input_logprobs:
-            limit = min(req.logprob.start_len, req.seq_len - 1)
+        limit = cacheable_len(req)
         return self.cache.match_prefix(self._seq_key(req), req.namespace, max_tokens=limit)
 
     def _seq_key(self, req: Req) -> tuple[int, ...]:

@@ -87,7 +87,7 @@ class GrammarBackend:
     def _compile(self, kind: str, spec: str):
         compile_fn = {
             "regex": self._compiler.compile_regex,
-            "json_schema": lambda spec: self._compiler.compile_grammar(json_schema_ebnf(spec)),
+            "json_schema": lambda schema: self._compiler.compile_grammar(json_schema_ebnf(schema)),
             "ebnf": self._compiler.compile_grammar,
         }[kind]
         try:
