@@ -4,14 +4,18 @@ on the default model, one CPU thread by default.
 Workloads (chat-templated): `tool_echo`, agents asked to copy their tool's JSON result (the
 first round of radixserve_bench's `tool-echo` workload); `json_extract`, a JSON record
 extracted from a document in the prompt; `free_chat`, open-ended answers (little to look
-up). Modes: `off`, `ngram`, `self` (the target's first --self-layers layers draft),
-`standalone` (a draft model; default: the target itself, an acceptance ceiling that shows
-the drafting cost, since no smaller model with SmolLM2's tokenizer ships offline).
+up); `json_schema`, the same documents extracted under a JSON schema with many fixed keys
+(constrained decoding: jump-forward appends the keys unsampled). Modes: `off`, `ngram`,
+`self` (the target's first --self-layers layers draft), `standalone` (a draft model;
+default: the target itself, an acceptance ceiling that shows the drafting cost, since no
+smaller model with SmolLM2's tokenizer ships offline), `no_jump` (no speculation and
+--disable-jump-forward: against `off` it shows what jump-forward does).
 
 Each run first prefills its prompts into the cache (max_new_tokens 0), then times the
 batch's generation, so tok/s is decode speed (completion tokens / wall time). Modes run
 interleaved, `--repeats` times, the median is reported; NGRAM starts each run with an empty
-n-gram store. Greedy outputs are compared with `off` (the `identical` column).
+n-gram store. Greedy outputs are compared with `off` (the `identical` column); `forwards` counts the
+engine's forward steps; constrained outputs are checked against their schema (`valid`).
 
 Run:  python benchmarks/speculative.py [--modes off,ngram,self,standalone]
       [--batch-sizes 1,8] [--max-new-tokens 128] [--repeats 2] [--threads 1]
@@ -27,6 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
+import jsonschema
 import torch
 
 from radixserve import Engine
@@ -75,11 +80,40 @@ def free_chat_messages(num: int) -> list[list[dict]]:
     ]
 
 
+TEXT_KEYS = ["full_name", "home_city", "occupation", "country_of_residence", "employer"]
+TRAITS = ["patient", "curious", "calm", "bold"]
+RECORD = {
+    "type": "object",
+    "properties": {
+        **{key: {"type": "string", "maxLength": 24} for key in TEXT_KEYS},
+        "birth_year": {"type": "integer", "minimum": 1900, "maximum": 2020},
+        "is_employed": {"type": "boolean"},
+        "years_in_current_job": {"type": "integer", "minimum": 0, "maximum": 60},
+        "personality_traits": {"type": "array", "items": {"enum": TRAITS}, "maxItems": 2},
+        "record_source": {"enum": ["document"]},
+    },
+    "additionalProperties": False,
+}
+RECORD["required"] = list(RECORD["properties"])
+
+
+def json_schema_messages(num: int) -> list[list[dict]]:
+    """json_extract's documents, asked for RECORD (the schema constrains the output)."""
+    ask = "Extract the person's record from the document as JSON."
+    return [
+        [{"role": "user", "content": m[0]["content"].rsplit("\n\n", 1)[0] + "\n\n" + ask}]
+        for m in json_extract_messages(num)
+    ]
+
+
 WORKLOADS = {
     "tool_echo": tool_echo_messages,
     "json_extract": json_extract_messages,
     "free_chat": free_chat_messages,
+    "json_schema": json_schema_messages,
 }
+CONSTRAINTS = {"json_schema": {"json_schema": RECORD}}
+"""Sampling parameters a workload adds (its constraint)."""
 
 
 def mode_flags(mode: str, args) -> dict:
@@ -92,15 +126,18 @@ def mode_flags(mode: str, args) -> dict:
             "speculative_algorithm": "STANDALONE",
             "speculative_draft_model_path": draft,
         },
+        "no_jump": {"disable_jump_forward": True},
     }[mode]
 
 
-def timed_run(engine: Engine, prompts: list[str], max_new_tokens: int) -> dict:
-    """Prefills `prompts` into the cache, then times their greedy generation as one batch."""
+def timed_run(engine: Engine, prompts: list[str], max_new_tokens: int, extra: dict) -> dict:
+    """Prefills `prompts` into the cache, then times their greedy generation as one batch
+    (`extra`: the workload's constraint)."""
     if isinstance(engine.scheduler.drafter, NgramDrafter):  # an empty store for every run
         engine.scheduler.drafter = create_drafter(engine.scheduler.config)
     engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 0})
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens} | extra
+    forwards = engine.get_stats()["forward_steps"]
     start = time.perf_counter()
     outputs = engine.generate(prompt=prompts, sampling_params=params)
     wall = time.perf_counter() - start
@@ -111,8 +148,23 @@ def timed_run(engine: Engine, prompts: list[str], max_new_tokens: int) -> dict:
         "output_ids": [o["output_ids"] for o in outputs],
         "completion_tokens": tokens,
         "tok_s": tokens / wall,
+        "forwards": engine.get_stats()["forward_steps"] - forwards,
+        "jump_forward_tokens": sum(m.get("jump_forward_tokens", 0) for m in metas),
         "spec_accept_length": statistics.mean(lengths) if lengths else None,
+        "valid": all_valid(outputs, extra.get("json_schema")),
     }
+
+
+def all_valid(outputs: list[dict], schema: dict | None) -> bool | None:
+    """Whether every output is an instance of `schema` (None: no schema)."""
+    if schema is None:
+        return None
+    try:
+        for out in outputs:
+            jsonschema.validate(json.loads(out["text"]), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def run_workload(engines: dict, template, name: str, batch_size: int, args) -> list[dict]:
@@ -122,7 +174,8 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
     runs = {mode: [] for mode in engines}
     for _ in range(args.repeats):
         for mode, engine in engines.items():
-            runs[mode].append(timed_run(engine, prompts, args.max_new_tokens))
+            extra = CONSTRAINTS.get(name, {})
+            runs[mode].append(timed_run(engine, prompts, args.max_new_tokens, extra))
     base = statistics.median(r["tok_s"] for r in runs["off"]) if "off" in runs else None
     rows = []
     for mode, mode_runs in runs.items():
@@ -134,12 +187,15 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
                 "batch_size": batch_size,
                 "mode": mode,
                 "completion_tokens": last["completion_tokens"],
+                "forwards": last["forwards"],
+                "jump_forward_tokens": last["jump_forward_tokens"],
                 "tok_s": tok_s,
                 "speedup": tok_s / base if base else None,
                 "spec_accept_length": last["spec_accept_length"],
                 "identical": last["output_ids"] == runs["off"][-1]["output_ids"]
                 if "off" in runs
                 else None,
+                "valid": last["valid"],
             }
         )
     return rows
@@ -147,16 +203,18 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
 
 def print_rows(rows: list[dict]) -> None:
     print(
-        f"{'workload':>12} {'batch':>5} {'mode':>10} {'tokens':>6} {'tok/s':>7} "
-        f"{'speedup':>7} {'accept len':>10} {'identical':>9}"
+        f"{'workload':>12} {'batch':>5} {'mode':>10} {'tokens':>6} {'forwards':>8} "
+        f"{'jumped':>6} {'tok/s':>7} {'speedup':>7} {'accept len':>10} {'identical':>9} "
+        f"{'valid':>5}"
     )
     for r in rows:
         speedup = f"{r['speedup']:6.2f}x" if r["speedup"] else "      -"
         length = f"{r['spec_accept_length']:10.2f}" if r["spec_accept_length"] else "         -"
         print(
             f"{r['workload']:>12} {r['batch_size']:5d} {r['mode']:>10} "
-            f"{r['completion_tokens']:6d} {r['tok_s']:7.1f} {speedup} {length} "
-            f"{str(r['identical']):>9}"
+            f"{r['completion_tokens']:6d} {r['forwards']:8d} {r['jump_forward_tokens']:6d} "
+            f"{r['tok_s']:7.1f} {speedup} {length} {str(r['identical']):>9} "
+            f"{str(r['valid']):>5}"
         )
 
 
@@ -181,7 +239,8 @@ def main() -> None:
     engines = {}
     for mode in args.modes.split(","):
         flags = mode_flags(mode, args)
-        engines[mode] = Engine(args.model, **load, **(flags and common | flags))
+        speculative = "speculative_algorithm" in flags
+        engines[mode] = Engine(args.model, **load, **(common | flags if speculative else flags))
     template = next(iter(engines.values())).tokenizer.apply_chat_template
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:

@@ -358,6 +358,10 @@ class SchedulerConfig:
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
+    disable_jump_forward: bool = False
+    """Constrained requests (json_schema / regex / ebnf) sample every token, even where the
+    grammar allows only one continuation; default: that continuation is appended unsampled
+    (jump-forward) and computed in the next step's extend."""
     speculative_algorithm: str | None = None
     """Speculative decoding, drafts verified in the running batch: NGRAM (looked up in the
     request's own prompt + output and in an n-gram store of recent requests), SELF (the

@@ -100,3 +100,16 @@ def test_constrained_requests_survive_retraction_and_hit_the_compile_cache(tiny_
     assert all(re.fullmatch(pattern, o["text"]) for o in outputs), [o["text"] for o in outputs]
     assert stats["grammar_compiles"] == 1 and stats["grammar_cache_hits"] == 15
     engine.check_integrity()
+
+
+def test_json_strings_refuse_raw_control_characters(tiny_chat_model):
+    """JSON forbids unescaped control characters in strings; xgrammar lets them into
+    length-bounded ones unless we tighten its grammar (grammar.json_schema_ebnf)."""
+    engine = make_engine(tiny_chat_model)
+    backend = engine.scheduler.grammar
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string",
+                                                                   "maxLength": 12}}})  # fmt: skip
+    matcher = backend.matcher(backend.compile_async("json_schema", schema).result())
+    assert matcher.accept_string('{"city": "ab')
+    assert not matcher.accept_string("\x08")
+    assert matcher.accept_string('cd"}')

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from radixserve.engine.logprobs import needs_all_logits
 from radixserve.engine.request import Req
 from radixserve.forward_batch import ForwardBatch
 
@@ -43,10 +44,7 @@ class BatchBuilder:
             self._page_rows([w.req for w in work]),
             self.page_size,
             self.device,
-            return_all_logits=any(
-                w.req.wants_input_logprobs and w.req.num_computed < len(w.req.input_ids)
-                for w in work
-            ),
+            return_all_logits=any(needs_all_logits(w.req) for w in work),
             verify_indices=verify_indices(work),
         )
 

@@ -25,9 +25,13 @@ class DeltaTracker:
 
     def delta(self, req: Req) -> RequestOutput:
         sent = self._sent.setdefault(req.request_id, _Sent())
+        # forced tokens (jump-forward) of a request with logprobs wait for theirs, so that
+        # every delta carries as many output tokens as output logprobs (as SGLang's do)
+        waits = req.logprob is not None and not req.finished
+        num_ready = len(req.output_logprobs) if waits else len(req.output_ids)
         output = RequestOutput(
             request_id=req.request_id,
-            new_token_ids=req.output_ids[sent.output :],
+            new_token_ids=req.output_ids[sent.output : num_ready],
             cached_tokens=req.cached_tokens,
             cached_tokens_host=req.cached_tokens_host,
             queue_time=req.queue_time,
@@ -38,8 +42,9 @@ class DeltaTracker:
             new_output_logprobs=req.output_logprobs[sent.output_logprobs :],
             new_output_top_logprobs=req.output_top_logprobs[sent.output_logprobs :],
             spec_counts=None if req.spec_counts is None else replace(req.spec_counts),
+            jump_forward_tokens=req.jump_forward_tokens,
         )
-        sent.output = len(req.output_ids)
+        sent.output = num_ready
         sent.input_logprobs = len(req.input_logprobs)
         sent.output_logprobs = len(req.output_logprobs)
         if req.finished:

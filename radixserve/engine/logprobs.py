@@ -3,6 +3,12 @@
 Entries are (logprob, token_id); the first input entry's logprob is None (no logits predict
 the first scored position), as in SGLang. Input entries cover prompt positions
 `start_len .. prompt_len - 1`; the scheduler never serves those positions from the cache.
+
+Output tokens that a grammar forced (jump-forward: appended unsampled) get, as in SGLang,
+the logprob the model gives them, read from the row that predicts each one once the extend
+computing them has run: every output entry is its token under the unmasked logits. Forced
+tokens that end the request (max_new_tokens or a stop string reached inside forced text) are
+never computed: their logprob is None, as for the first prompt position.
 """
 
 from __future__ import annotations
@@ -23,8 +29,47 @@ def commit_logprobs(
     """chunk_logits: [num_new, vocab] logits of the chunk starting at `chunk_start`, or None."""
     if req.wants_input_logprobs and chunk_logits is not None:
         _commit_input(req, chunk_start, chunk_logits)
+    if chunk_logits is not None:
+        _commit_forced(req, chunk_start, chunk_logits)
     if token is not None:
         _commit_output(req, last_logits, token)
+
+
+def needs_all_logits(req: Req) -> bool:
+    """Whether the request's next extend must return the logits of every row: it scores
+    prompt positions, or forced output tokens wait for theirs."""
+    if req.logprob is None:
+        return False
+    scores_prompt = req.wants_input_logprobs and req.num_computed < len(req.input_ids)
+    return scores_prompt or len(req.output_logprobs) < len(req.output_ids)
+
+
+def cacheable_len(req: Req) -> int | None:
+    """Most leading tokens of the request's sequence the prefix cache may serve: the rows
+    of the positions it scores (prompt positions, forced output tokens still without a
+    logprob) must be computed. None: no limit."""
+    limits = []
+    if req.wants_input_logprobs:
+        limits.append(min(req.logprob.start_len, req.seq_len - 1))
+    if req.logprob is not None and len(req.output_logprobs) < len(req.output_ids):
+        limits.append(len(req.input_ids) + len(req.output_logprobs) - 1)
+    return min(limits, default=None)
+
+
+def fill_unscored(req: Req) -> None:
+    """A request that ended with forced output tokens still uncomputed: None for theirs."""
+    missing = req.output_ids[len(req.output_logprobs) :]
+    req.output_logprobs.extend((None, token) for token in missing)
+    req.output_top_logprobs.extend(None for _ in missing)
+
+
+def replace_last_output(req: Req, num_replaced: int, last_logits: torch.Tensor, token: int) -> None:
+    """Drops the last `num_replaced` output entries and scores `token` in their place with
+    `last_logits` (the row that predicted the first of them)."""
+    if num_replaced:
+        del req.output_logprobs[-num_replaced:]
+        del req.output_top_logprobs[-num_replaced:]
+    _commit_output(req, last_logits, token)
 
 
 def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> None:
@@ -44,6 +89,21 @@ def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> Non
     values = token_logprobs(rows, ids).tolist()
     req.input_logprobs.extend(zip(values, ids.tolist()))
     req.input_top_logprobs.extend(_tops(rows, req.logprob.top_num))
+
+
+def _commit_forced(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> None:
+    """Scores the output tokens still without a logprob whose predicting rows are in the
+    chunk (row r predicts sequence position chunk_start + r + 1)."""
+    prompt_len = len(req.input_ids)
+    first = len(req.output_logprobs)  # output index k sits at position prompt_len + k
+    end = min(len(req.output_ids), chunk_start + chunk_logits.shape[0] + 1 - prompt_len)
+    if first >= end or prompt_len + first - 1 < chunk_start:
+        return
+    rows = chunk_logits[prompt_len + first - 1 - chunk_start : prompt_len + end - 1 - chunk_start]
+    ids = torch.tensor(req.output_ids[first:end], device=rows.device)
+    values = token_logprobs(rows, ids).tolist()
+    req.output_logprobs.extend(zip(values, ids.tolist()))
+    req.output_top_logprobs.extend(_tops(rows, req.logprob.top_num))
 
 
 def _commit_output(req: Req, last_logits: torch.Tensor, token: int) -> None:

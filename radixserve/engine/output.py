@@ -41,6 +41,8 @@ def format_output(
         meta["cached_tokens_details"] = {"device": device, "host": result.cached_tokens_host}
     if result.spec_counts is not None:
         meta |= result.spec_counts.meta_info(len(result.output_ids))
+    if result.spec.params.grammar is not None:
+        meta["jump_forward_tokens"] = result.jump_forward_tokens
     if result.spec.wants_logprobs:
         meta |= _logprob_fields(result, with_text, cursor or LogprobCursor())
         if cursor is not None:

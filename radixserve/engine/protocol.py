@@ -143,6 +143,7 @@ class RequestOutput:
     new_output_logprobs: list[LogprobEntry] = field(default_factory=list)
     new_output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # totals so far; None: the request does not speculate
+    jump_forward_tokens: int = 0  # total so far: output tokens its grammar forced, unsampled
 
 
 # ---- messages between a client and its core (a thread, or a process: server/wire.py) -------

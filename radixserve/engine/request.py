@@ -79,9 +79,11 @@ class Req:
     kv_future: Any = field(default=None, repr=False)  # disaggregated decode: its KV's fetch
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    output_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # None: a forced token that ended the request uncomputed (engine/logprobs.py)
+    output_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # set by the scheduler when the request speculates
+    jump_forward_tokens: int = 0  # output tokens its grammar forced (sampling/jump_forward.py)
 
     def __post_init__(self) -> None:
         if not self.request_id:

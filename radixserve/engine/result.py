@@ -34,6 +34,7 @@ class RequestResult:
         self.output_logprobs: list = []
         self.output_top_logprobs: list = []
         self.spec_counts: SpecCounts | None = None
+        self.jump_forward_tokens = 0
         self.arrival_time = time.perf_counter()
         self.finish_time: float | None = None
         self.failed = False  # the caller side failed it (detokenizer); the core may still run it
@@ -53,6 +54,7 @@ class RequestResult:
         self.output_logprobs += delta.new_output_logprobs
         self.output_top_logprobs += delta.new_output_top_logprobs
         self.spec_counts = delta.spec_counts
+        self.jump_forward_tokens = delta.jump_forward_tokens
         if delta.finish_reason is not None:
             self._finish(delta.finish_reason)
 

@@ -24,8 +24,9 @@ from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
+from radixserve.engine.jump_forward import JumpForward
 from radixserve.engine.kv_handoff import KVHandoff
-from radixserve.engine.logprobs import commit_logprobs
+from radixserve.engine.logprobs import cacheable_len, commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
@@ -95,6 +96,8 @@ class Scheduler:
         self.speculator = None if drafter is None else Speculator(drafter, config, self.stats)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
         self.handoff = KVHandoff.create(disaggregation, self.pages, self.stats)
+        jump_on = not config.disable_jump_forward
+        self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -234,7 +237,8 @@ class Scheduler:
                 if error is not None:
                     raise error
                 req.grammar = self.grammar.matcher(req.grammar_future.result())
-                self.waiting.append(req)
+                self.jumps.after_token(req, None)  # a forced opening is prefilled with the prompt
+                (outputs if req.finished else self.waiting).append(req)
             except Exception as exc:
                 req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
                 outputs.append(req)
@@ -336,8 +340,9 @@ class Scheduler:
         return decodes, prefilling
 
     def _valid_draft(self, req: Req, draft: list[int]) -> list[int]:
-        """The draft's prefix that the request's grammar allows (the rest cannot win)."""
-        return self.grammar.valid_draft(req.grammar, draft)
+        """The draft's prefix that the request's grammar allows (the rest cannot win), cut
+        before a token that a jump would follow (the target samples it, then jumps)."""
+        return self.jumps.cut_draft(req, self.grammar.valid_draft(req.grammar, draft))
 
     def _split_running(self) -> tuple[list[Req], list[Req]]:
         """The running requests that decode this step, and those still prefilling."""
@@ -408,9 +413,7 @@ class Scheduler:
         return admitted
 
     def _match(self, req: Req):
-        limit = None
-        if req.wants_input_logprobs:
-            limit = min(req.logprob.start_len, req.seq_len - 1)
+        limit = cacheable_len(req)
         return self.cache.match_prefix(self._seq_key(req), req.namespace, max_tokens=limit)
 
     def _seq_key(self, req: Req) -> tuple[int, ...]:
@@ -554,6 +557,7 @@ class Scheduler:
         if token is not None:
             req.output_ids.append(token)
             self.sampler.check_finish(req, token)
+            self.jumps.after_token(req, logits.last[index])
         elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
             req.finish(FinishReason.of_length(0))
         if req.finished:
@@ -599,6 +603,7 @@ class Scheduler:
         req.num_computed += num_emitted
         self.stats.decode_tokens += num_emitted
         self.speculator.record(req, len(w.draft), min(verified.num_accepted, num_emitted))
+        self.jumps.after_token(req, rows[num_emitted - 1])
         if req.finished:
             self._leave_finished(req)
         else:

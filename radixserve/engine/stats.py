@@ -24,6 +24,7 @@ class EngineStats:
     kv_pages_received: int = 0  # disaggregated decode: KV pages stored into the pool
     kv_bytes_received: int = 0
     kv_transfer_failures: int = 0  # decode: requests ended because their KV did not arrive
+    jump_forward_tokens: int = 0  # output tokens a grammar forced, appended unsampled
 
     @property
     def cache_hit_rate(self) -> float:

@@ -13,10 +13,15 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
+
+# xgrammar (0.2.9) writes the characters of a length-bounded JSON string (maxLength,
+# minLength) as the first class, which lets raw control characters in; JSON forbids them
+# unescaped, and its unbounded strings already use the second.
+LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 
 def _xgr():
@@ -37,6 +42,13 @@ def check_grammar(kind: str, spec: str) -> None:
         build(spec)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError/InvalidJSONError
         raise ValueError(f"{kind} is invalid: {exc}") from exc
+
+
+def json_schema_ebnf(spec: str) -> str:
+    """The schema's grammar as xgrammar's EBNF: compact JSON (no free whitespace), no raw
+    control characters inside strings."""
+    grammar = _xgr().Grammar.from_json_schema(spec, any_whitespace=False)
+    return str(grammar).replace(LOOSE_STRING_CHAR, STRICT_STRING_CHAR)
 
 
 @dataclass
@@ -75,7 +87,7 @@ class GrammarBackend:
     def _compile(self, kind: str, spec: str):
         compile_fn = {
             "regex": self._compiler.compile_regex,
-            "json_schema": partial(self._compiler.compile_json_schema, any_whitespace=False),
+            "json_schema": lambda schema: self._compiler.compile_grammar(json_schema_ebnf(schema)),
             "ebnf": self._compiler.compile_grammar,
         }[kind]
         try:

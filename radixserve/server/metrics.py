@@ -61,6 +61,11 @@ ENGINE_METRICS = {
     "spec_accepted_tokens": ("radixserve:spec_accepted_tokens", "Draft tokens accepted", "c"),
     "spec_verify_steps": ("radixserve:spec_verify_steps", "Decode steps that verify drafts", "c"),
     "spec_accept_length": ("radixserve:spec_accept_length", "Tokens per verify step", "g"),
+    "jump_forward_tokens": (
+        "radixserve:jump_forward_tokens",
+        "Output tokens a grammar forced, appended without sampling",
+        "c",
+    ),
 }
 
 
