@@ -107,11 +107,11 @@ def _runner(model: str, quantization: str, deterministic: bool) -> ModelRunner:
         enable_deterministic_inference=deterministic,
     )
     runner = ModelRunner.create(load, CacheConfig(page_size=16, max_total_tokens=512))
-    runner.attn.forward = _row_wise_attention(runner)
+    runner.attn.forward = row_wise_attention(runner)
     return runner
 
 
-def _row_wise_attention(runner: ModelRunner):
+def row_wise_attention(runner: ModelRunner):
     """Each query attends alone over its gathered K/V: the same arithmetic for a token in a
     decode and in a verify, so that the model's other layers are what the test checks."""
     pool = runner.pool
