@@ -171,9 +171,9 @@ class LoadConfig:
     CPU, int8 / int4 / gguf layers stay on torch's row-wise kernels for prefill chunks too
     (slower prefill) and the fp layers left (the LM head; every projection with
     --quantization none) run one gemm whatever the row count (BatchInvariantLinear: a copy
-    of W.T; the default model's decode step measured ~20% slower at batch 1). Attention is not covered:
-    extends longer than 2 tokens round unlike decode, so speculation with more than 1 draft
-    token can still change greedy output (docs/performance.md)."""
+    of W.T; the default model's batch-1 decode step measured ~20% slower). Attention is not
+    covered: extends longer than 2 tokens round unlike decode, so speculation with more than
+    1 draft token can still change greedy output (docs/performance.md)."""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
