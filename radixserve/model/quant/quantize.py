@@ -45,6 +45,7 @@ from torch import nn
 from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant import linear as quant_linear
+from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.linear import (
     INT4_GROUP_SIZES,
@@ -271,14 +272,18 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
 def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
     """Every int8 / int4 layer, however it was built: its kernel runs in
     LoadConfig.quant_compute_dtype, and with --enable-deterministic-inference it stays on its
-    row-wise kernel for every batch."""
+    row-wise kernel for every batch; on CPU the fp layers left (the LM head, unquantized
+    projections) then become BatchInvariantLinear."""
     dtype = load_config.quant_compute_dtype()
+    deterministic = load_config.enable_deterministic_inference
     for module in model.modules():
         if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
             if module.compute_dtype != dtype:
                 module.set_compute_dtype(dtype)
-            if load_config.enable_deterministic_inference:
+            if deterministic:
                 module.dequant_min_rows = None
+    if deterministic and load_config.torch_device().type == "cpu":
+        make_fp_layers_batch_invariant(model)
 
 
 def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
