@@ -13,6 +13,7 @@ request then computes its prompt itself (slower, same tokens). A request with no
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from radixserve.config import DisaggregationConfig
@@ -22,6 +23,10 @@ from radixserve.engine.request import Req
 from radixserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+def _no_wake() -> None:
+    """Driven step by step (tests, lockstep): nothing to wake."""
 
 
 class KVHandoff:
@@ -38,6 +43,7 @@ class KVHandoff:
             timeout = config.disaggregation_transfer_timeout
             self.receiver = DecodeReceiver(transfer, pages.pool, pages.cache, timeout)
         self._transfer = transfer
+        self.wake: Callable[[], None] = _no_wake  # the core loop's, once it runs
 
     @classmethod
     def create(
@@ -63,6 +69,7 @@ class KVHandoff:
             return False
         b = req.bootstrap
         req.kv_future = self.receiver.fetch(b.host, b.port, b.room)
+        req.kv_future.add_done_callback(lambda _: self.wake())  # no polling delay on arrival
         return True
 
     def receive(self, req: Req) -> None:

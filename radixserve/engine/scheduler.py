@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -145,6 +146,12 @@ class Scheduler:
     def has_work(self) -> bool:
         queued = self.inbox or self.receiving or self.compiling or self.waiting
         return bool(queued or self.running)
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """`wake` (thread-safe) is called when work finishes off the core thread and a step
+        can use it: a disaggregated decode's KV arrived. The core loop passes its own."""
+        if self.handoff is not None:
+            self.handoff.wake = wake
 
     def close(self) -> None:
         """Stops disaggregation's transfer (its bootstrap port, its fetch threads)."""
