@@ -349,3 +349,66 @@ def test_a_pipe_transport_wakes_from_another_thread():
     assert transport.receive(None) == []
     ours.send_bytes(encode(AbortRequests(["x"])))
     assert transport.receive(None) == [AbortRequests(["x"])]
+
+
+# ---- received pages are held until admission ---------------------------------------------
+
+TINY_POOL = {"max_total_tokens": 12 * PAGE, "schedule_policy": "fcfs", "max_running_requests": 1}
+
+
+@pytest.fixture
+def tiny_decode(tiny_chat_model):
+    decode = core(tiny_chat_model, "decode", disaggregation_transfer_timeout=5.0, **TINY_POOL)
+    assert decode.runner.pool.allocator.capacity == 12
+    yield decode
+    decode.close()
+
+
+def receive_behind(prefill, decode, blockers: list[Req], ids, **kwargs) -> tuple[Req, Req]:
+    """A PD pair whose decode side is stored (its pages held) but queued behind `blockers`."""
+    for r in blockers:
+        decode.scheduler.add_request(r)
+    p, d = submit_pair(prefill, decode, ids, **kwargs)
+    run([prefill], [p])
+    decode.scheduler.step()  # a blocker is admitted, d's fetch starts
+    while d.kv_future is not None:
+        d.kv_future.exception(timeout=5)  # arrived: the next step stores it
+        decode.scheduler.step()
+    assert d in decode.scheduler.waiting
+    return p, d
+
+
+def test_received_pages_survive_churn_until_admission(pd, tiny_decode):
+    prefill, decode = pd[0], tiny_decode
+    churn = [request(prompt_ids(20 + i, 64)) for i in range(4)]  # 4 pages each into the tree
+    _, d = receive_behind(prefill, decode, churn, prompt_ids(9, 40))
+    run([decode], [*churn, d])
+    assert decode.get_stats()["evicted_pages"] > 0  # the churn did push pages out
+    assert d.cached_tokens == 32 and d.num_retractions == 0  # both received pages hit
+    assert_balanced(decode)
+
+
+def test_holds_give_way_before_a_running_request_is_retracted(pd, tiny_decode):
+    prefill, decode = pd[0], tiny_decode
+    # grows to 9 pages: more than the 12 - 4 held leave; the newest hold must give way
+    long = request(prompt_ids(30, 64), max_new_tokens=70)
+    _, first = receive_behind(prefill, decode, [long], prompt_ids(10, 40))
+    _, second = receive_behind(prefill, decode, [], prompt_ids(11, 40))
+    run([decode], [long, first, second])
+    assert long.num_retractions == 0 and len(long.output_ids) == 70
+    assert first.cached_tokens == 32 and second.cached_tokens == 0
+    assert_balanced(decode)
+
+
+def test_aborted_waiting_requests_release_their_holds(pd, tiny_decode):
+    prefill, decode = pd[0], tiny_decode
+    long = request(prompt_ids(31, 64), max_new_tokens=4)
+    _, d = receive_behind(prefill, decode, [long], prompt_ids(12, 40))
+    assert decode.scheduler.pages.holds
+    decode.scheduler.abort_request(d.request_id)
+    run([decode], [long, d])
+    assert d.finish_reason.is_abort and not decode.scheduler.pages.holds
+    _, d2 = receive_behind(prefill, decode, [request(prompt_ids(32, 64))], prompt_ids(13, 40))
+    decode.scheduler.abort_all("test")
+    assert d2.finish_reason.is_abort and not decode.scheduler.pages.holds
+    assert_balanced(decode)

@@ -133,6 +133,7 @@ class Scheduler:
         for req in reqs:
             if req.state is ReqState.RUNNING:
                 self._release(req)
+            self.pages.release_hold(req)
             req.finish(FinishReason.abort(message, status_code=500))
         self.inbox.clear()
         self.compiling, self.waiting, self.running, self.receiving = [], [], [], []
@@ -243,6 +244,7 @@ class Scheduler:
                 req.grammar = self.grammar.matcher(req.grammar_future.result())
                 self.waiting.append(req)
             except Exception as exc:
+                self.pages.release_hold(req)
                 req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
                 outputs.append(req)
             req.grammar_future = None
@@ -269,6 +271,7 @@ class Scheduler:
         for queue in (self.waiting, self.compiling, self.receiving):
             for req in [r for r in queue if r.abort_requested]:
                 queue.remove(req)
+                self.pages.release_hold(req)
                 req.finish(ABORTED_BY_CLIENT)
                 outputs.append(req)
         for req in [r for r in self.running if r.abort_requested]:
@@ -460,6 +463,7 @@ class Scheduler:
             self.stats.cached_tokens += match.num_tokens
             if match.num_tokens:
                 self.cache.record_hit(match.node)
+        self.pages.release_hold(req)  # its own lock on the match keeps received pages now
         self.waiting.remove(req)
         self.running.append(req)
         req.state = ReqState.RUNNING
