@@ -532,7 +532,8 @@ class DisaggregationConfig:
     serves its KV pages on the bootstrap port) | decode (pulls the prompt's KV pages from the
     prefill worker, then decodes)."""
     disaggregation_bootstrap_port: int = SGLANG_BOOTSTRAP_PORT
-    """prefill: the port decode workers pull KV pages from (0: a free one)."""
+    """prefill: the port decode workers pull KV pages from (0: a free one). `fleet`: prefill
+    worker i serves on this port + i (0 refused: the router must be told each port)."""
     disaggregation_bootstrap_host: str = "127.0.0.1"
     """prefill: the address the bootstrap port binds; loopback unless told otherwise (as
     --host): decode workers on other machines need a reachable one."""
