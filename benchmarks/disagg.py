@@ -3,6 +3,7 @@
 Two setups with the same cores (two workers, each pinned to its own core, one torch thread):
   co-located     2 normal workers behind the router's cache_aware policy
   disaggregated  1 prefill + 1 decode worker behind the router in PD mode (tcp transfer)
+each started as `radixserve fleet` starts it (radixserve/fleet/launch.py: fleet_children).
 Both serve the same mixed load, sent at a fixed request rate (Poisson arrivals, seeded):
 short chats (a short prompt, a longer answer) and long-prompt chats (a long prompt, a short
 answer), every prompt distinct (no cache hits between requests). Each request streams, so
@@ -35,16 +36,9 @@ import aiohttp
 import numpy as np
 
 from radixserve.config import FleetConfig, ServerConfig
-from radixserve.fleet.launch import (
-    Child,
-    router_ready,
-    stop_all,
-    wait_until,
-    worker_children,
-    worker_healthy,
-)
+from radixserve.fleet.launch import Child, fleet_children, start_all, stop_all
 from radixserve.fleet.router import require_router
-from radixserve_bench.systems import free_port
+from radixserve_bench.systems import free_port, free_port_run
 
 GOAL_ITL_RATIO = 0.5
 """The issue's goal: P99 ITL disaggregated at most half of co-located."""
@@ -169,33 +163,25 @@ def _pct(values: list[float], q: float) -> float:
 # ---- processes -----------------------------------------------------------------------------
 
 
-def start_workers(model: str | None, roles: list[list[str]]) -> list[Child]:
-    """One worker per entry of `roles` (its extra flags), each on its own core."""
+def start_fleet(model: str | None, disaggregated: bool) -> tuple[list[Child], Child]:
+    """`radixserve fleet`'s processes on free ports: 2 workers behind the cache_aware router,
+    or 1 prefill + 1 decode worker behind it in PD mode; each worker on its own core."""
     engine_args = {"device": "cpu"} | ({"model": model} if model else {})
-    workers = worker_children(FleetConfig(workers=len(roles)), ServerConfig(), engine_args)
-    for worker, flags in zip(workers, roles):
-        port = free_port()
-        worker.command[worker.command.index("--port") + 1] = str(port)
-        worker.command += flags
-        worker.url = f"http://127.0.0.1:{port}"
-        worker.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    for worker in workers:
-        if not wait_until(worker, lambda w=worker: worker_healthy(w.url), deadline, NEVER):
-            raise RuntimeError(f"{worker.name} did not start")
-    return workers
-
-
-def start_router(args: list[str], num_workers: int) -> Child:
-    port = free_port()
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--log-level", "warn", *args]
-    router = Child("router", command, f"http://127.0.0.1:{port}")
-    router.start()
-    ready = lambda: router_ready(router.url, num_workers)  # noqa: E731
-    if not wait_until(router, ready, time.monotonic() + 60, NEVER):
-        raise RuntimeError("router did not get ready")
-    return router
+    roles = {"prefill_workers": 1, "decode_workers": 1} if disaggregated else {"workers": 2}
+    config = FleetConfig(
+        router_port=free_port(),
+        worker_base_port=free_port_run(2),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        **roles,
+    )
+    if disaggregated:
+        engine_args["disaggregation_bootstrap_port"] = free_port()
+    server = ServerConfig(host="127.0.0.1", log_level="warning")
+    workers, router = fleet_children(config, server, engine_args)
+    if not start_all(workers, router, config, NEVER):
+        stop_all([router, *workers])
+        raise RuntimeError("the fleet did not start (see the log above)")
+    return workers, router
 
 
 async def kv_bytes_received(url: str) -> int:
@@ -206,22 +192,8 @@ async def kv_bytes_received(url: str) -> int:
 
 def measure(setup: str, model, args) -> SetupResult:
     """Starts the setup's workers and router, warms them, runs the load, stops them all."""
-    if setup == "co-located":
-        roles = [[], []]
-    else:
-        bootstrap = str(free_port())
-        prefill = ["--disaggregation-mode", "prefill"]
-        prefill += ["--disaggregation-bootstrap-port", bootstrap]
-        roles = [prefill, ["--disaggregation-mode", "decode"]]
-    workers = start_workers(model, roles)
-    router = None
+    workers, router = start_fleet(model, disaggregated=setup == "disaggregated")
     try:
-        if setup == "co-located":
-            router_args = ["--worker-urls", *(w.url for w in workers), "--policy", "cache_aware"]
-        else:
-            router_args = ["--pd-disaggregation", "--prefill", workers[0].url, bootstrap]
-            router_args += ["--decode", workers[1].url, "--policy", "cache_aware"]
-        router = start_router(router_args, len(workers))
         warm = make_requests(4, seed=args.seed + 100)
         asyncio.run(run_load(router.url, warm, rate=100.0, seed=0))
         before = asyncio.run(kv_bytes_received(workers[-1].url))
@@ -230,7 +202,7 @@ def measure(setup: str, model, args) -> SetupResult:
         kv = asyncio.run(kv_bytes_received(workers[-1].url)) - before
         return summarize(setup, samples, wall_s, kv)
     finally:
-        stop_all([c for c in (router, *workers) if c is not None])
+        stop_all([router, *workers])
 
 
 COLUMNS = (  # (header, SetupResult field, format)

@@ -43,10 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, ParallelConfig, "parallelism")
     add_dataclass_args(srv, DisaggregationConfig, "prefill/decode disaggregation")
     fleet = sub.add_parser(
-        "fleet", help="serve N data-parallel workers behind sglang-router (extra: [fleet])"
+        "fleet",
+        help="serve N data-parallel workers, or P prefill + D decode workers, behind "
+        "sglang-router (extra: [fleet])",
     )
     add_dataclass_args(fleet, FleetConfig, "fleet")
     add_server_args(fleet, exclude=("port",))  # workers' ports: --worker-base-port
+    pd_title = "prefill/decode disaggregation (with --prefill-workers / --decode-workers)"
+    add_dataclass_args(fleet, DisaggregationConfig, pd_title, exclude=("disaggregation_mode",))
     # listed for --help only: main hands everything after `bench` to radixserve_bench
     sub.add_parser("bench", add_help=False, help="benchmark serving workloads (see `bench -h`)")
     return parser
@@ -93,10 +97,10 @@ def run_fleet(args: argparse.Namespace) -> int:
     from radixserve.fleet.router import RouterNotInstalledError
 
     server = server_config_from(args)
-    config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
     try:
+        config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
         return launch_fleet(config, server, engine_args_from(args))
-    except RouterNotInstalledError as exc:
+    except (RouterNotInstalledError, ValueError) as exc:
         raise SystemExit(f"radixserve fleet: {exc}") from None
 
 

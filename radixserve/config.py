@@ -613,7 +613,8 @@ class DisaggregationConfig:
     serves its KV pages on the bootstrap port) | decode (pulls the prompt's KV pages from the
     prefill worker, then decodes)."""
     disaggregation_bootstrap_port: int = SGLANG_BOOTSTRAP_PORT
-    """prefill: the port decode workers pull KV pages from (0: a free one)."""
+    """prefill: the port decode workers pull KV pages from (0: a free one). `fleet`: prefill
+    worker i serves on this port + i (0 refused: the router must be told each port)."""
     disaggregation_bootstrap_host: str = "127.0.0.1"
     """prefill: the address the bootstrap port binds; loopback unless told otherwise (as
     --host): decode workers on other machines need a reachable one."""
@@ -716,11 +717,19 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 @dataclass
 class FleetConfig:
-    """`radixserve fleet`: N `radixserve serve` workers on this machine behind sglang-router.
-    Workers listen on loopback only; the router listens on --host (with --api-key, if set)."""
+    """`radixserve fleet`: N `radixserve serve` workers on this machine behind sglang-router,
+    or P prefill + D decode workers behind it in PD mode. Workers listen on loopback only; the
+    router listens on --host (with --api-key, if set)."""
 
     workers: int = 2
-    """Number of data-parallel workers (each a full `radixserve serve`)."""
+    """Number of data-parallel workers (each a full `radixserve serve`); ignored when
+    --prefill-workers / --decode-workers are set."""
+    prefill_workers: int = 0
+    """Prefill/decode disaggregation: this many prefill workers (prefill worker i serves its
+    KV on --disaggregation-bootstrap-port + i), with --decode-workers; the router runs with
+    --pd-disaggregation. 0: a data-parallel fleet of --workers."""
+    decode_workers: int = 0
+    """Prefill/decode disaggregation: this many decode workers, with --prefill-workers."""
     router_port: int = 30000
     """Port the router listens on: the fleet's one public endpoint."""
     worker_base_port: int = 31000
@@ -739,10 +748,40 @@ class FleetConfig:
     """Seconds to wait for every worker, then the router, to get healthy."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("workers", 1), ("cpu_cores_per_worker", 1), ("base_gpu_id", 0)):
+        minimums = {
+            "workers": 1,
+            "cpu_cores_per_worker": 1,
+            "base_gpu_id": 0,
+            "prefill_workers": 0,
+            "decode_workers": 0,
+        }
+        for name, minimum in minimums.items():
             if getattr(self, name) < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
         if self.policy not in ROUTER_POLICIES:
             allowed = " | ".join(ROUTER_POLICIES)
             raise ValueError(f"--policy must be one of {allowed}; got {self.policy!r}")
+        if (self.prefill_workers == 0) != (self.decode_workers == 0):
+            raise ValueError(
+                "--prefill-workers and --decode-workers go together (both >= 1 for a PD "
+                f"fleet); got {self.prefill_workers} and {self.decode_workers}"
+            )
+
+    @property
+    def pd_disaggregation(self) -> bool:
+        """Prefill and decode workers behind the router in PD mode."""
+        return self.prefill_workers > 0
+
+    @property
+    def num_workers(self) -> int:
+        return (
+            self.prefill_workers + self.decode_workers if self.pd_disaggregation else self.workers
+        )
+
+    def worker_mode(self, index: int) -> str | None:
+        """Worker `index`'s --disaggregation-mode: prefill workers first, then decode ones;
+        None in a data-parallel fleet."""
+        if not self.pd_disaggregation:
+            return None
+        return "prefill" if index < self.prefill_workers else "decode"

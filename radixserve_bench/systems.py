@@ -177,6 +177,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int) -> int:
+    """A first port of `count` consecutive ports nothing listens on right now (a fleet's
+    workers listen on a base port + i)."""
+    for _ in range(50):
+        first = free_port()
+        if first + count < 65536 and all(_port_free(first + k) for k in range(count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class ManagedServer:
     """A server subprocess: started, polled until healthy, stopped with SIGTERM."""
 

@@ -4,7 +4,10 @@ mode would. Pages must balance on both sides after normal, aborted and failed tr
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import multiprocessing
+import threading
 import time
 
 import pytest
@@ -12,10 +15,14 @@ import torch
 
 from conftest import greedy, make_core, prompt_ids
 from radixserve.config import DisaggregationConfig, SchedulerConfig
-from radixserve.engine.protocol import Bootstrap, RequestSpec
+from radixserve.engine import core_loop
+from radixserve.engine.inproc_client import InProcessClient
+from radixserve.engine.protocol import AbortRequests, Bootstrap, RequestSpec
 from radixserve.engine.request import Req
 from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.core_process import PipeTransport
+from radixserve.server.wire import encode
 from radixserve_bench.systems import free_port
 
 PAGE = 16
@@ -273,3 +280,135 @@ def test_a_room_pairs_one_output_only():
     args = GenerateArgs(text="hi", sampling_params={"n": 2}, **BOOT)
     with pytest.raises(ValueError, match="n must be 1"):
         builder("decode").build(args)
+
+
+# ---- arrival wakes an idle decode worker -------------------------------------------------
+
+
+def spec(ids, room: int, port: int, max_new_tokens: int = 8) -> RequestSpec:
+    params = SamplingParams.from_dict(greedy(max_new_tokens))
+    boot = Bootstrap(HOST, port, room)
+    return RequestSpec(f"r{room}", "r", list(ids), params, seed=0, bootstrap=boot)
+
+
+def test_arrived_kv_wakes_an_idle_decode_core_at_once(tiny_chat_model, monkeypatch):
+    # The back-off would now sleep 600 s: only the fetch's own wake-up can admit the request.
+    monkeypatch.setattr(core_loop, "STALL_WAIT_MIN_S", 600.0)
+    monkeypatch.setattr(core_loop, "STALL_WAIT_MAX_S", 600.0)
+    prefill = core(tiny_chat_model, "prefill")
+    decode = core(tiny_chat_model, "decode")
+    num_steps = [0]
+    step = decode.scheduler.step
+
+    def counted_step():
+        num_steps[0] += 1
+        return step()
+
+    monkeypatch.setattr(decode.scheduler, "step", counted_step)
+    client = InProcessClient(decode)
+    ids, room, port = prompt_ids(8, 40), next(_rooms), prefill.scheduler.handoff.bootstrap_port
+
+    async def scenario() -> list[int]:
+        tokens: list[int] = []
+        async for out in client.generate(spec(ids, room, port)):
+            tokens += out.new_token_ids
+        return tokens
+
+    async def main() -> tuple[list[int], int]:
+        task = asyncio.create_task(scenario())
+        while not decode.scheduler.receiving:  # parked; its step found nothing to do
+            await asyncio.sleep(0.01)
+        parked_at = num_steps[0]
+        p = request(ids, room, port)
+        prefill.scheduler.add_request(p)
+        run([prefill], [p])  # publishes the room: the decode side's fetch completes
+        return await asyncio.wait_for(task, timeout=30), parked_at
+
+    try:
+        tokens, parked_at = asyncio.run(main())
+        assert len(tokens) == 8 and decode.get_stats()["kv_pages_received"] == 40 // PAGE
+        # one step per token after the arrival: no step spent polling
+        assert num_steps[0] - parked_at == 8
+    finally:
+        client.close()
+        prefill.close()
+        decode.close()
+
+
+def test_a_pipe_transport_wakes_from_another_thread():
+    ours, theirs = multiprocessing.Pipe()
+    transport = PipeTransport(theirs)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(transport.receive(None)), daemon=True)
+    waiter.start()
+    threading.Timer(0.05, transport.wake).start()
+    waiter.join(timeout=30)
+    assert got == [[]]  # woken with no message
+    transport.wake()
+    transport.wake()  # wakes coalesce: one receive drains them
+    assert transport.receive(None) == []
+    ours.send_bytes(encode(AbortRequests(["x"])))
+    assert transport.receive(None) == [AbortRequests(["x"])]
+
+
+# ---- received pages are held until admission ---------------------------------------------
+
+TINY_POOL = {"max_total_tokens": 12 * PAGE, "schedule_policy": "fcfs", "max_running_requests": 1}
+
+
+@pytest.fixture
+def tiny_decode(tiny_chat_model):
+    decode = core(tiny_chat_model, "decode", disaggregation_transfer_timeout=5.0, **TINY_POOL)
+    assert decode.runner.pool.allocator.capacity == 12
+    yield decode
+    decode.close()
+
+
+def receive_behind(prefill, decode, blockers: list[Req], ids, **kwargs) -> tuple[Req, Req]:
+    """A PD pair whose decode side is stored (its pages held) but queued behind `blockers`."""
+    for r in blockers:
+        decode.scheduler.add_request(r)
+    p, d = submit_pair(prefill, decode, ids, **kwargs)
+    run([prefill], [p])
+    decode.scheduler.step()  # a blocker is admitted, d's fetch starts
+    while d.kv_future is not None:
+        d.kv_future.exception(timeout=5)  # arrived: the next step stores it
+        decode.scheduler.step()
+    assert d in decode.scheduler.waiting
+    return p, d
+
+
+def test_received_pages_survive_churn_until_admission(pd, tiny_decode):
+    prefill, decode = pd[0], tiny_decode
+    churn = [request(prompt_ids(20 + i, 64)) for i in range(4)]  # 4 pages each into the tree
+    _, d = receive_behind(prefill, decode, churn, prompt_ids(9, 40))
+    run([decode], [*churn, d])
+    assert decode.get_stats()["evicted_pages"] > 0  # the churn did push pages out
+    assert d.cached_tokens == 32 and d.num_retractions == 0  # both received pages hit
+    assert_balanced(decode)
+
+
+def test_holds_give_way_before_a_running_request_is_retracted(pd, tiny_decode):
+    prefill, decode = pd[0], tiny_decode
+    # grows to 9 pages: more than the 12 - 4 held leave; the newest hold must give way
+    long = request(prompt_ids(30, 64), max_new_tokens=70)
+    _, first = receive_behind(prefill, decode, [long], prompt_ids(10, 40))
+    _, second = receive_behind(prefill, decode, [], prompt_ids(11, 40))
+    run([decode], [long, first, second])
+    assert long.num_retractions == 0 and len(long.output_ids) == 70
+    assert first.cached_tokens == 32 and second.cached_tokens == 0
+    assert_balanced(decode)
+
+
+def test_aborted_waiting_requests_release_their_holds(pd, tiny_decode):
+    prefill, decode = pd[0], tiny_decode
+    long = request(prompt_ids(31, 64), max_new_tokens=4)
+    _, d = receive_behind(prefill, decode, [long], prompt_ids(12, 40))
+    assert decode.scheduler.pages.holds
+    decode.scheduler.abort_request(d.request_id)
+    run([decode], [long, d])
+    assert d.finish_reason.is_abort and not decode.scheduler.pages.holds
+    _, d2 = receive_behind(prefill, decode, [request(prompt_ids(32, 64))], prompt_ids(13, 40))
+    decode.scheduler.abort_all("test")
+    assert d2.finish_reason.is_abort and not decode.scheduler.pages.holds
+    assert_balanced(decode)

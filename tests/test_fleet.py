@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,8 +22,9 @@ from conftest import prompt_ids
 from radixserve.cli import build_parser, engine_args_from, main, server_config_from
 from radixserve.cli_args import dataclass_flags
 from radixserve.config import CacheConfig, FleetConfig, LoadConfig, SchedulerConfig, ServerConfig
-from radixserve.fleet.launch import worker_children
+from radixserve.fleet.launch import fleet_children, worker_children
 from radixserve.fleet.router import router_command
+from radixserve_bench.systems import free_port_run
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 ROUTER_GENERATE_DEFAULTS = {
@@ -125,6 +125,50 @@ def test_cuda_workers_get_one_visible_gpu_each(monkeypatch, tiny_chat_model):
         worker_children(FleetConfig(workers=2, base_gpu_id=2), ServerConfig(), {"device": "cuda"})
 
 
+def test_pd_fleet_workers_get_their_mode_bootstrap_port_and_one_thread(tiny_chat_model):
+    argv = ["fleet", tiny_chat_model, "--prefill-workers", "2", "--decode-workers", "1"]
+    argv += ["--worker-base-port", "40100", "--disaggregation-bootstrap-port", "41000"]
+    argv += ["--disaggregation-transfer-timeout", "7", "--page-size", "8"]
+    args = build_parser().parse_args(argv)
+    config = FleetConfig(**{n: getattr(args, n) for n in ("prefill_workers", "decode_workers")})
+    config.worker_base_port = 40100
+    engine_args = engine_args_from(args) | {"device": "cpu"}
+    assert "disaggregation_mode" not in engine_args  # the fleet sets it per worker
+    workers, router = fleet_children(config, server_config_from(args), engine_args)
+    modes = [w.command[w.command.index("--disaggregation-mode") + 1] for w in workers]
+    assert modes == ["prefill", "prefill", "decode"]
+    allowed = sorted(os.sched_getaffinity(0))
+    for i, worker in enumerate(workers):
+        command = worker.command
+        assert command[command.index("--port") + 1] == str(40100 + i)
+        assert command[command.index("--disaggregation-transfer-timeout") + 1] == "7.0"
+        assert worker.cores == [allowed[i % len(allowed)]]
+        assert worker.env["OMP_NUM_THREADS"] == "1"
+    ports = [w.command[w.command.index("--disaggregation-bootstrap-port") + 1] for w in workers]
+    assert ports == ["41000", "41001", "41000"]  # the decode worker's is unused
+    assert [w.bootstrap_port for w in workers] == [41000, 41001, None]
+    pd = router.command[router.command.index("--pd-disaggregation") :]
+    assert pd[: pd.index("--policy")] == [
+        "--pd-disaggregation",
+        *("--prefill", workers[0].url, "41000", "--prefill", workers[1].url, "41001"),
+        *("--decode", workers[2].url),
+    ]
+    assert "--worker-urls" not in router.command
+    with pytest.raises(SystemExit):  # per worker, not a fleet flag
+        build_parser().parse_args([*argv, "--disaggregation-mode", "prefill"])
+
+
+def test_pd_fleet_needs_both_roles_and_a_fixed_bootstrap_port(tiny_chat_model):
+    with pytest.raises(ValueError, match="--prefill-workers and --decode-workers go together"):
+        FleetConfig(prefill_workers=1)
+    config = FleetConfig(prefill_workers=1, decode_workers=1)
+    engine_args = {"model": tiny_chat_model, "device": "cpu", "disaggregation_bootstrap_port": 0}
+    with pytest.raises(ValueError, match="--disaggregation-bootstrap-port must be a fixed port"):
+        worker_children(config, ServerConfig(), engine_args)
+    with pytest.raises(SystemExit, match="--decode-workers"):
+        main(["fleet", tiny_chat_model, "--decode-workers", "2"])
+
+
 def test_router_command_maps_log_level_and_lets_extra_args_override():
     command = router_command(
         ["http://a"], "h", 1, "round_robin", log_level="warning", extra_args="--policy random"
@@ -135,7 +179,13 @@ def test_router_command_maps_log_level_and_lets_extra_args_override():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("workers", 0), ("policy", "best"), ("cpu_cores_per_worker", 0), ("base_gpu_id", -1)],
+    [
+        ("workers", 0),
+        ("policy", "best"),
+        ("cpu_cores_per_worker", 0),
+        ("base_gpu_id", -1),
+        ("prefill_workers", -1),
+    ],
 )
 def test_fleet_config_errors_name_the_flag(field, value):
     with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
@@ -179,26 +229,6 @@ def _running(pid: int) -> bool:
 
 
 # ---- through the real router -------------------------------------------------------------
-
-
-def free_port_run(count: int) -> int:
-    """A first port of `count` consecutive ports nothing listens on right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + count < 65536 and all(_port_free(first + k) for k in range(count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class FleetProcess:
@@ -269,3 +299,27 @@ def test_fleet_behind_the_real_router(tiny_chat_model, server):
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every worker and the router stopped with the fleet
+
+
+@needs_router
+def test_pd_fleet_behind_the_real_router(tiny_chat_model, server):
+    bootstrap = str(free_port_run(1))
+    flags = ["--prefill-workers", "1", "--decode-workers", "1", "--page-size", "16"]
+    flags += ["--disaggregation-bootstrap-port", bootstrap, "--policy", "round_robin"]
+    fleet = FleetProcess(tiny_chat_model, 2, *flags)
+    children = fleet.children()
+    try:
+        assert len(children) == 3  # a prefill worker, a decode worker and the router
+        assert "1 prefill + 1 decode workers" in "".join(fleet.log)
+        body = {"input_ids": prompt_ids(9, 40), "sampling_params": GREEDY}
+        status, routed = run(post(fleet.url + "/generate", body, headers=JSON))
+        assert status == 200, routed
+        _, single = run(post(server.url + "/generate", body))
+        assert routed["output_ids"] == single["output_ids"]  # same greedy tokens as one worker
+        assert routed["meta_info"]["cached_tokens"] == 32  # the prompt's KV came from prefill
+    finally:
+        assert fleet.stop() == 0, "".join(fleet.log[-30:])
+    time.sleep(0.5)
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # both workers and the router stopped with the fleet

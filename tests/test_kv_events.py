@@ -31,7 +31,13 @@ from radixserve.cache.kv_events import (
 )
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.config import CacheConfig, KVEventsConfig, offset_endpoint, split_engine_kwargs
+from radixserve.config import (
+    CacheConfig,
+    FleetConfig,
+    KVEventsConfig,
+    offset_endpoint,
+    split_engine_kwargs,
+)
 from radixserve.engine.core import EngineCore
 from radixserve.engine.kv_publisher import END_OF_REPLAY, KVEventPublisher
 from radixserve.fleet.launch import worker_engine_args
@@ -449,12 +455,13 @@ def test_fleet_workers_get_their_own_event_sockets():
     config += '"replay_endpoint": "ipc:///tmp/kv-replay"}'
     args = {"page_size": 16, "kv_events_config": config}
     assert (
-        worker_engine_args(args, 0)["kv_events_config"]
+        worker_engine_args(args, 0, FleetConfig())["kv_events_config"]
         == KVEventsConfig.from_json(config).to_json()
     )
-    second = KVEventsConfig.from_json(worker_engine_args(args, 2)["kv_events_config"])
+    second_args = worker_engine_args(args, 2, FleetConfig())
+    second = KVEventsConfig.from_json(second_args["kv_events_config"])
     assert second.endpoint == "tcp://*:5559"
     assert second.replay_endpoint == "ipc:///tmp/kv-replay_2"
-    assert worker_engine_args({"page_size": 16}, 1) == {"page_size": 16}
+    assert worker_engine_args({"page_size": 16}, 1, FleetConfig()) == {"page_size": 16}
     with pytest.raises(ValueError, match="--kv-events-config endpoint"):
         offset_endpoint("tcp://collector", 1)

@@ -79,9 +79,10 @@ class DecodeReceiver:
 
     def store(
         self, room: int, token_ids: Sequence[int], pages: list[bytes], namespace: str | None
-    ) -> None:
+    ) -> int:
         """Writes `pages` (the whole pages of `token_ids`) into free pages and gives them to
-        the tree; the caller has made sure that len(pages) pages are free."""
+        the tree; the caller has made sure that len(pages) pages are free. Returns the tokens
+        they hold."""
         num_pages = len(token_ids) // self.pool.page_size
         if len(pages) != num_pages:
             raise KVTransferError(
@@ -98,6 +99,7 @@ class DecodeReceiver:
         num_tokens = num_pages * self.pool.page_size
         present = self.cache.insert(token_ids[:num_tokens], ids, namespace)
         self.pool.allocator.free(ids[: present // self.pool.page_size])  # already in the tree
+        return num_tokens
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

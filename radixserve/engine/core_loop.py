@@ -3,7 +3,8 @@
 Each turn it takes every waiting message (new requests, aborts, calls), runs one scheduler
 step if there is work, and sends the step's deltas back. It blocks while idle, and backs off
 while work exists but no step can make progress (only grammar compiles pending, or prefills
-waiting for pages), so it never spins a core.
+waiting for pages), so it never spins a core. Work finishing off the core thread (a
+disaggregated decode's KV fetch) wakes it through `CoreTransport.wake`, as a message does.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class CoreTransport(Protocol):
 
     def send(self, message: FromCore) -> None: ...
 
+    def wake(self) -> None:
+        """Makes a pending (or the next) `receive` return at once; callable from any thread."""
+
 
 class CoreLoop:
     def __init__(self, core: EngineCore, transport: CoreTransport):
@@ -45,6 +49,7 @@ class CoreLoop:
         self.transport = transport
         self.deltas = DeltaTracker()
         self._stall_wait = 0.0
+        core.scheduler.set_wake(transport.wake)
 
     def run(self) -> None:
         """Serves until the transport closes."""

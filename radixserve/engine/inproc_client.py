@@ -21,11 +21,12 @@ logger = logging.getLogger(__name__)
 
 
 _PAUSE = object()
+_WAKE = object()
 
 
 class _QueueTransport:
     """Messages in through a thread-safe queue (None closes, _PAUSE ends the thread's loop
-    for a lockstep block); out through a callback."""
+    for a lockstep block, _WAKE only ends a wait); out through a callback."""
 
     def __init__(self, inbox: queue.SimpleQueue, client: InProcessClient):
         self.inbox = inbox
@@ -46,10 +47,15 @@ class _QueueTransport:
             for message in messages:  # handled by the lockstep driver's first step
                 self.inbox.put(message)
             return None
-        return None if any(m is None for m in messages) else messages
+        if any(m is None for m in messages):
+            return None
+        return [m for m in messages if m is not _WAKE]
 
     def send(self, message: FromCore) -> None:
         self.client._on_message(message)
+
+    def wake(self) -> None:
+        self.inbox.put(_WAKE)
 
 
 class InProcessClient(EngineClient):

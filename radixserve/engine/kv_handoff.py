@@ -4,15 +4,17 @@ A prefill worker runs each request for one token (SGLang's prefill server answer
 prefill) and, when a request with a bootstrap room finishes, publishes its prompt's whole KV
 pages under the room. A decode worker parks a request with a bootstrap room off the queue
 while a thread fetches its pages, then stores them into its pool and radix tree and queues
-it: admission matches them like any cached prefix. The stored pages are not locked while
-the request waits for admission: under memory pressure eviction may take them, and the
-request then computes its prompt itself (slower, same tokens). A request with no room
+it: admission matches them like any cached prefix. The stored pages are held (locked,
+engine/req_pages.py) until the request is admitted or leaves, so that LRU eviction does not
+take them meanwhile; only an allocation eviction cannot otherwise serve makes a hold give
+way, and the request then computes its prompt itself (slower, same tokens). A request with no room
 (warm-up, a client calling the worker directly) is computed as on a normal worker.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from radixserve.config import DisaggregationConfig
@@ -22,6 +24,10 @@ from radixserve.engine.request import Req
 from radixserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+def _no_wake() -> None:
+    """Driven step by step (tests, lockstep): nothing to wake."""
 
 
 class KVHandoff:
@@ -38,6 +44,7 @@ class KVHandoff:
             timeout = config.disaggregation_transfer_timeout
             self.receiver = DecodeReceiver(transfer, pages.pool, pages.cache, timeout)
         self._transfer = transfer
+        self.wake: Callable[[], None] = _no_wake  # the core loop's, once it runs
 
     @classmethod
     def create(
@@ -63,18 +70,21 @@ class KVHandoff:
             return False
         b = req.bootstrap
         req.kv_future = self.receiver.fetch(b.host, b.port, b.room)
+        req.kv_future.add_done_callback(lambda _: self.wake())  # no polling delay on arrival
         return True
 
     def receive(self, req: Req) -> None:
-        """Stores a fetched room's pages (the future is done); raises KVTransferError when
-        the fetch failed. Pages short even after eviction: the request computes its prompt."""
+        """Stores a fetched room's pages (the future is done) and holds them for `req` until
+        it is admitted; raises KVTransferError when the fetch failed. Pages short even after
+        eviction: the request computes its prompt."""
         pages, req.kv_future = req.kv_future.result(), None
         if not pages:  # the fake backend, or a prompt shorter than a page
             return
-        if not self.pages.ensure_free(len(pages)):
+        if not self.pages.ensure_free(len(pages), take_holds=False):
             logger.warning("no room for %d received KV pages of %s", len(pages), req.rid)
             return
-        self.receiver.store(req.bootstrap.room, req.input_ids, pages, req.namespace)
+        num_tokens = self.receiver.store(req.bootstrap.room, req.input_ids, pages, req.namespace)
+        self.pages.hold(req, req.input_ids[:num_tokens])
         self.stats.kv_pages_received += len(pages)
         self.stats.kv_bytes_received += sum(len(p) for p in pages)
 

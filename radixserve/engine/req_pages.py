@@ -13,6 +13,12 @@ request now locks what it reads); a request that asks for a pin gets its whole p
 when it finishes. Pins give way, oldest first, only when nothing else could free a page
 (pin_policy "hard"), or whenever unpinned pages run out (pin_policy "last").
 
+Received KV (disaggregated decode, engine/kv_handoff.py): pages stored into the tree for a
+request that is not admitted yet are held, a lock on their node per request, until it is
+admitted (its own match then locks them) or leaves; so LRU eviction never takes them. Holds
+give way, newest first, only when eviction alone cannot free the pages an allocation needs
+(before any retraction, before pins), so they can never starve admission or decodes.
+
 A speculating request's own pages may, for one step, reach past its sequence to hold draft
 tokens' K/V (`grow_from_free`); after verification `trim` frees the pages past what it
 computed, so only committed tokens ever reach the tree.
@@ -43,6 +49,7 @@ class ReqPages:
         self.pins = pins if pins is not None else PinTable(cache, 0)
         self.use_priority = use_priority  # tree nodes take the priority of their requests
         self.pins_give_way = pins_give_way  # pin_policy "last": pins yield to any allocation
+        self.holds: dict[Req, object] = {}  # received KV awaiting admission: req -> locked node
 
     def _priority(self, req: Req) -> int:
         return req.priority if self.use_priority else 0
@@ -67,12 +74,28 @@ class ReqPages:
             self.cache.unlock(match.node)
         return loaded
 
-    def ensure_free(self, num: int, unpin: bool = False) -> bool:
+    def hold(self, req: Req, token_ids: list[int]) -> None:
+        """Locks the cached pages of `token_ids` (just received for `req`) until `release_hold`."""
+        match = self.cache.match_prefix(token_ids, req.namespace, max_tokens=len(token_ids))
+        self.cache.lock(match.node)
+        self.holds[req] = match.node
+
+    def release_hold(self, req: Req) -> None:
+        """Ends `req`'s hold, if any: admitted (its match locks the pages now) or gone."""
+        node = self.holds.pop(req, None)
+        if node is not None:
+            self.cache.unlock(node)
+
+    def ensure_free(self, num: int, unpin: bool = False, take_holds: bool = True) -> bool:
         """Evicts unlocked, unpinned cache pages until `num` pages are free; False if
-        impossible. `unpin`: nothing else can progress, so pins give way, oldest first."""
+        impossible. Then holds give way, newest first (unless `take_holds` is False); with
+        `unpin` (nothing else can progress) pins too, oldest first."""
         short = num - self.pool.allocator.num_free
         if short > 0:
             self.stats.evicted_pages += self.cache.evict(short)
+        while take_holds and self.holds and self.pool.allocator.num_free < num:
+            self.release_hold(next(reversed(self.holds)))
+            self.stats.evicted_pages += self.cache.evict(num - self.pool.allocator.num_free)
         unpin = unpin or self.pins_give_way
         while unpin and self.pool.allocator.num_free < num and self.pins.release_oldest():
             self.stats.evicted_pages += self.cache.evict(num - self.pool.allocator.num_free)

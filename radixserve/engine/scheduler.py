@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -135,6 +136,7 @@ class Scheduler:
         for req in reqs:
             if req.state is ReqState.RUNNING:
                 self._release(req)
+            self.pages.release_hold(req)
             req.finish(FinishReason.abort(message, status_code=500))
         self.inbox.clear()
         self.compiling, self.waiting, self.running, self.receiving = [], [], [], []
@@ -148,6 +150,12 @@ class Scheduler:
     def has_work(self) -> bool:
         queued = self.inbox or self.receiving or self.compiling or self.waiting
         return bool(queued or self.running)
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """`wake` (thread-safe) is called when work finishes off the core thread and a step
+        can use it: a disaggregated decode's KV arrived. The core loop passes its own."""
+        if self.handoff is not None:
+            self.handoff.wake = wake
 
     def close(self) -> None:
         """Stops disaggregation's transfer (its bootstrap port, its fetch threads)."""
@@ -240,6 +248,7 @@ class Scheduler:
                 self.jumps.after_token(req, None)  # a forced opening is prefilled with the prompt
                 (outputs if req.finished else self.waiting).append(req)
             except Exception as exc:
+                self.pages.release_hold(req)
                 req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
                 outputs.append(req)
             req.grammar_future = None
@@ -266,6 +275,7 @@ class Scheduler:
         for queue in (self.waiting, self.compiling, self.receiving):
             for req in [r for r in queue if r.abort_requested]:
                 queue.remove(req)
+                self.pages.release_hold(req)
                 req.finish(ABORTED_BY_CLIENT)
                 outputs.append(req)
         for req in [r for r in self.running if r.abort_requested]:
@@ -460,6 +470,7 @@ class Scheduler:
             self.stats.cached_tokens_host += req.cached_tokens_host
             if match.num_tokens:
                 self.cache.record_hit(match.node)
+        self.pages.release_hold(req)  # its own lock on the match keeps received pages now
         self.waiting.remove(req)
         self.running.append(req)
         req.state = ReqState.RUNNING

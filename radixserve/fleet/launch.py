@@ -5,6 +5,12 @@
                   CPU: pinned to its own cores, that many torch threads; CUDA: one GPU each
         router:   python -m sglang_router.launch_router --worker-urls ... (on --host, --router-port)
 
+    radixserve fleet --prefill-workers P --decode-workers D       (prefill/decode disaggregation)
+        workers 0..P-1:   ... --disaggregation-mode prefill
+                              --disaggregation-bootstrap-port (disaggregation_bootstrap_port + i)
+        workers P..P+D-1: ... --disaggregation-mode decode
+        router:   ... --pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...
+
 A worker that dies is left to the router's health checks and circuit breaker (its traffic
 moves to the others); the fleet stops when the router dies or no worker is left.
 """
@@ -29,7 +35,9 @@ import torch
 
 from radixserve.cli_args import dataclass_flags
 from radixserve.config import (
+    SGLANG_BOOTSTRAP_PORT,
     CacheConfig,
+    DisaggregationConfig,
     FleetConfig,
     HiCacheConfig,
     LoadConfig,
@@ -37,7 +45,7 @@ from radixserve.config import (
     ServerConfig,
     split_engine_kwargs,
 )
-from radixserve.fleet.router import require_router, router_command
+from radixserve.fleet.router import PDWorkers, require_router, router_command
 
 logger = logging.getLogger(__name__)
 WORKER_HOST = "127.0.0.1"
@@ -57,6 +65,8 @@ class Child:
     command: list[str]
     url: str
     env: dict[str, str] = field(default_factory=dict)
+    mode: str | None = None  # a PD fleet's worker: prefill | decode
+    bootstrap_port: int | None = None  # a prefill worker's
     cores: list[int] | None = None
     proc: subprocess.Popen | None = None
 
@@ -89,12 +99,18 @@ def worker_children(
         engine_args = engine_args | {"device": "cuda"}
     server_flags = dataclass_flags(asdict(server), ServerConfig, SERVER_FLAGS_EXCLUDED)
     children = []
-    for i in range(config.workers):
+    for i in range(config.num_workers):
         port = config.worker_base_port + i
-        flags = engine_flags(worker_engine_args(engine_args, i)) + server_flags
+        args = worker_engine_args(engine_args, i, config)
+        flags = engine_flags(args) + server_flags
         command = [sys.executable, "-m", "radixserve.cli", "serve", *flags]
         command += ["--host", WORKER_HOST, "--port", str(port)]
         child = Child(f"worker {i}", command, f"http://{WORKER_HOST}:{port}")
+        child.mode = config.worker_mode(i)
+        if child.mode is not None:
+            child.name = f"{child.mode} worker {i}"
+        if child.mode == "prefill":
+            child.bootstrap_port = args["disaggregation_bootstrap_port"]
         if on_cuda:
             child.env = {"CUDA_VISIBLE_DEVICES": visible_gpu(config.base_gpu_id + i)}
         else:
@@ -104,32 +120,54 @@ def worker_children(
     return children
 
 
-def worker_engine_args(engine_args: dict[str, Any], index: int) -> dict[str, Any]:
-    """Worker `index`'s engine arguments: its own KV event sockets (port + index) and its
-    own hierarchical cache folder (`<--hicache-dir>/worker-<index>`: a tier file is one
-    process's), if any."""
+def worker_engine_args(
+    engine_args: dict[str, Any], index: int, config: FleetConfig
+) -> dict[str, Any]:
+    """Worker `index`'s engine arguments: its own KV event sockets (port + index) and its own
+    hierarchical cache folder (`<--hicache-dir>/worker-<index>`: a tier file is one
+    process's), if any; in a PD fleet its --disaggregation-mode, and a prefill worker its own
+    bootstrap port."""
     if engine_args.get("hicache_dir"):
         folder = os.path.join(engine_args["hicache_dir"], f"worker-{index}")
         engine_args = engine_args | {"hicache_dir": folder}
     kv_events = CacheConfig(kv_events_config=engine_args.get("kv_events_config")).kv_events()
-    if kv_events is None:
+    if kv_events is not None:
+        engine_args = engine_args | {"kv_events_config": kv_events.for_instance(index).to_json()}
+    mode = config.worker_mode(index)
+    if mode is None:
         return engine_args
-    return engine_args | {"kv_events_config": kv_events.for_instance(index).to_json()}
+    engine_args = engine_args | {"disaggregation_mode": mode}
+    if mode == "decode":
+        return engine_args
+    base = engine_args.get("disaggregation_bootstrap_port", SGLANG_BOOTSTRAP_PORT)
+    if base == 0:
+        raise ValueError(
+            "--disaggregation-bootstrap-port must be a fixed port in a PD fleet (the router "
+            "is told each prefill worker's: that port + i); got 0"
+        )
+    return engine_args | {"disaggregation_bootstrap_port": base + index}
 
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:
-    return [
-        flag for cls in (LoadConfig, CacheConfig, SchedulerConfig, HiCacheConfig)
-        for flag in dataclass_flags(engine_args, cls)
-    ]  # fmt: skip
+    classes = (LoadConfig, CacheConfig, SchedulerConfig, HiCacheConfig, DisaggregationConfig)
+    return [flag for cls in classes for flag in dataclass_flags(engine_args, cls)]
+
+
+def router_workers(workers: list[Child]) -> list[str] | PDWorkers:
+    """What the router fronts: the workers' urls, or in a PD fleet prefill and decode ones."""
+    if all(w.mode is None for w in workers):
+        return [w.url for w in workers]
+    prefill = [(w.url, w.bootstrap_port) for w in workers if w.mode == "prefill"]
+    return PDWorkers(prefill, [w.url for w in workers if w.mode == "decode"])
 
 
 def check_gpus(config: FleetConfig) -> None:
     available = torch.cuda.device_count()
-    if config.base_gpu_id + config.workers > available:
+    num, base = config.num_workers, config.base_gpu_id
+    if base + num > available:
+        workers = f"{num} PD workers" if config.pd_disaggregation else f"--workers {num}"
         raise ValueError(
-            f"--workers {config.workers} from --base-gpu-id {config.base_gpu_id} needs "
-            f"{config.base_gpu_id + config.workers} GPUs; {available} visible"
+            f"{workers} from --base-gpu-id {base} needs {base + num} GPUs; {available} visible"
         )
 
 
@@ -154,10 +192,24 @@ def thread_env(num_threads: int) -> dict[str, str]:
 def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]) -> int:
     """Runs the fleet until SIGTERM / SIGINT (0) or until it cannot serve any more (1)."""
     require_router()
+    workers, router = fleet_children(config, server, engine_args)
+    stop = install_stop_signals()
+    try:
+        if not start_all(workers, router, config, stop):
+            return 0 if stop.is_set() else 1
+        print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
+        return supervise(workers, router, stop)
+    finally:
+        stop_all([router, *workers])
+
+
+def fleet_children(
+    config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]
+) -> tuple[list[Child], Child]:
+    """The fleet's processes, not started yet: its workers, and the router fronting them."""
     workers = worker_children(config, server, engine_args)
-    urls = [w.url for w in workers]
     command = router_command(
-        urls,
+        router_workers(workers),
         server.host,
         config.router_port,
         config.policy,
@@ -165,16 +217,15 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
         log_level=server.log_level,
         extra_args=config.router_args,
     )
-    router = Child("router", command, f"http://{server.host}:{config.router_port}")
-    stop = install_stop_signals()
-    try:
-        if not start_all(workers, router, config, stop):
-            return 0 if stop.is_set() else 1
-        print(f"radixserve fleet ready at {router.url} ({len(workers)} workers, "
-              f"policy {config.policy})", flush=True)  # fmt: skip
-        return supervise(workers, router, stop)
-    finally:
-        stop_all([router, *workers])
+    return workers, Child("router", command, f"http://{server.host}:{config.router_port}")
+
+
+def describe(config: FleetConfig) -> str:
+    if config.pd_disaggregation:
+        workers = f"{config.prefill_workers} prefill + {config.decode_workers} decode workers"
+    else:
+        workers = f"{config.workers} workers"
+    return f"{workers}, policy {config.policy}"
 
 
 def install_stop_signals() -> threading.Event:

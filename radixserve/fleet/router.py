@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import shlex
 import sys
+from dataclasses import dataclass
 
 ROUTER_MODULE = "sglang_router.launch_router"
 ROUTER_LOG_LEVELS = {"warning": "warn"}
@@ -22,8 +23,29 @@ def require_router() -> None:
         raise RouterNotInstalledError(f"radixserve fleet needs sglang-router: {INSTALL_HINT}")
 
 
+@dataclass(frozen=True)
+class PDWorkers:
+    """The workers of a PD fleet: prefill ones with their bootstrap ports, decode ones."""
+
+    prefill: list[tuple[str, int]]  # (url, bootstrap port)
+    decode: list[str]
+
+
+def worker_flags(workers: list[str] | PDWorkers) -> list[str]:
+    """The router's worker list: `--worker-urls ...`, or in PD mode `--pd-disaggregation
+    --prefill URL BOOTSTRAP_PORT ... --decode URL ...`."""
+    if not isinstance(workers, PDWorkers):
+        return ["--worker-urls", *workers]
+    flags = ["--pd-disaggregation"]
+    for url, bootstrap_port in workers.prefill:
+        flags += ["--prefill", url, str(bootstrap_port)]
+    for url in workers.decode:
+        flags += ["--decode", url]
+    return flags
+
+
 def router_command(
-    worker_urls: list[str],
+    workers: list[str] | PDWorkers,
     host: str,
     port: int,
     policy: str,
@@ -31,10 +53,10 @@ def router_command(
     log_level: str | None = None,
     extra_args: str = "",
 ) -> list[str]:
-    """`python -m sglang_router.launch_router ...` in this interpreter, fronting `worker_urls`;
-    `extra_args` come last, so they override."""
+    """`python -m sglang_router.launch_router ...` in this interpreter, fronting `workers`
+    (urls, or a PD fleet's); `extra_args` come last, so they override."""
     command = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
-    command += ["--worker-urls", *worker_urls, "--policy", policy]
+    command += [*worker_flags(workers), "--policy", policy]
     if api_key:
         command += ["--api-key", api_key]
     if log_level:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from multiprocessing.connection import Connection
+import socket
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from radixserve.config import split_engine_kwargs
@@ -52,20 +53,38 @@ def core_info(core: EngineCore) -> dict[str, Any]:
 
 
 class PipeTransport:
-    """The core's end of the pipe: msgpack-encoded messages both ways."""
+    """The core's end of the pipe: msgpack-encoded messages both ways. `wake` writes a byte
+    to a socket pair that `receive` waits on beside the pipe."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
 
     def receive(self, timeout: float | None) -> list[ToCore] | None:
         try:
+            wait([self.conn, self._wake_reader], timeout)
+            self._drain_wakes()
             messages = []
-            while self.conn.poll(timeout):
+            while self.conn.poll(0):
                 messages.append(decode_to_core(self.conn.recv_bytes()))
-                timeout = 0
             return messages
         except (EOFError, OSError):
             return None
+
+    def wake(self) -> None:
+        try:
+            self._wake_writer.send(b"w")
+        except BlockingIOError:  # wakes already pending: one is enough
+            pass
+
+    def _drain_wakes(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def send(self, message: FromCore) -> None:
         self.conn.send_bytes(encode(message))
