@@ -34,13 +34,13 @@ constexpr int64_t kKeyTile = 8;    // keys per register tile of the score produc
 constexpr int64_t kPvRows = 4;     // rows per register tile of the P V product
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, group, page_size, max_pages, tile_tokens;
+  int64_t num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
   int64_t window;  // <= 0: none
   float scale;
 };
 
 struct Item {
-  int64_t req, kv_head, first;  // `first`: index of the tile's first new token
+  int64_t req, kv_head, first, num_tokens;  // the tile: new tokens [first, first + num_tokens)
 };
 
 // Per-thread buffers of one work item; rows padded to a multiple of kLanes (padding rows
@@ -168,9 +168,9 @@ void value_block(Tile& t, int64_t n, int64_t dim) {
 // Loads the item's query rows (row m = token m / group, head kv_head * group + m % group),
 // scaled, into Qt and resets the softmax state.
 void load_tile(Tile& t, const Shape& s, const float* q, int64_t q_start, int64_t prefix,
-               const Item& it, int64_t num_tokens) {
+               const Item& it) {
   const int64_t D = s.head_dim, H = s.num_heads, G = s.group;
-  t.rows = num_tokens * G;
+  t.rows = it.num_tokens * G;
   t.padded = (t.rows + kLanes - 1) / kLanes * kLanes;
   std::fill(t.qt.begin(), t.qt.begin() + D * t.padded, 0.f);
   for (int64_t m = 0; m < t.rows; ++m) {
@@ -234,8 +234,7 @@ void run(const Shape& s, const Requests& reqs, const std::vector<Item>& items, c
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int64_t r = it.req, prefix = reqs.prefix_lens[r];
-      const int64_t num_tokens = std::min(s.tile_tokens, reqs.extend_lens[r] - it.first);
-      load_tile(t, s, q, reqs.q_starts[r], prefix, it, num_tokens);
+      load_tile(t, s, q, reqs.q_starts[r], prefix, it);
       const int64_t* row = page_table + reqs.page_rows[r] * s.max_pages;
       attend_item(t, s, k, v, row, it.kv_head);
       store_tile(t, s, it, reqs.out_starts[r], out);
@@ -287,6 +286,24 @@ void check_tensors(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   }
 }
 
+// Work items: each request's new tokens in tiles of equal size (at most kTileRows rows, so a
+// 64-token extend with 3 heads per KV head is 4 tiles of 16, not 3 of 21 and one of 1),
+// times its KV heads.
+std::vector<Item> make_items(const Requests& reqs, int64_t num_reqs, const Shape& s) {
+  const int64_t most = std::max<int64_t>(1, kTileRows / s.group);
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t ext = reqs.extend_lens[r], num_tiles = (ext + most - 1) / most;
+    const int64_t size = (ext + num_tiles - 1) / num_tiles;
+    for (int64_t first = 0; first < ext; first += size) {
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        items.push_back({r, h, first, std::min(size, ext - first)});
+      }
+    }
+  }
+  return items;
+}
+
 at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& page_table, const at::Tensor& q_starts,
                         const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
@@ -299,15 +316,12 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_pool, const at:
                 extend_lens.data_ptr<int64_t>(), page_rows.data_ptr<int64_t>(), {}};
   check_requests(q, page_table, reqs, num_reqs, page_size, k_pool.size(0) / page_size);
   Shape s{q.size(1), k_pool.size(1), q.size(2), group, page_size, page_table.size(1),
-          std::max<int64_t>(1, kTileRows / group), sliding_window, static_cast<float>(scale)};
-  std::vector<Item> items;
+          sliding_window, static_cast<float>(scale)};
+  std::vector<Item> items = make_items(reqs, num_reqs, s);
   int64_t total = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
     reqs.out_starts.push_back(total);
     total += reqs.extend_lens[r];
-    for (int64_t first = 0; first < reqs.extend_lens[r]; first += s.tile_tokens) {
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({r, h, first});
-    }
   }
   at::Tensor out = at::empty({total, s.num_heads, s.head_dim}, q.options());
   const float* qp = q.data_ptr<float>();
