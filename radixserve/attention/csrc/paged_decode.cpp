@@ -30,6 +30,7 @@
 namespace {
 
 using radixserve_cpu::axpy;
+using radixserve_cpu::exp_nonpositive;
 using radixserve_cpu::kNegInf;
 using radixserve_cpu::row_f32;
 using radixserve_cpu::scale_row;
@@ -85,10 +86,13 @@ void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64
     const float alpha = std::exp(st.max[head] - new_max);
     st.sum[head] *= alpha;
     scale_row(st.acc.data() + head * D, alpha, D);
+    float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
     for (int64_t j = 0; j < n; ++j) {
-      sc[j] = std::exp(sc[j] - new_max);
-      st.sum[head] += sc[j];
+      sc[j] = exp_nonpositive(sc[j] - new_max);
+      block_sum += sc[j];
     }
+    st.sum[head] += block_sum;
     st.max[head] = new_max;
   }
   for (int64_t j = 0; j < n; ++j) {
