@@ -1,5 +1,5 @@
-"""cpu_fused: the C++ paged decode kernel against the torch_native reference, the engine with
-it on and off, and the fallback when it cannot be built."""
+"""cpu_fused: the C++ paged decode and paged extend kernels against the torch_native
+reference, the engine with them on and off, and the fallback when they cannot be built."""
 
 from __future__ import annotations
 
