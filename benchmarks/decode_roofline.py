@@ -9,10 +9,11 @@ run and over the same KV pool and weights (only the runner's attention backend i
   written per second while copying a 256 MiB buffer).
 Backends alternate within each repetition (medians over `--repeats`), so that drift on a
 shared machine hits both alike.
-A second table times one layer's attention for short extends over a cached prefix
-(`--extend-lens` new tokens after `--extend-context` cached ones): torch_native's gather +
-SDPA vs the kernel with one query per new token (what cpu_fused does up to its
-MAX_IN_PLACE_EXTEND tokens), to place that threshold.
+A second table times one layer's attention for extends (`--extend-lens` new tokens after
+each of `--extend-contexts` cached ones, `--extend-batches` requests): torch_native's
+gather + SDPA (plain causal SDPA over the new K/V when nothing is cached) vs cpu_fused's
+paged_extend reading the prefix in place, to place cpu_fused's routing rule
+(`extend_in_place`).
 The pool is filled by allocation, not by a prefill (timing does not depend on KV values), so
 long contexts cost no prefill. Cases whose KV exceeds --max-kv-gib are skipped and say so.
 Default model: SmolLM2-135M's config with dummy weights, fp32, 1 thread.
@@ -85,9 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=_int_list, default=[128, 1024, 4096])
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
-    p.add_argument("--extend-lens", type=_int_list, default=[2, 3, 4, 8])
-    p.add_argument("--extend-batches", type=_int_list, default=[1, 16])
-    p.add_argument("--extend-context", type=int, default=1024, help="cached tokens")
+    p.add_argument("--extend-lens", type=_int_list, default=[8, 64, 512])
+    p.add_argument("--extend-batches", type=_int_list, default=[1])
+    p.add_argument("--extend-contexts", type=_int_list, default=[0, 1024, 4096])
     p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip cases with more KV")
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_roofline.json"))
     return p.parse_args(argv)
@@ -206,13 +207,13 @@ def run_case(runner, found, batch: int, context: int, args, bandwidth: float) ->
 
 
 @torch.inference_mode()
-def extend_row(runner, found, batch: int, extend: int, args) -> ExtendRow:
-    pool, context = runner.pool, args.extend_context
+def extend_row(runner, found, batch: int, context: int, extend: int, args) -> ExtendRow:
+    pool = runner.pool
     tables = [pool.extend_page_table([], context + extend) for _ in range(batch)]
     try:
         fb = ForwardBatch.build([[7] * extend] * batch, [context] * batch, tables, pool.page_size)
         in_place = CpuFusedBackend(pool, found["cpu_fused"].sliding_window)
-        in_place.max_in_place_extend = extend
+        in_place.route_extend = lambda prefix_len, extend_len: True
         pair = {"torch_native": found["torch_native"], "in_place": in_place}
         ms = interleaved_medians(
             {name: attention_call(b, runner, fb) for name, b in pair.items()}, args.repeats
@@ -224,14 +225,17 @@ def extend_row(runner, found, batch: int, extend: int, args) -> ExtendRow:
 
 def run_extends(runner, found, args) -> list[ExtendRow]:
     print("extend over a cached prefix, one layer's attention ms:")
-    print("".join(f"{c:>15}" for c in ("batch", "context", "extend", "torch_native", "in place")))
+    header = ("batch", "context", "extend", "torch_native", "in place", "speed-up")
+    print("".join(f"{c:>15}" for c in header))
     rows = []
     for batch in args.extend_batches:
-        for extend in args.extend_lens:
-            r = extend_row(runner, found, batch, extend, args)
-            rows.append(r)
-            cells = (batch, r.context, extend, f"{r.torch_native_ms:.2f}", f"{r.in_place_ms:.2f}")
-            print("".join(f"{c:>15}" for c in cells), flush=True)
+        for context in args.extend_contexts:
+            for extend in args.extend_lens:
+                r = extend_row(runner, found, batch, context, extend, args)
+                rows.append(r)
+                ms = (r.torch_native_ms, r.in_place_ms, r.torch_native_ms / r.in_place_ms)
+                cells = (batch, context, extend, *(f"{x:.2f}" for x in ms))
+                print("".join(f"{c:>15}" for c in cells), flush=True)
     return rows
 
 
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     kept = [(b, c) for b, c in cases if kv_bytes_of(loaded, args, b, c) <= limit]
     for b, c in sorted(set(cases) - set(kept)):
         print(f"skipped batch {b} context {c}: KV above --max-kv-gib {args.max_kv_gib}")
-    extend_ctx = args.extend_context + max(args.extend_lens, default=0)
+    extend_ctx = max(args.extend_contexts, default=0) + max(args.extend_lens, default=0)
     sizes = [(b, c + 1) for b, c in kept] + [(b, extend_ctx) for b in args.extend_batches]
     runner = make_runner(args, loaded, load_config, sizes)
     found = backends(runner)

@@ -1,5 +1,5 @@
-"""cpu_fused: the C++ paged decode kernel against the torch_native reference, the engine with
-it on and off, and the fallback when it cannot be built."""
+"""cpu_fused: the C++ paged decode and paged extend kernels against the torch_native
+reference, the engine with them on and off, and the fallback when they cannot be built."""
 
 from __future__ import annotations
 
@@ -43,15 +43,19 @@ def _pool(page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> K
     return pool
 
 
-def _page_tables(lens: list[int], page_size: int, num_pages: int, seed: int) -> list[list[int]]:
+def _page_tables(
+    lens: list[int], page_size: int, num_pages: int, seed: int, num_shared: int | None = None
+) -> list[list[int]]:
     """Shuffled pages (so every table has holes: ids out of order, unused pages between) where
-    request 1 reuses request 0's first pages, as two requests sharing a cached prefix do."""
+    request 1 reuses request 0's first pages, as two requests sharing a cached prefix do
+    (`num_shared` of them; default: all but the last page of the shorter)."""
     rng = random.Random(seed)
     free = list(range(1, num_pages))
     rng.shuffle(free)
     tables = []
     for i, n in enumerate(-(-length // page_size) for length in lens):
-        shared = tables[0][: min(n, len(tables[0])) - 1] if i == 1 else []
+        most = min(n, len(tables[0])) - 1 if i == 1 else 0
+        shared = tables[0][: most if num_shared is None else min(most, num_shared)] if i else []
         fresh, free = free[: n - len(shared)], free[n - len(shared) :]
         tables.append(shared + fresh)
     return tables
@@ -133,11 +137,11 @@ def test_more_threads_than_requests_split_on_their_own(ops):
     torch.testing.assert_close(got, expected, **FP32_TOL)
 
 
-@pytest.mark.parametrize("max_in_place_extend", [2, 16])
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("window", [None, 24])
-def test_mixed_batch_matches_reference(ops, max_in_place_extend, window):
-    """Decodes, extends over a cached prefix and a fresh prefill in one batch; with 16, the
-    7-token extend goes through the kernel too (a query per token, its own length)."""
+def test_mixed_batch_matches_reference(ops, in_place, window):
+    """Decodes, extends over a cached prefix and a fresh prefill in one batch; the cached
+    extends through paged_extend (in_place) or through SDPA."""
     pool = _pool(16, 2, 24, torch.float32)
     lens, new = [40, 100, 33, 5, 50], [1, 7, 1, 5, 2]
     tables = _page_tables(lens, 16, pool.shape.num_pages, 5)
@@ -146,8 +150,100 @@ def test_mixed_batch_matches_reference(ops, max_in_place_extend, window):
     q, k, v = torch.randn(16, 4, 24), torch.randn(16, 2, 24), torch.randn(16, 2, 24)
     expected = _attend(TorchNativeBackend(pool, sliding_window=window), batch, q, k, v)
     fused = CpuFusedBackend(pool, sliding_window=window, ops=ops)
-    fused.max_in_place_extend = max_in_place_extend
-    torch.testing.assert_close(_attend(fused, batch, q, k, v), expected, **FP32_TOL)
+    fused.route_extend = lambda prefix_len, extend_len: in_place and prefix_len > 0
+    got = _attend(fused, batch, q, k, v)
+    assert (batch.attn_metadata.in_place is not None) == in_place
+    torch.testing.assert_close(got, expected, **FP32_TOL)
+
+
+def _extend_case(pool: KVPool, prefix: list[int], new: list[int], heads: int, q_dtype, seed):
+    """An extend batch: request i adds new[i] tokens over prefix[i] cached ones; requests 0
+    and 1 share the whole pages both have cached (never a page either writes)."""
+    shape = pool.shape
+    lens = [p + n for p, n in zip(prefix, new)]
+    shared = min(prefix[:2]) // shape.page_size if len(prefix) > 1 else 0
+    tables = _page_tables(lens, shape.page_size, shape.num_pages, seed, shared)
+    batch = ForwardBatch.build([[1] * n for n in new], prefix, tables, shape.page_size)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch.num_tokens, heads, shape.head_dim, generator=gen).to(q_dtype)
+    kv_shape = (batch.num_tokens, shape.num_kv_heads, shape.head_dim)
+    k = torch.randn(kv_shape, generator=gen).to(q_dtype)
+    v = torch.randn(kv_shape, generator=gen).to(q_dtype)
+    return batch, q, k, v
+
+
+def _all_in_place(pool: KVPool, window: int | None, ops) -> CpuFusedBackend:
+    fused = CpuFusedBackend(pool, sliding_window=window, ops=ops)
+    fused.route_extend = lambda prefix_len, extend_len: True  # fresh prefills too
+    return fused
+
+
+EXTEND_CASES = [  # (prefix lens, new token counts): ragged, 1..300 new over 0..2,000 cached
+    ([0, 17, 2000], [300, 2, 33]),
+    ([900, 1200, 31], [40, 250, 16]),
+    ([5, 1, 300, 64], [1, 70, 9, 128]),
+    ([1999, 0], [1, 65]),
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (3, 3), (2, 8)])
+@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize("window", [None, 24, 200])
+@pytest.mark.parametrize("case", range(len(EXTEND_CASES)))
+def test_extend_kernel_matches_reference(ops, page_size, kv_heads, group, head_dim, window, case):
+    pool = _pool(page_size, kv_heads, head_dim, torch.float32)
+    prefix, new = EXTEND_CASES[case]
+    batch, q, k, v = _extend_case(pool, prefix, new, kv_heads * group, torch.float32, case)
+    expected = _attend(TorchNativeBackend(pool, sliding_window=window), batch, q, k, v)
+    got = _attend(_all_in_place(pool, window, ops), batch, q, k, v)
+    torch.testing.assert_close(got, expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("q_dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_extend_kernel_matches_reference_bf16_pool(ops, page_size, q_dtype, tol):
+    """Cached prefixes only: for a fresh prefill torch_native attends to the new K/V as
+    computed, not as rounded into the bf16 pool."""
+    pool = _pool(page_size, 3, 64, torch.bfloat16)
+    batch, q, k, v = _extend_case(pool, [3, 40, 1500], [20, 130, 7], 9, q_dtype, 2)
+    expected = _attend(TorchNativeBackend(pool), batch, q, k, v)
+    got = _attend(_all_in_place(pool, None, ops), batch, q, k, v)
+    assert got.dtype == q_dtype
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+def test_extend_kernel_with_threads_and_reused_pages(ops):
+    """Four threads over many tiles; requests 0 and 1 share their first pages (as two cache
+    hits on one prefix) while each extends past them."""
+    pool = _pool(16, 2, 64, torch.float32)
+    batch, q, k, v = _extend_case(pool, [160, 160, 3], [90, 41, 200], 6, torch.float32, 9)
+    expected = _attend(TorchNativeBackend(pool), batch, q, k, v)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = _attend(_all_in_place(pool, None, ops), batch, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, expected, **FP32_TOL)
+
+
+def test_extend_kernel_rejects_bad_requests(ops):
+    pool = _pool(16, 1, 64, torch.float32)
+    k_pool, v_pool = pool.layer_kv(0)
+    q, one = torch.randn(4, 1, 64), torch.tensor([0])
+
+    def call(table, prefix, ext):
+        t = torch.tensor
+        return ops.paged_extend(q, k_pool, v_pool, t(table), one, t(prefix), t(ext), one,
+                                16, -1, 0.125)  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="is not a page of the pool"):
+        call([[1, 10_000]], [20], [4])
+    with pytest.raises(RuntimeError, match="page_table width"):
+        call([[1]], [20], [4])
+    with pytest.raises(RuntimeError, match="runs past q"):
+        call([[1, 2]], [0], [5])
 
 
 def test_kernel_rejects_pages_outside_the_pool(ops):
@@ -164,7 +260,7 @@ def test_kernel_rejects_pages_outside_the_pool(ops):
 
 
 def test_engine_greedy_identical_fused_on_and_off_cold_and_warm(ops, tiny_chat_model):
-    # warm: 208 cached tokens, then extends of 1, 2 (through the kernel), 12 and 16 (SDPA)
+    # warm: 208 cached tokens, then extends of 1, 2, 12 and 16 (cpu_fused: all in place)
     prompts = [SYSTEM + prompt_ids(i, n) for i, n in enumerate([9, 10, 20, 40])]
     results = {}
     for backend in ("cpu_fused", "torch_native"):
@@ -175,6 +271,17 @@ def test_engine_greedy_identical_fused_on_and_off_cold_and_warm(ops, tiny_chat_m
         results[backend] = [o["output_ids"] for o in cold + warm]
     assert results["cpu_fused"] == results["torch_native"]
     assert results["cpu_fused"][:4] == results["cpu_fused"][4:]
+
+
+def test_engine_greedy_identical_fused_on_and_off_chunked_prefill(ops, tiny_chat_model):
+    """64-token chunks: every chunk after the first is an extend over the cached chunks."""
+    prompts = [SYSTEM + prompt_ids(i, n) for i, n in enumerate([9, 150])]
+    results = {}
+    for backend in ("cpu_fused", "torch_native"):
+        engine = make_engine(tiny_chat_model, attention_backend=backend, chunked_prefill_size=64)
+        out = engine.generate(input_ids=prompts, sampling_params=greedy(8))
+        results[backend] = [o["output_ids"] for o in out]
+    assert results["cpu_fused"] == results["torch_native"]
 
 
 def _runner(folder, backend: str, page_size: int = 16, **config) -> ModelRunner:

@@ -1,8 +1,8 @@
 """Attention backends behind one interface (base.AttentionBackend), chosen by name.
 
     torch_native  plain PyTorch SDPA over gathered pages; any device; the reference
-    cpu_fused     torch_native with decode by a C++ kernel reading pages in place; CPU only,
-                  built on first use (cpu_extension.py)
+    cpu_fused     torch_native with decode and cached-prefix extends by C++ kernels reading
+                  pages in place; CPU only, built on first use (cpu_extension.py)
     triton        our Triton kernels (radixserve_kernels); CUDA (CPU under TRITON_INTERPRET=1)
     flashinfer    FlashInfer's kernels; CUDA only, optional dependency, imported on use
 

@@ -1,14 +1,15 @@
 """Builds the C++ CPU attention kernels (csrc/) on first use and loads them, cached per machine.
 
-`torch.utils.cpp_extension` compiles csrc/paged_decode.cpp once into
-<cache_root>/torch_extensions/<name>_<key>; the key hashes the source, the torch version and
-the compiler flags. The SIMD flags follow the level torch itself detected on this CPU at run
-time (never assumed), so a cached build is never run on a CPU or torch it was not built for.
+`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode and paged extend) once into
+<cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and their header),
+the torch version and the compiler flags. The SIMD flags follow the level torch itself
+detected on this CPU at run time (never assumed), so a cached build is never run on a CPU or
+torch it was not built for.
 Without a compiler (or when the build fails) `load_cpu_ops` raises `CpuExtensionUnavailable`
 with the reason; the `auto` backend then falls back to torch_native.
 
-The source lives beside its backend, not in kernels/: that package is the Triton kernels
-(GPU, importable without a C++ toolchain), while this kernel has one user, cpu_fused, and
+The sources live beside their backend, not in kernels/: that package is the Triton kernels
+(GPU, importable without a C++ toolchain), while these kernels have one user, cpu_fused, and
 torch_native already is its reference.
 """
 
@@ -28,8 +29,10 @@ from radixserve.disk_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the source
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_decode.cpp", CSRC / "paged_extend.cpp"]
+HEADERS = [CSRC / "cpu_common.h"]
+OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the
 # same instruction sets torch's own kernels of that level use. Other levels: portable code.
 _ARCH_FLAGS = {
@@ -53,8 +56,10 @@ def compiler_flags() -> list[str]:
 
 
 def build_key(flags: list[str]) -> str:
-    """Hash of everything that makes a build valid: source, torch version, flags."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    """Hash of everything that makes a build valid: sources, torch version, flags."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(flags).encode())
     return digest.hexdigest()[:16]
@@ -102,7 +107,7 @@ def _build_and_load() -> Any:
     start = time.perf_counter()
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),

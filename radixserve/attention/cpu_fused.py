@@ -1,17 +1,18 @@
-"""cpu_fused: torch_native with its decode group replaced by the C++ paged decode kernel.
+"""cpu_fused: torch_native with decodes and cached-prefix extends run by C++ kernels.
 
-The kernel (csrc/paged_decode.cpp, built by cpu_extension.py) reads K/V pages in place from
-the pool: no per-layer gathered copy, no padding, no mask tensor. Its queries are every
-decode token and every token of a short extend over a cached prefix (up to
-MAX_IN_PLACE_EXTEND tokens): each such token attends to the positions up to its own,
-through its request's page-table row, once the layer's new K/V are in the pool. Longer
-extends and fresh prefills keep torch_native's SDPA, whose matmuls win there.
+Both kernels (csrc/, built by cpu_extension.py) read K/V pages in place from the pool, once
+the layer's new K/V are in it: no per-layer gathered copy, no padding, no mask tensor.
+- decode tokens (extend_len 1): paged_decode, one query per request;
+- extends over a cached prefix that `extend_in_place` routes to it: paged_extend, which
+  tiles a request's new tokens so each prefix K/V row is loaded once per tile;
+- the other extends (fresh prefills, and what the rule leaves) keep torch_native's SDPA.
 Pools of float32 or bfloat16 K/V, any query dtype (queries are read as float32).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +26,12 @@ from radixserve.forward_batch import ForwardBatch
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
 NO_WINDOW = -1  # the kernel's sliding_window argument when the model has none
-# Extends over a cached prefix up to this many tokens go through the kernel, one query per
-# token (each reads the prefix again); longer ones through SDPA, whose one gather and
-# matmuls are cheaper from 3 tokens on (measured, 1 thread, 1-16 requests x 128-4,096
-# cached tokens: docs/performance.md, "CPU decode attention").
-MAX_IN_PLACE_EXTEND = 2
+
+
+def extend_in_place(prefix_len: int, extend_len: int) -> bool:
+    """Whether an extend of `extend_len` new tokens over `prefix_len` cached ones runs in
+    place (paged_extend) rather than as gather + SDPA."""
+    return prefix_len > 0
 
 
 @dataclass
@@ -38,6 +40,23 @@ class _FusedQueries:
     page_rows: torch.Tensor | None  # [num_queries] row of page_table; None: row i for query i
     page_table: torch.Tensor  # [num_rows, max_pages] int64, contiguous
     seq_lens: torch.Tensor  # [num_queries] int64: positions each query attends to
+
+
+@dataclass
+class _InPlaceExtends:
+    """The extends paged_extend runs, all in one call; per-request tensors are [num_reqs]."""
+
+    token_idx: torch.Tensor | None  # [their tokens] into the batch; None: every token, in order
+    q_starts: torch.Tensor  # each request's first token in the batch
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    page_rows: torch.Tensor  # each request's row of page_table
+    page_table: torch.Tensor  # [num_reqs_in_batch, max_pages] int64, contiguous
+
+
+@dataclass
+class _FusedMetadata(_Metadata):
+    in_place: _InPlaceExtends | None = None
 
 
 class CpuFusedBackend(TorchNativeBackend):
@@ -57,30 +76,85 @@ class CpuFusedBackend(TorchNativeBackend):
         self.ops = ops if ops is not None else load_cpu_ops()
         self.window = NO_WINDOW if sliding_window is None else sliding_window
         self.scale = 1.0 / math.sqrt(pool.shape.head_dim)  # SDPA's default, as torch_native
-        self.max_in_place_extend = MAX_IN_PLACE_EXTEND
+        self.route_extend: Callable[[int, int], bool] = extend_in_place
 
-    def _in_decode_group(self, prefix_len: int, extend_len: int) -> bool:
-        cached = prefix_len > 0 and extend_len <= self.max_in_place_extend
-        return extend_len == 1 or cached
+    def init_forward(self, batch: ForwardBatch) -> None:
+        starts = np.concatenate([[0], np.cumsum(batch.extend_lens)]).tolist()
+        decode, in_place, sdpa = [], [], []
+        for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            group = decode if e == 1 else in_place if self.route_extend(p, e) else sdpa
+            group.append(i)
+        batch.attn_metadata = _FusedMetadata(
+            decode=self._decode_group(batch, decode, starts) if decode else None,
+            extends=[self._extend_segment(batch, i, starts[i]) for i in sdpa],
+            in_place=self._in_place_extends(batch, in_place, starts) if in_place else None,
+        )
+
+    def _in_place_extends(
+        self, batch: ForwardBatch, reqs: list[int], starts: list[int]
+    ) -> _InPlaceExtends:
+        ext = [batch.extend_lens[i] for i in reqs]
+        every = len(reqs) == batch.num_reqs
+        token_idx = None
+        if not every:
+            token_idx = torch.from_numpy(
+                np.concatenate([np.arange(starts[i], starts[i] + e) for i, e in zip(reqs, ext)])
+            )
+        return _InPlaceExtends(
+            token_idx=token_idx,
+            q_starts=torch.tensor([starts[i] for i in reqs], dtype=torch.int64),
+            prefix_lens=torch.tensor([batch.prefix_lens[i] for i in reqs], dtype=torch.int64),
+            extend_lens=torch.tensor(ext, dtype=torch.int64),
+            page_rows=torch.tensor(reqs, dtype=torch.int64),
+            page_table=batch.page_table.contiguous(),
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.pool.write(layer, batch.out_slots, k, v)
+        meta: _FusedMetadata = batch.attn_metadata
+        out = torch.empty_like(q)
+        self._forward_extends(q, k, v, layer, meta.extends, batch.page_size, out)
+        if meta.in_place is not None:
+            self._forward_in_place(q, layer, meta.in_place, batch.page_size, out)
+        if meta.decode is not None:
+            self._forward_decode(q, layer, meta.decode, batch.page_size, out)
+        return out
+
+    def _forward_in_place(
+        self, q: torch.Tensor, layer: int, ext: _InPlaceExtends, page_size: int, out: torch.Tensor
+    ) -> None:
+        k_pool, v_pool = self.pool.layer_kv(layer)
+        o = self.ops.paged_extend(
+            q.float().contiguous(),
+            k_pool,
+            v_pool,
+            page_table=ext.page_table,
+            q_starts=ext.q_starts,
+            prefix_lens=ext.prefix_lens,
+            extend_lens=ext.extend_lens,
+            page_rows=ext.page_rows,
+            page_size=page_size,
+            sliding_window=self.window,
+            scale=self.scale,
+        )
+        if ext.token_idx is None:
+            out.copy_(o)
+        else:
+            out[ext.token_idx] = o.to(out.dtype)
 
     def _decode_group(
         self, batch: ForwardBatch, reqs: list[int], starts: list[int]
     ) -> _FusedQueries:
+        """One query per decode request (extend_len 1), through its own page-table row."""
         table = batch.page_table.contiguous()
-        ext = np.asarray([batch.extend_lens[i] for i in reqs], dtype=np.int64)
-        if len(reqs) == batch.num_reqs and (ext == 1).all():  # a pure decode batch
-            return _FusedQueries(None, None, table, torch.tensor(batch.seq_lens))
-        req_of_query = np.repeat(np.asarray(reqs, dtype=np.int64), ext)
-        offsets = np.arange(int(ext.sum())) - np.repeat(np.cumsum(ext) - ext, ext)
-        token_idx = np.asarray(starts, dtype=np.int64)[req_of_query] + offsets
-        seq_lens = np.asarray(batch.prefix_lens, dtype=np.int64)[req_of_query] + offsets + 1
-        every = len(token_idx) == batch.num_tokens
-        return _FusedQueries(
-            token_idx=None if every else torch.from_numpy(token_idx),
-            page_rows=torch.from_numpy(req_of_query),
-            page_table=table,
-            seq_lens=torch.from_numpy(seq_lens),
-        )
+        seq_lens = torch.tensor([batch.seq_lens[i] for i in reqs], dtype=torch.int64)
+        if len(reqs) == batch.num_reqs:  # a pure decode batch
+            return _FusedQueries(None, None, table, seq_lens)
+        rows = torch.tensor(reqs, dtype=torch.int64)
+        token_idx = torch.tensor([starts[i] for i in reqs], dtype=torch.int64)
+        return _FusedQueries(token_idx, rows, table, seq_lens)
 
     def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
         table = batch.page_table.contiguous()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -114,14 +115,23 @@ class RotaryEmbedding:
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, heads, head_dim], k: [num_tokens, kv_heads, head_dim]."""
+    def at(self, positions: torch.Tensor) -> RotaryAt:
+        """The rotation of these positions, looked up once per forward for all layers."""
         self.reserve(self.max_positions, positions.device)
-        cos = self._cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self._sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # [num_tokens, 1, head_dim] each
+        return RotaryAt(self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class RotaryAt:
+    """RoPE's cos/sin rows for one batch's positions; applied to q and k in every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, heads, head_dim], k: [num_tokens, kv_heads, head_dim]."""
+        return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

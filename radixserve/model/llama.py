@@ -19,7 +19,13 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig
 from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
-from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from radixserve.model.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryAt,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+)
 from radixserve.model.quant.linear import UnquantizedLinear
 from radixserve.model.tp_shard import ShardLayout
 
@@ -48,7 +54,7 @@ class LlamaAttention(nn.Module):
         self,
         hidden: torch.Tensor,
         batch: ForwardBatch,
-        rotary: RotaryEmbedding,
+        rotary: RotaryAt,
         attn: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -58,7 +64,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions, q, k)
+        q, k = rotary(q, k)
         out = attn.forward(q, k, v, self.layer, batch)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
@@ -75,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         batch: ForwardBatch,
-        rotary: RotaryEmbedding,
+        rotary: RotaryAt,
         attn: AttentionBackend,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, attn)
@@ -106,8 +112,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Returns final-normed hidden states [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.at(batch.positions)
         for layer in self.layers:
-            hidden = layer(hidden, batch, self.rotary, attn)
+            hidden = layer(hidden, batch, rotary, attn)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

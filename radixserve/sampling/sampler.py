@@ -117,10 +117,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = apply_min_tokens(apply_penalties(logits.float(), batch), batch)
     rows = batch.sample_rows
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     if rows is None:
         return _draw(logits, batch, slice(None))
-    return logits.argmax(dim=-1).index_copy(0, rows, _draw(logits[rows], batch, rows))
+    return argmax_rows(logits).index_copy(0, rows, _draw(logits[rows], batch, rows))
 
 
 def is_plain_argmax(params: SamplingParams, num_output_ids: int) -> bool:
@@ -137,14 +137,23 @@ def is_plain_argmax(params: SamplingParams, num_output_ids: int) -> bool:
 
 def sample_argmax(logits: torch.Tensor) -> torch.Tensor:
     """What `sample` returns when every row `is_plain_argmax`. [B, V] -> [B] int64."""
-    return logits.float().argmax(dim=-1)
+    return argmax_rows(logits.float())
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first one on ties, as argmax). [B, V] -> [B] int64. On CPU,
+    `max(dim).indices`: torch's argmax over several rows of a vocabulary-wide tensor is
+    3-4x slower there (measured, 1 thread: 16 x 49,152 fp32, 5.7 vs 1.6 ms)."""
+    if x.device.type == "cpu":
+        return x.max(dim=-1).indices
+    return x.argmax(dim=-1)
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice) -> torch.Tensor:
     """Temperature, filters, then a Gumbel-max draw for `logits` = the batch's `rows`."""
     logits = scale_and_filter(logits, batch, rows)
     noise = gumbel_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
-    return (logits + noise).argmax(dim=-1)
+    return argmax_rows(logits + noise)
 
 
 def scale_and_filter(

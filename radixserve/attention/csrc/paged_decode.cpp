@@ -18,6 +18,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,9 +29,14 @@
 
 namespace {
 
+using radixserve_cpu::axpy;
+using radixserve_cpu::exp_nonpositive;
+using radixserve_cpu::kNegInf;
+using radixserve_cpu::row_f32;
+using radixserve_cpu::scale_row;
+
 constexpr int64_t kBlock = 32;         // positions per online-softmax rescale
 constexpr int64_t kMinSplitLen = 256;  // a split shorter than this costs more than it saves
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shape {
   int64_t num_queries, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
@@ -37,35 +44,11 @@ struct Shape {
   float scale;
 };
 
-// A K/V row as fp32: fp32 rows are used in place, bf16 rows widened into `scratch`.
-inline const float* row_f32(const float* src, float*, int64_t) { return src; }
-inline const float* row_f32(const c10::BFloat16* src, float* scratch, int64_t dim) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) {
-    uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
-    float f;
-    std::memcpy(&f, &wide, sizeof(f));
-    scratch[d] = f;
-  }
-  return scratch;
-}
-
 inline float dot(const float* a, const float* b, int64_t dim) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
   return s;
-}
-
-inline void axpy(float* y, float a, const float* x, int64_t dim) {
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) y[d] += a * x[d];
-}
-
-inline void scale_row(float* y, float a, int64_t dim) {
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) y[d] *= a;
 }
 
 // Online-softmax state of one work item: per query head a running max, sum and output.
@@ -103,10 +86,13 @@ void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64
     const float alpha = std::exp(st.max[head] - new_max);
     st.sum[head] *= alpha;
     scale_row(st.acc.data() + head * D, alpha, D);
+    float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
     for (int64_t j = 0; j < n; ++j) {
-      sc[j] = std::exp(sc[j] - new_max);
-      st.sum[head] += sc[j];
+      sc[j] = exp_nonpositive(sc[j] - new_max);
+      block_sum += sc[j];
     }
+    st.sum[head] += block_sum;
     st.max[head] = new_max;
   }
   for (int64_t j = 0; j < n; ++j) {

@@ -54,8 +54,9 @@ class LayerSkipModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
         hidden = self.target.embed_tokens(batch.input_ids)
+        rotary = self.target.rotary.at(batch.positions)
         for layer in self.layers:
-            hidden = layer(hidden, batch, self.target.rotary, attn)
+            hidden = layer(hidden, batch, rotary, attn)
         return self.target.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

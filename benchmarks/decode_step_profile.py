@@ -1,0 +1,190 @@
+"""Where one decode step's time goes: model matmuls, attention, other ops, and the host.
+
+Drives a real `EngineCore` (the scheduler the server and `Engine.generate` step) with
+`--batch` greedy requests of `--context` prompt tokens until they all decode, then times
+`--steps` decode steps twice:
+- plain (no profiler): ms per `scheduler.step()`, and inside it the model forward
+  (`runner.forward`), batch building (`batches.build`) and sampling (`sampler.sample_each`),
+  as CPU time of the stepping thread (`time.thread_time`: with one torch thread all the work
+  runs on it, and time spent descheduled on a shared machine does not count);
+- under torch.profiler: each op's self time, grouped into matmuls (the projections, MLP and
+  LM head: the weights read), attention (the KV read) and other ops (norms, rotary, SiLU,
+  embedding, copies). What no op accounts for is Python and the interpreter.
+The profiled split (fractions of the profiled forward) is scaled to the plain forward time,
+so the profiler's own cost is dropped.
+
+Run:  OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py [--quantization none]
+Prints a table; writes JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
+from radixserve.engine.core import EngineCore
+from radixserve.engine.request import Req
+from radixserve.sampling.params import SamplingParams
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "_weight_int4pack_mm", "_weight_int8")
+ATTENTION_OPS = ("radixserve_cpu::", "scaled_dot_product", "_flash_attention")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--quantization", default="none", help="none | auto (the default: gguf) ...")
+    p.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=10, help="timed decode steps per pass")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
+    return p.parse_args(argv)
+
+
+class Timers:
+    """Wraps methods so that each call's wall time adds to a named list."""
+
+    def __init__(self, clock: Callable[[], float] = time.thread_time) -> None:
+        self.clock = clock
+        self.seconds: dict[str, list[float]] = {}
+        self.wrapped: list[tuple[Any, str]] = []
+
+    def wrap(self, owner: Any, method: str, name: str) -> None:
+        inner: Callable = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = self.clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds.setdefault(name, []).append(self.clock() - start)
+
+        setattr(owner, method, timed)
+        self.wrapped.append((owner, method))
+
+    def unwrap(self) -> None:
+        """Back to the classes' own methods."""
+        for owner, method in self.wrapped:
+            delattr(owner, method)
+        self.wrapped.clear()
+
+    def median_ms(self, name: str) -> float:
+        return statistics.median(self.seconds.get(name, [0.0])) * 1e3
+
+
+def build_core(args: argparse.Namespace, batch: int) -> EngineCore:
+    load = LoadConfig(model=args.model, quantization=args.quantization, device="cpu")
+    tokens = batch * (args.context + 4 * args.steps + 64) + 1024
+    cache = CacheConfig(max_total_tokens=tokens, attention_backend=args.attention_backend)
+    return EngineCore.build(load, cache, SchedulerConfig())
+
+
+def add_requests(core: EngineCore, batch: int, args: argparse.Namespace) -> None:
+    params = SamplingParams(temperature=0, max_new_tokens=4 * args.steps + 8, ignore_eos=True)
+    for i in range(batch):
+        ids = [(i * 131 + j * 17) % 4000 + 200 for j in range(args.context)]
+        core.scheduler.add_request(Req(rid=f"r{i}", input_ids=ids, params=params, seed=0))
+
+
+def until_all_decode(core: EngineCore) -> None:
+    scheduler = core.scheduler
+    scheduler.step()  # drains the inbox into the waiting queue
+    while scheduler.waiting or any(r.is_prefilling for r in scheduler.running):
+        scheduler.step()
+    scheduler.step()  # one plain decode step, to warm up
+
+
+def plain_pass(core: EngineCore, steps: int) -> dict[str, float]:
+    timers = Timers()
+    scheduler = core.scheduler
+    timers.wrap(scheduler, "step", "step")
+    timers.wrap(scheduler.runner, "forward", "forward")
+    timers.wrap(scheduler.batches, "build", "build_batch")
+    timers.wrap(scheduler.sampler, "sample_each", "sample")
+    for _ in range(steps):
+        scheduler.step()
+    timers.unwrap()
+    names = ("step", "forward", "build_batch", "sample")
+    return {name: timers.median_ms(name) for name in names}
+
+
+def profiled_pass(core: EngineCore, steps: int) -> dict[str, float]:
+    """Self ms per step of matmul, attention and other ops, and the forward's ms per step,
+    all wall time under the profiler (its op times are wall times)."""
+    timers = Timers(time.perf_counter)
+    timers.wrap(core.scheduler.runner, "forward", "forward")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            core.scheduler.step()
+    split = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / steps
+        name = event.key.removeprefix("aten::")
+        if name in MATMUL_OPS or any(name.startswith(m) for m in MATMUL_OPS[5:]):
+            split["matmul"] += ms
+        elif any(a in event.key for a in ATTENTION_OPS):
+            split["attention"] += ms
+        else:
+            split["other_ops"] += ms
+    split["forward"] = statistics.mean(timers.seconds["forward"]) * 1e3
+    timers.unwrap()
+    return split
+
+
+def breakdown(plain: dict[str, float], prof: dict[str, float]) -> dict[str, float]:
+    """The step in ms: op groups as their share of the profiled forward times the plain
+    forward, the rest of the forward as Python, and the scheduler's own time (outside the
+    forward) split into batch building, sampling and the rest."""
+    to_plain = plain["forward"] / prof["forward"]
+    scaled = {k: prof[k] * to_plain for k in ("matmul", "attention", "other_ops")}
+    host = plain["step"] - plain["forward"]
+    return {
+        "step": plain["step"],
+        **scaled,
+        "forward_python": plain["forward"] - sum(scaled.values()),
+        "build_batch": plain["build_batch"],
+        "sample": plain["sample"],
+        "scheduler_other": host - plain["build_batch"] - plain["sample"],
+    }
+
+
+COLUMNS = ("step", "matmul", "attention", "other_ops", "forward_python", "build_batch",
+           "sample", "scheduler_other")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
+    print(f"{'batch':>6}" + "".join(f"{c:>16}" for c in COLUMNS) + "   (ms per decode step)")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        core = build_core(args, batch)
+        add_requests(core, batch, args)
+        with torch.inference_mode():
+            until_all_decode(core)
+            plain = plain_pass(core, args.steps)
+            prof = profiled_pass(core, args.steps)
+        row = {"batch": batch, **breakdown(plain, prof)}
+        rows.append(row)
+        print(f"{batch:>6}" + "".join(f"{row[c]:>16.2f}" for c in COLUMNS), flush=True)
+        core.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}
+    args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+// Helpers shared by the CPU attention kernels (paged_decode.cpp, paged_extend.cpp): plain
+// loops that -O3 and `omp simd` vectorize for whatever SIMD width the build flags allow.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace radixserve_cpu {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A K/V row as fp32: fp32 rows are used in place, bf16 rows widened into `scratch`.
+inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+inline const float* row_f32(const c10::BFloat16* src, float* scratch, int64_t dim) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) {
+    uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    scratch[d] = f;
+  }
+  return scratch;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) y[d] += a * x[d];
+}
+
+inline void scale_row(float* y, float a, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) y[d] *= a;
+}
+
+// exp(x) for x <= 0 (softmax weights), in a form loops vectorize (std::exp does not):
+// x = n ln2 + r, |r| <= ln2/2, exp(r) by Cephes' expf polynomial (~2e-7 relative error),
+// 2^n by building the float's exponent bits. Inputs below -87 (and -inf) give 0.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.f ? 0.f : p * scale;
+}
+
+}  // namespace radixserve_cpu
