@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import pytest
 
 from conftest import greedy, make_engine, prompt_ids
+from radixserve.engine import core_loop
 from radixserve.engine.client import EngineClient
 from radixserve.engine.faults import ENV_VAR
 from radixserve.engine.protocol import RequestSpec
@@ -128,6 +129,36 @@ def test_the_core_waits_instead_of_spinning_while_no_step_can_progress(
         thread.join(10)
         assert outputs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
         assert engine.get_stats()["num_compiling_reqs"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_finished_grammar_compile_wakes_the_waiting_core_at_once(tiny_chat_model, monkeypatch):
+    # The back-off would now sleep 600 s: only the compile's own wake-up can queue the request.
+    monkeypatch.setattr(core_loop, "STALL_WAIT_MIN_S", 600.0)
+    monkeypatch.setattr(core_loop, "STALL_WAIT_MAX_S", 600.0)
+    compile_now = GrammarBackend.compile_async
+    late: Future = Future()
+
+    def compile_later(self, kind, spec):
+        compiled = compile_now(self, kind, spec).result()
+        threading.Timer(0.3, late.set_result, args=(compiled,)).start()
+        return late
+
+    monkeypatch.setattr(GrammarBackend, "compile_async", compile_later)
+    engine = make_engine(tiny_chat_model)
+    outputs: list[dict] = []
+    params = greedy(4, regex="[a-z]+")
+    thread = threading.Thread(
+        target=lambda: outputs.append(
+            engine.generate(input_ids=prompt_ids(0), sampling_params=params)
+        )
+    )
+    try:
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the core slept through the compile finishing"
+        assert outputs[0]["meta_info"]["finish_reason"]["type"] == "length"
     finally:
         engine.shutdown()
 

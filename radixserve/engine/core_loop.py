@@ -4,7 +4,8 @@ Each turn it takes every waiting message (new requests, aborts, calls), runs one
 step if there is work, and sends the step's deltas back. It blocks while idle, and backs off
 while work exists but no step can make progress (only grammar compiles pending, or prefills
 waiting for pages), so it never spins a core. Work finishing off the core thread (a
-disaggregated decode's KV fetch) wakes it through `CoreTransport.wake`, as a message does.
+grammar compile, a disaggregated decode's KV fetch) wakes it through `CoreTransport.wake`,
+as a message does.
 """
 
 from __future__ import annotations

@@ -97,6 +97,7 @@ class Scheduler:
         self.speculator = None if drafter is None else Speculator(drafter, config, self.stats)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
         self.handoff = KVHandoff.create(disaggregation, self.pages, self.stats)
+        self._wake: Callable[[], None] | None = None  # the core loop's (set_wake)
         jump_on = not config.disable_jump_forward
         self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
 
@@ -153,7 +154,9 @@ class Scheduler:
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """`wake` (thread-safe) is called when work finishes off the core thread and a step
-        can use it: a disaggregated decode's KV arrived. The core loop passes its own."""
+        can use it: a grammar compiled, a disaggregated decode's KV arrived. The core loop
+        passes its own."""
+        self._wake = wake
         if self.handoff is not None:
             self.handoff.wake = wake
 
@@ -233,6 +236,9 @@ class Scheduler:
             self.waiting.append(req)
         else:  # waits off the queue so that compiling never stalls the batch
             req.grammar_future = self.grammar.compile_async(*req.params.grammar)
+            if self._wake is not None:  # no polling delay once it compiles
+                wake = self._wake
+                req.grammar_future.add_done_callback(lambda _: wake())
             self.compiling.append(req)
 
     def _collect_compiled(self, outputs: list[Req]) -> bool:
