@@ -41,15 +41,17 @@ class SystemSpec:
     flags: tuple[str, ...] = ()
     """Extra command-line flags of its server."""
     weights: str = "dtype"
-    """The report's quant column: dtype (the server's --dtype: fp32 on CPU) | gguf-shipped
-    (the model's GGUF as shipped, e.g. Q4_1) | gguf-f32 (an F32 GGUF of the same weights).
-    For llama-server it also picks the file."""
+    """The report's quant column: auto (radixserve's default --quantization auto: on CPU the
+    default model's GGUF blocks as shipped, else --dtype) | dtype (the server's --dtype: fp32
+    on CPU) | gguf-shipped (the model's GGUF as shipped, e.g. Q4_1) | gguf-f32 (an F32 GGUF
+    of the same weights). For llama-server it also picks the file."""
 
 
 SYSTEMS: dict[str, SystemSpec] = {
     s.name: s
     for s in (
-        SystemSpec("radixserve", "radixserve", "radixserve"),
+        SystemSpec("radixserve", "radixserve", "radixserve", (), "auto"),
+        SystemSpec("radixserve-fp32", "radixserve", "radixserve", ("--quantization", "none")),
         SystemSpec("radixserve-no-cache", "radixserve", "radixserve", ("--disable-radix-cache",)),
         SystemSpec("radixserve-fcfs", "radixserve", "radixserve", ("--schedule-policy", "fcfs")),
         SystemSpec("radixserve-gguf", "radixserve", "radixserve", ("--quantization", "gguf"),
