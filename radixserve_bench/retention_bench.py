@@ -66,6 +66,9 @@ class RetentionBenchArgs:
     turns after the first)."""
     schedule_policy: str = "lpm"
     """--schedule-policy of every run."""
+    schedule_tier_match_weight: float = 0.0
+    """--schedule-tier-match-weight of every run (what a tier-only cached token counts for in
+    lpm, relative to a pool one)."""
     model: str | None = None
     """Run on a real Engine with this model, in real time (pauses are slept), instead of the
     simulator ("default": the default model); the unbounded run is skipped."""
@@ -160,6 +163,7 @@ def compare(workload: Workload, bench: RetentionBenchArgs) -> list[dict[str, Any
             pin_policy=variant.pin_policy,
             enable_priority_scheduling=variant.priority,
             schedule_policy=bench.schedule_policy,
+            schedule_tier_match_weight=bench.schedule_tier_match_weight,
         )
         cache = CacheConfig(page_size=bench.page_size, max_total_tokens=tokens)
         ttl = bench.retention_ttl_s if variant.retention else None
