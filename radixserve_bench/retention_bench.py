@@ -66,6 +66,9 @@ class RetentionBenchArgs:
     turns after the first)."""
     schedule_policy: str = "lpm"
     """--schedule-policy of every run."""
+    chunked_prefill_size: int = 2048
+    """--chunked-prefill-size of every run: most prefill tokens one step computes (a short
+    resumed turn batched with a long cold prefill waits for all of it)."""
     schedule_tier_match_weight: float = 0.0
     """--schedule-tier-match-weight of every run (what a tier-only cached token counts for in
     lpm, relative to a pool one)."""
@@ -163,6 +166,7 @@ def compare(workload: Workload, bench: RetentionBenchArgs) -> list[dict[str, Any
             pin_policy=variant.pin_policy,
             enable_priority_scheduling=variant.priority,
             schedule_policy=bench.schedule_policy,
+            chunked_prefill_size=bench.chunked_prefill_size,
             schedule_tier_match_weight=bench.schedule_tier_match_weight,
         )
         cache = CacheConfig(page_size=bench.page_size, max_total_tokens=tokens)

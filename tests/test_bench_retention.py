@@ -148,3 +148,9 @@ def test_live_run_on_a_real_engine_keeps_sessions_too(tiny_chat_model):
     assert rows["retention hard"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
     assert rows["tier"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
     assert rows["tier"]["host_cached_tokens"] > 0
+
+
+def test_the_bench_runs_every_variant_with_its_scheduler_flags(sessions):
+    chunked = {r["run"]: r for r in compare(sessions, RetentionBenchArgs(chunked_prefill_size=32))}
+    plain = {r["run"]: r for r in compare(sessions, RetentionBenchArgs())}
+    assert chunked["lru"]["makespan_s"] > plain["lru"]["makespan_s"]  # more, smaller steps
