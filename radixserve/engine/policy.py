@@ -8,7 +8,8 @@ costs a copy, so it counts `tier_weight` = 1 - load cost / recompute cost of a p
 
 and dfs-weight places the request at its deepest tier node instead of its pool node. Measured
 load / recompute: ~0.02 (CPU, SmolLM2 fp32: 75 ms vs 3.7 s per 1k tokens); the simulator's
-cost model, 0.006. `tier_weight` 0 orders by pool hits only.
+cost model, 0.006. `tier_weight` 0 orders by pool hits only: the default of
+--schedule-tier-match-weight, as 0.9 did not win across workloads (docs/performance.md).
 
 Aging counts queue positions, not steps: each time a request is admitted, every request still
 waiting that arrived before it has been bypassed once. A request bypassed `max_bypass` times is
