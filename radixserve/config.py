@@ -346,6 +346,10 @@ class SchedulerConfig:
     schedule_max_bypass: int = 64
     """Anti-starvation: a waiting request that this many later arrivals were admitted ahead of
     goes first. A bound in requests, not steps, so lpm keeps its order under sustained load."""
+    schedule_tier_match_weight: float = 0.0
+    """What a cached token in the hierarchical cache's tier counts for in lpm / dfs-weight,
+    relative to one in the pool (1 - its load cost / recompute cost; see engine/policy.py);
+    0: order by pool hits only."""
     enable_priority_scheduling: bool = False
     """Honour each request's `priority` (an int, higher first, as SGLang): admission order,
     retraction order and eviction order of cached prefixes; aging (schedule_max_bypass) still
@@ -412,6 +416,11 @@ class SchedulerConfig:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(
                 f"max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}"
+            )
+        if not 0.0 <= self.schedule_tier_match_weight <= 1.0:
+            raise ValueError(
+                "schedule_tier_match_weight must be in [0, 1]; "
+                f"got {self.schedule_tier_match_weight}"
             )
         for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_bypass"):
             if getattr(self, name) < 1:

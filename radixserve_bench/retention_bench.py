@@ -1,7 +1,8 @@
 """`radixserve bench retention`: the agent-sessions workload through the real scheduler and
 radix cache (the simulator's virtual clock and cost model), with plain LRU, with the
-hierarchical cache's host tier, with session retention (pin_policy hard and last), with tier
-and retention together, and with an unbounded cache (the hit-rate ceiling).
+hierarchical cache's host tier, with session retention (pin_policy hard and last), with
+session requests at a higher `priority` than the flood (--enable-priority-scheduling), with
+their combinations, and with an unbounded cache (the hit-rate ceiling).
 
 Resumed turns (a session's turns after the first) are what retention is for: their hit rate
 and TTFT are the headline numbers; the one-off flood's TTFT shows what retention costs it.
@@ -14,6 +15,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +28,12 @@ from radixserve_bench.cli import from_args, load_tokenizer
 from radixserve_bench.metrics import latency_stats
 from radixserve_bench.sessions_live import LiveRun
 from radixserve_bench.sim_runner import CostModel
-from radixserve_bench.simulate import SimResult, simulate
+from radixserve_bench.simulate import RequestTimes, SimResult, simulate
 from radixserve_bench.simulate_cli import write_json
-from radixserve_bench.workloads import Workload, make_workload, parse_overrides
+from radixserve_bench.workloads import BenchRequest, Workload, make_workload, parse_overrides
 
 SESSIONS_IN_POOL = 1 / 3  # the issue's sizing: the pool holds about a third of the sessions
+PRIORITY_SCOPES = ("session", "resumed")
 
 
 @dataclass
@@ -55,6 +58,20 @@ class RetentionBenchArgs:
     """The tier runs' host tier, as a multiple of the pool (--hicache-ratio)."""
     hicache_write_policy: str = "write_through"
     """The tier runs' --hicache-write-policy."""
+    session_priority: int = 1
+    """The priority runs' `priority` of session requests (one-off requests: 0), with
+    --enable-priority-scheduling."""
+    priority_scope: str = "session"
+    """session | resumed: which session requests the priority runs mark (every turn, or the
+    turns after the first)."""
+    schedule_policy: str = "lpm"
+    """--schedule-policy of every run."""
+    chunked_prefill_size: int = 2048
+    """--chunked-prefill-size of every run: most prefill tokens one step computes (a short
+    resumed turn batched with a long cold prefill waits for all of it)."""
+    schedule_tier_match_weight: float = 0.0
+    """--schedule-tier-match-weight of every run (what a tier-only cached token counts for in
+    lpm, relative to a pool one)."""
     model: str | None = None
     """Run on a real Engine with this model, in real time (pauses are slept), instead of the
     simulator ("default": the default model); the unbounded run is skipped."""
@@ -90,40 +107,80 @@ def run_retention_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One run of the comparison: which of retention, the tier and priorities it uses."""
+
+    name: str
+    retention: bool = False
+    pin_policy: str = "hard"
+    tier: bool = False
+    priority: bool = False
+    unbounded: bool = False
+
+
+VARIANTS = [
+    Variant("lru"),
+    Variant("tier", tier=True),
+    Variant("retention hard", retention=True),
+    Variant("retention last", retention=True, pin_policy="last"),
+    Variant("tier + retention", retention=True, tier=True),
+    Variant("priority", priority=True),
+    Variant("tier + priority", tier=True, priority=True),
+    Variant("tier + retention + priority", retention=True, tier=True, priority=True),
+    Variant("unbounded", unbounded=True),
+]
+
+
+def session_priority(scope: str, value: int) -> Callable[[BenchRequest], int]:
+    """The priority an agent gives its requests: `value` for every turn of a session
+    ("session") or for its resumed turns only ("resumed"); one-off requests get 0."""
+    if scope not in PRIORITY_SCOPES:
+        raise ValueError(f"priority_scope must be one of {PRIORITY_SCOPES}; got {scope!r}")
+
+    def priority_of(req: BenchRequest) -> int:
+        if req.session_id is None or (scope == "resumed" and req.turn == 0):
+            return 0
+        return value
+
+    return priority_of
+
+
 def compare(workload: Workload, bench: RetentionBenchArgs) -> list[dict[str, Any]]:
-    """One summary each: plain LRU, tier, retention, tier + retention, unbounded (all lpm,
-    same workload)."""
+    """One summary per variant (all lpm, same workload)."""
     pool = bench.cache_tokens or sessions_pool_tokens(workload)
     unbounded = sum(len(p) for p in workload.prompts()) + pool
-    ttl, fraction = bench.retention_ttl_s, bench.max_pinned_fraction
+    priority_of = session_priority(bench.priority_scope, bench.session_priority)
     tier = HiCacheConfig(
         enable_hierarchical_cache=True,
         hicache_ratio=bench.hicache_ratio,
         hicache_write_policy=bench.hicache_write_policy,
     )
-    runs = [
-        ("lru", pool, None, "hard", None),
-        ("tier", pool, None, "hard", tier),
-        ("retention hard", pool, ttl, "hard", None),
-        ("retention last", pool, ttl, "last", None),
-        ("tier + retention", pool, ttl, "hard", tier),
-        ("unbounded", unbounded, None, "hard", None),
-    ]
-    if bench.model is not None:
-        runs = runs[:-1]  # an unbounded pool of real KV is too large to allocate
+    # an unbounded pool of real KV is too large to allocate
+    variants = [v for v in VARIANTS if bench.model is None or not v.unbounded]
     rows = []
-    for name, tokens, ttl, pin_policy, hicache in runs:
-        scheduler = SchedulerConfig(max_pinned_fraction=fraction, pin_policy=pin_policy)
+    for variant in variants:
+        tokens = unbounded if variant.unbounded else pool
+        scheduler = SchedulerConfig(
+            max_pinned_fraction=bench.max_pinned_fraction,
+            pin_policy=variant.pin_policy,
+            enable_priority_scheduling=variant.priority,
+            schedule_policy=bench.schedule_policy,
+            chunked_prefill_size=bench.chunked_prefill_size,
+            schedule_tier_match_weight=bench.schedule_tier_match_weight,
+        )
         cache = CacheConfig(page_size=bench.page_size, max_total_tokens=tokens)
+        ttl = bench.retention_ttl_s if variant.retention else None
+        hicache = tier if variant.tier else None
+        priorities = priority_of if variant.priority else None
         start = time.perf_counter()
         if bench.model is None:
-            result = simulate(
-                workload, scheduler, cache, CostModel(), retention_ttl_s=ttl, hicache=hicache
-            )
+            cost = CostModel()
+            result = simulate(workload, scheduler, cache, cost, None, ttl, hicache, priorities)
         else:
-            result = run_live(bench.model, workload, scheduler, cache, ttl, hicache)
-        rows.append({"run": name, "cache_tokens": tokens} | summarize(workload, result))
-        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            result = run_live(bench.model, workload, scheduler, cache, ttl, hicache, priorities)
+        rows.append({"run": variant.name, "cache_tokens": tokens} | summarize(workload, result))
+        print(f"{variant.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return rows
 
 
@@ -134,6 +191,7 @@ def run_live(
     cache: CacheConfig,
     ttl: float | None,
     hicache: HiCacheConfig | None = None,
+    priority_of: Callable[[BenchRequest], int] | None = None,
 ) -> SimResult:
     """One run on a fresh Engine (an empty cache), in real time."""
     from radixserve import Engine
@@ -141,7 +199,7 @@ def run_live(
     kwargs = dataclasses.asdict(scheduler) | dataclasses.asdict(cache)
     kwargs |= dataclasses.asdict(hicache or HiCacheConfig())
     with Engine(None if model == "default" else model, **kwargs) as engine:
-        result = LiveRun(engine, workload, ttl).run()
+        result = LiveRun(engine, workload, ttl, priority_of).run()
         result.stats = engine.get_stats()
     return result
 
@@ -174,10 +232,18 @@ def summarize(workload: Workload, result: SimResult) -> dict[str, Any]:
         "resumed_hit_rate": cached / prompt if prompt else 0.0,
         **latency_stats("resumed_ttft", [t.first_token - t.sent for t in resumed]),
         **latency_stats("flood_ttft", [t.first_token - t.sent for t in flood]),
+        # queueing alone (sent -> admitted, simulator only): what admission order decides
+        **latency_stats("resumed_queue", _queue_waits(resumed)),
+        **latency_stats("flood_queue", _queue_waits(flood)),
         "makespan_s": result.makespan,
         "evicted_pages": result.stats.get("evicted_pages", 0),
         "host_cached_tokens": sum(t.cached_tokens_host for t in resumed),
     }
+
+
+def _queue_waits(times: list[RequestTimes]) -> list[float]:
+    """Seconds from sent to admitted; a live run does not see admission (empty)."""
+    return [t.admitted - t.sent for t in times if t.admitted is not None]
 
 
 COLUMNS = [
@@ -187,6 +253,8 @@ COLUMNS = [
     ("resumed TTFT p50 s", "median_resumed_ttft_ms", "{:.2f}"),
     ("resumed TTFT p99 s", "p99_resumed_ttft_ms", "{:.2f}"),
     ("flood TTFT p99 s", "p99_flood_ttft_ms", "{:.2f}"),
+    ("resumed queue mean s", "mean_resumed_queue_ms", "{:.2f}"),
+    ("flood queue p99 s", "p99_flood_queue_ms", "{:.2f}"),
     ("makespan s", "makespan_s", "{:.0f}"),
     ("evicted pages", "evicted_pages", "{}"),
     ("resumed from tier", "host_cached_tokens", "{}"),

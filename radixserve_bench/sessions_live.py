@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve_bench.backends import greedy_params
 from radixserve_bench.simulate import RequestTimes, SimResult, children_of
-from radixserve_bench.workloads import Workload
+from radixserve_bench.workloads import BenchRequest, Workload
 
 
 @dataclass
@@ -19,6 +20,7 @@ class LiveRun:
     engine: object  # radixserve.Engine
     workload: Workload
     retention_ttl_s: float | None  # None: plain LRU (no session fields sent)
+    priority_of: Callable[[BenchRequest], int] | None = None  # None: no priority sent
 
     def run(self) -> SimResult:
         """Every request's times (seconds from the start), in the simulator's result shape."""
@@ -55,6 +57,7 @@ class LiveRun:
             input_ids=prompt,
             sampling_params=greedy_params(req.output_len),
             stream=True,
+            priority=None if self.priority_of is None else self.priority_of(req),
             **self._session_fields(req.session_id),
         )
         last = None

@@ -12,7 +12,8 @@ Each step advances the clock by the cost of its batch. The step's real CPU time,
 fake forward, is the scheduler's own cost (matching, ordering, batch building, sampling).
 A request's arrival_time is its submission number: the scheduler only orders by it.
 With `retention_ttl_s`, session requests ask for retention and the pins' TTLs run on the
-virtual clock.
+virtual clock; `priority_of` gives each request its `priority` (SGLang's field), which needs
+`enable_priority_scheduling` as it does on the Engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixserve.cache.hiradix_cache import create_hierarchical_cache
@@ -33,7 +35,7 @@ from radixserve.sampling.params import SamplingParams
 from radixserve_bench.backends import greedy_params
 from radixserve_bench.client import arrival_times
 from radixserve_bench.sim_runner import CostModel, SimRunner
-from radixserve_bench.workloads import Workload
+from radixserve_bench.workloads import BenchRequest, Workload
 
 MAX_IDLE_STEPS = 1000  # steps in a row without a forward: the scheduler is stuck
 
@@ -89,10 +91,14 @@ class Simulation:
         load: SimLoad | None = None,
         retention_ttl_s: float | None = None,
         hicache: HiCacheConfig | None = None,
+        priority_of: Callable[[BenchRequest], int] | None = None,
     ):
         load = load or SimLoad()
         self.workload = workload
         self.retention_ttl_s = retention_ttl_s
+        self.priority_of = priority_of
+        if priority_of is not None and not scheduler_config.enable_priority_scheduling:
+            raise ValueError("request priorities need enable_priority_scheduling (as the Engine)")
         self.runner = SimRunner(cache_config, cost or CostModel())
         self.scheduler = sim_scheduler(self.runner, scheduler_config, hicache)
         self.scheduler.pins.clock = lambda: self.now
@@ -167,6 +173,8 @@ class Simulation:
         self.num_submitted += 1
         req = Req(str(index), prompt, params, seed=0, arrival_time=float(self.num_submitted))
         req.session_id = self.workload.requests[index].session_id
+        if self.priority_of is not None:
+            req.priority = self.priority_of(self.workload.requests[index])
         if req.session_id is not None and self.retention_ttl_s is not None:
             req.pin = PinRequest(session_pin_key(req.session_id), self.retention_ttl_s)
         self.scheduler.add_request(req)
@@ -277,9 +285,10 @@ def simulate(
     load: SimLoad | None = None,
     retention_ttl_s: float | None = None,
     hicache: HiCacheConfig | None = None,
+    priority_of: Callable[[BenchRequest], int] | None = None,
 ) -> SimResult:
     """Runs `workload` through the real scheduler on a simulated model."""
     simulation = Simulation(
-        workload, scheduler_config, cache_config, cost, load, retention_ttl_s, hicache
+        workload, scheduler_config, cache_config, cost, load, retention_ttl_s, hicache, priority_of
     )
     return simulation.run()

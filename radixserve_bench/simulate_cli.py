@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from radixserve.cli_args import add_dataclass_args
-from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.config import CacheConfig, HiCacheConfig, SchedulerConfig
 from radixserve_bench.cli import WorkloadArgs, build_workloads, from_args, load_tokenizer
 from radixserve_bench.hit_rate import max_hit_rate
 from radixserve_bench.metrics import latency_stats
@@ -46,6 +46,10 @@ class SimulateArgs:
     """Most prefill tokens one step computes (-1: no limit)."""
     max_prefill_tokens: int = 16384
     """Most prefill tokens admitted per step."""
+    hicache_ratio: float = 0.0
+    """A hierarchical cache's host tier of this many times the pool (0: no tier)."""
+    schedule_tier_match_weight: float = 0.0
+    """--schedule-tier-match-weight: what a tier-only cached token counts for in lpm."""
     request_rate: float = math.inf
     """Requests per virtual second, Poisson (inf: all at once)."""
     max_concurrency: int | None = None
@@ -121,14 +125,22 @@ def _run_grid(workload, sim: SimulateArgs, cost: CostModel, seed: int) -> list[d
                 chunked_prefill_size=sim.chunked_prefill_size,
                 max_prefill_tokens=sim.max_prefill_tokens,
                 max_running_requests=sim.max_running_requests,
+                schedule_tier_match_weight=sim.schedule_tier_match_weight,
             )
             cache_config = CacheConfig(page_size=sim.page_size, max_total_tokens=cache_tokens)
-            result = simulate(workload, scheduler_config, cache_config, cost, load)
+            hicache = _tier(sim.hicache_ratio)
+            result = simulate(workload, scheduler_config, cache_config, cost, load, hicache=hicache)
             row = {"policy": policy, "cache_tokens": cache_tokens}
             rows.append(row | summarize(result, sim.page_size))
             if sim.progress:
                 print(f"{policy} @ {cache_tokens} tokens: {result.wall_s:.1f} s", file=sys.stderr)
     return rows
+
+
+def _tier(ratio: float) -> HiCacheConfig | None:
+    if ratio == 0:
+        return None
+    return HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=ratio)
 
 
 def _str_list(text: str) -> list[str]:

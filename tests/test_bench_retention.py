@@ -9,9 +9,15 @@ import pytest
 
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve_bench.cli import main as bench_main
-from radixserve_bench.retention_bench import RetentionBenchArgs, compare, sessions_pool_tokens
+from radixserve_bench.retention_bench import (
+    VARIANTS,
+    RetentionBenchArgs,
+    compare,
+    session_priority,
+    sessions_pool_tokens,
+)
 from radixserve_bench.simulate import simulate
-from radixserve_bench.workloads import make_workload, parse_overrides
+from radixserve_bench.workloads import BenchRequest, Workload, make_workload, parse_overrides
 
 SESSIONS = (
     "num_sessions=4,num_turns=3,context_len=128,observation_len=16,output_len=8,"
@@ -55,6 +61,56 @@ def test_retention_keeps_paused_sessions_that_lru_loses(sessions):
     assert rows["unbounded"]["resumed_hit_rate"] >= rows["retention hard"]["resumed_hit_rate"]
 
 
+def _queue_waits(workload, result, resumed: bool) -> list[float]:
+    """Sent -> admitted of resumed turns (or of one-off requests)."""
+    waits = []
+    for req, times in zip(workload.requests, result.requests):
+        is_resumed = req.session_id is not None and req.turn > 0
+        if is_resumed if resumed else req.session_id is None:
+            waits.append(times.admitted - times.sent)
+    return waits
+
+
+def test_priority_puts_resumed_turns_first_and_the_flood_pays(sessions):
+    cache = CacheConfig(page_size=16, max_total_tokens=sessions_pool_tokens(sessions))
+    plain = simulate(sessions, SchedulerConfig(), cache)
+    first = simulate(
+        sessions,
+        SchedulerConfig(enable_priority_scheduling=True),
+        cache,
+        priority_of=session_priority("resumed", 1),
+    )
+    resumed = [sum(_queue_waits(sessions, r, True)) for r in (plain, first)]
+    assert resumed[1] < resumed[0] / 2  # resumed turns take the head of the queue
+    assert sum(_queue_waits(sessions, first, False)) > sum(_queue_waits(sessions, plain, False))
+    assert session_priority("session", 3)(sessions.requests[0]) == 3
+    assert session_priority("resumed", 3)(sessions.requests[0]) == 0
+
+
+@pytest.mark.parametrize("max_bypass", [3, 1000])
+def test_aging_lets_a_one_off_request_through_a_stream_of_session_turns(max_bypass):
+    """One running request at a time: a one-off request that came first waits behind at
+    most `max_bypass` later session turns of higher priority (without aging: behind all)."""
+    flood = BenchRequest(None, list(range(1, 33)), 2, conversation=99)
+    turns = [BenchRequest(None, [s] * 32, 2, s, 0, f"agent-{s}") for s in range(1, 9)]
+    workload = Workload("priority-stream", [flood, *turns])
+    config = SchedulerConfig(
+        enable_priority_scheduling=True, max_running_requests=1, schedule_max_bypass=max_bypass
+    )
+    cache = CacheConfig(page_size=16, max_total_tokens=1024)
+    result = simulate(workload, config, cache, priority_of=session_priority("session", 1))
+    admitted = sorted(range(len(workload.requests)), key=lambda i: result.requests[i].admitted)
+    assert admitted.index(0) == min(max_bypass, len(turns))
+
+
+def test_priorities_need_priority_scheduling_and_a_known_scope(sessions):
+    cache = CacheConfig(page_size=16, max_total_tokens=8192)
+    with pytest.raises(ValueError, match="enable_priority_scheduling"):
+        simulate(sessions, SchedulerConfig(), cache, priority_of=session_priority("session", 1))
+    with pytest.raises(ValueError, match="priority_scope"):
+        session_priority("everyone", 1)
+
+
 def test_bench_retention_cli_writes_its_report(tmp_path, capsys):
     out = tmp_path / "retention"
     args = ["retention", "--workload-args", SESSIONS, "--out", str(out)]
@@ -67,6 +123,9 @@ def test_bench_retention_cli_writes_its_report(tmp_path, capsys):
         "retention hard",
         "retention last",
         "tier + retention",
+        "priority",
+        "tier + priority",
+        "tier + retention + priority",
         "unbounded",
     ]
 
@@ -84,8 +143,14 @@ def test_live_run_on_a_real_engine_keeps_sessions_too(tiny_chat_model):
         model=tiny_chat_model,
     )
     rows = {row["run"]: row for row in compare(workload, bench)}
-    assert set(rows) == {"lru", "tier", "retention hard", "retention last", "tier + retention"}
+    assert set(rows) == {v.name for v in VARIANTS if not v.unbounded}
     assert all(row["failed"] == 0 and row["num_resumed"] == 8 for row in rows.values())
     assert rows["retention hard"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
     assert rows["tier"]["resumed_hit_rate"] > rows["lru"]["resumed_hit_rate"]
     assert rows["tier"]["host_cached_tokens"] > 0
+
+
+def test_the_bench_runs_every_variant_with_its_scheduler_flags(sessions):
+    chunked = {r["run"]: r for r in compare(sessions, RetentionBenchArgs(chunked_prefill_size=32))}
+    plain = {r["run"]: r for r in compare(sessions, RetentionBenchArgs())}
+    assert chunked["lru"]["makespan_s"] > plain["lru"]["makespan_s"]  # more, smaller steps

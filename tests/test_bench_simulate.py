@@ -153,3 +153,22 @@ def test_simulate_cli_writes_a_table_and_json(tmp_path, capsys):
         assert 0 < run["cache_hit_rate"] <= run["max_cache_hit_rate"]
         assert run["mean_ttft_ms"] >= run["mean_queue_ms"] >= 0
         assert run["steps"] > 0 and run["mean_cpu_ms"] > 0
+
+
+def test_a_host_tier_in_the_grid_keeps_what_the_small_pool_loses(tokenizer):
+    from radixserve_bench.simulate_cli import SimulateArgs, run_grid
+
+    reqs = workload("multi-turn", LONG_ANSWERS, tokenizer)
+    rates = {}
+    for ratio in (0.0, 8.0):
+        sim = SimulateArgs(
+            policies="lpm",
+            cache_tokens="320",
+            hicache_ratio=ratio,
+            schedule_tier_match_weight=0.9,
+            progress=False,
+        )
+        (row,) = run_grid(reqs, sim, CostModel())
+        assert row["failed"] == 0
+        rates[ratio] = row["cache_hit_rate"]
+    assert rates[8.0] > rates[0.0]

@@ -187,6 +187,34 @@ def test_integrity_catches_a_leaked_slot_and_a_rotten_page():
         cache.check_integrity()
 
 
+def _host_only(cache: HiRadixCache) -> int:
+    return cache.tier_stats()["hicache_host_only_pages"]
+
+
+def test_tier_only_pages_are_counted_as_they_move_not_walked_for():
+    cache = _cache(pool_pages=9, tier_slots=8)
+    _computed(cache, SEQ_A)
+    assert _host_only(cache) == 0  # written through: in both tiers
+    cache.evict(4)
+    assert _host_only(cache) == 4  # demoted
+    loaded = _load(cache, SEQ_A[:8])  # the first 2 pages come back (a split)
+    assert _host_only(cache) == 2
+    cache.unlock(loaded.node)
+    _computed(cache, SEQ_A + list(range(17, 21)))  # an insert adopts the other 2
+    assert _host_only(cache) == 0
+    cache.evict(8)
+    _computed(cache, SEQ_B)  # written through: the tier LRU drops A's last page
+    cache.evict(4)
+    assert _host_only(cache) == 8  # A (its last page dropped for B) and B, demoted
+    assert cache.match_prefix(SEQ_A + list(range(17, 21)), max_tokens=20).host_tokens == 16
+    cache.check_integrity()
+    cache._num_tier_only += 1
+    with pytest.raises(CacheIntegrityError, match="tier-only pages"):
+        cache.check_integrity()
+    cache.reset()
+    assert _host_only(cache) == 0
+
+
 def test_reset_frees_both_tiers():
     cache = _cache()
     _computed(cache, SEQ_A)

@@ -6,8 +6,10 @@ import pytest
 
 from conftest import make_core, prompt_ids
 from radixserve.cache.kv_pool import PageAllocator
+from radixserve.cache.prefix_cache import MatchResult
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.engine.policy import Aging, order_waiting
+from radixserve.config import SchedulerConfig
+from radixserve.engine.policy import Aging, match_score, order_waiting
 from radixserve.engine.request import Req, ReqState
 from radixserve.sampling.params import SamplingParams
 
@@ -194,3 +196,54 @@ def test_priority_orders_before_the_policy_and_starved_requests_still_go_first()
     ranked = order_waiting(reqs, "lpm", matches, 100, cache.parent_of, by_priority=True)
     assert [r.rid for r in plain] == ["starved_low", "hot", "cold_high"]
     assert [r.rid for r in ranked] == ["starved_low", "cold_high", "hot"]
+
+
+def test_lpm_counts_a_tier_match_at_its_weight():
+    pool_hit, tier_hit = _req("pool", A[:16] + [1]), _req("tier", B + [2])
+    root = object()
+    matches = {
+        pool_hit: MatchResult(pages=[0] * 4, num_tokens=16, node=root),
+        tier_hit: MatchResult(pages=[], num_tokens=0, node=root, host_tokens=32, host_node=root),
+    }
+    reqs = [pool_hit, tier_hit]
+
+    def lpm(weight: float) -> list[str]:
+        ordered = order_waiting(reqs, "lpm", matches, 100, lambda n: None, tier_weight=weight)
+        return [r.rid for r in ordered]
+
+    assert lpm(0.0) == ["pool", "tier"]  # pool hits only
+    assert lpm(0.4) == ["pool", "tier"]  # 12.8 < 16
+    assert lpm(0.9) == ["tier", "pool"]  # 28.8 > 16
+    assert match_score(matches[tier_hit], 0.5) == 16
+
+
+def test_dfs_weight_places_a_tier_match_at_its_tier_node():
+    shared = A[:16]
+    light, heavy = shared + list(range(300, 316)), shared + list(range(400, 416))
+    cache = _cache_with(light, heavy)
+    reqs = [_req("light", light + [1]), _req("tiered", heavy + [2]), _req("heavy", heavy + [3])]
+    matches = {r: cache.match_prefix(r.input_ids) for r in reqs}
+    # "tiered" found its heavy suffix in the tier only: its pool match ends at `shared`
+    heavy_node = matches[reqs[1]].node
+    matches[reqs[1]] = MatchResult(
+        pages=[],
+        num_tokens=16,
+        node=cache.parent_of(heavy_node),
+        host_tokens=16,
+        host_node=heavy_node,
+    )
+
+    def dfs(weight: float) -> list[str]:
+        ordered = order_waiting(
+            reqs, "dfs-weight", matches, 100, cache.parent_of, tier_weight=weight
+        )
+        return [r.rid for r in ordered]
+
+    assert dfs(0.0)[0] == "tiered"  # at the shared node, visited before its children
+    assert dfs(0.9) in (["tiered", "heavy", "light"], ["heavy", "tiered", "light"])
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5])
+def test_a_tier_match_weight_outside_0_1_is_refused(weight):
+    with pytest.raises(ValueError, match="schedule_tier_match_weight"):
+        SchedulerConfig(schedule_tier_match_weight=weight).verify()

@@ -80,6 +80,7 @@ class HiRadixCache(RadixCache):
     def _clear(self) -> None:
         super()._clear()
         self._device_leaves: set[TreeNode] = set()  # pool nodes without a pool child
+        self._num_tier_only = 0  # pages of tier-only nodes, kept as they move (tier_stats)
 
     def reset(self) -> None:
         slots = [s for n in self._nodes() if n.host_slots for s in n.host_slots]
@@ -196,9 +197,11 @@ class HiRadixCache(RadixCache):
     def _set_pool_pages(self, node: TreeNode, pages: list[int]) -> None:
         """Gives a node pool pages (loaded, adopted) or takes them (`[]`: demoted)."""
         self._account(node, -1)
+        self._num_tier_only -= _num_tier_only(node)
         self._num_total += len(pages) - len(node.pages)
         node.pages = pages
         self._account(node, 1)
+        self._num_tier_only += _num_tier_only(node)
         self._refresh_device_leaf(node)
         self._refresh_device_leaf(node.parent)
 
@@ -246,6 +249,7 @@ class HiRadixCache(RadixCache):
 
     def _drop_leaf(self, node: TreeNode) -> None:
         """Takes a tier-only leaf out of the tree and frees its slots."""
+        self._num_tier_only -= _num_tier_only(node)
         self.tier.free(node.host_slots)
         node.host_slots = None
         self._detach_leaf(node)
@@ -260,11 +264,11 @@ class HiRadixCache(RadixCache):
     # ---- sizes and checks ----
 
     def tier_stats(self) -> dict[str, int]:
-        tier_only = sum(len(n.host_slots) for n in self._nodes() if n.host_slots and not n.pages)
+        """Counters kept as pages move (no walk: a metrics scrape calls this)."""
         return {
             "hicache_capacity_pages": self.tier.num_slots,
             "hicache_used_pages": self.tier.num_slots - self.tier.num_free,
-            "hicache_host_only_pages": tier_only,
+            "hicache_host_only_pages": self._num_tier_only,
             "hicache_pages_to_host": self.pages_to_host,
             "hicache_pages_to_device": self.pages_to_device,
             "hicache_bytes_to_host": self.tier.bytes_written,
@@ -294,6 +298,11 @@ class HiRadixCache(RadixCache):
         expected = {n for n in nodes if n.parent is not None and n.pages and not _has_pool_child(n)}
         if self._device_leaves != expected:
             raise CacheIntegrityError("the set of device leaves disagrees with the tree")
+        tier_only = sum(_num_tier_only(n) for n in nodes)
+        if tier_only != self._num_tier_only:
+            raise CacheIntegrityError(
+                f"tier-only pages: {self._num_tier_only} counted, {tier_only} in the tree"
+            )
         self._check_slots([s for n in nodes if n.host_slots for s in n.host_slots])
 
     def _check_slots(self, owned: list[int]) -> None:
@@ -365,6 +374,7 @@ class HiRadixCache(RadixCache):
         self.tier.claim(entry.slots)
         node = self._add_leaf(parent, key, [])
         node.host_slots = list(entry.slots)
+        self._num_tier_only += _num_tier_only(node)
         return node
 
 
@@ -387,6 +397,11 @@ def _tier_path(node: TreeNode, top: TreeNode) -> list[TreeNode]:
 def _depth(node: TreeNode) -> int:
     """Tokens from the root to the end of `node`."""
     return sum(len(n.key) for n in node.path_to_root())
+
+
+def _num_tier_only(node: TreeNode) -> int:
+    """Pages of `node` held by the tier alone (0 when it is in the pool or not in the tier)."""
+    return len(node.host_slots) if node.host_slots is not None and not node.pages else 0
 
 
 def _has_pool_child(node: TreeNode) -> bool:

@@ -1,5 +1,16 @@
 """Orders the waiting queue: lpm, dfs-weight or fcfs, with aging against starvation.
 
+With the hierarchical cache a match has a pool part (`num_tokens`) and a tier part
+(`host_tokens`, loaded back before the request runs). A tier token saves its recompute but
+costs a copy, so it counts `tier_weight` = 1 - load cost / recompute cost of a pool token:
+
+    score = num_tokens + tier_weight * host_tokens        (lpm: higher first)
+
+and dfs-weight places the request at its deepest tier node instead of its pool node. Measured
+load / recompute: ~0.02 (CPU, SmolLM2 fp32: 75 ms vs 3.7 s per 1k tokens); the simulator's
+cost model, 0.006. `tier_weight` 0 orders by pool hits only: the default of
+--schedule-tier-match-weight, as 0.9 did not win across workloads (docs/performance.md).
+
 Aging counts queue positions, not steps: each time a request is admitted, every request still
 waiting that arrived before it has been bypassed once. A request bypassed `max_bypass` times is
 starved and goes first, oldest first, whatever the policy; so under `lpm` a cold request waits
@@ -27,16 +38,18 @@ def order_waiting(
     max_bypass: int,
     parent_of: Callable[[object], object | None],
     by_priority: bool = False,
+    tier_weight: float = 0.0,
 ) -> list[Req]:
     """Starved requests first (oldest first), then the rest in the policy's order;
     `by_priority`: the rest by priority first (higher first), the policy's order among equals.
-    Aging still applies, so a low-priority request waits behind at most `max_bypass`."""
+    Aging still applies, so a low-priority request waits behind at most `max_bypass`.
+    `tier_weight`: what a tier-only cached token counts for (module docstring)."""
     starved = sorted((r for r in waiting if r.num_bypassed >= max_bypass), key=_age_key)
     rest = [r for r in waiting if r.num_bypassed < max_bypass]
     if policy == "lpm":
-        rest.sort(key=lambda r: (-matches[r].num_tokens, r.arrival_time))
+        rest.sort(key=lambda r: (-match_score(matches[r], tier_weight), r.arrival_time))
     elif policy == "dfs-weight":
-        rest = _dfs_weight_order(rest, matches, parent_of)
+        rest = _dfs_weight_order(rest, matches, parent_of, tier_weight > 0)
     else:
         rest.sort(key=_age_key)
     if by_priority:
@@ -82,22 +95,32 @@ class Aging:
                 req.num_bypassed = self.num_bypassed(req)
 
 
+def match_score(match: MatchResult, tier_weight: float) -> float:
+    """lpm's score of a match: pool tokens, plus tier tokens at `tier_weight`."""
+    return match.num_tokens + tier_weight * match.host_tokens
+
+
 def _age_key(req: Req) -> float:
     return req.arrival_time
 
 
 def _dfs_weight_order(
-    reqs: list[Req], matches: dict[Req, MatchResult], parent_of: Callable[[object], object | None]
+    reqs: list[Req],
+    matches: dict[Req, MatchResult],
+    parent_of: Callable[[object], object | None],
+    into_tier: bool = False,
 ) -> list[Req]:
     """SGLang paper's DFS over the radix tree: at each node, heavier subtrees (more waiting
-    requests) first, so requests sharing the most cached prefix run together."""
+    requests) first, so requests sharing the most cached prefix run together. `into_tier`:
+    a request sits at the deepest node of its match, tier part included."""
     children: dict[int, list[object]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     at_node: dict[int, list[Req]] = defaultdict(list)
     roots: list[object] = []
     seen: set[int] = set()
     for req in sorted(reqs, key=_age_key):
-        node = matches[req].node
+        match = matches[req]
+        node = match.host_node if into_tier and match.host_node is not None else match.node
         at_node[id(node)].append(req)
         while node is not None:
             weight[id(node)] += 1

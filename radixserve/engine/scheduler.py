@@ -390,9 +390,15 @@ class Scheduler:
             policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
         matches = {} if policy == "fcfs" else {r: self._match(r) for r in candidates}
         max_bypass = self.config.schedule_max_bypass
-        by_priority = self.config.enable_priority_scheduling
-        parent_of = self.cache.parent_of
-        ordered = order_waiting(candidates, policy, matches, max_bypass, parent_of, by_priority)
+        ordered = order_waiting(
+            candidates,
+            policy,
+            matches,
+            max_bypass,
+            self.cache.parent_of,
+            by_priority=self.config.enable_priority_scheduling,
+            tier_weight=self.config.schedule_tier_match_weight,
+        )
         return matches, deque(ordered)
 
     def _admit_in_order(
