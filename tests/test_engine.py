@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SYSTEM, VOCAB, greedy, make_core, make_engine, prompt_ids
 from radixserve import Engine
-from radixserve.engine import scheduler as scheduler_module
+from radixserve.engine import admission as admission_module
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
@@ -77,13 +77,13 @@ def test_a_request_retracted_in_a_step_is_not_readmitted_in_it(tiny_chat_model, 
     sched = engine.scheduler
     retractions: dict[Req, int] = {}
     offered: list[str] = []
-    original = scheduler_module.order_waiting
+    original = admission_module.order_waiting
 
-    def order_waiting(waiting, *args):
+    def order_waiting(waiting, *args, **kwargs):
         offered.extend(r.rid for r in waiting if r.num_retractions > retractions[r])
-        return original(waiting, *args)
+        return original(waiting, *args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module, "order_waiting", order_waiting)
+    monkeypatch.setattr(admission_module, "order_waiting", order_waiting)
     reqs = [
         Req(f"r{i}", prompt_ids(i, 24), SamplingParams(**greedy(100)), seed=0) for i in range(16)
     ]

@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import numpy as np
 import torch
 
-from radixserve.cache.prefix_cache import MatchResult, PrefixCache
+from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.retention import PinTable
 from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.distributed.group import RankFailedError
+from radixserve.engine.admission import Admission
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.jump_forward import JumpForward
 from radixserve.engine.kv_handoff import KVHandoff
-from radixserve.engine.logprobs import cacheable_len, commit_logprobs
+from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
-from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
@@ -40,9 +38,6 @@ from radixserve.model.runner import ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
 
 logger = logging.getLogger(__name__)
-
-OUTPUT_ESTIMATE_CLIP = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: future tokens reserved
-MAX_SORTED_QUEUE = 128  # longer waiting queues fall back to fcfs order, as in SGLang
 
 
 class Scheduler:
@@ -85,10 +80,10 @@ class Scheduler:
             pins_give_way=config.pin_policy == "last",
         )
         self.batches = BatchBuilder(self.page_size, runner.device)
-        self._seq_keys: dict[Req, tuple[int, ...]] = {}
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
         self.last_step_progressed = True  # see step()
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.admission = Admission(cache, self.pool, self.pages, config, self.stats, self.ratio)
         self.faults = FaultInjector.from_env()
         self.sampler = TokenSampler(
             self.eos_token_ids, tokenizer, lambda: self.grammar, self.faults
@@ -370,141 +365,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, leaders: list[Req]) -> list[Work]:
         """Admits waiting requests in policy order; `leaders`: requests prefilling already."""
-        keys = self._seq_keys
-        self._seq_keys = {r: k for r, k in keys.items() if r.state is ReqState.WAITING}
-        # readmitting a request retracted in this very step would undo its retraction
-        candidates = [r for r in self.waiting if r not in self._retracted]
-        full = len(self.running) >= self.config.max_running_requests
-        if not candidates or budget <= 0 or full:
-            return []  # nothing can join: skip ordering the queue, as SGLang does
-        matches, queue = self._order(candidates)
-        aging = Aging(candidates, self.config.schedule_max_bypass)
-        admitted = self._admit_in_order(queue, matches, aging, budget, leaders)
-        aging.commit(self.waiting)
-        return admitted
-
-    def _order(self, candidates: list[Req]) -> tuple[dict[Req, MatchResult], deque[Req]]:
-        """The candidates' prefix matches (none under fcfs) and the policy's order of them."""
-        policy = self.config.schedule_policy
-        if len(candidates) > MAX_SORTED_QUEUE:
-            policy = "fcfs"  # matching every queued prompt each step would cost more than it saves
-        matches = {} if policy == "fcfs" else {r: self._match(r) for r in candidates}
-        max_bypass = self.config.schedule_max_bypass
-        ordered = order_waiting(
-            candidates,
-            policy,
-            matches,
-            max_bypass,
-            self.cache.parent_of,
-            by_priority=self.config.enable_priority_scheduling,
-            tier_weight=self.config.schedule_tier_match_weight,
-        )
-        return matches, deque(ordered)
-
-    def _admit_in_order(
-        self,
-        queue: deque[Req],
-        matches: dict[Req, MatchResult],
-        aging: Aging,
-        budget: int,
-        leaders: list[Req],
-    ) -> list[Work]:
-        admitted: list[Work] = []
-        reserved = None  # pages promised to running requests, computed once needed
-        evicted = self.stats.evicted_pages
-        while queue and budget > 0 and len(self.running) < self.config.max_running_requests:
-            req = queue.popleft()
-            # An admission above may have evicted the node a queued match points to: match again.
-            fresh = self.stats.evicted_pages == evicted
-            match = (matches.get(req) if fresh else None) or self._match(req)
-            # In-batch dedupe, starved requests included: the shared prefix is being computed;
-            # hit it later (a wait bounded by the leader's remaining chunks) instead of
-            # computing it twice. Requests behind a waiting follower may go meanwhile.
-            if self._follows_leader(req, match.num_tokens, leaders):
-                continue
-            if reserved is None:
-                reserved = self._reserved_pages()
-            work = self._try_admit(req, match, budget, reserved)
-            if work is None:
-                break
-            admitted.append(work)
-            leaders.append(req)
-            budget -= work.num_new
-            reserved += self._future_pages(req)
-            queue = _put_first(aging.admit(req), queue)
-        return admitted
-
-    def _match(self, req: Req):
-        limit = cacheable_len(req)
-        return self.cache.match_prefix(self._seq_key(req), req.namespace, max_tokens=limit)
-
-    def _seq_key(self, req: Req) -> tuple[int, ...]:
-        """The request's sequence as a tuple, kept while it waits: lpm matches it every step.
-
-        A sequence only grows, so an unchanged length means unchanged tokens.
-        """
-        key = self._seq_keys.get(req)
-        if key is None or len(key) != req.seq_len:
-            key = self._seq_keys[req] = tuple(req.seq_ids())
-        return key
-
-    def _follows_leader(self, req: Req, num_cached: int, leaders: list[Req]) -> bool:
-        """True if a request already prefilling shares at least one uncached page with `req`."""
-        seq = req.seq_ids()
-        for leader in leaders:
-            if leader.namespace == req.namespace:
-                shared = _common_prefix_len(seq, leader.seq_ids())
-                if shared - num_cached >= self.page_size:
-                    return True
-        return False
-
-    def _try_admit(self, req: Req, match, budget: int, reserved: int) -> Work | None:
-        self.cache.lock(match.node)
-        uncached = req.seq_len - match.num_tokens
-        needed = self.pool.num_pages_for(uncached) + self._future_pages(req)
-        available = self.pool.allocator.num_free + self._reclaimable_pages() - reserved
-        if needed > available and self.running:
-            self.cache.unlock(match.node)
-            return None
-        num_in_pool = match.num_tokens
-        match = self.pages.load_from_tier(match)  # tier pages count as pages needed above
-        num_new = min(req.seq_len - match.num_tokens, budget)
-        self.pages.attach(req, match)
-        # alone, it must run: retention pins give way rather than leave it waiting forever
-        if not self.pages.grow(req, num_new, unpin=not self.running):
-            self.pages.release(req)
-            return None
-        if req.num_retractions == 0:
-            req.queue_time = time.perf_counter() - req.arrival_time
-            req.cached_tokens = match.num_tokens
-            self.stats.cached_tokens += match.num_tokens
-            req.cached_tokens_host = match.num_tokens - num_in_pool
-            self.stats.cached_tokens_host += req.cached_tokens_host
-            if match.num_tokens:
-                self.cache.record_hit(match.node)
-        self.pages.release_hold(req)  # its own lock on the match keeps received pages now
-        self.waiting.remove(req)
-        self.running.append(req)
-        req.state = ReqState.RUNNING
-        return Work(req, num_new)
-
-    def _reclaimable_pages(self) -> int:
-        """Pages eviction may free for an admission: unpinned ones, and with pin_policy
-        "last" also the pinned pages no running request holds."""
-        if not self.pages.pins_give_way:
-            return self.cache.num_evictable_pages()
-        info = self.cache.size_info()
-        return info.total_pages - info.protected_pages
-
-    def _future_pages(self, req: Req) -> int:
-        """Estimated pages a request will still need for output."""
-        remaining = max(req.params.max_new_tokens - len(req.output_ids), 0)
-        estimate = min(remaining, OUTPUT_ESTIMATE_CLIP) * self.new_token_ratio
-        return int(estimate) // self.page_size + (1 if remaining else 0)
-
-    def _reserved_pages(self) -> int:
-        pending = sum(self.pool.num_pages_for(r.num_uncomputed) for r in self.running)
-        return pending + sum(self._future_pages(r) for r in self.running)
+        return self.admission.admit(self.waiting, self.running, budget, leaders, self._retracted)
 
     # ---- memory pressure -----------------------------------------------------------------
 
@@ -514,7 +375,7 @@ class Scheduler:
         full pages stay in the tree."""
         if not self.running:
             return False
-        victim = max(self.running, key=self._retract_key)
+        victim = self.admission.retraction_victim(self.running)
         self._release(victim)
         self.running.remove(victim)
         self._retracted.add(victim)
@@ -526,10 +387,6 @@ class Scheduler:
         self.ratio.reset_after_retraction(self.running)
         logger.info("retracted %s (%d tokens) under memory pressure", victim.rid, victim.seq_len)
         return True
-
-    def _retract_key(self, req: Req) -> tuple[int, int, float]:
-        priority = req.priority if self.config.enable_priority_scheduling else 0
-        return (-priority, len(req.own_pages()), req.arrival_time)
 
     # ---- forward and commit --------------------------------------------------------------
 
@@ -655,18 +512,3 @@ class Scheduler:
             self.stats.decode_tokens += w.num_new
             if w.req.spec_counts is not None:  # a decode without a draft verifies none
                 self.speculator.record(w.req, 0, 0)
-
-
-def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:
-    """`queue` with `first` moved to its front (the requests an admission just made starved)."""
-    if not first:
-        return queue
-    return deque([*first, *(r for r in queue if r not in first)])
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
