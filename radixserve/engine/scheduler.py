@@ -15,26 +15,24 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import torch
-
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.retention import PinTable
 from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.admission import Admission
 from radixserve.engine.batch_builder import BatchBuilder, Work
+from radixserve.engine.commit import Committer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.jump_forward import JumpForward
 from radixserve.engine.kv_handoff import KVHandoff
-from radixserve.engine.logprobs import commit_logprobs
 from radixserve.engine.new_token_ratio import NewTokenRatio
 from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
-from radixserve.engine.speculative import Drafter, Speculator, Verified, Verifier, create_drafter
+from radixserve.engine.speculative import Drafter, Speculator, Verifier, create_drafter
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.token_sampler import TokenSampler
-from radixserve.model.runner import ModelRunner
+from radixserve.model.runner import LogitsOutput, ModelRunner
 from radixserve.sampling.grammar import GrammarBackend, GrammarStats
 
 logger = logging.getLogger(__name__)
@@ -95,6 +93,15 @@ class Scheduler:
         self._wake: Callable[[], None] | None = None  # the core loop's (set_wake)
         jump_on = not config.disable_jump_forward
         self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
+        self.committer = Committer(
+            sampler=self.sampler,
+            verifier=self.verifier,
+            speculator=self.speculator,
+            jumps=self.jumps,
+            pages=self.pages,
+            stats=self.stats,
+            faults=self.faults,
+        )
 
     @property
     def drafter(self) -> Drafter | None:
@@ -390,104 +397,35 @@ class Scheduler:
 
     # ---- forward and commit --------------------------------------------------------------
 
-    def _forward(self, work: list[Work]):
+    def _forward(self, work: list[Work]) -> LogitsOutput:
         self.stats.forward_steps += 1
         if self.faults is not None:
             self.faults.check("forward", (w.req.rid for w in work))
         return self.runner.forward(self.batches.build(work))
 
-    def _commit(self, work: list[Work], logits, outputs: list[Req]) -> None:
-        sampling = [
-            i
-            for i, w in enumerate(work)
-            if not w.draft and w.num_new == w.req.num_uncomputed and w.req.params.max_new_tokens > 0
-        ]
-        last = logits.last
-        if len(sampling) < len(work):
-            last = last[torch.tensor(sampling, dtype=torch.int64, device=last.device)]
-        next_ids = self.sampler.sample_each([work[i].req for i in sampling], last)
-        tokens = dict(zip(sampling, next_ids))
-        verified = self._verify(work, logits.verify)
+    def _commit(self, work: list[Work], logits: LogitsOutput, outputs: list[Req]) -> None:
+        """Each work's results into its request; finished requests leave the batch, and a
+        request whose commit fails ends alone (the batch goes on)."""
+        tokens = self.committer.sample(work, logits)
+        verified = self.committer.verify(work, logits.verify)
         offsets = [0, *itertools.accumulate(w.num_forward for w in work)]
         for i, w in enumerate(work):
-            if w.req.finished:  # its sampling failed
+            if w.req.finished:  # its sampling or verification failed
                 self._end_running(w.req, w.req.finish_reason, outputs)
                 continue
             try:
                 if w.draft:
-                    self._commit_verified(w, *verified[i])
+                    self.committer.commit_verified(w, *verified[i])
                 else:
-                    self._commit_one(w, tokens.get(i), logits, i, offsets[i])
+                    self.committer.commit_sampled(w, tokens.get(i), logits, i, offsets[i])
+                if w.req.finished:
+                    self._leave_finished(w.req)
             except Exception as exc:  # this request alone fails; the batch goes on
                 logger.exception("committing %s failed", w.req.rid)
                 message = f"{type(exc).__name__}: {exc}"
                 self._end_running(w.req, FinishReason.abort(message, status_code=500), outputs)
                 continue
             outputs.append(w.req)
-
-    def _commit_one(self, w: Work, token: int | None, logits, index: int, offset: int) -> None:
-        req = w.req
-        if self.faults is not None:
-            self.faults.check("commit", [req.rid])
-        self._count_computed(w)
-        if req.logprob is not None:
-            all_rows = None if logits.all is None else logits.all[offset : offset + w.num_new]
-            commit_logprobs(req, req.num_computed, all_rows, logits.last[index], token)
-        req.num_computed += w.num_new
-        if token is not None:
-            req.output_ids.append(token)
-            self.sampler.check_finish(req, token)
-            self.jumps.after_token(req, logits.last[index])
-        elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
-            req.finish(FinishReason.of_length(0))
-        if req.finished:
-            self._leave_finished(req)
-        elif w.num_new > 1:
-            self.pages.cache_unfinished(req)
-
-    def _verify(self, work: list[Work], logits) -> dict[int, tuple[Verified, torch.Tensor]]:
-        """Each drafting work's outcome and its verify rows' logits, by index in `work`; a
-        failed verification aborts its requests (the batch goes on)."""
-        index = [i for i, w in enumerate(work) if w.draft]
-        if not index:
-            return {}
-        reqs, drafts = [work[i].req for i in index], [work[i].draft for i in index]
-        probs = [work[i].draft_probs for i in index]
-        try:
-            results = self.verifier.verify(reqs, drafts, logits, probs)
-        except Exception as exc:
-            logger.exception("verifying drafts failed; aborting %d requests", len(reqs))
-            for req in reqs:
-                req.finish(FinishReason.abort(f"verifying drafts failed: {exc}", 500))
-            return {}
-        starts = itertools.accumulate((len(d) + 1 for d in drafts), initial=0)
-        rows = [logits[start : start + len(d) + 1] for start, d in zip(starts, drafts)]
-        return dict(zip(index, zip(results, rows)))
-
-    def _commit_verified(self, w: Work, verified: Verified, rows: torch.Tensor) -> None:
-        """Appends the accepted drafts and the target's token, up to the first that ends the
-        request; the K/V of what was not kept is dropped (pages past it freed)."""
-        req = w.req
-        if self.faults is not None:
-            self.faults.check("commit", [req.rid])
-        num_emitted = 0
-        for token in verified.tokens:
-            if req.logprob is not None:
-                commit_logprobs(req, req.num_computed, None, rows[num_emitted], token)
-            req.output_ids.append(token)
-            num_emitted += 1
-            self.sampler.check_finish(req, token)
-            if req.finished:
-                break
-        # K/V now covers the last token and every kept token but the newest
-        req.num_computed += num_emitted
-        self.stats.decode_tokens += num_emitted
-        self.speculator.record(req, len(w.draft), min(verified.num_accepted, num_emitted))
-        self.jumps.after_token(req, rows[num_emitted - 1])
-        if req.finished:
-            self._leave_finished(req)
-        else:
-            self.pages.trim(req)
 
     def _leave_finished(self, req: Req) -> None:
         """A finished request's pages to the tree (on a prefill worker, its prompt's pages
@@ -504,11 +442,3 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.on_left(req, finished)
         self.pages.release(req)
-
-    def _count_computed(self, w: Work) -> None:
-        if w.num_new > 1 or not w.req.output_ids:
-            self.stats.prefill_tokens_computed += w.num_new
-        else:
-            self.stats.decode_tokens += w.num_new
-            if w.req.spec_counts is not None:  # a decode without a draft verifies none
-                self.speculator.record(w.req, 0, 0)
