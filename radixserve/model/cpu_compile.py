@@ -123,7 +123,7 @@ class CompiledDecodeRunner:
         try:
             hidden = self.step(static)
         except Exception as exc:  # any compile failure: run eagerly from now on
-            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.failure = _first_line(exc)
             logger.warning(
                 "torch.compile of decode steps failed, running eagerly: %s", self.failure
             )
@@ -138,3 +138,9 @@ class CompiledDecodeRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """What is compiled: the model to its final norm, over a padded static batch."""
         return self.model(batch, self.attn)
+
+
+def _first_line(exc: Exception) -> str:
+    """The exception's type and first message line (inductor's errors run to pages)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
