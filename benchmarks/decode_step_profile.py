@@ -13,6 +13,9 @@ Drives a real `EngineCore` (the scheduler the server and `Engine.generate` step)
 The profiled split (fractions of the profiled forward) is scaled to the plain forward time,
 so the profiler's own cost is dropped.
 
+`--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
+by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
+
 Run:  OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py [--quantization none]
 Prints a table; writes JSON to `--out`.
 """
@@ -48,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per pass")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--torch-compile", choices=("off", "on", "both"), default="off")
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
     return p.parse_args(argv)
 
@@ -83,10 +87,14 @@ class Timers:
         return statistics.median(self.seconds.get(name, [0.0])) * 1e3
 
 
-def build_core(args: argparse.Namespace, batch: int) -> EngineCore:
+def build_core(args: argparse.Namespace, batch: int, compiled: bool) -> EngineCore:
     load = LoadConfig(model=args.model, quantization=args.quantization, device="cpu")
     tokens = batch * (args.context + 4 * args.steps + 64) + 1024
-    cache = CacheConfig(max_total_tokens=tokens, attention_backend=args.attention_backend)
+    cache = CacheConfig(
+        max_total_tokens=tokens,
+        attention_backend=args.attention_backend,
+        enable_torch_compile=compiled,
+    )
     return EngineCore.build(load, cache, SchedulerConfig())
 
 
@@ -159,8 +167,14 @@ def breakdown(plain: dict[str, float], prof: dict[str, float]) -> dict[str, floa
     }
 
 
+def compile_seconds(core: EngineCore) -> float:
+    """Seconds the compiled sizes took to compile (0 when eager)."""
+    compiled = core.scheduler.runner.compiled_decode
+    return sum(compiled.compile_seconds.values()) if compiled is not None else 0.0
+
+
 COLUMNS = ("step", "matmul", "attention", "other_ops", "forward_python", "build_batch",
-           "sample", "scheduler_other")  # fmt: skip
+           "sample", "scheduler_other", "compile_s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,18 +182,22 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows = []
     print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
-    print(f"{'batch':>6}" + "".join(f"{c:>16}" for c in COLUMNS) + "   (ms per decode step)")
+    print(f"{'batch':>6}{'compiled':>9}" + "".join(f"{c:>16}" for c in COLUMNS) + "   (ms)")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.torch_compile]
     for batch in [int(b) for b in args.batches.split(",")]:
-        core = build_core(args, batch)
-        add_requests(core, batch, args)
-        with torch.inference_mode():
-            until_all_decode(core)
-            plain = plain_pass(core, args.steps)
-            prof = profiled_pass(core, args.steps)
-        row = {"batch": batch, **breakdown(plain, prof)}
-        rows.append(row)
-        print(f"{batch:>6}" + "".join(f"{row[c]:>16.2f}" for c in COLUMNS), flush=True)
-        core.close()
+        for compiled in modes:
+            core = build_core(args, batch, compiled)
+            add_requests(core, batch, args)
+            with torch.inference_mode():
+                until_all_decode(core)
+                plain = plain_pass(core, args.steps)
+                prof = profiled_pass(core, args.steps)
+            row = {"batch": batch, "compiled": compiled, **breakdown(plain, prof)}
+            row["compile_s"] = compile_seconds(core)
+            rows.append(row)
+            cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
+            print(f"{batch:>6}{compiled!s:>9}{cells}", flush=True)
+            core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}
     args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")

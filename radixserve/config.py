@@ -297,6 +297,14 @@ class CacheConfig:
     """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 256
     """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    enable_torch_compile: bool = False
+    """On CPU (cpu_fused attention): run decode steps compiled by torch.compile (inductor),
+    one static shape per padded batch size, each compiled on first use (seconds to a minute;
+    inductor caches the code on disk). Falls back to eager, with a log line, where compiling
+    fails. Off by default: see docs/performance.md for what it gains."""
+    torch_compile_max_bs: int = 32
+    """Largest decode batch run compiled (sizes 1, 2, 4, 8, then every 8); larger batches
+    run eagerly. SGLang's default."""
     kv_cache_dtype: str = "auto"
     """auto (the model's --dtype) | float32 | bfloat16 | float16. One other than the model's
     dtype needs --attention-backend torch_native or cpu_fused, which cast K/V as they read."""
@@ -305,6 +313,12 @@ class CacheConfig:
     '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
     "topic": ""}'. BlockStored / BlockRemoved / AllBlocksCleared in vLLM's wire format over a
     ZMQ PUB socket (needs pyzmq: the kv-events extra). Default: off."""
+
+    def __post_init__(self) -> None:
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(
+                f"--torch-compile-max-bs must be >= 1; got {self.torch_compile_max_bs}"
+            )
 
     def kv_events(self) -> KVEventsConfig | None:
         """The parsed --kv-events-config, or None when events are off."""

@@ -207,5 +207,35 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+        if torch.compiler.is_compiling():  # traced by torch.compile: see write_slots
+            torch.ops.radixserve.kv_write_slots(
+                self.k[layer], self.v[layer], slots, k.to(self.dtype), v.to(self.dtype)
+            )
+            return
         self.k[layer].index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+
+def write_slots(
+    k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """`KVPool.write` as an opaque op that mutates the pool in place. Traced by torch.compile,
+    a plain `index_copy_` into the pool is functionalized into a copy of the whole layer's
+    K/V (29 ms a step on a 65k-slot pool of a 2-layer model); an op whose schema declares
+    what it mutates is kept in place. Defined with torch.library.Library rather than
+    `custom_op`, whose Python wrapper cost ~60 us a call (14 us this way); eager writes
+    skip the op altogether."""
+    k_buf.index_copy_(0, slots, k)
+    v_buf.index_copy_(0, slots, v)
+
+
+def _write_slots_fake(k_buf, v_buf, slots, k, v) -> None:
+    return None
+
+
+_OPS = torch.library.Library("radixserve", "FRAGMENT")
+_OPS.define(
+    "kv_write_slots(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor slots, Tensor k, Tensor v) -> ()"
+)
+_OPS.impl("kv_write_slots", write_slots, "CompositeExplicitAutograd")
+torch.library.register_fake("radixserve::kv_write_slots", _write_slots_fake, lib=_OPS)

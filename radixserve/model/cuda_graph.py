@@ -123,6 +123,17 @@ class DecodeGraphBuffers:
         )
 
 
+def fits_decode_graphs(batch: ForwardBatch, max_bs: int, max_pages: int) -> bool:
+    """Pure decode, no all-position logits, and within the static buffers' sizes."""
+    return (
+        batch.num_reqs <= max_bs
+        and not batch.return_all_logits
+        and batch.verify_indices is None
+        and batch.page_table.shape[1] <= max_pages
+        and max(batch.extend_lens) == 1
+    )
+
+
 class DecodeGraphRunner:
     """Captures the model's decode step per batch size; replays it for batches that fit."""
 
@@ -161,14 +172,7 @@ class DecodeGraphRunner:
             self.graphs[bs], self.static_batches[bs] = graph, batch
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Pure decode, no all-position logits, and within the captured sizes."""
-        return (
-            batch.num_reqs <= self.max_bs
-            and not batch.return_all_logits
-            and batch.verify_indices is None
-            and batch.page_table.shape[1] <= self.max_pages
-            and max(batch.extend_lens) == 1
-        )
+        return fits_decode_graphs(batch, self.max_bs, self.max_pages)
 
     def padded_size(self, num_reqs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_reqs)]

@@ -1,7 +1,8 @@
 """ModelRunner: owns the model, the KV pool and the attention backend; ForwardBatch -> logits.
 
 On CUDA, pure-decode batches of up to `cuda_graph_max_bs` requests replay captured CUDA graphs
-(model/cuda_graph.py); everything else, and everything on CPU, runs eagerly.
+(model/cuda_graph.py); on CPU with `enable_torch_compile`, those of up to `torch_compile_max_bs`
+run a step compiled by torch.compile (model/cpu_compile.py); everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from radixserve.attention import (
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.cpu_compile import CompiledDecodeRunner, compile_unavailable_reason
 from radixserve.model.cuda_graph import (
     DecodeGraphRunner,
     GraphFactory,
@@ -50,6 +52,7 @@ class ModelRunner:
     pool: KVPool
     attn: AttentionBackend
     decode_graphs: DecodeGraphRunner | None = None
+    compiled_decode: CompiledDecodeRunner | None = None
 
     @classmethod
     def create(
@@ -93,6 +96,8 @@ class ModelRunner:
             logger.info("CUDA graphs off: the %s backend has none", type(attn).__name__)
         elif graphs:
             runner.capture_decode_graphs(cache_config.cuda_graph_max_bs, expected_bytes=reserve)
+        if cache_config.enable_torch_compile:
+            runner.compile_decode_steps(cache_config.torch_compile_max_bs)
         return runner
 
     @property
@@ -130,12 +135,28 @@ class ModelRunner:
             )  # fmt: skip
         self.decode_graphs = graphs
 
+    def compile_decode_steps(self, max_bs: int) -> None:
+        """Sets up decode steps of up to `max_bs` requests to run compiled (each padded size
+        compiles on first use); where that cannot work here, says why and stays eager."""
+        reason = compile_unavailable_reason(self.model, self.attn)
+        if reason is not None:
+            logger.warning("--enable-torch-compile ignored: %s", reason)
+            return
+        self.compiled_decode = CompiledDecodeRunner(
+            self.model, self.attn, capture_batch_sizes(max_bs), self.graph_max_pages(),
+            self.pool.page_size,
+        )  # fmt: skip
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Runs one forward over a mixed extend/decode batch, writing its K/V into the pool."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.replay(batch)
             return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
+        if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
+            hidden = self.compiled_decode.run(batch)
+            if hidden is not None:
+                return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
         self.attn.init_forward(batch)
         hidden = self.model(batch, self.attn)
         last = self.model.compute_logits(hidden[batch.last_token_indices()])

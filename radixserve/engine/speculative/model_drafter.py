@@ -92,7 +92,10 @@ def load_draft_runner(
     loaded = load_model(dataclasses.replace(load_config, model=path, quantization="auto"))
     check_same_vocab(loaded, target, target_tokenizer)
     draft_cache = dataclasses.replace(
-        cache_config, max_total_tokens=target.pool.capacity_tokens, disable_cuda_graph=True
+        cache_config,
+        max_total_tokens=target.pool.capacity_tokens,
+        disable_cuda_graph=True,
+        enable_torch_compile=False,  # not measured for drafts yet
     )
     return ModelRunner.from_loaded(loaded, load_config, draft_cache)
 
