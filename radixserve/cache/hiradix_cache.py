@@ -30,9 +30,9 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from radixserve.cache.host_tier import HostTier, TierLayout
-from radixserve.cache.kv_events import KVEventSink
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
 from radixserve.cache.radix_cache import RadixCache, RootNode, TreeNode, _evict_key, _is_evictable
@@ -43,6 +43,9 @@ from radixserve.cache.tier_index import (
     tier_identity,
 )
 from radixserve.config import HiCacheConfig
+
+if TYPE_CHECKING:  # msgspec (the events' structs) is needed only with events on
+    from radixserve.cache.kv_events import KVEventSink
 
 logger = logging.getLogger(__name__)
 

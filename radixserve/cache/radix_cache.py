@@ -27,8 +27,8 @@ import heapq
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
+from typing import TYPE_CHECKING
 
-from radixserve.cache.kv_events import KVEventSink
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import (
     CacheIntegrityError,
@@ -39,6 +39,9 @@ from radixserve.cache.prefix_cache import (
     check_enough_pages,
     check_page_accounting,
 )
+
+if TYPE_CHECKING:  # msgspec (the events' structs) is needed only with events on
+    from radixserve.cache.kv_events import KVEventSink
 
 
 class TreeNode:

@@ -6,10 +6,9 @@ The in-process `Engine` and the server's core process both drive one of these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.hiradix_cache import create_hierarchical_cache
-from radixserve.cache.kv_events import KVEventSink, device_medium
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import create_prefix_cache
@@ -23,7 +22,6 @@ from radixserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from radixserve.engine.kv_publisher import KVEventPublisher, import_zmq
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.fingerprint import model_fingerprint
@@ -31,6 +29,10 @@ from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.tp_runner import TPModelRunner
+
+if TYPE_CHECKING:  # msgspec / pyzmq are needed only with --kv-events-config
+    from radixserve.cache.kv_events import KVEventSink
+    from radixserve.engine.kv_publisher import KVEventPublisher
 
 
 @dataclass
@@ -64,6 +66,8 @@ class EngineCore:
             )
         kv_events = cache_config.kv_events()  # a bad flag or no pyzmq: fail before loading
         if kv_events is not None and kv_events.publisher == "zmq":
+            from radixserve.engine.kv_publisher import import_zmq
+
             import_zmq()
         disaggregation_config = disaggregation_config or DisaggregationConfig()
         disaggregation_config.verify(scheduler_config, parallel_config.tp_size)
@@ -103,6 +107,8 @@ class EngineCore:
         pool = runner.pool
         events = None
         if publisher is not None:
+            from radixserve.cache.kv_events import KVEventSink, device_medium
+
             events = KVEventSink(pool.page_size, device_medium(pool.device.type), publisher.publish)
         cache = _create_cache(loaded, pool, scheduler_config, hicache_config, events)
         eos_ids = set(loaded.config.eos_token_ids)
@@ -216,6 +222,8 @@ def _start_publisher(config: KVEventsConfig | None) -> KVEventPublisher | None:
     """The ZMQ publisher --kv-events-config asks for; None when off or publisher "null"."""
     if config is None or config.publisher == "null":
         return None
+    from radixserve.engine.kv_publisher import KVEventPublisher
+
     return KVEventPublisher(config)
 
 
