@@ -191,7 +191,11 @@ void attend_item(Tile& t, const Shape& s, const T* k, const T* v, const int64_t*
                  int64_t kv_head) {
   const int64_t D = s.head_dim, span = s.num_kv_heads * D;
   const int64_t first_pos = t.qpos[0], last_pos = t.qpos[t.padded - 1];
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) : 0;
+  // Blocks start at multiples of kKeys, whatever the tile: a row's blocks (and so its sums'
+  // order) are then the same alone or beside any rows; blocks a row does not see leave it as
+  // it was (weight 0, rescale 1).
+  const int64_t lo =
+      s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys * kKeys : 0;
   for (int64_t b = lo; b <= last_pos; b += kKeys) {
     const int64_t n = std::min(kKeys, last_pos + 1 - b);
     for (int64_t j = 0; j < n; ++j) {
@@ -208,7 +212,6 @@ void attend_item(Tile& t, const Shape& s, const T* k, const T* v, const int64_t*
     value_block(t, n, D);
   }
 }
-
 
 // Writes the item's normalized rows to out (request r's tokens start at out_start).
 void store_tile(const Tile& t, const Shape& s, const Item& it, int64_t out_start, float* out) {
