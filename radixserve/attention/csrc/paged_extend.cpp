@@ -126,7 +126,7 @@ void softmax_block(Tile& t, int64_t n, int64_t dim) {
       t.sum[m] += s[m];
     }
   }
-  for (int64_t m = 0; m < P; ++m) {
+  for (int64_t m = 0; m < t.rows; ++m) {
     if (t.alpha[m] == 1.f) continue;
     float* a = t.acc.data() + m * dim;
 #pragma omp simd
@@ -134,10 +134,12 @@ void softmax_block(Tile& t, int64_t n, int64_t dim) {
   }
 }
 
-// acc[m, :] += sum_j S[j, m] * V[j, :].
+// acc[m, :] += sum_j S[j, m] * V[j, :], for the real rows (rounded up to kPvRows: a decode's
+// few rows do not pay for 16); each row's sum runs alone, so skipping padding changes none.
 void value_block(Tile& t, int64_t n, int64_t dim) {
   const int64_t P = t.padded, wide = dim / kLanes * kLanes;
-  for (int64_t m0 = 0; m0 < P; m0 += kPvRows) {
+  const int64_t rows = (t.rows + kPvRows - 1) / kPvRows * kPvRows;
+  for (int64_t m0 = 0; m0 < rows; m0 += kPvRows) {
     for (int64_t d0 = 0; d0 < wide; d0 += kLanes) {
       float acc[kPvRows][kLanes];
       for (int64_t r = 0; r < kPvRows; ++r) {
