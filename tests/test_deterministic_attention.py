@@ -176,3 +176,5 @@ def test_ngram_on_and_off_cold_and_warm_are_identical_under_the_flag(ops, tie_mo
         batched = spec.generate(input_ids=PROMPTS, sampling_params=greedy(48))
         assert [o["output_ids"] for o in batched] == expected  # ragged batches of verifies
         assert spec.get_stats()["spec_accepted_tokens"] > 0
+    with make_engine(tie_model, **flags, chunked_prefill_size=24) as chunked:
+        assert _one_by_one(chunked) == expected  # prompts in chunks of 24 tokens
