@@ -5,6 +5,7 @@ gives the same greedy tokens with speculation on and off, cold and warm, batched
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import SYSTEM, TINY, VOCAB, greedy, make_engine, prompt_ids
+from radixserve.attention import create_attention_backend
 from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
 from radixserve.attention.cpu_fused import CpuFusedBackend
 from radixserve.attention.torch_native import TorchNativeBackend
@@ -178,3 +180,14 @@ def test_ngram_on_and_off_cold_and_warm_are_identical_under_the_flag(ops, tie_mo
         assert spec.get_stats()["spec_accepted_tokens"] > 0
     with make_engine(tie_model, **flags, chunked_prefill_size=24) as chunked:
         assert _one_by_one(chunked) == expected  # prompts in chunks of 24 tokens
+
+
+def test_the_flag_reaches_cpu_fused_and_other_backends_warn(ops, caplog):
+    pool = KVPool(PoolShape(1, 8, 16, KV_HEADS, HEAD_DIM), torch.float32, "cpu")
+    cpu = torch.device("cpu")
+    assert create_attention_backend("auto", pool, cpu, deterministic=True).deterministic
+    assert create_attention_backend("cpu_fused", pool, cpu, deterministic=True).deterministic
+    assert not create_attention_backend("auto", pool, cpu).deterministic  # default routing
+    with caplog.at_level(logging.WARNING, logger="radixserve.attention"):
+        create_attention_backend("torch_native", pool, cpu, deterministic=True)
+    assert "torch_native attention backend is not batch-invariant" in caplog.text
