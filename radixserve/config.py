@@ -166,15 +166,17 @@ class LoadConfig:
     quantize_lm_head: bool = False
     """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
     enable_deterministic_inference: bool = False
-    """Batch-invariant linear layers (SGLang's flag): by default greedy output can depend on
-    batch composition, cache hits and speculation on/off (a verify's rows round differently
-    from one-row decodes), as in SGLang/vLLM without their deterministic mode. With it, on
-    CPU, int8 / int4 / gguf layers stay on torch's row-wise kernels for prefill chunks too
-    (slower prefill) and the fp layers left (the LM head; every projection with
+    """Batch-invariant inference on CPU (SGLang's flag): by default greedy output can depend
+    on batch composition, cache hits and speculation on/off (a verify's rows round
+    differently from one-row decodes), as in SGLang/vLLM without their deterministic mode.
+    With it, on CPU, int8 / int4 / gguf layers stay on torch's row-wise kernels for prefill
+    chunks too (slower prefill), the fp layers left (the LM head; every projection with
     --quantization none) run one gemm whatever the row count (BatchInvariantLinear: a copy
-    of W.T; the default model's batch-1 decode step measured ~20% slower). Attention is not
-    covered: extends longer than 2 tokens round unlike decode, so speculation with more than
-    1 draft token can still change greedy output (docs/performance.md)."""
+    of W.T; the default model's batch-1 decode step measured ~20% slower), and the
+    cpu_fused attention runs every query (decode, verify, extend, fresh prefill) through its
+    extend kernel, whose per-query arithmetic ignores the batch. A token's logits are then
+    bitwise the same at any batch, cached or not, speculating or not (docs/performance.md
+    has the cost). Not on CUDA, nor with --attention-backend torch_native (a warning)."""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,17 +1,15 @@
 """NGRAM on vs off on the default model as it ships (--quantization auto: Q4_1 blocks, int
-kernels in bf16) under --enable-deterministic-inference, 1 thread, cold cache.
+kernels in bf16) under --enable-deterministic-inference, 1 thread, cold and warm cache.
 
-Every layer but attention is batch-invariant under the flag (tests/test_batch_invariance.py).
-Attention is for verifies of up to 2 tokens: cpu_fused runs them through its decode kernel,
-so K = 1 is identical as shipped. Longer verifies run SDPA, which rounds differently from
-the decode kernel (docs/performance.md): with a row-wise attention swapped in, K = 4 is
-identical too, cold and warm, which is what a batch-invariant extend kernel must give."""
+Under the flag every layer is batch-invariant (tests/test_batch_invariance.py), attention
+included: cpu_fused runs every query through its extend kernel, whose per-query arithmetic
+does not depend on the batch (tests/test_deterministic_attention.py). So NGRAM with 1 and
+with 4 draft tokens gives the plain greedy tokens, cold and warm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_batch_invariance import row_wise_attention
 
 from radixserve import Engine
 
@@ -33,11 +31,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _engine(reference_attention: bool = False, **flags) -> Engine:
+def _engine(**flags) -> Engine:
     engine = Engine(max_total_tokens=4096, enable_deterministic_inference=True, **flags)
-    if reference_attention:
-        engine.runner.attn.forward = row_wise_attention(engine.runner)
+    if type(engine.runner.attn).__name__ != "CpuFusedBackend":
+        engine.shutdown()
+        pytest.skip("cpu_fused did not build here; torch_native is not batch-invariant")
     return engine
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    with _engine() as plain:
+        return _generate(plain)
 
 
 def _generate(engine: Engine) -> list[list[int]]:
@@ -60,20 +65,9 @@ def _ngram(num_draft_tokens: int, **flags) -> dict:
     } | flags
 
 
-def test_ngram_with_one_draft_token_is_identical_as_shipped():
-    with _engine() as plain:
-        if type(plain.runner.attn).__name__ != "CpuFusedBackend":
-            pytest.skip("cpu_fused did not build here; torch_native verifies 2 rows by SDPA")
-        expected = _generate(plain)
-    with _engine(**_ngram(1)) as spec:
-        assert _generate(spec) == expected
-        assert spec.get_stats()["spec_accepted_tokens"] > 0
-
-
-def test_ngram_is_identical_cold_and_warm_with_a_row_wise_attention():
-    with _engine(reference_attention=True) as plain:
-        expected = _generate(plain)
-    with _engine(reference_attention=True, **_ngram(4)) as spec:
+@pytest.mark.parametrize("num_draft_tokens", [1, 4])
+def test_ngram_is_identical_cold_and_warm(expected, num_draft_tokens):
+    with _engine(**_ngram(num_draft_tokens)) as spec:
         assert _generate(spec) == expected  # cold
         assert _generate(spec) == expected  # warm: the prompts' pages come from the tree
         assert spec.get_stats()["spec_accepted_tokens"] > 0

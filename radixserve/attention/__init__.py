@@ -6,6 +6,10 @@
     triton        our Triton kernels (radixserve_kernels); CUDA (CPU under TRITON_INTERPRET=1)
     flashinfer    FlashInfer's kernels; CUDA only, optional dependency, imported on use
 
+`deterministic` (--enable-deterministic-inference) makes cpu_fused run every query through
+its extend kernel (batch-invariant attention, see cpu_fused.py); no other backend has such a
+mode, so under it they log that attention is not batch-invariant.
+
 `auto` is triton on CUDA, cpu_fused on CPU; where the C++ kernels cannot be built (no
 compiler, failed build) or read the pool's dtype, auto logs why and uses torch_native.
 FlashInfer is not the auto choice (yet): triton is the backend the GPU device check
@@ -36,11 +40,13 @@ def _torch_native(pool: KVPool, num_heads: int, sliding_window: int | None) -> A
     return TorchNativeBackend(pool, sliding_window=sliding_window)
 
 
-def _cpu_fused(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
+def _cpu_fused(
+    pool: KVPool, num_heads: int, sliding_window: int | None, deterministic: bool = False
+) -> AttentionBackend:
     from radixserve.attention.cpu_fused import CpuFusedBackend
 
     try:
-        return CpuFusedBackend(pool, sliding_window=sliding_window)
+        return CpuFusedBackend(pool, sliding_window=sliding_window, deterministic=deterministic)
     except CpuExtensionUnavailable as exc:
         raise RuntimeError(
             f"attention_backend='cpu_fused': {exc}; use attention_backend='torch_native'"
@@ -84,30 +90,52 @@ def create_attention_backend(
     device: torch.device,
     sliding_window: int | None = None,
     num_heads: int | None = None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
-    """Builds the backend called `name` (or `auto`); `num_heads` (query heads) for flashinfer."""
+    """Builds the backend called `name` (or `auto`); `num_heads` (query heads) for flashinfer;
+    `deterministic`: batch-invariant attention where the backend has it (cpu_fused)."""
     if name == "auto":
         name = default_backend(device)
         if name == "cpu_fused":
-            return _cpu_fused_or_reference(pool, sliding_window)
+            return _cpu_fused_or_reference(pool, sliding_window, deterministic)
     if name not in BACKENDS:
         allowed = ", ".join(BACKENDS)
         raise ValueError(f"attention_backend must be auto or one of {allowed}; got {name!r}")
     if name == "flashinfer" and num_heads is None:
         raise ValueError("attention_backend='flashinfer' needs num_heads (the model's query heads)")
+    if name == "cpu_fused":
+        return _cpu_fused(pool, num_heads or 0, sliding_window, deterministic)
+    if deterministic:
+        _warn_not_invariant(name)
     return BACKENDS[name](pool, num_heads or 0, sliding_window)
 
 
-def _cpu_fused_or_reference(pool: KVPool, sliding_window: int | None) -> AttentionBackend:
+def _warn_not_invariant(name: str) -> None:
+    logger.warning(
+        "--enable-deterministic-inference: the %s attention backend is not batch-invariant "
+        "(only cpu_fused is); greedy output may still depend on batching and speculation",
+        name,
+    )
+
+
+def _cpu_fused_or_reference(
+    pool: KVPool, sliding_window: int | None, deterministic: bool = False
+) -> AttentionBackend:
     """`auto` on CPU: the fused decode kernel when it builds and reads this pool's dtype, else
     the reference, saying why in one log line."""
     from radixserve.attention.cpu_fused import KV_DTYPES, CpuFusedBackend
 
     if pool.dtype not in KV_DTYPES:
         logger.info("attention: torch_native (cpu_fused reads no %s K/V)", pool.dtype)
-        return TorchNativeBackend(pool, sliding_window=sliding_window)
+        return _reference(pool, sliding_window, deterministic)
     try:
-        return CpuFusedBackend(pool, sliding_window=sliding_window)
+        return CpuFusedBackend(pool, sliding_window=sliding_window, deterministic=deterministic)
     except CpuExtensionUnavailable as exc:
         logger.warning("attention: torch_native, %s", str(exc).splitlines()[0])
-        return TorchNativeBackend(pool, sliding_window=sliding_window)
+        return _reference(pool, sliding_window, deterministic)
+
+
+def _reference(pool: KVPool, sliding_window: int | None, deterministic: bool) -> AttentionBackend:
+    if deterministic:
+        _warn_not_invariant("torch_native")
+    return TorchNativeBackend(pool, sliding_window=sliding_window)

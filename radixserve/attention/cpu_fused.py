@@ -7,6 +7,12 @@ the layer's new K/V are in it: no per-layer gathered copy, no padding, no mask t
   tiles a request's new tokens so each prefix K/V row is loaded once per tile;
 - the other extends (fresh prefills, and what the rule leaves) keep torch_native's SDPA.
 Pools of float32 or bfloat16 K/V, any query dtype (queries are read as float32).
+
+`deterministic` (--enable-deterministic-inference) routes every request, decodes and fresh
+prefills included, to paged_extend (a fresh prefill reads its K/V back from the pool, as an
+extend over an empty prefix): a query's row of that kernel is summed in the same order
+whatever rows, tiles or requests share the call, so a token's attention output is bitwise
+the same as a decode, a verify row, a cache-hit extend or a cold prefill chunk.
 """
 
 from __future__ import annotations
@@ -60,8 +66,15 @@ class _FusedMetadata(_Metadata):
 
 
 class CpuFusedBackend(TorchNativeBackend):
-    def __init__(self, pool: KVPool, sliding_window: int | None = None, ops: Any = None):
-        """`ops`: the loaded torch.ops namespace (default: build or load it now)."""
+    def __init__(
+        self,
+        pool: KVPool,
+        sliding_window: int | None = None,
+        ops: Any = None,
+        deterministic: bool = False,
+    ):
+        """`ops`: the loaded torch.ops namespace (default: build or load it now);
+        `deterministic`: every query through paged_extend (batch-invariant attention)."""
         if pool.device.type != "cpu":
             raise ValueError(
                 f"attention_backend='cpu_fused' runs on CPU only (the KV pool is on "
@@ -77,18 +90,26 @@ class CpuFusedBackend(TorchNativeBackend):
         self.window = NO_WINDOW if sliding_window is None else sliding_window
         self.scale = 1.0 / math.sqrt(pool.shape.head_dim)  # SDPA's default, as torch_native
         self.route_extend: Callable[[int, int], bool] = extend_in_place
+        self.deterministic = deterministic
 
     def init_forward(self, batch: ForwardBatch) -> None:
         starts = np.concatenate([[0], np.cumsum(batch.extend_lens)]).tolist()
-        decode, in_place, sdpa = [], [], []
-        for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
-            group = decode if e == 1 else in_place if self.route_extend(p, e) else sdpa
-            group.append(i)
+        decode, in_place, sdpa = self._route(batch)
         batch.attn_metadata = _FusedMetadata(
             decode=self._decode_group(batch, decode, starts) if decode else None,
             extends=[self._extend_segment(batch, i, starts[i]) for i in sdpa],
             in_place=self._in_place_extends(batch, in_place, starts) if in_place else None,
         )
+
+    def _route(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
+        """The batch's requests by kernel: paged_decode, paged_extend, SDPA."""
+        if self.deterministic:
+            return [], list(range(batch.num_reqs)), []
+        decode, in_place, sdpa = [], [], []
+        for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            group = decode if e == 1 else in_place if self.route_extend(p, e) else sdpa
+            group.append(i)
+        return decode, in_place, sdpa
 
     def _in_place_extends(
         self, batch: ForwardBatch, reqs: list[int], starts: list[int]
@@ -158,6 +179,12 @@ class CpuFusedBackend(TorchNativeBackend):
 
     def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
         table = batch.page_table.contiguous()
+        if self.deterministic:  # decodes as 1-token extends, as init_forward routes them
+            rows, seq_lens = torch.arange(table.shape[0]), seq_lens.to(torch.int64)
+            ones = torch.ones_like(seq_lens)
+            in_place = _InPlaceExtends(None, rows, seq_lens - 1, ones, rows, table)
+            batch.attn_metadata = _FusedMetadata(decode=None, extends=[], in_place=in_place)
+            return
         queries = _FusedQueries(None, None, table, seq_lens.to(torch.int64))
         batch.attn_metadata = _Metadata(decode=queries, extends=[])
 

@@ -90,6 +90,7 @@ class ModelRunner:
             device,
             sliding_window=loaded.config.sliding_window,
             num_heads=local.num_heads,
+            deterministic=load_config.enable_deterministic_inference,
         )
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
         if graphs and not attn.supports_cuda_graph:

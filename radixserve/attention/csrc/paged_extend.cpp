@@ -126,7 +126,7 @@ void softmax_block(Tile& t, int64_t n, int64_t dim) {
       t.sum[m] += s[m];
     }
   }
-  for (int64_t m = 0; m < P; ++m) {
+  for (int64_t m = 0; m < t.rows; ++m) {
     if (t.alpha[m] == 1.f) continue;
     float* a = t.acc.data() + m * dim;
 #pragma omp simd
@@ -134,10 +134,12 @@ void softmax_block(Tile& t, int64_t n, int64_t dim) {
   }
 }
 
-// acc[m, :] += sum_j S[j, m] * V[j, :].
+// acc[m, :] += sum_j S[j, m] * V[j, :], for the real rows (rounded up to kPvRows: a decode's
+// few rows do not pay for 16); each row's sum runs alone, so skipping padding changes none.
 void value_block(Tile& t, int64_t n, int64_t dim) {
   const int64_t P = t.padded, wide = dim / kLanes * kLanes;
-  for (int64_t m0 = 0; m0 < P; m0 += kPvRows) {
+  const int64_t rows = (t.rows + kPvRows - 1) / kPvRows * kPvRows;
+  for (int64_t m0 = 0; m0 < rows; m0 += kPvRows) {
     for (int64_t d0 = 0; d0 < wide; d0 += kLanes) {
       float acc[kPvRows][kLanes];
       for (int64_t r = 0; r < kPvRows; ++r) {
@@ -191,7 +193,11 @@ void attend_item(Tile& t, const Shape& s, const T* k, const T* v, const int64_t*
                  int64_t kv_head) {
   const int64_t D = s.head_dim, span = s.num_kv_heads * D;
   const int64_t first_pos = t.qpos[0], last_pos = t.qpos[t.padded - 1];
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) : 0;
+  // Blocks start at multiples of kKeys, whatever the tile: a row's blocks (and so its sums'
+  // order) are then the same alone or beside any rows; blocks a row does not see leave it as
+  // it was (weight 0, rescale 1).
+  const int64_t lo =
+      s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys * kKeys : 0;
   for (int64_t b = lo; b <= last_pos; b += kKeys) {
     const int64_t n = std::min(kKeys, last_pos + 1 - b);
     for (int64_t j = 0; j < n; ++j) {
@@ -208,7 +214,6 @@ void attend_item(Tile& t, const Shape& s, const T* k, const T* v, const int64_t*
     value_block(t, n, D);
   }
 }
-
 
 // Writes the item's normalized rows to out (request r's tokens start at out_start).
 void store_tile(const Tile& t, const Shape& s, const Item& it, int64_t out_start, float* out) {

@@ -18,8 +18,8 @@ x.T).T` on the original weight (no copy) is as invariant but costs 28 ms at 1 ro
 replaces the weight of a projection or an untied head (same memory) and doubles a tied head's
 (the embedding lookup keeps its own rows).
 
-Attention is not covered here: decode and short extends (cpu_fused's kernel) round
-differently from SDPA over longer extends (radixserve/attention/).
+Attention has its own deterministic mode under the same flag: cpu_fused runs every query
+through one extend kernel (radixserve/attention/cpu_fused.py).
 """
 
 from __future__ import annotations
