@@ -17,9 +17,15 @@ QUESTIONS = ["When do you open?", "Do you cut keys?", "Is delivery free?", "Do y
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 
+# Cold, warm and uncached runs compute a prompt's attention in different kernels (fresh
+# prefill, extend over cached pages, batched decode); bitwise-equal outputs are what
+# --enable-deterministic-inference promises, so that is what runs here.
+DETERMINISTIC = {"max_total_tokens": 8192, "enable_deterministic_inference": True}
+
+
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(max_total_tokens=8192) as e:
+    with Engine(**DETERMINISTIC) as e:
         yield e
 
 
@@ -41,7 +47,7 @@ def test_cold_warm_and_uncached_outputs_are_identical(engine):
     assert engine.flush_cache()
     cold = [engine.generate(t, GREEDY) for t in texts]  # one by one: 2nd..4th hit the system prompt
     warm = engine.generate(texts, GREEDY)
-    with Engine(max_total_tokens=8192, disable_radix_cache=True) as plain:
+    with Engine(**DETERMINISTIC, disable_radix_cache=True) as plain:
         uncached = plain.generate(texts, GREEDY)
     ids = [engine.tokenizer.encode(t) for t in texts]
     shared = len(_common_prefix(ids)) // 16 * 16
