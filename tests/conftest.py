@@ -120,6 +120,18 @@ SYSTEM = [(i * 7919 + 13) % 5000 + 100 for i in range(200)]
 
 
 @pytest.fixture(scope="session")
+def cpu_ops():
+    """The C++ CPU attention kernels, built or loaded; a test using them skips, with the
+    build's reason, where they cannot be built."""
+    from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
+
+    try:
+        return load_cpu_ops()
+    except CpuExtensionUnavailable as exc:
+        pytest.skip(str(exc).splitlines()[0])
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory) -> str:
     """A tiny Llama with SmolLM2's vocabulary, so the Engine can borrow its tokenizer."""
     torch.manual_seed(1)

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import SYSTEM, TINY, VOCAB, greedy, make_engine, prompt_ids
 from radixserve.attention import create_attention_backend
-from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
 from radixserve.attention.cpu_fused import CpuFusedBackend
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.cache.kv_pool import KVPool, PoolShape
@@ -42,11 +41,8 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def ops():
-    try:
-        return load_cpu_ops()
-    except CpuExtensionUnavailable as exc:
-        pytest.skip(str(exc).splitlines()[0])
+def ops(cpu_ops):
+    return cpu_ops
 
 
 @dataclass

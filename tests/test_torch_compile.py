@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conftest import greedy_generate, prompt_ids
-from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
 from radixserve.cli_args import add_dataclass_args
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
@@ -30,11 +29,8 @@ LOGITS_TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpu_ops():
-    try:
-        load_cpu_ops()
-    except CpuExtensionUnavailable as exc:
-        pytest.skip(str(exc).splitlines()[0])
+def _needs_cpu_ops(cpu_ops):
+    """Every test here compiles around the C++ kernels."""
 
 
 def _runner(model, compile_=False, backend="cpu_fused", **load) -> ModelRunner:
