@@ -2,7 +2,9 @@
 // loops that -O3 and `omp simd` vectorize for whatever SIMD width the build flags allow.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <cstring>
@@ -54,6 +56,23 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x <= -87.f ? 0.f : p * scale;
+}
+
+// The queries, K/V pools and page table every kernel reads: one layout, checked alike.
+inline void check_q_pools_and_table(const at::Tensor& q, const at::Tensor& k_pool,
+                                    const at::Tensor& v_pool, const at::Tensor& page_table,
+                                    const char* op) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), op, " runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 [num_tokens, num_heads, head_dim] tensor");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "k_pool and v_pool must be contiguous [num_slots, num_kv_heads, head_dim] alike");
+  TORCH_CHECK(k_pool.size(2) == q.size(2), "q and the pool differ in head_dim");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
+                  page_table.is_contiguous(),
+              "page_table must be a contiguous int64 [num_rows, max_pages] tensor");
 }
 
 }  // namespace radixserve_cpu

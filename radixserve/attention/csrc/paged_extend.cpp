@@ -23,6 +23,7 @@
 
 namespace {
 
+using radixserve_cpu::check_q_pools_and_table;
 using radixserve_cpu::exp_nonpositive;
 using radixserve_cpu::kNegInf;
 using radixserve_cpu::row_f32;
@@ -272,17 +273,7 @@ void check_requests(const at::Tensor& q, const at::Tensor& page_table, const Req
 
 void check_tensors(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                    const at::Tensor& page_table, const std::vector<at::Tensor>& per_request) {
-  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_extend runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous float32 [num_tokens, num_heads, head_dim] tensor");
-  TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "k_pool and v_pool must be contiguous [num_slots, num_kv_heads, head_dim] alike");
-  TORCH_CHECK(k_pool.size(2) == q.size(2), "q and the pool differ in head_dim");
-  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
-                  page_table.is_contiguous(),
-              "page_table must be a contiguous int64 [num_rows, max_pages] tensor");
+  check_q_pools_and_table(q, k_pool, v_pool, page_table, "paged_extend");
   for (const at::Tensor& x : per_request) {
     TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kLong && x.is_contiguous() &&
                     x.size(0) == per_request[0].size(0),
