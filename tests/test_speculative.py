@@ -247,23 +247,10 @@ def test_http_generate_reports_spec_meta_info_and_metrics(periodic_model):
     from aiohttp.test_utils import TestClient, TestServer
     from prometheus_client.parser import text_string_to_metric_families
 
-    from radixserve.config import ServerConfig
     from radixserve.server.app import build_app
-    from radixserve.server.metrics import ServerMetrics
-    from radixserve.server.state import ServerState
 
     engine = make_engine(periodic_model, speculative_num_draft_tokens=3, **NGRAM)
-    state = ServerState(
-        client=engine.client,
-        builder=engine.builder,
-        tokenizer=engine.tokenizer,
-        config=ServerConfig(),
-        engine_args={},
-        model_path=periodic_model,
-        served_model_name="periodic",
-        max_running_requests=256,
-        metrics=ServerMetrics(),
-    )
+    state = _server_state(engine, periodic_model)
     body = {"input_ids": prompt_ids(4, 40), "sampling_params": greedy(30)}
 
     async def run():
@@ -292,23 +279,10 @@ def test_openai_endpoints_take_the_opt_out_and_stay_free_of_spec_counts(periodic
     counted); the counts stay native-only, as in SGLang and vLLM (usage has none)."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from radixserve.config import ServerConfig
     from radixserve.server.app import build_app
-    from radixserve.server.metrics import ServerMetrics
-    from radixserve.server.state import ServerState
 
     engine = make_engine(periodic_model, **NGRAM)
-    state = ServerState(
-        client=engine.client,
-        builder=engine.builder,
-        tokenizer=engine.tokenizer,
-        config=ServerConfig(),
-        engine_args={},
-        model_path=periodic_model,
-        served_model_name="periodic",
-        max_running_requests=256,
-        metrics=ServerMetrics(),
-    )
+    state = _server_state(engine, periodic_model)
     completion = {"prompt": prompt_ids(4, 40), "max_tokens": 20, "temperature": 0}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0}
 
@@ -563,3 +537,22 @@ def test_grammar_cuts_drafts_and_masks_each_verify_row(periodic_model):
         assert logits[j, token] == 0 and logits[j, bang] == float("-inf")
     assert torch.isinf(logits[len(ids)]).sum() == VOCAB - len(engine.scheduler.eos_token_ids)
     assert matcher.accept_token(ids[0])  # the matcher is back where it started
+
+
+def _server_state(engine, model_path: str):
+    """The HTTP app's state over an in-process engine (no server process)."""
+    from radixserve.config import ServerConfig
+    from radixserve.server.metrics import ServerMetrics
+    from radixserve.server.state import ServerState
+
+    return ServerState(
+        client=engine.client,
+        builder=engine.builder,
+        tokenizer=engine.tokenizer,
+        config=ServerConfig(),
+        engine_args={},
+        model_path=model_path,
+        served_model_name="periodic",
+        max_running_requests=256,
+        metrics=ServerMetrics(),
+    )
