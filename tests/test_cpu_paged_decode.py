@@ -92,6 +92,18 @@ def test_kernel_matches_reference_fp32(ops, page_size, kv_heads, group, head_dim
     torch.testing.assert_close(_attend(fused, batch, q, k, v), expected, **FP32_TOL)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_graph_decode_metadata_runs_the_same_decode(ops, deterministic):
+    """init_graph_decode (static decode batches: CUDA graphs, torch.compile) sets up what
+    init_forward would for a pure decode batch."""
+    pool = _pool(16, 3, 64, torch.float32)
+    batch, q, k, v = _decode_case(pool, _ragged_lens(3), 9)
+    fused = CpuFusedBackend(pool, ops=ops, deterministic=deterministic)
+    expected = _attend(fused, batch, q, k, v)
+    fused.init_graph_decode(batch, torch.tensor(batch.seq_lens))
+    torch.testing.assert_close(fused.forward(q, k, v, 0, batch), expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("q_dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
 def test_kernel_matches_reference_bf16_pool(ops, page_size, q_dtype, tol):

@@ -186,7 +186,7 @@ class CpuFusedBackend(TorchNativeBackend):
             batch.attn_metadata = _FusedMetadata(decode=None, extends=[], in_place=in_place)
             return
         queries = _FusedQueries(None, None, table, seq_lens.to(torch.int64))
-        batch.attn_metadata = _Metadata(decode=queries, extends=[])
+        batch.attn_metadata = _FusedMetadata(decode=queries, extends=[])
 
     def _forward_decode(
         self, q: torch.Tensor, layer: int, dec: _FusedQueries, page_size: int, out: torch.Tensor
