@@ -57,3 +57,13 @@ def test_the_retraction_victim_holds_most_own_pages_lowest_priority_first(tiny_c
     assert plain.retraction_victim([small, big, low]) is big
     by_priority = make_core(tiny_chat_model, enable_priority_scheduling=True).scheduler.admission
     assert by_priority.retraction_victim([small, big, low]) is low
+
+
+def test_common_prefix_len_counts_the_shared_leading_ids():
+    from radixserve.token_ids import common_prefix_len
+
+    assert common_prefix_len([], [1, 2]) == 0
+    assert common_prefix_len([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix_len([1, 2, 3], [1, 2]) == 2
+    assert common_prefix_len([1, 2, 3], [1, 9, 3]) == 1
+    assert common_prefix_len([7], [1]) == 0

@@ -21,8 +21,6 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import numpy as np
-
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import MatchResult, PrefixCache
 from radixserve.config import SchedulerConfig
@@ -33,6 +31,7 @@ from radixserve.engine.policy import Aging, order_waiting
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.stats import EngineStats
+from radixserve.token_ids import common_prefix_len
 
 OUTPUT_ESTIMATE_CLIP = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: future tokens reserved
 MAX_SORTED_QUEUE = 128  # longer waiting queues fall back to fcfs order, as in SGLang
@@ -170,7 +169,7 @@ class Admission:
         seq = req.seq_ids()
         for leader in leaders:
             if leader.namespace == req.namespace:
-                shared = _common_prefix_len(seq, leader.seq_ids())
+                shared = common_prefix_len(seq, leader.seq_ids())
                 if shared - num_cached >= self.page_size:
                     return True
         return False
@@ -238,11 +237,3 @@ def _put_first(first: list[Req], queue: deque[Req]) -> deque[Req]:
     if not first:
         return queue
     return deque([*first, *(r for r in queue if r not in first)])
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from radixserve.frontend_lang.backends import Backend
 from radixserve.frontend_lang.choices import ChoicesDecision, ChoicesSamplingMethod, Entries
+from radixserve.token_ids import common_prefix_len
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def plan_choices(backend: Backend, prefix: str, choices: list[str]) -> list[Scor
     plans = []
     for choice in choices:
         ids = backend.encode(prefix + choice)
-        start = max(_common_prefix_len(prefix_ids, ids), 1)  # position 0 has no logprob
+        start = max(common_prefix_len(prefix_ids, ids), 1)  # position 0 has no logprob
         if start >= len(ids):
             raise ValueError(f"select choice {choice!r} adds no token after the prefix")
         plans.append(ScoredChoice(ids, start))
@@ -89,11 +90,3 @@ def check_choices(choices: list[str]) -> None:
 
 def _mean(span: Entries) -> float:
     return sum(e[0] for e in span) / len(span)
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

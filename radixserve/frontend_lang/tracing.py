@@ -14,6 +14,7 @@ from radixserve.frontend_lang.ir import Expr
 from radixserve.frontend_lang.roles import ChatTemplate
 from radixserve.frontend_lang.sampling import GenParams
 from radixserve.frontend_lang.state import ProgramState
+from radixserve.token_ids import common_prefix_len
 
 MIN_PRECACHE_TOKENS = 16
 """Shared prefixes shorter than this are not worth a separate warm-up request."""
@@ -100,13 +101,8 @@ def precache_shared_prefix(
     shared: list[int] | None = None
     for kwargs in batch_kwargs:
         ids = backend.encode(constant_prefix(func, backend, kwargs, defaults))
-        shared = ids if shared is None else shared[: _common_prefix_len(shared, ids)]
+        shared = ids if shared is None else shared[: common_prefix_len(shared, ids)]
     if len(shared) < MIN_PRECACHE_TOKENS:
         return []
     backend.cache_prefix(input_ids=shared)
     return shared
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
