@@ -215,6 +215,20 @@ def test_tier_only_pages_are_counted_as_they_move_not_walked_for():
     assert _host_only(cache) == 0
 
 
+def test_the_tree_summary_and_outline_tell_tier_only_tokens_apart():
+    cache = _cache()
+    _computed(cache, SEQ_A)
+    loaded = _load(cache, SEQ_A[:8])  # holds A's first 2 pages in the pool
+    cache.evict(2)  # only A's last 2 pages can leave
+    summary = cache.tree_summary()
+    assert (summary.num_tokens, summary.num_host_only_tokens) == (16, 8)
+    assert summary.largest_subtrees[0].num_host_only_tokens == 8
+    top = cache.tree_outline()["children"][0]
+    assert (top["tokens"], top["host_only"]) == (8, False)
+    assert [(c["tokens"], c["host_only"]) for c in top["children"]] == [(8, True)]
+    cache.unlock(loaded.node)
+
+
 def test_reset_frees_both_tiers():
     cache = _cache()
     _computed(cache, SEQ_A)

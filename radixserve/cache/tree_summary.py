@@ -10,7 +10,8 @@ shape, the largest top-level subtrees with their tokens, hits and pins) and `tre
 
 A node's hit count is the number of admitted requests whose cached prefix covered it
 (`RadixCache.record_hit`), so a subtree's hits are its top node's. Token ids stay ids: the
-caller decodes them.
+caller decodes them. Under a host tier (HiRadixCache) a node may hold no pool pages, only tier
+slots: its tokens count as cached (a hit loads them back) and also as `host_only`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ PREVIEW_TOKENS = 8  # token ids shown per subtree or outline node: enough to tel
 class SubtreeSummary:
     namespace: str | None
     first_token_ids: list[int]  # the subtree's first tokens, a preview
-    num_tokens: int  # tokens cached in the subtree
+    num_tokens: int  # tokens cached in the subtree (pool or host tier)
+    num_host_only_tokens: int  # of those, tokens only in the host tier (no pool pages)
     num_nodes: int
     hit_count: int  # admitted requests whose cached prefix covered its top node
     max_depth: int  # deepest node below it, in nodes
@@ -40,7 +42,8 @@ class TreeSummary:
     num_nodes: int  # roots excluded
     num_namespaces: int  # namespaces with cached pages (the default one included)
     max_depth: int  # nodes on the longest root-to-leaf path
-    num_tokens: int
+    num_tokens: int  # pool or host tier
+    num_host_only_tokens: int  # only in the host tier
     largest_subtrees: list[SubtreeSummary]
 
     def to_dict(self) -> dict:
@@ -62,16 +65,19 @@ def summarize_tree(roots: Iterable, top_k: int = 10) -> TreeSummary:
         num_namespaces=sum(1 for root in roots if root.children),
         max_depth=max((s.max_depth for s in subtrees), default=0),
         num_tokens=sum(s.num_tokens for s in subtrees),
+        num_host_only_tokens=sum(s.num_host_only_tokens for s in subtrees),
         largest_subtrees=subtrees[:top_k],
     )
 
 
 def _summarize_subtree(top, namespace: str | None) -> SubtreeSummary:
-    num_tokens = num_nodes = max_depth = 0
+    num_tokens = num_host_only = num_nodes = max_depth = 0
     stack = [(top, 1)]
     while stack:
         node, depth = stack.pop()
         num_tokens += len(node.key)
+        if not node.pages:
+            num_host_only += len(node.key)
         num_nodes += 1
         max_depth = max(max_depth, depth)
         stack.extend((child, depth + 1) for child in node.children.values())
@@ -79,6 +85,7 @@ def _summarize_subtree(top, namespace: str | None) -> SubtreeSummary:
         namespace=namespace,
         first_token_ids=list(top.key[:PREVIEW_TOKENS]),
         num_tokens=num_tokens,
+        num_host_only_tokens=num_host_only,
         num_nodes=num_nodes,
         hit_count=top.hit_count,
         max_depth=max_depth,
@@ -88,8 +95,8 @@ def _summarize_subtree(top, namespace: str | None) -> SubtreeSummary:
 
 
 def tree_outline(roots: Iterable, max_nodes: int = 200, max_children: int = 8) -> dict[str, Any]:
-    """The tree as nested dicts `{tokens, subtree_tokens, hits, locked, pinned, first_ids,
-    children, num_hidden, hidden_tokens}` under one root that stands for every namespace.
+    """The tree as nested dicts `{tokens, subtree_tokens, hits, locked, pinned, host_only,
+    first_ids, children, num_hidden, hidden_tokens}` under one root that stands for every namespace.
     One pass over the nodes (sizes from the leaves up), then a top-down pick bounded by
     `max_nodes`."""
     if max_nodes < 1 or max_children < 1:
@@ -100,7 +107,8 @@ def tree_outline(roots: Iterable, max_nodes: int = 200, max_children: int = 8) -
     sizes = _subtree_tokens(roots)
     top = [c for r in roots for c in r.children.values()]
     summary = {"tokens": 0, "subtree_tokens": sum(sizes[c] for c in top), "hits": 0,
-               "locked": False, "pinned": False, "first_ids": []}  # fmt: skip
+               "locked": False, "pinned": False, "host_only": False,
+               "first_ids": []}  # fmt: skip
     return _add_children(summary, top, sizes, max_children, [max_nodes])
 
 
@@ -151,5 +159,6 @@ def _entry(node: Any, sizes: dict[Any, int]) -> dict[str, Any]:
         "hits": node.hit_count,
         "locked": node.lock_count > 0,
         "pinned": node.pin_count > 0,
+        "host_only": not node.pages,  # its KV is only in the host tier
         "first_ids": list(node.key[:PREVIEW_TOKENS]),
     }
