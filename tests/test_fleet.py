@@ -169,6 +169,23 @@ def test_pd_fleet_needs_both_roles_and_a_fixed_bootstrap_port(tiny_chat_model):
         main(["fleet", tiny_chat_model, "--decode-workers", "2"])
 
 
+def test_colliding_fleet_ports_are_refused_naming_both_owners(tiny_chat_model):
+    config = FleetConfig(prefill_workers=2, decode_workers=1)
+    config.worker_base_port = 40200
+    engine_args = {"model": tiny_chat_model, "device": "cpu"}
+    clash = engine_args | {"disaggregation_bootstrap_port": 40201}  # prefill 0's = worker 1's
+    with pytest.raises(
+        ValueError,
+        match="40201 is both prefill worker 0's --disag.* and prefill worker 1's HTTP port",
+    ):
+        fleet_children(config, ServerConfig(), clash)
+    config.router_port = 40202  # the decode worker's HTTP port
+    with pytest.raises(ValueError, match=r"port 40202 is both the router \(--router-port\)"):
+        fleet_children(
+            config, ServerConfig(), engine_args | {"disaggregation_bootstrap_port": 41000}
+        )
+
+
 def test_router_command_maps_log_level_and_lets_extra_args_override():
     command = router_command(
         ["http://a"], "h", 1, "round_robin", log_level="warning", extra_args="--policy random"

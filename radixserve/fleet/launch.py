@@ -208,6 +208,7 @@ def fleet_children(
 ) -> tuple[list[Child], Child]:
     """The fleet's processes, not started yet: its workers, and the router fronting them."""
     workers = worker_children(config, server, engine_args)
+    check_ports(workers, config.router_port)
     command = router_command(
         router_workers(workers),
         server.host,
@@ -218,6 +219,22 @@ def fleet_children(
         extra_args=config.router_args,
     )
     return workers, Child("router", command, f"http://{server.host}:{config.router_port}")
+
+
+def check_ports(workers: list[Child], router_port: int) -> None:
+    """Raises ValueError naming the flags when two of the fleet's fixed ports are the same
+    (router, worker HTTP = --worker-base-port + i, prefill bootstrap =
+    --disaggregation-bootstrap-port + i): the second process would fail to bind."""
+    owners: dict[int, str] = {router_port: "the router (--router-port)"}
+    for w in workers:
+        port = int(w.url.rsplit(":", 1)[1])
+        uses = [(port, f"{w.name}'s HTTP port (--worker-base-port + i)")]
+        if w.bootstrap_port is not None:
+            uses.append((w.bootstrap_port, f"{w.name}'s --disaggregation-bootstrap-port + i"))
+        for port, owner in uses:
+            if port in owners:
+                raise ValueError(f"port {port} is both {owners[port]} and {owner}; move one")
+            owners[port] = owner
 
 
 def describe(config: FleetConfig) -> str:
