@@ -58,11 +58,14 @@ class PipeTransport:
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._closed = False  # the server's end is gone (a send found the pipe broken)
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
         self._wake_writer.setblocking(False)
 
     def receive(self, timeout: float | None) -> list[ToCore] | None:
+        if self._closed:
+            return None
         try:
             wait([self.conn, self._wake_reader], timeout)
             self._drain_wakes()
@@ -87,4 +90,12 @@ class PipeTransport:
             pass
 
     def send(self, message: FromCore) -> None:
-        self.conn.send_bytes(encode(message))
+        """Sends one message; once the server process is gone, the loop ends at its next
+        receive (quietly: an orphaned core has no one to report to)."""
+        if self._closed:
+            return
+        try:
+            self.conn.send_bytes(encode(message))
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            logger.info("the server process is gone; the core stops")
+            self._closed = True
