@@ -149,6 +149,23 @@ def _fused(model, hf_name: str):
     return getattr(getattr(layer, owner), fused), rows
 
 
+def test_our_gguf_reader_reads_what_ggufs_own_reader_reads(tiny_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    path = tiny_gguf[0]
+    ours, theirs = read_gguf(path), GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == expected
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ModelLoadError, match="truncated.gguf: tensor .* past the end"):
+        read_gguf(truncated)
+
+
 def test_blocks_load_as_int4_int8_or_fp_and_equal_ggufs_dequantization(tiny_gguf):
     path, _, expected = tiny_gguf
     model = _load(path).model

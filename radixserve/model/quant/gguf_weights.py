@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from radixserve.config import ModelConfig
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.source import ModelLoadError
 
@@ -72,18 +73,15 @@ class BlockWeight(NamedTuple):
         return BlockWeight(self.kind, *(None if t is None else t[index] for t in self[1:]))
 
 
-def read_gguf(path: Path):
-    from gguf import GGUFReader
-
+def read_gguf(path: Path) -> GGUFFile:
     try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises many types for a bad file
+        return GGUFFile(path)
+    except Exception as exc:  # a bad file fails in many ways (struct, enum, OS errors)
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
 
 
-def field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def gguf_hf_config(reader, path: Path) -> dict[str, Any]:
