@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import SYSTEM, greedy, greedy_generate, make_engine, make_runner, prompt_ids
+from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.layers import RMSNorm, RotaryAt
+from radixserve.model.runner import ModelRunner
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -165,3 +167,15 @@ def test_engine_tokens_are_the_same_with_fused_ops_off_cold_and_warm(tiny_chat_m
         outputs.append([o["output_ids"] for o in cold])
         engine.shutdown()
     assert outputs[0] == outputs[1]
+
+
+def test_a_float16_pool_keeps_the_torch_reference(tiny_models, cpu_ops):
+    """The ops take float32 / bfloat16; other dtypes run the reference, and still decode."""
+    runner = ModelRunner.create(
+        LoadConfig(model=str(tiny_models["llama"]), device="cpu"),
+        CacheConfig(
+            max_total_tokens=1024, kv_cache_dtype="float16", attention_backend="torch_native"
+        ),
+    )
+    assert runner.model.layers[0].mlp.ops is None
+    assert len(greedy_generate(runner, [_ids(0, 20)], 4)[0]) == 4

@@ -28,6 +28,9 @@ from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu
 
 logger = logging.getLogger(__name__)
 
+LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16)
+"""Activation and KV pool dtypes the ops take; other models keep the torch reference."""
+
 
 class CpuLayerOps:
     """Typed, positional calls into the fused ops (each a few microseconds of dispatch)."""

@@ -25,7 +25,7 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_compile import CompiledDecodeRunner, compile_unavailable_reason
-from radixserve.model.cpu_layer_ops import load_cpu_layer_ops
+from radixserve.model.cpu_layer_ops import LAYER_OPS_DTYPES, load_cpu_layer_ops
 from radixserve.model.cuda_graph import (
     DecodeGraphRunner,
     GraphFactory,
@@ -95,7 +95,7 @@ class ModelRunner:
             deterministic=load_config.enable_deterministic_inference,
         )
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
-        if device.type == "cpu":
+        if device.type == "cpu" and {dtype, kv_dtype} <= set(LAYER_OPS_DTYPES):
             loaded.model.use_cpu_layer_ops(load_cpu_layer_ops())
         if graphs and not attn.supports_cuda_graph:
             logger.info("CUDA graphs off: the %s backend has none", type(attn).__name__)
