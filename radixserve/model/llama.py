@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in layers:
             hidden, residual = layer(hidden, residual, batch, rotary, attn)
-        return self.norm(hidden, residual)[0]
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def use_cpu_layer_ops(self, ops: CpuLayerOps | None) -> None:
         """Eager CPU forwards run norms, SiLU * mul and RoPE + the K/V write as fused C++ ops
