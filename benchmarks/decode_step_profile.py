@@ -15,6 +15,7 @@ so the profiler's own cost is dropped.
 
 `--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
 by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
+`--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py [--quantization none]
 Prints a table; writes JSON to `--out`.
@@ -39,7 +40,7 @@ from radixserve.engine.request import Req
 from radixserve.sampling.params import SamplingParams
 
 MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "_weight_int4pack_mm", "_weight_int8")
-ATTENTION_OPS = ("radixserve_cpu::", "scaled_dot_product", "_flash_attention")
+ATTENTION_OPS = ("radixserve_cpu::paged_", "scaled_dot_product", "_flash_attention")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--torch-compile", choices=("off", "on", "both"), default="off")
+    p.add_argument("--layer-ops", choices=("off", "on", "both"), default="on",
+                   help="the fused C++ CPU layer ops (model/cpu_layer_ops.py); both: each "
+                   "batch with them off, then on, side by side")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
     return p.parse_args(argv)
 
@@ -182,21 +186,26 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows = []
     print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
-    print(f"{'batch':>6}{'compiled':>9}" + "".join(f"{c:>16}" for c in COLUMNS) + "   (ms)")
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.torch_compile]
+    print("ms per decode step")
+    choices = {"off": [False], "on": [True], "both": [False, True]}
+    modes = [(c, f) for c in choices[args.torch_compile] for f in choices[args.layer_ops]]
+    print(f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}" + "".join(f"{c:>16}" for c in COLUMNS))
     for batch in [int(b) for b in args.batches.split(",")]:
-        for compiled in modes:
+        for compiled, layer_ops in modes:
             core = build_core(args, batch, compiled)
+            if not layer_ops:
+                core.runner.model.use_cpu_layer_ops(None)
             add_requests(core, batch, args)
             with torch.inference_mode():
                 until_all_decode(core)
                 plain = plain_pass(core, args.steps)
                 prof = profiled_pass(core, args.steps)
-            row = {"batch": batch, "compiled": compiled, **breakdown(plain, prof)}
+            row = {"batch": batch, "compiled": compiled, "layer_ops": layer_ops}
+            row |= breakdown(plain, prof)
             row["compile_s"] = compile_seconds(core)
             rows.append(row)
             cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-            print(f"{batch:>6}{compiled!s:>9}{cells}", flush=True)
+            print(f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{cells}", flush=True)
             core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}

@@ -17,6 +17,9 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     """Whether the runner may capture decode steps of this backend into CUDA graphs."""
 
+    accepts_stored_kv: bool = False
+    """Whether `forward_stored` runs: the model may write K/V itself (its fused CPU op)."""
+
     def __init__(self, pool: KVPool, sliding_window: int | None = None):
         self.pool = pool
         self.sliding_window = sliding_window
@@ -34,6 +37,12 @@ class AttentionBackend(ABC):
         Writes k, v into their slots of `layer`, then returns attention output
         [num_tokens, num_heads, head_dim] where each token sees its request's positions <= its own.
         """
+
+    def forward_stored(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """`forward` for k, v that the caller has already written into their slots."""
+        raise NotImplementedError(f"{type(self).__name__} writes K/V itself")
 
     # ---- CUDA graphs (pure decode batches of a fixed size; see model/cuda_graph.py) ---------
 

@@ -1,6 +1,7 @@
-"""Builds the C++ CPU attention kernels (csrc/) on first use and loads them, cached per machine.
+"""Builds the C++ CPU kernels (csrc/) on first use and loads them, cached per machine.
 
-`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode and paged extend) once into
+`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode, paged extend, and the model's
+fused layer ops: layer_ops.cpp, used through model/cpu_layer_ops.py) once into
 <cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and their header),
 the torch version and the compiler flags. The SIMD flags follow the level torch itself
 detected on this CPU at run time (never assumed), so a cached build is never run on a CPU or
@@ -8,9 +9,9 @@ torch it was not built for.
 Without a compiler (or when the build fails) `load_cpu_ops` raises `CpuExtensionUnavailable`
 with the reason; the `auto` backend then falls back to torch_native.
 
-The sources live beside their backend, not in kernels/: that package is the Triton kernels
-(GPU, importable without a C++ toolchain), while these kernels have one user, cpu_fused, and
-torch_native already is its reference.
+The sources live here, not in kernels/: that package is the Triton kernels (GPU, importable
+without a C++ toolchain). Their users: cpu_fused (torch_native is its reference) and the
+model's eager CPU forward (model/layers.py holds the references); one extension, one build.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from radixserve.disk_cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode.cpp", CSRC / "paged_extend.cpp"]
+SOURCES = [CSRC / "paged_decode.cpp", CSRC / "paged_extend.cpp", CSRC / "layer_ops.cpp"]
 HEADERS = [CSRC / "cpu_common.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the

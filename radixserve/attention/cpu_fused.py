@@ -87,6 +87,7 @@ class CpuFusedBackend(TorchNativeBackend):
             )
         super().__init__(pool, sliding_window=sliding_window)
         self.ops = ops if ops is not None else load_cpu_ops()
+        self._paged_decode = self.ops.paged_decode.default  # positional calls: less dispatch
         self.window = NO_WINDOW if sliding_window is None else sliding_window
         self.scale = 1.0 / math.sqrt(pool.shape.head_dim)  # SDPA's default, as torch_native
         self.route_extend: Callable[[int, int], bool] = extend_in_place
@@ -130,11 +131,12 @@ class CpuFusedBackend(TorchNativeBackend):
             page_table=batch.page_table.contiguous(),
         )
 
-    def forward(
+    def forward_stored(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.pool.write(layer, batch.out_slots, k, v)
         meta: _FusedMetadata = batch.attn_metadata
+        if meta.decode is not None and meta.decode.token_idx is None:  # a pure decode batch
+            return self._decode(q, layer, meta.decode, batch.page_size).to(q.dtype)
         out = torch.empty_like(q)
         self._forward_extends(q, k, v, layer, meta.extends, batch.page_size, out)
         if meta.in_place is not None:
@@ -191,20 +193,17 @@ class CpuFusedBackend(TorchNativeBackend):
     def _forward_decode(
         self, q: torch.Tensor, layer: int, dec: _FusedQueries, page_size: int, out: torch.Tensor
     ) -> None:
-        k_pool, v_pool = self.pool.layer_kv(layer)
-        qd = q if dec.token_idx is None else q[dec.token_idx]
-        o = self.ops.paged_decode(
-            qd.float().contiguous(),
-            k_pool,
-            v_pool,
-            page_table=dec.page_table,
-            seq_lens=dec.seq_lens,
-            page_size=page_size,
-            sliding_window=self.window,
-            scale=self.scale,
-            page_rows=dec.page_rows,
-        )
         if dec.token_idx is None:
-            out.copy_(o)
+            out.copy_(self._decode(q, layer, dec, page_size))
         else:
-            out[dec.token_idx] = o.to(out.dtype)
+            out[dec.token_idx] = self._decode(q[dec.token_idx], layer, dec, page_size).to(out.dtype)
+
+    def _decode(
+        self, q: torch.Tensor, layer: int, dec: _FusedQueries, page_size: int
+    ) -> torch.Tensor:
+        """paged_decode of the decode queries `q` -> fp32 [num_queries, heads, head_dim]."""
+        k_pool, v_pool = self.pool.layer_kv(layer)
+        return self._paged_decode(
+            q.float().contiguous(), k_pool, v_pool, dec.page_table, dec.seq_lens, page_size,
+            self.window, self.scale, 0, dec.page_rows,
+        )  # fmt: skip

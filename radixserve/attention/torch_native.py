@@ -49,6 +49,8 @@ def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> to
 
 
 class TorchNativeBackend(AttentionBackend):
+    accepts_stored_kv = True
+
     def init_forward(self, batch: ForwardBatch) -> None:
         starts = [0]
         for e in batch.extend_lens:
@@ -123,6 +125,11 @@ class TorchNativeBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.write(layer, batch.out_slots, k, v)
+        return self.forward_stored(q, k, v, layer, batch)
+
+    def forward_stored(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         meta: _Metadata = batch.attn_metadata
         out = torch.empty_like(q)
         self._forward_extends(q, k, v, layer, meta.extends, batch.page_size, out)

@@ -11,18 +11,39 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.distributed.group import TPGroup
+from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.quant.linear import UnquantizedLinear
 
 
 class RMSNorm(nn.Module):
-    """Normalizes in fp32, scales in the input dtype (as the HF reference does)."""
+    """Normalizes in fp32, scales in the input dtype (as the HF reference does).
+
+    With `residual` (the layer's residual stream), vLLM's fused_add_rms_norm contract:
+    returns (rms_norm(x + residual), x + residual). With `ops` set (model/cpu_layer_ops.py),
+    eager CPU calls run one C++ op instead of five to seven small ones, in place (x and
+    residual are overwritten: both are the caller's own fresh tensors).
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: CpuLayerOps | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None and not torch.compiler.is_compiling():
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps)
+            self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._normalize(x)
+        x = x + residual
+        return self._normalize(x), x
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -32,17 +53,24 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
     parallelism `intermediate_size` is this rank's share: gate/up are column-parallel, down
-    row-parallel, and one all-reduce sums the ranks' partial outputs."""
+    row-parallel, and one all-reduce sums the ranks' partial outputs. With `ops` set, eager
+    CPU calls run silu(gate) * up as one C++ op."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup):
         super().__init__()
         self.tp = tp
         self.gate_up_proj = UnquantizedLinear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = UnquantizedLinear(intermediate_size, hidden_size, bias=bias)
+        self.ops: CpuLayerOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and not torch.compiler.is_compiling():
+            act = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -19,6 +19,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig
 from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.layers import (
     GatedMLP,
     RMSNorm,
@@ -49,6 +50,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.eps = config.rms_norm_eps
+        self.ops: CpuLayerOps | None = None
 
     def forward(
         self,
@@ -58,15 +61,30 @@ class LlamaAttention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k)
-        out = attn.forward(q, k, v, self.layer, batch)
+        if self.ops is not None and attn.accepts_stored_kv and not torch.compiler.is_compiling():
+            self._rope_store(qkv, batch, rotary, attn)  # q, k (views of qkv) rotated in place
+            out = attn.forward_stored(q, k, v, self.layer, batch)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(q, k)
+            out = attn.forward(q, k, v, self.layer, batch)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+
+    def _rope_store(
+        self, qkv: torch.Tensor, batch: ForwardBatch, rotary: RotaryAt, attn: AttentionBackend
+    ) -> None:
+        """The fused op: qk norms and RoPE in place in `qkv`, k and v into the pool."""
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        self.ops.rope_store(
+            qkv, rotary.cos, rotary.sin, attn.pool.layer_kv(self.layer), batch.out_slots,
+            (self.num_heads, self.num_kv_heads, self.head_dim), qk_norm, self.eps,
+        )  # fmt: skip
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -80,12 +98,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         rotary: RotaryAt,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual stream: returns (this layer's MLP output, the residual before it);
+        the next norm adds them (None: `hidden` is the embedding, the residual itself)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch, rotary, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,11 +137,25 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Returns final-normed hidden states [num_tokens, hidden_size]."""
+        return self.forward_layers(batch, attn, self.layers)
+
+    def forward_layers(
+        self, batch: ForwardBatch, attn: AttentionBackend, layers: Iterable[LlamaDecoderLayer]
+    ) -> torch.Tensor:
+        """`forward` through `layers` (all, or SELF speculation's first ones), then the norm."""
         hidden = self.embed_tokens(batch.input_ids)
         rotary = self.rotary.at(batch.positions)
-        for layer in self.layers:
-            hidden = layer(hidden, batch, rotary, attn)
-        return self.norm(hidden)
+        residual = None
+        for layer in layers:
+            hidden, residual = layer(hidden, residual, batch, rotary, attn)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+    def use_cpu_layer_ops(self, ops: CpuLayerOps | None) -> None:
+        """Eager CPU forwards run norms, SiLU * mul and RoPE + the K/V write as fused C++ ops
+        (model/cpu_layer_ops.py); None: the torch reference everywhere."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> fp32 logits [n, vocab_size] (each rank's vocab rows, gathered)."""

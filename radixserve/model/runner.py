@@ -2,7 +2,8 @@
 
 On CUDA, pure-decode batches of up to `cuda_graph_max_bs` requests replay captured CUDA graphs
 (model/cuda_graph.py); on CPU with `enable_torch_compile`, those of up to `torch_compile_max_bs`
-run a step compiled by torch.compile (model/cpu_compile.py); everything else runs eagerly.
+run a step compiled by torch.compile (model/cpu_compile.py); everything else runs eagerly, on
+CPU with the layers' small ops fused into C++ ones where they build (model/cpu_layer_ops.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_compile import CompiledDecodeRunner, compile_unavailable_reason
+from radixserve.model.cpu_layer_ops import LAYER_OPS_DTYPES, load_cpu_layer_ops
 from radixserve.model.cuda_graph import (
     DecodeGraphRunner,
     GraphFactory,
@@ -93,6 +95,8 @@ class ModelRunner:
             deterministic=load_config.enable_deterministic_inference,
         )
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
+        if device.type == "cpu" and {dtype, kv_dtype} <= set(LAYER_OPS_DTYPES):
+            loaded.model.use_cpu_layer_ops(load_cpu_layer_ops())
         if graphs and not attn.supports_cuda_graph:
             logger.info("CUDA graphs off: the %s backend has none", type(attn).__name__)
         elif graphs:

@@ -53,11 +53,7 @@ class LayerSkipModel(nn.Module):
         self.layers = target.layers[:num_layers]
 
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
-        hidden = self.target.embed_tokens(batch.input_ids)
-        rotary = self.target.rotary.at(batch.positions)
-        for layer in self.layers:
-            hidden = layer(hidden, batch, rotary, attn)
-        return self.target.norm(hidden)
+        return self.target.forward_layers(batch, attn, self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
