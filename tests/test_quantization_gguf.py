@@ -79,9 +79,10 @@ def _store(w: np.ndarray, qtype: T) -> np.ndarray:
     return w.astype(np.float32) if qtype == T.F32 else quantize(w.astype(np.float32), qtype)
 
 
-def write_tiny_gguf(hf_folder, path, types=None) -> dict[str, np.ndarray]:
-    """The tiny HF llama as a GGUF; returns each HF projection's weight as read back by the
-    gguf package (dequantized, un-permuted), i.e. what our layers must hold."""
+def write_tiny_gguf(hf_folder, path, types=None, head: T | None = T.F32) -> dict[str, np.ndarray]:
+    """The tiny HF llama as a GGUF (`head`: output.weight's type; None: tied to token_embd);
+    returns each HF projection's weight as read back by the gguf package (dequantized,
+    un-permuted), i.e. what our layers must hold."""
     from safetensors.numpy import load_file
 
     hf = load_file(hf_folder / "model.safetensors")
@@ -94,7 +95,9 @@ def write_tiny_gguf(hf_folder, path, types=None) -> dict[str, np.ndarray]:
         "token_embd.weight", _store(hf["model.embed_tokens.weight"], T.Q8_0), raw_dtype=T.Q8_0
     )
     writer.add_tensor("output_norm.weight", hf["model.norm.weight"])
-    writer.add_tensor("output.weight", hf["lm_head.weight"])
+    if head is not None:
+        stored = _store(hf["lm_head.weight"], head)
+        writer.add_tensor("output.weight", stored, **({} if head == T.F32 else {"raw_dtype": head}))
     expected = {}
     for layer in range(2):
         prefix = f"model.layers.{layer}."
@@ -223,7 +226,7 @@ def test_gguf_mode_needs_a_gguf_file(tiny_gguf):
 
 def test_auto_loads_q4_q8_blocks_as_they_are_and_anything_else_dequantized(tiny_gguf, tmp_path):
     path, hf_folder, _ = tiny_gguf
-    auto = load_model(LoadConfig(model=str(path), device="cpu"))
+    auto = load_model(LoadConfig(model=str(path), device="cpu", cpu_quant_kernel="torch"))
     assert auto.quantization == "gguf" and auto.dtype == torch.float32
     assert auto.model.layers[0].self_attn.qkv_proj.compute_dtype == torch.bfloat16
     write_tiny_gguf(hf_folder, tmp_path / "q5.gguf", types={"ffn_down": T.Q5_0})

@@ -30,7 +30,7 @@ from radixserve.disk_cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode.cpp", CSRC / "paged_extend.cpp"]
+SOURCES = [CSRC / "paged_decode.cpp", CSRC / "paged_extend.cpp", CSRC / "block_gemv.cpp"]
 HEADERS = [CSRC / "cpu_common.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the

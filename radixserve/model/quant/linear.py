@@ -18,6 +18,8 @@ layout, so a layer is built on its device and never moved:
                          CUDA    Triton `int8_matmul`                [out, in] int8
     int4                 CPU     torch `_weight_int4pack_mm_for_cpu` torch's CPU packing
                          CUDA    Triton `int4_matmul`                [out, in / 2] uint8
+    int4 / int8, 32-wide CPU     C++ block kernels (backend          GGUF-style blocks
+    groups (GGUF)                "blocks", block_matmul.py)          (block_matmul.py)
     fp8                  CUDA    torch `_scaled_mm`
 
 torch's own CUDA int4 kernel (`_weight_int4pack_mm`) takes bf16 only; the Triton kernels
@@ -25,11 +27,11 @@ torch's own CUDA int4 kernel (`_weight_int4pack_mm`) takes bf16 only; the Triton
 `dequantize()` gives back the weight each layer multiplies by, for tests and for the fp
 reference path.
 
-torch's int8 / int4 CPU kernels are matrix-vector kernels: their time grows linearly with the
-rows, so past `dequant_min_rows` rows (a prefill chunk) the torch-backend layers dequantize the
-weight once and run one dense matmul, several times faster (measured: 576x3072 int4 at 512
-rows, 23 ms in the kernel vs ~10 ms dequantize + matmul). Decode batches stay on the kernels,
-which read 2-4x fewer bytes. --enable-deterministic-inference keeps every batch on them.
+torch's int8 / int4 CPU kernels are matrix-vector kernels: their time grows linearly with the rows
+(the "blocks" kernels too), so past `dequant_min_rows` rows (a prefill chunk) the torch-backend
+layers dequantize the weight once and run one dense matmul, several times faster (measured: 576x3072
+int4 at 512 rows, 23 ms in the kernel vs ~10 ms dequantize + matmul). Decode batches stay on the
+kernels, which read 2-4x fewer bytes. --enable-deterministic-inference keeps every batch on them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.quant import block_matmul
 from radixserve.model.quant.int4_layout import packing_format, unpack_codes
 
 DEQUANT_MIN_ROWS = 128  # from this many rows on, dequantize + dense matmul beats the kernels
@@ -45,7 +48,7 @@ INT4_GROUP_SIZES = (32, 64, 128)  # torch's CPU int4 kernel also takes 256; we o
 INT4_OUT_MULTIPLE = 16  # the CPU int4 packer needs out_features divisible by 16
 INT4_MID = 8  # torch's int4 kernels read code q as (q - 8) * scale + zero
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-MATMUL_BACKENDS = ("torch", "triton")
+MATMUL_BACKENDS = ("torch", "triton", "blocks")
 
 
 class UnquantizedLinear(nn.Linear):
@@ -104,7 +107,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     """int8 weights, fp activations. Per-channel scales run as one `_weight_int8pack_mm`
     (torch has it on CPU and CUDA; backend="triton" runs ours instead). Group-wise scales
     (GGUF Q8_0): on CUDA the Triton kernel; on CPU one `_weight_int8pack_mm` per group,
-    summed: exact, but slower."""
+    summed: exact, but slower; or, 32-wide groups, the C++ block kernel (backend "blocks")."""
 
     def __init__(
         self,
@@ -121,14 +124,18 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.group_size = group_size
         per_channel_default = backend is None and group_size is None
         self.backend = "torch" if per_channel_default else _backend(backend, qweight.device)
-        if group_size is None or self.backend == "triton":
+        _check_blocks(self.backend, group_size, "Int8WeightOnlyLinear")
+        if self.backend == "blocks":  # the block kernel's scales are fp32 whatever the model's
+            scales = scales.float()
+        if group_size is None or self.backend in ("triton", "blocks"):
             self.register_buffer("qweight", qweight.contiguous())  # [out, in]
         else:  # [groups, out, group_size]: each group's slice contiguous
             num_groups = in_features // group_size
             grouped = qweight.reshape(out_features, num_groups, group_size).transpose(0, 1)
             self.register_buffer("qweight", grouped.contiguous())
-        scales = scales if group_size is None else scales.t()
-        self.register_buffer("scales", scales.contiguous())  # [out] or [groups, out]
+        scales = scales if group_size is None or self.backend == "blocks" else scales.t()
+        self.register_buffer("scales", scales.contiguous())  # [out], [groups, out] or
+        # [out, groups] ("blocks")
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -139,13 +146,17 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         return cls(qweight, scales.to(linear.weight.dtype), _bias_of(linear))
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scales.dtype
+    def compute_dtype(self) -> torch.dtype | None:
+        return None if self.backend == "blocks" else self.scales.dtype
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        if self.backend == "blocks":
+            raise ValueError("Int8WeightOnlyLinear: backend 'blocks' computes in fp32")
         self.scales = self.scales.to(dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "blocks" and not self._dequantizes(x):
+            return block_matmul.int8_block_matmul(x, self.qweight, self.scales)
         if self.backend == "triton":
             return _quant_kernels().int8_matmul(x, self.qweight, self.scales, self.group_size)
         if self._dequantizes(x):
@@ -163,6 +174,9 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         dtype = dtype or self.scales.dtype
         if self.group_size is None:
             return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        if self.backend == "blocks":
+            scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
+            return self.qweight.to(dtype) * scales
         scales = self.scales.t().to(dtype).repeat_interleave(self.group_size, dim=1)  # [out, in]
         if self.backend == "triton":
             return self.qweight.to(dtype) * scales
@@ -172,7 +186,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
 class Int4WeightOnlyLinear(QuantizedLinear):
     """4-bit weights with a scale and a zero per group, fp activations. CPU: torch's packed
-    layout and kernel; CUDA: two codes per byte and the Triton kernel."""
+    layout and kernel, or (32-wide groups, backend "blocks") GGUF-style blocks and the C++
+    block kernel; CUDA: two codes per byte and the Triton kernel."""
 
     def __init__(
         self,
@@ -188,8 +203,11 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
         self.backend = _backend(backend, codes.device)
+        _check_blocks(self.backend, group_size, "Int4WeightOnlyLinear")
         if self.backend == "triton":
             self._store_for_triton(codes, scales, zeros)
+        elif self.backend == "blocks":
+            self._store_blocks(codes, scales, zeros)
         else:
             self._store_for_torch_cpu(codes, scales, zeros)
 
@@ -197,6 +215,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("packed", _quant_kernels().pack_int4(codes))  # [out, in // 2] uint8
         self.register_buffer("scales", scales.t().contiguous())  # [groups, out]
         self.register_buffer("zeros", zeros.t().to(scales.dtype).contiguous())
+
+    def _store_blocks(self, codes, scales, zeros) -> None:
+        self.register_buffer("qs", block_matmul.pack_int4_blocks(codes))  # [out, in // 2]
+        scales = scales.float()
+        offsets = zeros.float() - INT4_MID * scales  # w = q * scale + (zero - 8 * scale)
+        self.register_buffer("scale_min", torch.stack([scales, offsets], dim=-1).contiguous())
 
     def _store_for_torch_cpu(self, codes, scales, zeros) -> None:
         if codes.device.type != "cpu":
@@ -214,10 +238,14 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, _bias_of(linear))
 
     @property
-    def compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> torch.dtype | None:
+        if self.backend == "blocks":  # fp32 arithmetic on the input's dtype
+            return None
         return (self.scales if self.backend == "triton" else self.scales_and_zeros).dtype
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        if self.backend == "blocks":
+            raise ValueError("Int4WeightOnlyLinear: backend 'blocks' computes in fp32")
         if self.backend == "triton":
             self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
         else:
@@ -227,7 +255,9 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         if self.backend == "triton":
             kernels = _quant_kernels()
             return kernels.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size)
-        if self._dequantizes(x) and packing_format() is not None:
+        if self.backend == "blocks" and not self._dequantizes(x):
+            return block_matmul.int4_block_matmul(x, self.qs, self.scale_min)
+        if self._dequantizes(x) and (self.backend == "blocks" or packing_format() is not None):
             return F.linear(x, self.dequantize(x.dtype))
         return self._cpu_kernel_matmul(x)
 
@@ -237,7 +267,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.compute_dtype
+        dtype = dtype or self.compute_dtype or torch.float32
+        if self.backend == "blocks":
+            n, k = self.out_features, self.in_features
+            codes = block_matmul.unpack_int4_blocks(self.qs).view(n, k // self.group_size, -1)
+            scales, offsets = (t[..., None].to(dtype) for t in self.scale_min.unbind(-1))
+            return torch.addcmul(offsets, codes.to(dtype), scales).reshape(n, k)
         if self.backend == "triton":
             codes = _quant_kernels().unpack_int4(self.packed)
             weight = dequantize_int4(codes, self.scales.t(), self.zeros.t(), self.group_size)
@@ -265,6 +300,11 @@ def _backend(requested: str | None, device: torch.device) -> str:
     if requested not in MATMUL_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(MATMUL_BACKENDS)}; got {requested!r}")
     return requested
+
+
+def _check_blocks(backend: str, group_size: int | None, layer: str) -> None:
+    if backend == "blocks" and group_size != block_matmul.BLOCK:
+        raise ValueError(f"{layer}: backend 'blocks' needs group_size 32; got {group_size}")
 
 
 def _quant_kernels():
