@@ -39,6 +39,7 @@ from radixserve.engine.request import Req
 from radixserve.sampling.params import SamplingParams
 
 MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "_weight_int4pack_mm", "_weight_int8")
+BLOCK_MATMUL_OPS = ("radixserve_cpu::int4_block_mm", "radixserve_cpu::int8_block_mm")
 ATTENTION_OPS = ("radixserve_cpu::", "scaled_dot_product", "_flash_attention")
 
 
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--torch-compile", choices=("off", "on", "both"), default="off")
+    p.add_argument(
+        "--cpu-quant-kernels",
+        default="auto",
+        help="comma-separated --cpu-quant-kernel values run side by side (e.g. torch,auto)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
     return p.parse_args(argv)
 
@@ -87,8 +93,10 @@ class Timers:
         return statistics.median(self.seconds.get(name, [0.0])) * 1e3
 
 
-def build_core(args: argparse.Namespace, batch: int, compiled: bool) -> EngineCore:
-    load = LoadConfig(model=args.model, quantization=args.quantization, device="cpu")
+def build_core(args: argparse.Namespace, batch: int, compiled: bool, kernel: str) -> EngineCore:
+    load = LoadConfig(
+        model=args.model, quantization=args.quantization, device="cpu", cpu_quant_kernel=kernel
+    )
     tokens = batch * (args.context + 4 * args.steps + 64) + 1024
     cache = CacheConfig(
         max_total_tokens=tokens,
@@ -139,7 +147,11 @@ def profiled_pass(core: EngineCore, steps: int) -> dict[str, float]:
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1e3 / steps
         name = event.key.removeprefix("aten::")
-        if name in MATMUL_OPS or any(name.startswith(m) for m in MATMUL_OPS[5:]):
+        if (
+            name in MATMUL_OPS
+            or any(name.startswith(m) for m in MATMUL_OPS[5:])
+            or event.key in BLOCK_MATMUL_OPS
+        ):
             split["matmul"] += ms
         elif any(a in event.key for a in ATTENTION_OPS):
             split["attention"] += ms
@@ -182,21 +194,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows = []
     print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
-    print(f"{'batch':>6}{'compiled':>9}" + "".join(f"{c:>16}" for c in COLUMNS) + "   (ms)")
+    header = f"{'batch':>6}{'compiled':>9}{'kernel':>8}" + "".join(f"{c:>16}" for c in COLUMNS)
+    print(header + "   (ms)")
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.torch_compile]
+    runs = [(c, k) for c in modes for k in args.cpu_quant_kernels.split(",")]
     for batch in [int(b) for b in args.batches.split(",")]:
-        for compiled in modes:
-            core = build_core(args, batch, compiled)
+        for compiled, kernel in runs:
+            core = build_core(args, batch, compiled, kernel)
             add_requests(core, batch, args)
             with torch.inference_mode():
                 until_all_decode(core)
                 plain = plain_pass(core, args.steps)
                 prof = profiled_pass(core, args.steps)
-            row = {"batch": batch, "compiled": compiled, **breakdown(plain, prof)}
+            row = {"batch": batch, "compiled": compiled, "cpu_quant_kernel": kernel}
+            row |= breakdown(plain, prof)
             row["compile_s"] = compile_seconds(core)
             rows.append(row)
             cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-            print(f"{batch:>6}{compiled!s:>9}{cells}", flush=True)
+            print(f"{batch:>6}{compiled!s:>9}{kernel:>8}{cells}", flush=True)
             core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}

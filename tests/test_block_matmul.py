@@ -17,6 +17,7 @@ from radixserve.model.quant.block_matmul import (
     resolve_cpu_quant_kernel,
     unpack_int4_blocks,
 )
+from radixserve.model.quant.gguf_weights import HEAD_DENSE_MIN_ROWS
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.runner import ModelRunner
 
@@ -109,8 +110,10 @@ def tied_q8_gguf(tmp_path_factory):
     return root / "tiny.gguf"
 
 
-def _greedy_and_logits(path, kernel: str):
-    load = LoadConfig(model=str(path), device="cpu", quantization="gguf", cpu_quant_kernel=kernel)
+def _greedy_and_logits(path, kernel: str, **options):
+    load = LoadConfig(
+        model=str(path), device="cpu", quantization="gguf", cpu_quant_kernel=kernel, **options
+    )
     runner = ModelRunner.create(load, CacheConfig(max_total_tokens=256))
     table = runner.pool.extend_page_table([], len(PROMPT))
     batch = ForwardBatch.build([PROMPT], [0], [table], 16, return_all_logits=True)
@@ -131,3 +134,20 @@ def test_loader_puts_layers_and_a_q8_head_on_the_blocks_with_the_same_greedy_tok
     assert torch.equal(our_tokens, their_tokens)
     # theirs runs bf16 activations and bf16-rounded scales; ours fp32 throughout
     torch.testing.assert_close(our_logits, their_logits, atol=0.05, rtol=0)
+
+
+def test_a_tied_blocks_head_multiplies_by_the_embedding_from_24_rows_on_unless_deterministic(
+    cpu_ops, tied_q8_gguf
+):
+    if resolve_cpu_quant_kernel("auto") != "blocks":
+        pytest.skip("the block kernels built without AVX2 / AVX512 here: auto keeps torch's")
+    model = _greedy_and_logits(tied_q8_gguf, "blocks")[0]
+    head = model.lm_head
+    assert head.dequant_min_rows == HEAD_DENSE_MIN_ROWS
+    x = torch.randn(HEAD_DENSE_MIN_ROWS, head.in_features)
+    with torch.inference_mode():
+        dense = head(x)  # the embedding's fp32 rows
+        head.dequant_min_rows = None
+        torch.testing.assert_close(head(x), dense, atol=1e-5, rtol=1e-5)
+    flagged = _greedy_and_logits(tied_q8_gguf, "blocks", enable_deterministic_inference=True)
+    assert flagged[0].lm_head.dequant_min_rows is None  # row-invariant: blocks for every batch

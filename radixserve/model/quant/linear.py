@@ -69,6 +69,17 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.dequant_min_rows: int | None = DEQUANT_MIN_ROWS
 
+    def share_dense_weight(self, weight: torch.Tensor, min_rows: int) -> None:
+        """From `min_rows` rows on, multiply by `weight` (an fp tensor holding this layer's
+        weight exactly, e.g. the embedding a tied head is quantized from) instead of
+        dequantizing. A plain attribute: the owner keeps it, nothing is copied."""
+        self._shared_dense, self.dequant_min_rows = weight, min_rows
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as an fp matrix for the dequantize path: the shared one, if any."""
+        shared = getattr(self, "_shared_dense", None)
+        return self.dequantize(dtype) if shared is None else shared.to(dtype)
+
     def _dequantizes(self, x: torch.Tensor) -> bool:
         return self.dequant_min_rows is not None and x.shape[0] >= self.dequant_min_rows
 
@@ -160,7 +171,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         if self.backend == "triton":
             return _quant_kernels().int8_matmul(x, self.qweight, self.scales, self.group_size)
         if self._dequantizes(x):
-            return F.linear(x, self.dequantize(x.dtype))
+            return F.linear(x, self.dense_weight(x.dtype))
         int8_mm = torch.ops.aten._weight_int8pack_mm
         if self.group_size is None:
             return int8_mm(x, self.qweight, self.scales)
@@ -258,7 +269,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         if self.backend == "blocks" and not self._dequantizes(x):
             return block_matmul.int4_block_matmul(x, self.qs, self.scale_min)
         if self._dequantizes(x) and (self.backend == "blocks" or packing_format() is not None):
-            return F.linear(x, self.dequantize(x.dtype))
+            return F.linear(x, self.dense_weight(x.dtype))
         return self._cpu_kernel_matmul(x)
 
     def _cpu_kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
