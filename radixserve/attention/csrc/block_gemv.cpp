@@ -50,11 +50,15 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+// The block's 16 possible weights q * d + m as a table (one FMA), then a lookup per lane
+// (vpermps reads the low 4 bits of each index: the low nibble without a mask): fewer
+// instructions than converting and scaling each code, the same fp32 values.
 inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const Vec vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-  w[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F))), vd, vm);
-  w[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), vd, vm);
+  const Vec codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec table = vfma(codes, _mm512_set1_ps(d), _mm512_set1_ps(m));
+  w[0] = _mm512_permutexvar_ps(v, table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 inline void dequant_int8(const int8_t* q, float d, Vec* w) {
   const Vec vd = _mm512_set1_ps(d);
