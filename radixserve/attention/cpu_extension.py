@@ -1,6 +1,7 @@
 """Builds the C++ CPU attention kernels (csrc/) on first use and loads them, cached per machine.
 
-`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode and paged extend) once into
+`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode and paged extend; and the
+quantized layers' block matmuls, block_gemv.cpp, see model/quant/block_matmul.py) once into
 <cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and their header),
 the torch version and the compiler flags. The SIMD flags follow the level torch itself
 detected on this CPU at run time (never assumed), so a cached build is never run on a CPU or
