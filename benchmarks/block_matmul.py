@@ -4,9 +4,10 @@ SmolLM2-135M's shapes (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->5
 the tied LM head 576->49152 as the dense fp32 matrix torch's path multiplies by, and as Q8_0
 blocks), at M = 1, 4, 8, 16 rows. As in a decode step, each layer kind has `--layers`
 distinct copies (30: one per transformer layer), called one after the other, so the weights
-stream from memory instead of sitting in cache. Per call: microseconds of the thread's CPU
-time (median of `--repeats` passes; needs --threads 1) and GB/s = bytes of weights read / time. Backends alternate within each
-repetition, so drift on a shared machine hits both alike.
+stream from memory instead of sitting in cache. Per call: microseconds (the thread's CPU
+time with --threads 1, else wall time; median of `--repeats` passes) and GB/s = bytes of
+weights read / time. Backends alternate within each repetition, so drift on a shared
+machine hits both alike.
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/block_matmul.py [--threads 1]
 Prints a table; writes JSON to `--out`.
@@ -62,13 +63,14 @@ def weight_bytes(layer: torch.nn.Module) -> int:
 
 
 def time_pass(fn, x: torch.Tensor, layers: list) -> float:
-    """Seconds per call over one pass through all `layers`, as CPU time of this thread (with
-    one torch thread all the work runs on it; time descheduled on a shared machine does not
-    count)."""
-    start = time.thread_time()
+    """Seconds per call over one pass through all `layers`: CPU time of this thread with one
+    torch thread (all the work runs on it; time descheduled on a shared machine does not
+    count), else wall time."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    start = clock()
     for layer in layers:
         fn(layer, x)
-    return (time.thread_time() - start) / len(layers)
+    return (clock() - start) / len(layers)
 
 
 def measure(cases: dict, m: int, repeats: int, k: int) -> dict[str, float]:
