@@ -19,6 +19,7 @@
 
 #include "cpu_common.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -36,6 +37,8 @@ constexpr int64_t kHalf = kBlock / 2;
 constexpr int64_t kTileRows = 4;  // activation rows sharing one dequantized block
 constexpr int64_t kGrain = 16;    // output rows per parallel_for chunk, at least
 constexpr int64_t kPrefetchRows = 4;  // weight rows asked for ahead of the one in use
+constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
+constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
 
 // One SIMD level's view of a block: 32 fp32 weights as kVecs vectors of kLanes, and the
 // few operations the kernel needs. AVX512 and AVX2 use intrinsics; anything else plain
@@ -198,21 +201,43 @@ void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float
   }
 }
 
-// Every activation row against weight rows [n0, n1), in tiles of up to kTileRows rows; a
-// weight row stays in L1 while the tiles pass over it.
+// Every activation row against weight row n, in tiles of up to kTileRows rows (the weight
+// row stays in L1 while the tiles pass over it).
+template <typename Weights>
+void dot_weight_row(const Weights& weights, int64_t n, int64_t num_blocks, const float* x,
+                    int64_t M, int64_t K, float* out, int64_t N) {
+  int64_t r = 0;
+  for (; r + kTileRows <= M; r += kTileRows)
+    dot_rows<kTileRows>(weights, n, num_blocks, x + r * K, K, out + r * N, N);
+  switch (M - r) {
+    case 3: dot_rows<3>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    case 2: dot_rows<2>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    case 1: dot_rows<1>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    default: break;
+  }
+}
+
+// Weight rows [n0, n1). With more activation rows than one tile whose rows do not all fit
+// in L1 (e.g. 16 x 1536 fp32 = 96 KiB), weight rows go in chunks of kChunkRows and each tile
+// of activations passes over a whole chunk before the next tile: each stays in L1.
 template <typename Weights>
 void dot_range(const Weights& weights, int64_t n0, int64_t n1, int64_t num_blocks,
                const float* x, int64_t M, int64_t K, float* out, int64_t N) {
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
-    int64_t r = 0;
-    for (; r + kTileRows <= M; r += kTileRows)
-      dot_rows<kTileRows>(weights, n, num_blocks, x + r * K, K, out + r * N, N);
-    switch (M - r) {
-      case 3: dot_rows<3>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
-      case 2: dot_rows<2>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
-      case 1: dot_rows<1>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
-      default: break;
+  if (M <= kTileRows || M * K * static_cast<int64_t>(sizeof(float)) <= kL1Bytes) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
+      dot_weight_row(weights, n, num_blocks, x, M, K, out, N);
+    }
+    return;
+  }
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
+    const int64_t c1 = std::min(c0 + kChunkRows, n1);
+    for (int64_t r = 0; r < M; r += kTileRows) {
+      const int64_t rows = std::min(kTileRows, M - r);
+      for (int64_t n = c0; n < c1; ++n) {
+        if (r == 0 && n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
+        dot_weight_row(weights, n, num_blocks, x + r * K, rows, K, out + r * N, N);
+      }
     }
   }
 }
