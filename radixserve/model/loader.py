@@ -120,8 +120,8 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
     check_quantization(load_config, config)
     model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
     on_cpu = load_config.torch_device().type == "cpu"
-    backend = resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) if on_cpu else None
-    load_gguf_weights(model, reader, config, backend)
+    blocks = on_cpu and resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
+    load_gguf_weights(model, reader, config, blocks)
     configure_int_layers(model, load_config)
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None

@@ -135,11 +135,11 @@ def gguf_hf_config(reader, path: Path) -> dict[str, Any]:
     return cfg
 
 
-def load_gguf_weights(
-    model: nn.Module, reader, config: ModelConfig, backend: str | None = None
-) -> None:
-    """Puts packed int4/int8 projections into `model` (their kernels: `backend`, None for the
-    device's default) and loads every fp tensor; with "blocks", a quantized LM head too."""
+def load_gguf_weights(model: nn.Module, reader, config: ModelConfig, blocks: bool = False) -> None:
+    """Puts packed int4/int8 projections into `model` (on the C++ block kernels if `blocks`,
+    else the device's default kernels) and loads every fp tensor; with `blocks`, a quantized
+    LM head too."""
+    backend = "blocks" if blocks else None
     tensors = {t.name: t for t in reader.tensors}
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     fp_weights: list[tuple[str, torch.Tensor]] = []
@@ -154,14 +154,20 @@ def load_gguf_weights(
             else:
                 owner_name, attr = path.split(".")
                 setattr(getattr(layer, owner_name), attr, module)
-    head = block_lm_head(tensors, dtype, device) if backend == "blocks" else None
+    head = block_lm_head(tensors, dtype, device) if blocks else None
     if head is not None:
         tensors.pop("output.weight", None)  # not loaded as fp (absent when tied)
     model.load_weights([*fp_weights, *fp_tensors(tensors)])
     if head is not None:
-        if model.lm_head is None:  # tied: the embedding holds the same weights in fp
-            head.share_dense_weight(model.embed_tokens.weight, HEAD_DENSE_MIN_ROWS)
-        model.lm_head = head
+        attach_block_head(model, head)
+
+
+def attach_block_head(model: nn.Module, head: nn.Module) -> None:
+    """Makes `head` the LM head; a tied one multiplies by the embedding (the same weights in
+    fp) from HEAD_DENSE_MIN_ROWS rows on."""
+    if model.lm_head is None:
+        head.share_dense_weight(model.embed_tokens.weight, HEAD_DENSE_MIN_ROWS)
+    model.lm_head = head
 
 
 def block_lm_head(tensors: dict, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
