@@ -5,12 +5,13 @@
 //                       element j + 16 (high nibble); scale_min [N, K / 32, 2] fp32 (d, m),
 //                       w = q * d + m
 //   int8 (Q8_0):        qs [N, K] int8; scales [N, K / 32] fp32, w = q * d
-// Each block's 32 weights are dequantized to fp32 once and multiplied into every activation
-// row (fp32 FMAs, no rounding of the activations): exact to fp32 summation order. A row's
-// arithmetic is the same whatever the number of rows (row-invariant), so
-// --enable-deterministic-inference can use it for every batch. Plain fixed-width loops that
-// -O3 and `omp simd` vectorize for the SIMD level the build flags allow (portable otherwise);
-// at::parallel_for over output rows.
+// Each block's 32 weights are dequantized to fp32 once and multiplied into up to kTileRows
+// activation rows (fp32 FMAs, no rounding of the activations): exact to fp32 summation
+// order. A row's arithmetic is the same whatever the number of rows (row-invariant), so
+// --enable-deterministic-inference can use it for every batch. AVX512 / AVX2 intrinsics by
+// the build flags (plain loops otherwise: correct, slow); weight rows prefetched ahead;
+// activations past L1 taken tile by tile over chunks of weight rows; at::parallel_for over
+// output rows. docs/performance.md ("GGUF blocks on the C++ block kernels") has the numbers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
