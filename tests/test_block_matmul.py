@@ -134,6 +134,8 @@ def test_loader_puts_layers_and_a_q8_head_on_the_blocks_with_the_same_greedy_tok
     ours, our_tokens, our_logits = _greedy_and_logits(tied_q8_gguf, "auto")
     theirs, their_tokens, their_logits = _greedy_and_logits(tied_q8_gguf, "torch")
     assert ours.layers[0].mlp.down_proj.backend == "blocks"
+    # fp32 kernels; a prefill chunk's dense matmul in the int layers' dtype (bf16 here)
+    assert ours.layers[0].mlp.down_proj.dense_dtype == torch.bfloat16
     assert isinstance(ours.lm_head, Int8WeightOnlyLinear) and ours.lm_head.backend == "blocks"
     assert theirs.lm_head is None  # torch's kernels: the dense tied head
     assert torch.equal(our_tokens, their_tokens)

@@ -284,15 +284,18 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
 
 def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
     """Every int8 / int4 layer, however it was built: its kernel runs in
-    LoadConfig.quant_compute_dtype (the "blocks" kernels, compute_dtype None, always compute
-    in fp32 on the input's dtype), and with --enable-deterministic-inference it stays on its
-    row-wise kernel for every batch; on CPU the fp layers left (the LM head, unquantized
-    projections) then become BatchInvariantLinear."""
+    LoadConfig.quant_compute_dtype (the "blocks" kernels, compute_dtype None, compute in fp32
+    on any input: only their prefill matmul runs in it), and with
+    --enable-deterministic-inference it stays on its row-wise kernel for every batch; on CPU
+    the fp layers left (the LM head, unquantized projections) then become
+    BatchInvariantLinear."""
     dtype = load_config.quant_compute_dtype()
     deterministic = load_config.enable_deterministic_inference
     for module in model.modules():
         if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
-            if module.compute_dtype not in (None, dtype):
+            if module.compute_dtype is None:  # block kernels: fp32; prefill's matmul in dtype
+                module.dense_dtype = dtype
+            elif module.compute_dtype != dtype:
                 module.set_compute_dtype(dtype)
             if deterministic:
                 module.dequant_min_rows = None
