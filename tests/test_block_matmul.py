@@ -107,6 +107,16 @@ def test_blocks_need_32_wide_groups():
         resolve_cpu_quant_kernel("fast")
 
 
+def test_without_the_block_kernels_auto_keeps_torchs_and_blocks_says_why(monkeypatch):
+    from radixserve.model.quant import block_matmul
+
+    monkeypatch.setattr(block_matmul, "block_kernels", lambda: None)  # no compiler, or no SIMD
+    assert resolve_cpu_quant_kernel("auto") == "torch"
+    assert resolve_cpu_quant_kernel("torch") == "torch"
+    with pytest.raises(ValueError, match="--cpu-quant-kernel blocks: the C\\+\\+ block kernels"):
+        resolve_cpu_quant_kernel("blocks")
+
+
 @pytest.fixture(scope="module")
 def tied_q8_gguf(tmp_path_factory):
     """The tiny GGUF with its head tied to a Q8_0 token_embd (as the default model's is)."""
