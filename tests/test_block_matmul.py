@@ -75,6 +75,19 @@ def test_int8_blocks_equal_the_dequantized_matmul_and_each_row_its_one_row_call(
     _check(lambda x: int8_block_matmul(x, qs, scales), weight, k)
 
 
+def test_output_rows_split_over_threads_give_the_same_bits(cpu_ops):
+    qs, scale_min, _ = _int4_weights(576, 301, seed=3)
+    x = torch.randn(5, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int4_block_matmul(x, qs, scale_min)
+        torch.set_num_threads(2)
+        assert torch.equal(int4_block_matmul(x, qs, scale_min), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_gguf_nibble_order_round_trips():
     codes = torch.randint(0, 16, (3, 64))
     qs = pack_int4_blocks(codes)
