@@ -79,17 +79,28 @@ def unpack_int4_blocks(qs: torch.Tensor) -> torch.Tensor:
 
 
 def int4_block_matmul(x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-    """[M, K] fp32 / bf16 @ int4 blocks.T -> [M, N] in x's dtype (fp32 arithmetic)."""
-    return _ops().int4_block_mm(x.contiguous(), qs, scale_min)
+    """[M, K] fp32 / bf16 @ int4 blocks.T -> [M, N] in x's dtype (fp32 arithmetic). The ops
+    are called through torch.ops (what torch.compile traces); `load_block_ops` comes first."""
+    return torch.ops.radixserve_cpu.int4_block_mm(x.contiguous(), qs, scale_min)
 
 
 def int8_block_matmul(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[M, K] fp32 / bf16 @ int8 blocks.T -> [M, N] in x's dtype (fp32 arithmetic)."""
-    return _ops().int8_block_mm(x.contiguous(), qs, scales)
+    return torch.ops.radixserve_cpu.int8_block_mm(x.contiguous(), qs, scales)
 
 
-def _ops() -> Any:
-    """The extension whatever its SIMD level (a layer built with backend "blocks" runs it)."""
+@functools.cache
+def load_block_ops() -> None:
+    """Loads the extension whatever its SIMD level (a layer built with backend "blocks" runs
+    it) and tells torch.compile's tracer what the ops return without running them."""
     from radixserve.attention.cpu_extension import load_cpu_ops
 
-    return load_cpu_ops()
+    load_cpu_ops()
+
+    @torch.library.register_fake("radixserve_cpu::int4_block_mm")
+    def _int4_fake(x, qs, scale_min):
+        return x.new_empty(x.shape[0], qs.shape[0])
+
+    @torch.library.register_fake("radixserve_cpu::int8_block_mm")
+    def _int8_fake(x, qs, scales):
+        return x.new_empty(x.shape[0], qs.shape[0])

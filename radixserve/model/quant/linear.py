@@ -322,8 +322,12 @@ def _backend(requested: str | None, device: torch.device) -> str:
 
 
 def _check_blocks(backend: str, group_size: int | None, layer: str) -> None:
-    if backend == "blocks" and group_size != block_matmul.BLOCK:
+    """A "blocks" layer: 32-wide groups, and the C++ ops loaded before its first call."""
+    if backend != "blocks":
+        return
+    if group_size != block_matmul.BLOCK:
         raise ValueError(f"{layer}: backend 'blocks' needs group_size 32; got {group_size}")
+    block_matmul.load_block_ops()
 
 
 def _quant_kernels():
