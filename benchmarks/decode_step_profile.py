@@ -40,6 +40,7 @@ from radixserve.engine.request import Req
 from radixserve.sampling.params import SamplingParams
 
 MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "_weight_int4pack_mm", "_weight_int8")
+BLOCK_MATMUL_OPS = ("radixserve_cpu::int4_block_mm", "radixserve_cpu::int8_block_mm")
 ATTENTION_OPS = ("radixserve_cpu::paged_", "scaled_dot_product", "_flash_attention")
 
 
@@ -56,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layer-ops", choices=("off", "on", "both"), default="on",
                    help="the fused C++ CPU layer ops (model/cpu_layer_ops.py); both: each "
                    "batch with them off, then on, side by side")  # fmt: skip
+    p.add_argument(
+        "--cpu-quant-kernels",
+        default="auto",
+        help="comma-separated --cpu-quant-kernel values run side by side (e.g. torch,auto)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
     return p.parse_args(argv)
 
@@ -91,8 +97,10 @@ class Timers:
         return statistics.median(self.seconds.get(name, [0.0])) * 1e3
 
 
-def build_core(args: argparse.Namespace, batch: int, compiled: bool) -> EngineCore:
-    load = LoadConfig(model=args.model, quantization=args.quantization, device="cpu")
+def build_core(args: argparse.Namespace, batch: int, compiled: bool, kernel: str) -> EngineCore:
+    load = LoadConfig(
+        model=args.model, quantization=args.quantization, device="cpu", cpu_quant_kernel=kernel
+    )
     tokens = batch * (args.context + 4 * args.steps + 64) + 1024
     cache = CacheConfig(
         max_total_tokens=tokens,
@@ -143,7 +151,11 @@ def profiled_pass(core: EngineCore, steps: int) -> dict[str, float]:
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1e3 / steps
         name = event.key.removeprefix("aten::")
-        if name in MATMUL_OPS or any(name.startswith(m) for m in MATMUL_OPS[5:]):
+        if (
+            name in MATMUL_OPS
+            or any(name.startswith(m) for m in MATMUL_OPS[5:])
+            or event.key in BLOCK_MATMUL_OPS
+        ):
             split["matmul"] += ms
         elif any(a in event.key for a in ATTENTION_OPS):
             split["attention"] += ms
@@ -188,11 +200,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
     print("ms per decode step")
     choices = {"off": [False], "on": [True], "both": [False, True]}
-    modes = [(c, f) for c in choices[args.torch_compile] for f in choices[args.layer_ops]]
-    print(f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}" + "".join(f"{c:>16}" for c in COLUMNS))
+    runs = [
+        (c, f, k)
+        for c in choices[args.torch_compile]
+        for f in choices[args.layer_ops]
+        for k in args.cpu_quant_kernels.split(",")
+    ]
+    header = f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}"
+    print(header + "".join(f"{c:>16}" for c in COLUMNS))
     for batch in [int(b) for b in args.batches.split(",")]:
-        for compiled, layer_ops in modes:
-            core = build_core(args, batch, compiled)
+        for compiled, layer_ops, kernel in runs:
+            core = build_core(args, batch, compiled, kernel)
             if not layer_ops:
                 core.runner.model.use_cpu_layer_ops(None)
             add_requests(core, batch, args)
@@ -201,11 +219,12 @@ def main(argv: list[str] | None = None) -> None:
                 plain = plain_pass(core, args.steps)
                 prof = profiled_pass(core, args.steps)
             row = {"batch": batch, "compiled": compiled, "layer_ops": layer_ops}
+            row["cpu_quant_kernel"] = kernel
             row |= breakdown(plain, prof)
             row["compile_s"] = compile_seconds(core)
             rows.append(row)
             cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-            print(f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{cells}", flush=True)
+            print(f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{cells}", flush=True)
             core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}

@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server-args", default="--no-repack",
                    help="extra llama-server flags (--no-repack: its AMX Q4_1 path crashes on "
                    "some Xeons, see docs/performance.md)")  # fmt: skip
+    p.add_argument("--server-args", default="", help="extra radixserve serve flags")
     p.add_argument("--out", type=Path, default=Path("bench_results/single_stream.json"))
     return p.parse_args(argv)
 
@@ -68,7 +69,11 @@ async def one_request(backend, prompt: list[int], output_len: int) -> RequestRes
 
 def run(args: argparse.Namespace) -> dict:
     specs = parse_systems(args.systems)
-    options = LaunchOptions(model=args.model, llama_server_args=args.llama_server_args)
+    options = LaunchOptions(
+        model=args.model,
+        server_args=args.server_args,
+        llama_server_args=args.llama_server_args,
+    )
     prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     text = TextSource(model_tokenizer(args.model), random.Random(args.seed))
     rounds = [[text.tokens(n) for n in prompt_lens] for _ in range(args.rounds)]

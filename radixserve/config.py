@@ -144,9 +144,9 @@ class LoadConfig:
     """auto | safetensors | gguf | dummy (random weights from the config, for benchmarking)."""
     dtype: str = "auto"
     """auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16. On CPU the
-    int8 / int4 / gguf / gptq / awq projections compute in bfloat16 whatever this is (torch's
-    int kernels are fast in bfloat16 only); the rest of the model (residual stream, norms,
-    attention, KV pool, LM head) computes in this dtype."""
+    int8 / int4 / gguf / gptq / awq projections compute in bfloat16 whatever this is (torch's int
+    kernels are fast in bfloat16 only; gguf on the C++ block kernels: fp32); the rest of the model
+    (residual stream, norms, attention, KV pool, LM head) computes in this dtype."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda."""
     seed: int = 0
@@ -165,6 +165,10 @@ class LoadConfig:
     of these that divides its in_features."""
     quantize_lm_head: bool = False
     """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
+    cpu_quant_kernel: str = "auto"
+    """gguf on CPU: auto (the C++ block kernels where they build with AVX2 / AVX512: the
+    Q4_0 / Q4_1 / Q8_0 projections as fp32 matmuls over GGUF-style blocks, and a quantized LM
+    head kept as its blocks, not a dense fp copy; else torch's int kernels) | blocks | torch."""
     enable_deterministic_inference: bool = False
     """Batch-invariant inference on CPU (SGLang's flag): by default greedy output can depend
     on batch composition, cache hits and speculation on/off (a verify's rows round

@@ -322,6 +322,7 @@ def test_kv_cache_dtype_errors_name_the_flag(tiny_models):
         ({"quantization": "int4", "quantization_group_size": 128}, "128 does not divide"),
         ({"quantization": "int8", "quantization_group_size": 64}, "int4 only"),
         ({"quantize_lm_head": True}, "--quantize-lm-head needs"),
+        ({"cpu_quant_kernel": "fast"}, "--cpu-quant-kernel must be one of auto, blocks, torch"),
     ],
 )
 def test_bad_options_fail_at_start_naming_the_flag(tiny_models, kwargs, message):

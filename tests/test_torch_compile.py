@@ -169,6 +169,19 @@ def test_inductor_decode_matches_eager(tiny_models):
 
 
 @pytest.mark.slow
+def test_inductor_decode_of_gguf_layers_on_the_block_kernels(tmp_path):
+    """The C++ block matmuls inside a compiled step (their fake kernels give the tracer the
+    output shapes); the tiny GGUF's Q4_0 / Q4_1 / Q8_0 layers."""
+    from test_quantization_gguf import save_plain_llama, write_tiny_gguf
+
+    write_tiny_gguf(save_plain_llama(tmp_path / "hf"), tmp_path / "tiny.gguf")
+    prompts = [[(i * 31 + 5) % 256 for i in range(12)]]
+    torch._dynamo.utils.counters.clear()
+    _compare_compiled(tmp_path / "tiny.gguf", prompts, num_tokens=4, quantization="gguf")
+    assert not torch._dynamo.utils.counters["graph_break"]  # the ops are in the graph
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_inductor_decode_of_quantized_linears(tiny_models, quantization):
     prompts = [[(i * 31 + 5) % 256 for i in range(12)]]

@@ -1,7 +1,8 @@
 """Builds the C++ CPU kernels (csrc/) on first use and loads them, cached per machine.
 
-`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode, paged extend, and the model's
-fused layer ops: layer_ops.cpp, used through model/cpu_layer_ops.py) once into
+`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode, paged extend, the model's
+fused layer ops: layer_ops.cpp, used through model/cpu_layer_ops.py, and the quantized layers'
+block matmuls: block_gemv.cpp, see model/quant/block_matmul.py) once into
 <cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and their header),
 the torch version and the compiler flags. The SIMD flags follow the level torch itself
 detected on this CPU at run time (never assumed), so a cached build is never run on a CPU or
@@ -31,7 +32,12 @@ from radixserve.disk_cache import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode.cpp", CSRC / "paged_extend.cpp", CSRC / "layer_ops.cpp"]
+SOURCES = [
+    CSRC / "paged_decode.cpp",
+    CSRC / "paged_extend.cpp",
+    CSRC / "layer_ops.cpp",
+    CSRC / "block_gemv.cpp",
+]
 HEADERS = [CSRC / "cpu_common.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the

@@ -15,6 +15,7 @@ from radixserve.config import LoadConfig, ModelConfig
 from radixserve.distributed.group import TPGroup
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM, hf_weight_shapes
+from radixserve.model.quant.block_matmul import resolve_cpu_quant_kernel
 from radixserve.model.quant.gguf_weights import (
     field,
     gguf_hf_config,
@@ -118,7 +119,9 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
     config = ModelConfig.from_hf_dict(gguf_hf_config(reader, source.path))
     check_quantization(load_config, config)
     model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
-    load_gguf_weights(model, reader, config)
+    on_cpu = load_config.torch_device().type == "cpu"
+    blocks = on_cpu and resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
+    load_gguf_weights(model, reader, config, blocks)
     configure_int_layers(model, load_config)
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None

@@ -18,6 +18,8 @@ layout, so a layer is built on its device and never moved:
                          CUDA    Triton `int8_matmul`                [out, in] int8
     int4                 CPU     torch `_weight_int4pack_mm_for_cpu` torch's CPU packing
                          CUDA    Triton `int4_matmul`                [out, in / 2] uint8
+    int4 / int8, 32-wide CPU     C++ block kernels (backend          GGUF-style blocks
+    groups (GGUF)                "blocks", block_matmul.py)          (block_matmul.py)
     fp8                  CUDA    torch `_scaled_mm`
 
 torch's own CUDA int4 kernel (`_weight_int4pack_mm`) takes bf16 only; the Triton kernels
@@ -25,11 +27,11 @@ torch's own CUDA int4 kernel (`_weight_int4pack_mm`) takes bf16 only; the Triton
 `dequantize()` gives back the weight each layer multiplies by, for tests and for the fp
 reference path.
 
-torch's int8 / int4 CPU kernels are matrix-vector kernels: their time grows linearly with the
-rows, so past `dequant_min_rows` rows (a prefill chunk) the torch-backend layers dequantize the
-weight once and run one dense matmul, several times faster (measured: 576x3072 int4 at 512
-rows, 23 ms in the kernel vs ~10 ms dequantize + matmul). Decode batches stay on the kernels,
-which read 2-4x fewer bytes. --enable-deterministic-inference keeps every batch on them.
+torch's int8 / int4 CPU kernels are matrix-vector kernels: their time grows linearly with the rows
+(the "blocks" kernels too), so past `dequant_min_rows` rows (a prefill chunk) the torch-backend
+layers dequantize the weight once and run one dense matmul, several times faster (measured: 576x3072
+int4 at 512 rows, 23 ms in the kernel vs ~10 ms dequantize + matmul). Decode batches stay on the
+kernels, which read 2-4x fewer bytes. --enable-deterministic-inference keeps every batch on them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.quant import block_matmul
 from radixserve.model.quant.int4_layout import packing_format, unpack_codes
 
 DEQUANT_MIN_ROWS = 128  # from this many rows on, dequantize + dense matmul beats the kernels
@@ -45,7 +48,7 @@ INT4_GROUP_SIZES = (32, 64, 128)  # torch's CPU int4 kernel also takes 256; we o
 INT4_OUT_MULTIPLE = 16  # the CPU int4 packer needs out_features divisible by 16
 INT4_MID = 8  # torch's int4 kernels read code q as (q - 8) * scale + zero
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-MATMUL_BACKENDS = ("torch", "triton")
+MATMUL_BACKENDS = ("torch", "triton", "blocks")
 _INT4_MM_CPU = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
@@ -59,13 +62,32 @@ class UnquantizedLinear(nn.Linear):
 class QuantizedLinear(nn.Module):
     """Common shape bookkeeping; subclasses keep their weights as buffers, not parameters.
     `dequant_min_rows`: from this many rows on, int8 / int4 layers dequantize and run one
-    dense matmul; None keeps them on the kernels (--enable-deterministic-inference)."""
+    dense matmul; None keeps them on the kernels (--enable-deterministic-inference).
+    `dense_dtype`: that matmul's dtype (None: the input's); the block kernels' layers, which
+    compute in fp32 on any input, get the int layers' dtype here (bf16 on CPU by default: a
+    prefill chunk's matmul is several times faster in bf16)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", bias)
         self.dequant_min_rows: int | None = DEQUANT_MIN_ROWS
+        self.dense_dtype: torch.dtype | None = None
+        self._shared_dense: torch.Tensor | None = None
+
+    def share_dense_weight(self, weight: torch.Tensor, min_rows: int) -> None:
+        """From `min_rows` rows on, multiply by `weight` (an fp tensor holding this layer's
+        weight exactly, e.g. the embedding a tied head is quantized from) instead of
+        dequantizing. A plain attribute: the owner keeps it, nothing is copied."""
+        self._shared_dense, self.dequant_min_rows = weight, min_rows
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T as one dense matmul: by the shared weight in its own dtype, else by the
+        dequantized weight in dense_dtype; the result in x's dtype."""
+        if self._shared_dense is not None:
+            return F.linear(x.to(self._shared_dense.dtype), self._shared_dense).to(x.dtype)
+        dtype = self.dense_dtype or x.dtype
+        return F.linear(x.to(dtype), self.dequantize(dtype)).to(x.dtype)
 
     def _dequantizes(self, x: torch.Tensor) -> bool:
         return self.dequant_min_rows is not None and x.shape[0] >= self.dequant_min_rows
@@ -107,7 +129,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     """int8 weights, fp activations. Per-channel scales run as one `_weight_int8pack_mm`
     (torch has it on CPU and CUDA; backend="triton" runs ours instead). Group-wise scales
     (GGUF Q8_0): on CUDA the Triton kernel; on CPU one `_weight_int8pack_mm` per group,
-    summed: exact, but slower."""
+    summed: exact, but slower; or, 32-wide groups, the C++ block kernel (backend "blocks")."""
 
     def __init__(
         self,
@@ -124,14 +146,18 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.group_size = group_size
         per_channel_default = backend is None and group_size is None
         self.backend = "torch" if per_channel_default else _backend(backend, qweight.device)
-        if group_size is None or self.backend == "triton":
+        _check_blocks(self.backend, group_size, "Int8WeightOnlyLinear")
+        if self.backend == "blocks":  # the block kernel's scales are fp32 whatever the model's
+            scales = scales.float()
+        if group_size is None or self.backend in ("triton", "blocks"):
             self.register_buffer("qweight", qweight.contiguous())  # [out, in]
         else:  # [groups, out, group_size]: each group's slice contiguous
             num_groups = in_features // group_size
             grouped = qweight.reshape(out_features, num_groups, group_size).transpose(0, 1)
             self.register_buffer("qweight", grouped.contiguous())
-        scales = scales if group_size is None else scales.t()
-        self.register_buffer("scales", scales.contiguous())  # [out] or [groups, out]
+        scales = scales if group_size is None or self.backend == "blocks" else scales.t()
+        self.register_buffer("scales", scales.contiguous())  # [out], [groups, out] or
+        # [out, groups] ("blocks")
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -142,17 +168,21 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         return cls(qweight, scales.to(linear.weight.dtype), _bias_of(linear))
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        return self._buffers["scales"].dtype
+    def compute_dtype(self) -> torch.dtype | None:
+        return None if self.backend == "blocks" else self._buffers["scales"].dtype
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        if self.backend == "blocks":
+            raise ValueError("Int8WeightOnlyLinear: backend 'blocks' computes in fp32")
         self.scales = self.scales.to(dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "blocks" and not self._dequantizes(x):
+            return block_matmul.int8_block_matmul(x, self.qweight, self.scales)
         if self.backend == "triton":
             return _quant_kernels().int8_matmul(x, self.qweight, self.scales, self.group_size)
         if self._dequantizes(x):
-            return F.linear(x, self.dequantize(x.dtype))
+            return self._dense_matmul(x)
         int8_mm = torch.ops.aten._weight_int8pack_mm
         if self.group_size is None:
             return int8_mm(x, self.qweight, self.scales)
@@ -166,6 +196,9 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         dtype = dtype or self.scales.dtype
         if self.group_size is None:
             return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        if self.backend == "blocks":
+            scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
+            return self.qweight.to(dtype) * scales
         scales = self.scales.t().to(dtype).repeat_interleave(self.group_size, dim=1)  # [out, in]
         if self.backend == "triton":
             return self.qweight.to(dtype) * scales
@@ -175,7 +208,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
 class Int4WeightOnlyLinear(QuantizedLinear):
     """4-bit weights with a scale and a zero per group, fp activations. CPU: torch's packed
-    layout and kernel; CUDA: two codes per byte and the Triton kernel."""
+    layout and kernel, or (32-wide groups, backend "blocks") GGUF-style blocks and the C++
+    block kernel; CUDA: two codes per byte and the Triton kernel."""
 
     def __init__(
         self,
@@ -191,8 +225,11 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
         self.backend = _backend(backend, codes.device)
+        _check_blocks(self.backend, group_size, "Int4WeightOnlyLinear")
         if self.backend == "triton":
             self._store_for_triton(codes, scales, zeros)
+        elif self.backend == "blocks":
+            self._store_blocks(codes, scales, zeros)
         else:
             self._store_for_torch_cpu(codes, scales, zeros)
 
@@ -200,6 +237,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("packed", _quant_kernels().pack_int4(codes))  # [out, in // 2] uint8
         self.register_buffer("scales", scales.t().contiguous())  # [groups, out]
         self.register_buffer("zeros", zeros.t().to(scales.dtype).contiguous())
+
+    def _store_blocks(self, codes, scales, zeros) -> None:
+        self.register_buffer("qs", block_matmul.pack_int4_blocks(codes))  # [out, in // 2]
+        scales = scales.float()
+        offsets = zeros.float() - INT4_MID * scales  # w = q * scale + (zero - 8 * scale)
+        self.register_buffer("scale_min", torch.stack([scales, offsets], dim=-1).contiguous())
 
     def _store_for_torch_cpu(self, codes, scales, zeros) -> None:
         if codes.device.type != "cpu":
@@ -217,10 +260,14 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, _bias_of(linear))
 
     @property
-    def compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> torch.dtype | None:
+        if self.backend == "blocks":  # fp32 arithmetic on the input's dtype
+            return None
         return self._buffers["scales" if self.backend == "triton" else "scales_and_zeros"].dtype
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        if self.backend == "blocks":
+            raise ValueError("Int4WeightOnlyLinear: backend 'blocks' computes in fp32")
         if self.backend == "triton":
             self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
         else:
@@ -230,8 +277,10 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         if self.backend == "triton":
             kernels = _quant_kernels()
             return kernels.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size)
-        if self._dequantizes(x) and packing_format() is not None:
-            return F.linear(x, self.dequantize(x.dtype))
+        if self.backend == "blocks" and not self._dequantizes(x):
+            return block_matmul.int4_block_matmul(x, self.qs, self.scale_min)
+        if self._dequantizes(x) and (self.backend == "blocks" or packing_format() is not None):
+            return self._dense_matmul(x)
         return self._cpu_kernel_matmul(x)
 
     def _cpu_kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +290,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.compute_dtype
+        dtype = dtype or self.compute_dtype or torch.float32
+        if self.backend == "blocks":
+            n, k = self.out_features, self.in_features
+            codes = block_matmul.unpack_int4_blocks(self.qs).view(n, k // self.group_size, -1)
+            scales, offsets = (t[..., None] for t in self.scale_min.unbind(-1))  # fp32
+            return torch.addcmul(offsets, codes.float(), scales).reshape(n, k).to(dtype)
         if self.backend == "triton":
             codes = _quant_kernels().unpack_int4(self.packed)
             weight = dequantize_int4(codes, self.scales.t(), self.zeros.t(), self.group_size)
@@ -269,6 +323,15 @@ def _backend(requested: str | None, device: torch.device) -> str:
     if requested not in MATMUL_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(MATMUL_BACKENDS)}; got {requested!r}")
     return requested
+
+
+def _check_blocks(backend: str, group_size: int | None, layer: str) -> None:
+    """A "blocks" layer: 32-wide groups, and the C++ ops loaded before its first call."""
+    if backend != "blocks":
+        return
+    if group_size != block_matmul.BLOCK:
+        raise ValueError(f"{layer}: backend 'blocks' needs group_size 32; got {group_size}")
+    block_matmul.load_block_ops()
 
 
 def _quant_kernels():

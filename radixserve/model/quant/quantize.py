@@ -46,6 +46,7 @@ from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
+from radixserve.model.quant.block_matmul import CPU_QUANT_KERNELS, block_kernels
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.linear import (
     INT4_GROUP_SIZES,
@@ -125,8 +126,13 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
         raise QuantizationError(
             f"--quantize-lm-head needs --quantization int8 or int4; got {method!r}"
         )
+    if load_config.cpu_quant_kernel not in CPU_QUANT_KERNELS:
+        allowed = ", ".join(CPU_QUANT_KERNELS)
+        raise QuantizationError(
+            f"--cpu-quant-kernel must be one of {allowed}; got {load_config.cpu_quant_kernel!r}"
+        )
     device = load_config.torch_device()
-    if device.type == "cpu" and method in INT_KERNEL_METHODS:
+    if device.type == "cpu" and method in INT_KERNEL_METHODS and not _on_block_kernels(load_config):
         _warn_if_slow_dtype(method, load_config.quant_compute_dtype())
     shapes = projection_shapes(config, load_config.quantize_lm_head)
     if method == "fp8":
@@ -137,6 +143,13 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
         _check_gguf(device, shapes)
     elif method in PACKED_METHODS:
         _check_packed(method, device, shapes, PackedFormat.from_hf_config(config.hf_config))
+
+
+def _on_block_kernels(load_config: LoadConfig) -> bool:
+    """gguf layers on the C++ block kernels compute in fp32 at full speed."""
+    if load_config.quantization != "gguf" or load_config.cpu_quant_kernel == "torch":
+        return False
+    return block_kernels() is not None
 
 
 def _warn_if_slow_dtype(method: str, dtype: torch.dtype) -> None:
@@ -271,14 +284,18 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
 
 def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
     """Every int8 / int4 layer, however it was built: its kernel runs in
-    LoadConfig.quant_compute_dtype, and with --enable-deterministic-inference it stays on its
-    row-wise kernel for every batch; on CPU the fp layers left (the LM head, unquantized
-    projections) then become BatchInvariantLinear."""
+    LoadConfig.quant_compute_dtype (the "blocks" kernels, compute_dtype None, compute in fp32
+    on any input: only their prefill matmul runs in it), and with
+    --enable-deterministic-inference it stays on its row-wise kernel for every batch; on CPU
+    the fp layers left (the LM head, unquantized projections) then become
+    BatchInvariantLinear."""
     dtype = load_config.quant_compute_dtype()
     deterministic = load_config.enable_deterministic_inference
     for module in model.modules():
         if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
-            if module.compute_dtype != dtype:
+            if module.compute_dtype is None:  # block kernels: fp32; prefill's matmul in dtype
+                module.dense_dtype = dtype
+            elif module.compute_dtype != dtype:
                 module.set_compute_dtype(dtype)
             if deterministic:
                 module.dequant_min_rows = None

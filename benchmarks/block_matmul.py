@@ -1,0 +1,139 @@
+"""Per-linear cost of GGUF-block matmuls on CPU: torch's int kernels vs the C++ block kernels.
+
+SmolLM2-135M's shapes (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576 as Q4_1;
+the tied LM head 576->49152 as the dense fp32 matrix torch's path multiplies by, and as Q8_0
+blocks), at M = 1, 4, 8, 16 rows. As in a decode step, each layer kind has `--layers`
+distinct copies (30: one per transformer layer), called one after the other, so the weights
+stream from memory instead of sitting in cache. Per call: microseconds (the thread's CPU
+time with --threads 1, else wall time; median of `--repeats` passes) and GB/s = bytes of
+weights read / time. Backends alternate within each repetition, so drift on a shared
+machine hits both alike.
+
+Run:  OMP_NUM_THREADS=1 python benchmarks/block_matmul.py [--threads 1]
+Prints a table; writes JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+HEAD = (576, 49152)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,4,8,16", help="activation rows M, comma-separated")
+    p.add_argument("--layers", type=int, default=30, help="distinct copies of each projection")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("bench_results/block_matmul.json"))
+    return p.parse_args(argv)
+
+
+def int4_layers(k: int, n: int, count: int, backend: str) -> list[Int4WeightOnlyLinear]:
+    gen = torch.Generator().manual_seed(k * n)
+    layers = []
+    for _ in range(count):
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        scales = torch.rand(n, k // 32, generator=gen) * 0.01
+        zeros = torch.randn(n, k // 32, generator=gen) * 0.01
+        layer = Int4WeightOnlyLinear(codes, scales, zeros, 32, backend=backend)
+        if backend == "torch":
+            layer.set_compute_dtype(torch.bfloat16)  # what --dtype auto runs
+        layers.append(layer)
+    return layers
+
+
+def head_q8(k: int, n: int) -> Int8WeightOnlyLinear:
+    qs = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    return Int8WeightOnlyLinear(qs, torch.rand(n, k // 32) * 0.01, group_size=32, backend="blocks")
+
+
+def weight_bytes(layer: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in layer.buffers() if b is not None)
+
+
+def time_pass(fn, x: torch.Tensor, layers: list) -> float:
+    """Seconds per call over one pass through all `layers`: CPU time of this thread with one
+    torch thread (all the work runs on it; time descheduled on a shared machine does not
+    count), else wall time."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    start = clock()
+    for layer in layers:
+        fn(layer, x)
+    return (clock() - start) / len(layers)
+
+
+def measure(cases: dict, m: int, repeats: int, k: int) -> dict[str, float]:
+    """Median seconds per call of each case (name -> (fn, layers, x dtype)), alternating."""
+    x = torch.randn(m, k)
+    inputs = {name: x.to(dtype) for name, (_, _, dtype) in cases.items()}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats + 1):  # the first pass warms up
+        for name, (fn, layers, _) in cases.items():
+            times[name].append(time_pass(fn, inputs[name], layers))
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+def call(layer, x):
+    return layer(x)
+
+
+def dense(weight, x):
+    return x @ weight.t()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [int(m) for m in args.rows.split(",")]
+    results = []
+    print(f"threads={args.threads} layers={args.layers}   us per call (GB/s of weights read)")
+    print(f"{'layer':>8}{'K->N':>12}{'M':>4}{'torch':>20}{'blocks':>20}{'speedup':>9}")
+    with torch.inference_mode():
+        for name, (k, n) in SHAPES.items():
+            torch_layers = int4_layers(k, n, args.layers, "torch")
+            block_layers = int4_layers(k, n, args.layers, "blocks")
+            cases = {
+                "torch": (call, torch_layers, torch.bfloat16),
+                "blocks": (call, block_layers, torch.float32),
+            }
+            byts = {"torch": weight_bytes(torch_layers[0]), "blocks": weight_bytes(block_layers[0])}
+            results += report(name, k, n, rows, cases, byts, args.repeats)
+        k, n = HEAD
+        fp32 = torch.randn(n, k)
+        q8 = head_q8(k, n)
+        cases = {"torch": (dense, [fp32], torch.float32), "blocks": (call, [q8], torch.float32)}
+        byts = {"torch": fp32.numel() * 4, "blocks": weight_bytes(q8)}
+        results += report("head", k, n, rows, cases, byts, args.repeats)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"threads": args.threads, "rows": results}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def report(name, k, n, rows, cases, byts, repeats) -> list[dict]:
+    """Measures every M for one layer kind; prints and returns its rows."""
+    out = []
+    for m in rows:
+        sec = measure(cases, m, repeats, k)
+        cells = "".join(
+            f"{sec[c] * 1e6:>11.1f} ({byts[c] / sec[c] / 1e9:>5.1f})" for c in ("torch", "blocks")
+        )
+        print(f"{name:>8}{f'{k}->{n}':>12}{m:>4}{cells}{sec['torch'] / sec['blocks']:>8.2f}x")
+        us = {f"{c}_us": sec[c] * 1e6 for c in sec}
+        gbs = {f"{c}_gb_s": byts[c] / sec[c] / 1e9 for c in sec}
+        out.append({"layer": name, "k": k, "n": n, "m": m, **us, **gbs, "bytes": byts})
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+// Small-M matmul over GGUF-style weight blocks (decode: 1 to ~100 rows), out = x @ W.T.
+//
+// A weight row is K / 32 blocks of 32 inputs, stored per output row in block order:
+//   int4 (Q4_0 / Q4_1): qs [N, K / 2] uint8, byte j of a block = element j (low nibble) |
+//                       element j + 16 (high nibble); scale_min [N, K / 32, 2] fp32 (d, m),
+//                       w = q * d + m
+//   int8 (Q8_0):        qs [N, K] int8; scales [N, K / 32] fp32, w = q * d
+// Each block's 32 weights are dequantized to fp32 once and multiplied into up to kTileRows
+// activation rows (fp32 FMAs, no rounding of the activations): exact to fp32 summation
+// order. A row's arithmetic is the same whatever the number of rows (row-invariant), so
+// --enable-deterministic-inference can use it for every batch. AVX512 / AVX2 intrinsics by
+// the build flags (plain loops otherwise: correct, slow); weight rows prefetched ahead;
+// activations past L1 taken tile by tile over chunks of weight rows; at::parallel_for over
+// output rows. docs/performance.md ("GGUF blocks on the C++ block kernels") has the numbers.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using radixserve_cpu::row_f32;
+
+constexpr int64_t kBlock = 32;  // inputs per weight block (GGUF's QK4_0 / QK4_1 / QK8_0)
+constexpr int64_t kHalf = kBlock / 2;
+constexpr int64_t kTileRows = 4;  // activation rows sharing one dequantized block
+constexpr int64_t kGrain = 16;    // output rows per parallel_for chunk, at least
+constexpr int64_t kPrefetchRows = 4;  // weight rows asked for ahead of the one in use
+constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
+constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
+
+// One SIMD level's view of a block: 32 fp32 weights as kVecs vectors of kLanes, and the
+// few operations the kernel needs. AVX512 and AVX2 use intrinsics; anything else plain
+// loops (correct, but slower than torch's kernels: `block_mm_simd` says which was built).
+#if defined(__AVX512F__)
+constexpr const char* kSimd = "avx512";
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kChains = 2;  // blocks alternate between accumulator sets (FMA latency)
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+// The block's 16 possible weights q * d + m as a table (one FMA), then a lookup per lane
+// (vpermps reads the low 4 bits of each index: the low nibble without a mask): fewer
+// instructions than converting and scaling each code, the same fp32 values.
+inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const Vec codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec table = vfma(codes, _mm512_set1_ps(d), _mm512_set1_ps(m));
+  w[0] = _mm512_permutexvar_ps(v, table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+inline void dequant_int8(const int8_t* q, float d, Vec* w) {
+  const Vec vd = _mm512_set1_ps(d);
+  for (int64_t i = 0; i < 2; ++i) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i));
+    w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), vd);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kSimd = "avx2";
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kChains = 1;  // four vectors a block already make four FMA chains
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline __m256i widen_u8(const uint8_t* q) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+}
+inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
+  const Vec vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int64_t i = 0; i < 2; ++i) {  // bytes 8i..8i+7: elements 8i.. (low), 16+8i.. (high)
+    const __m256i v = widen_u8(q + 8 * i);
+    w[i] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), vd, vm);
+    w[i + 2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), vd, vm);
+  }
+}
+inline void dequant_int8(const int8_t* q, float d, Vec* w) {
+  const Vec vd = _mm256_set1_ps(d);
+  for (int64_t i = 0; i < 4; ++i) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
+    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
+  }
+}
+#else
+constexpr const char* kSimd = "portable";
+struct Vec {
+  float v[4];
+};
+constexpr int64_t kLanes = 4;
+constexpr int64_t kChains = 1;
+inline Vec vzero() { return Vec{}; }
+inline Vec vload(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int64_t j = 0; j < kLanes; ++j) c.v[j] += a.v[j] * b.v[j];
+  return c;
+}
+inline Vec vadd(Vec a, Vec b) {
+  for (int64_t j = 0; j < kLanes; ++j) a.v[j] += b.v[j];
+  return a;
+}
+inline float vsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
+  for (int64_t j = 0; j < kHalf; ++j) {
+    w[j / kLanes].v[j % kLanes] = static_cast<float>(q[j] & 0x0F) * d + m;
+    w[(j + kHalf) / kLanes].v[j % kLanes] = static_cast<float>(q[j] >> 4) * d + m;
+  }
+}
+inline void dequant_int8(const int8_t* q, float d, Vec* w) {
+  for (int64_t j = 0; j < kBlock; ++j) w[j / kLanes].v[j % kLanes] = static_cast<float>(q[j]) * d;
+}
+#endif
+constexpr int64_t kVecs = kBlock / kLanes;
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use: one core's hardware
+// prefetchers alone keep too few lines in flight to stream weights at the memory's speed.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+struct Int4Rows {
+  const uint8_t* qs;
+  const float* scale_min;
+  void prefetch_row(int64_t n, int64_t num_blocks) const {
+    prefetch(qs + n * num_blocks * kHalf, num_blocks * kHalf);
+    prefetch(scale_min + n * num_blocks * 2, num_blocks * 2 * sizeof(float));
+  }
+  void block(int64_t n, int64_t b, int64_t num_blocks, Vec* w) const {
+    const float* sm = scale_min + (n * num_blocks + b) * 2;
+    dequant_int4(qs + (n * num_blocks + b) * kHalf, sm[0], sm[1], w);
+  }
+};
+
+struct Int8Rows {
+  const int8_t* qs;
+  const float* scales;
+  void prefetch_row(int64_t n, int64_t num_blocks) const {
+    prefetch(qs + n * num_blocks * kBlock, num_blocks * kBlock);
+    prefetch(scales + n * num_blocks, num_blocks * sizeof(float));
+  }
+  void block(int64_t n, int64_t b, int64_t num_blocks, Vec* w) const {
+    dequant_int8(qs + (n * num_blocks + b) * kBlock, scales[n * num_blocks + b], w);
+  }
+};
+
+// acc[c] += w * x over one block's vectors.
+inline void fma_block(Vec* acc, const Vec* w, const float* x) {
+  for (int64_t i = 0; i < kVecs; ++i) acc[i] = vfma(w[i], vload(x + i * kLanes), acc[i]);
+}
+
+// out[r, n] for R activation rows starting at x (fp32, row stride K), one weight row n.
+// Block b goes to accumulator set b % kChains of its row: the same sums in the same order
+// for a row whatever R is.
+template <int64_t R, typename Weights>
+void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float* x, int64_t K,
+              float* out, int64_t N) {
+  Vec acc[R][kChains][kVecs];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChains; ++c)
+      for (int64_t i = 0; i < kVecs; ++i) acc[r][c][i] = vzero();
+  Vec w[kVecs];
+  int64_t b = 0;
+  for (; b + kChains <= num_blocks; b += kChains) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      weights.block(n, b + c, num_blocks, w);
+      for (int64_t r = 0; r < R; ++r) fma_block(acc[r][c], w, x + r * K + (b + c) * kBlock);
+    }
+  }
+  for (; b < num_blocks; ++b) {  // a tail shorter than kChains blocks: set b % kChains
+    weights.block(n, b, num_blocks, w);
+    for (int64_t r = 0; r < R; ++r) fma_block(acc[r][b % kChains], w, x + r * K + b * kBlock);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    Vec total = acc[r][0][0];
+    for (int64_t c = 0; c < kChains; ++c)
+      for (int64_t i = c == 0 ? 1 : 0; i < kVecs; ++i) total = vadd(total, acc[r][c][i]);
+    out[r * N + n] = vsum(total);
+  }
+}
+
+// Every activation row against weight row n, in tiles of up to kTileRows rows (the weight
+// row stays in L1 while the tiles pass over it).
+template <typename Weights>
+void dot_weight_row(const Weights& weights, int64_t n, int64_t num_blocks, const float* x,
+                    int64_t M, int64_t K, float* out, int64_t N) {
+  int64_t r = 0;
+  for (; r + kTileRows <= M; r += kTileRows)
+    dot_rows<kTileRows>(weights, n, num_blocks, x + r * K, K, out + r * N, N);
+  switch (M - r) {
+    case 3: dot_rows<3>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    case 2: dot_rows<2>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    case 1: dot_rows<1>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    default: break;
+  }
+}
+
+// Weight rows [n0, n1). With more activation rows than one tile whose rows do not all fit
+// in L1 (e.g. 16 x 1536 fp32 = 96 KiB), weight rows go in chunks of kChunkRows and each tile
+// of activations passes over a whole chunk before the next tile: each stays in L1.
+template <typename Weights>
+void dot_range(const Weights& weights, int64_t n0, int64_t n1, int64_t num_blocks,
+               const float* x, int64_t M, int64_t K, float* out, int64_t N) {
+  if (M <= kTileRows || M * K * static_cast<int64_t>(sizeof(float)) <= kL1Bytes) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
+      dot_weight_row(weights, n, num_blocks, x, M, K, out, N);
+    }
+    return;
+  }
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
+    const int64_t c1 = std::min(c0 + kChunkRows, n1);
+    for (int64_t r = 0; r < M; r += kTileRows) {
+      const int64_t rows = std::min(kTileRows, M - r);
+      for (int64_t n = c0; n < c1; ++n) {
+        if (r == 0 && n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
+        dot_weight_row(weights, n, num_blocks, x + r * K, rows, K, out + r * N, N);
+      }
+    }
+  }
+}
+
+// x as contiguous fp32 [M, K]: an fp32 input as it is, bf16 widened into `scratch`.
+const float* activations_f32(const at::Tensor& x, std::vector<float>& scratch) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  scratch.resize(x.numel());
+  return row_f32(x.data_ptr<c10::BFloat16>(), scratch.data(), x.numel());
+}
+
+void check_activations(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, " runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": x must be a contiguous float32 or bfloat16 [M, K] tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, op, ": K must be a multiple of 32, got ", x.size(1));
+}
+
+template <typename Weights>
+at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), num_blocks = K / kBlock;
+  std::vector<float> scratch;
+  const float* xf = activations_f32(x, scratch);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    dot_range(weights, n0, n1, num_blocks, xf, M, K, o, N);
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor int4_block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale_min) {
+  check_activations(x, "int4_block_mm");
+  const int64_t N = qs.size(0), K = x.size(1);
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 &&
+                  qs.size(1) * 2 == K,
+              "int4_block_mm: qs must be a contiguous uint8 [N, K / 2] tensor");
+  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+                  scale_min.dim() == 3 && scale_min.size(0) == N &&
+                  scale_min.size(1) * kBlock == K && scale_min.size(2) == 2,
+              "int4_block_mm: scale_min must be a contiguous float32 [N, K / 32, 2] tensor");
+  const Int4Rows weights{qs.data_ptr<uint8_t>(), scale_min.data_ptr<float>()};
+  return run(x, weights, N);
+}
+
+at::Tensor int8_block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales) {
+  check_activations(x, "int8_block_mm");
+  const int64_t N = qs.size(0), K = x.size(1);
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 &&
+                  qs.size(1) == K,
+              "int8_block_mm: qs must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == N && scales.size(1) * kBlock == K,
+              "int8_block_mm: scales must be a contiguous float32 [N, K / 32] tensor");
+  const Int8Rows weights{qs.data_ptr<int8_t>(), scales.data_ptr<float>()};
+  return run(x, weights, N);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("int4_block_mm(Tensor x, Tensor qs, Tensor scale_min) -> Tensor");
+  m.def("int8_block_mm(Tensor x, Tensor qs, Tensor scales) -> Tensor");
+  // Which SIMD path was built (avx512, avx2, portable); no tensor argument: a catch-all.
+  m.def("block_mm_simd() -> str", [] { return std::string(kSimd); });
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("int4_block_mm", &int4_block_mm);
+  m.impl("int8_block_mm", &int8_block_mm);
+}
