@@ -1,4 +1,4 @@
-// Helpers shared by the CPU attention kernels (paged_decode.cpp, paged_extend.cpp): plain
+// Helpers shared by the CPU kernels (paged_decode.cpp, paged_extend.cpp, layer_ops.cpp): plain
 // loops that -O3 and `omp simd` vectorize for whatever SIMD width the build flags allow.
 #pragma once
 
@@ -38,11 +38,11 @@ inline void scale_row(float* y, float a, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) y[d] *= a;
 }
 
-// exp(x) for x <= 0 (softmax weights), in a form loops vectorize (std::exp does not):
-// x = n ln2 + r, |r| <= ln2/2, exp(r) by Cephes' expf polynomial (~2e-7 relative error),
-// 2^n by building the float's exponent bits. Inputs below -87 (and -inf) give 0.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
+// exp(x) for any float x, in a form loops vectorize (std::exp does not): x = n ln2 + r,
+// |r| <= ln2/2, exp(r) by Cephes' expf polynomial (~2e-7 relative error), 2^n by building
+// the float's exponent bits. x is clamped to [-87, 88], whose exp is a normal float.
+inline float exp_f32(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
   const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -55,8 +55,11 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.f ? 0.f : p * scale;
+  return p * scale;
 }
+
+// exp(x) for x <= 0 (softmax weights); inputs at or below -87 (and -inf) give 0.
+inline float exp_nonpositive(float x) { return x <= -87.f ? 0.f : exp_f32(x); }
 
 // The queries, K/V pools and page table every kernel reads: one layout, checked alike.
 inline void check_q_pools_and_table(const at::Tensor& q, const at::Tensor& k_pool,

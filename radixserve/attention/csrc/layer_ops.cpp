@@ -16,6 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -117,25 +119,7 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
   });
 }
 
-// exp(x) for any float x, in a form loops vectorize (std::exp does not): x = n ln2 + r,
-// |r| <= ln2/2, exp(r) by Cephes' expf polynomial (~2e-7 relative error), 2^n from the
-// exponent bits. x is clamped to [-87, 88], whose exp is a normal float.
-inline float exp_f32(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using radixserve_cpu::exp_f32;
 
 template <typename T>
 void silu_mul_rows(T* out, const T* gate_up, int64_t stride, int64_t rows, int64_t half) {
