@@ -400,11 +400,11 @@ def app_routes() -> list[tuple[str, str]]:
     return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
 
 
-def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
+def test_api_key_guards_every_route_but_health_and_metrics(keyed_server):
     routes = app_routes()
     assert {path for _, path in routes} == KNOWN_ROUTES | OPEN_ROUTES
     assert {method for method, _ in routes} == {"GET", "HEAD", "POST"}
-    proc = ServerProcess(tiny_chat_model, "--api-key", "sekret")
+    proc = keyed_server
 
     async def status(session, method: str, path: str, authorization: str | None) -> int:
         headers = {} if authorization is None else {"Authorization": authorization}
@@ -429,10 +429,7 @@ def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
                     failures.append((method, path, without, with_key))
         return failures
 
-    try:
-        assert run(walk()) == []
-    finally:
-        assert proc.stop() == 0
+    assert run(walk()) == []
 
 
 def test_api_key_is_compared_in_constant_time(monkeypatch):
