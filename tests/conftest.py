@@ -234,18 +234,23 @@ class ServerProcess:
             text=True,
         )
         self.log: list[str] = []
+        self.ready = False
         if wait:
             self.wait_ready()
 
-    def wait_ready(self) -> None:
+    def wait_ready(self) -> ServerProcess:
         """Reads the server's output until it says it is ready (raises if it exits first)."""
+        if self.ready:
+            return self
         for line in self.proc.stdout:
             self.log.append(line)
             if "ready at" in line:
                 break
         else:
             raise RuntimeError("server did not start:\n" + "".join(self.log))
+        self.ready = True
         threading.Thread(target=self._drain_output, daemon=True).start()
+        return self
 
     def command(self, model: str) -> list[str]:
         """The program line before `--port PORT` and the flags."""
@@ -265,6 +270,14 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+
+def stop_running(servers: Sequence[ServerProcess]) -> None:
+    """Stops every server that still runs: the teardown of servers launched ahead of their
+    tests (a test that stops its own checks the exit code itself)."""
+    for proc in servers:
+        if proc.proc.poll() is None:
+            proc.stop()
 
 
 @pytest.fixture(scope="session")
