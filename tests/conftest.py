@@ -219,9 +219,10 @@ def greedy_generate(
 
 class ServerProcess:
     """A `radixserve serve` subprocess; `url` once ready, `stop()` sends SIGTERM. A subclass
-    may serve another program by overriding `command`."""
+    may serve another program by overriding `command`. With `wait=False` it returns at once;
+    `wait_ready()` then waits, so that several servers start side by side."""
 
-    def __init__(self, model: str, *flags: str):
+    def __init__(self, model: str, *flags: str, wait: bool = True):
         import subprocess
 
         self.port = free_port()
@@ -233,13 +234,23 @@ class ServerProcess:
             text=True,
         )
         self.log: list[str] = []
+        self.ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> ServerProcess:
+        """Reads the server's output until it says it is ready (raises if it exits first)."""
+        if self.ready:
+            return self
         for line in self.proc.stdout:
             self.log.append(line)
             if "ready at" in line:
                 break
         else:
             raise RuntimeError("server did not start:\n" + "".join(self.log))
+        self.ready = True
         threading.Thread(target=self._drain_output, daemon=True).start()
+        return self
 
     def command(self, model: str) -> list[str]:
         """The program line before `--port PORT` and the flags."""
@@ -261,11 +272,31 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
 
+def stop_running(servers: Sequence[ServerProcess]) -> None:
+    """Stops every server that still runs: the teardown of servers launched ahead of their
+    tests (a test that stops its own checks the exit code itself)."""
+    for proc in servers:
+        if proc.proc.poll() is None:
+            proc.stop()
+
+
 @pytest.fixture(scope="session")
 def server(tiny_chat_model):
     proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny")
     yield proc
     proc.stop()
+
+
+API_KEY = "sekret"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tiny_chat_model):
+    """A server behind `--api-key API_KEY`, shared by the tests of what the key guards; they
+    send nothing that stays running, so each sees the server idle."""
+    proc = ServerProcess(tiny_chat_model, "--api-key", API_KEY)
+    yield proc
+    assert proc.stop() == 0
 
 
 # ---- frontend language tests: each test runs on both backends ----

@@ -238,33 +238,29 @@ def test_stats_tree_refreshes_at_most_every_two_seconds(fresh_server):
     assert len(stats_of(url)["tree"]["children"]) == len(before["children"]) + 1
 
 
-def test_page_behind_api_key_uses_a_session_cookie(tiny_chat_model):
-    proc = ServerProcess(tiny_chat_model, "--api-key", "sekret")
-    try:
-        url = proc.url
-        status, headers, body = http(url + "/dashboard")
-        assert status == 401 and b'<form method="post" action="/dashboard/login">' in body
-        assert "sekret" not in body.decode()
-        assert http(url + "/dashboard/stats")[0] == 401
-        assert http(url + "/dashboard/dashboard.js")[0] == 401
-        form = {"Content-Type": "application/x-www-form-urlencoded"}
-        assert http(url + "/dashboard/login", b"key=wrong", form)[0] == 401
-        status, headers, _ = http_no_redirect(url + "/dashboard/login", b"key=sekret", form)
-        assert status == 303 and headers["Location"] == "/dashboard"
-        cookie = headers["Set-Cookie"]
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/dashboard" in cookie
-        assert "sekret" not in cookie
-        session = {"Cookie": cookie.split(";")[0]}
-        assert http(url + "/dashboard", headers=session)[0] == 200
-        status, headers, _ = http(url + "/dashboard/dashboard.js", headers=session)
-        assert status == 200 and headers["Content-Type"].startswith("text/javascript")
-        assert stats_of(url, session)["requests"]["running"] == 0
-        assert stats_of(url, {"Authorization": "Bearer sekret"})["requests"]["running"] == 0
-        body = {"input_ids": [1, 2, 3], "sampling_params": GREEDY}
-        assert http(url + "/generate", body, session)[0] == 401  # the cookie is for the page only
-        assert http(url + "/dashboard/nothing.js", headers=session)[0] == 404
-    finally:
-        assert proc.stop() == 0
+def test_page_behind_api_key_uses_a_session_cookie(keyed_server):
+    url = keyed_server.url
+    status, headers, body = http(url + "/dashboard")
+    assert status == 401 and b'<form method="post" action="/dashboard/login">' in body
+    assert "sekret" not in body.decode()
+    assert http(url + "/dashboard/stats")[0] == 401
+    assert http(url + "/dashboard/dashboard.js")[0] == 401
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert http(url + "/dashboard/login", b"key=wrong", form)[0] == 401
+    status, headers, _ = http_no_redirect(url + "/dashboard/login", b"key=sekret", form)
+    assert status == 303 and headers["Location"] == "/dashboard"
+    cookie = headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/dashboard" in cookie
+    assert "sekret" not in cookie
+    session = {"Cookie": cookie.split(";")[0]}
+    assert http(url + "/dashboard", headers=session)[0] == 200
+    status, headers, _ = http(url + "/dashboard/dashboard.js", headers=session)
+    assert status == 200 and headers["Content-Type"].startswith("text/javascript")
+    assert stats_of(url, session)["requests"]["running"] == 0
+    assert stats_of(url, {"Authorization": "Bearer sekret"})["requests"]["running"] == 0
+    body = {"input_ids": [1, 2, 3], "sampling_params": GREEDY}
+    assert http(url + "/generate", body, session)[0] == 401  # the cookie is for the page only
+    assert http(url + "/dashboard/nothing.js", headers=session)[0] == 404
 
 
 def http_no_redirect(url: str, body: bytes, headers: dict) -> tuple[int, dict, bytes]:
@@ -329,45 +325,42 @@ def send_load(url: str, key: str, num_requests: int = 12, num_threads: int = 3) 
         thread.join()
 
 
-def test_dashboard_in_headless_chromium(tiny_chat_model, browser_path, tmp_path):
+def test_dashboard_in_headless_chromium(keyed_server, browser_path, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    proc = ServerProcess(tiny_chat_model, "--api-key", "sekret")
+    proc = keyed_server
     console: list[str] = []
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=browser_path)
-            page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-            page.goto(proc.url + "/dashboard")
-            page.fill("input[name=key]", "sekret")
-            page.click("button[type=submit]")
-            page.wait_for_function(
-                "() => document.querySelector('#status').textContent.startsWith('updated')"
-            )
-            assert "sekret" not in page.url and page.url.endswith("/dashboard")
-            # the login form's own answer is a 401, which the browser reports; nothing else may
-            login_messages, console[:] = console[:], []
-            assert login_messages == [UNAUTHORIZED_MESSAGE], login_messages
-            before = page.text_content("#prompt-tokens")
-            load = threading.Thread(target=send_load, args=(proc.url, "sekret"))
-            load.start()
-            prompt_tokens = "document.querySelector('#prompt-tokens').textContent"
-            page.wait_for_function(f"() => {prompt_tokens} !== {json.dumps(before)}")
-            load.join()
-            page.wait_for_function(
-                "() => [...document.querySelectorAll('#tree text')]"
-                ".some(t => t.textContent.includes('You are a careful'))",
-                timeout=15_000,
-            )
-            page.wait_for_function("() => document.querySelector('#tok-in').textContent !== '–'")
-            assert page.text_content("#hit-rate-total") not in ("–", "0.0%")
-            assert int(page.text_content("#prompt-tokens").replace(",", "")) > int(before)
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-            browser.close()
-    finally:
-        assert proc.stop() == 0
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path)
+        page = browser.new_page(viewport={"width": 1280, "height": 1100})
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+        page.goto(proc.url + "/dashboard")
+        page.fill("input[name=key]", "sekret")
+        page.click("button[type=submit]")
+        page.wait_for_function(
+            "() => document.querySelector('#status').textContent.startsWith('updated')"
+        )
+        assert "sekret" not in page.url and page.url.endswith("/dashboard")
+        # the login form's own answer is a 401, which the browser reports; nothing else may
+        login_messages, console[:] = console[:], []
+        assert login_messages == [UNAUTHORIZED_MESSAGE], login_messages
+        before = page.text_content("#prompt-tokens")
+        load = threading.Thread(target=send_load, args=(proc.url, "sekret"))
+        load.start()
+        prompt_tokens = "document.querySelector('#prompt-tokens').textContent"
+        page.wait_for_function(f"() => {prompt_tokens} !== {json.dumps(before)}")
+        load.join()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#tree text')]"
+            ".some(t => t.textContent.includes('You are a careful'))",
+            timeout=15_000,
+        )
+        page.wait_for_function("() => document.querySelector('#tok-in').textContent !== '–'")
+        assert page.text_content("#hit-rate-total") not in ("–", "0.0%")
+        assert int(page.text_content("#prompt-tokens").replace(",", "")) > int(before)
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        browser.close()
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert console == [], "\n".join(console)
 

@@ -27,12 +27,20 @@ def pd_servers(tiny_chat_model):
         tiny_chat_model,
         *("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port"),
         *(str(bootstrap_port), *TIMEOUT),
+        wait=False,
     )
-    try:
-        decode = ServerProcess(tiny_chat_model, "--disaggregation-mode", "decode", *TIMEOUT)
+    started = [prefill]
+    try:  # both start side by side: neither needs the other until a request comes
+        started.append(
+            ServerProcess(tiny_chat_model, "--disaggregation-mode", "decode", *TIMEOUT, wait=False)
+        )
+        for proc in started:
+            proc.wait_ready()
     except BaseException:
-        prefill.stop()
+        for proc in started:
+            proc.stop()
         raise
+    decode = started[1]
     yield prefill, decode, bootstrap_port
     for proc in (prefill, decode):
         assert proc.stop() == 0, "".join(proc.log[-30:])

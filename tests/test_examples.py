@@ -19,46 +19,77 @@ TIMEOUT_S = 180
 REPORT = re.compile(r"engine: \d+ requests, [1-9]\d*/\d+ prompt tokens from the radix cache")
 
 
-def run_example(name: str, *flags: str) -> str:
-    """Runs examples/agents/`name` with a small --max-tokens; returns its stdout."""
+def start_example(name: str, *flags: str) -> subprocess.Popen:
+    """Starts examples/agents/`name` with a small --max-tokens."""
     cmd = [sys.executable, str(EXAMPLES / name), "--max-tokens", "8", *flags]
     env = os.environ | {"PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.parametrize(
-    "name, flags, expected",
-    [
-        pytest.param(
-            "react_tools.py",
-            ["--num", "2"],
-            r"round 1 \(cached/prompt [1-9]\d*/\d+\)",
-            id="react_tools",
-        ),
-        pytest.param(
-            "tree_of_thought.py",
-            ["--num", "2"],
-            r"level 2:\n.*cached/prompt [1-9]\d*/\d+\]",
-            id="tree_of_thought",
-        ),
-        pytest.param(
-            "few_shot_qa.py",
-            ["--num", "3"],
-            r"\[cached/prompt [1-9]\d*/\d+\] What is 2 plus 2\?",
-            id="few_shot_qa",
-        ),
-        pytest.param(
-            "multi_turn_chat.py",
-            ["--num", "2"],
-            r"turn 2 {2}\(cached/prompt tokens [1-9]\d*/\d+\)",
-            id="multi_turn_chat",
-        ),
-    ],
-)
-def test_example_runs_in_process(name: str, flags: list[str], expected: str):
-    out = run_example(name, *flags)
+def finish_example(name: str, proc: subprocess.Popen) -> str:
+    """Waits for a started example; returns its stdout once it exited cleanly."""
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"{name} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return stdout
+
+
+def run_example(name: str, *flags: str) -> str:
+    """Runs examples/agents/`name` with a small --max-tokens; returns its stdout."""
+    return finish_example(name, start_example(name, *flags))
+
+
+IN_PROCESS = [
+    pytest.param(
+        "react_tools.py",
+        ["--num", "2"],
+        r"round 1 \(cached/prompt [1-9]\d*/\d+\)",
+        id="react_tools",
+    ),
+    pytest.param(
+        "tree_of_thought.py",
+        ["--num", "2"],
+        r"level 2:\n.*cached/prompt [1-9]\d*/\d+\]",
+        id="tree_of_thought",
+    ),
+    pytest.param(
+        "few_shot_qa.py",
+        ["--num", "3"],
+        r"\[cached/prompt [1-9]\d*/\d+\] What is 2 plus 2\?",
+        id="few_shot_qa",
+    ),
+    pytest.param(
+        "multi_turn_chat.py",
+        ["--num", "2"],
+        r"turn 2 {2}\(cached/prompt tokens [1-9]\d*/\d+\)",
+        id="multi_turn_chat",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def in_process_runs():
+    """Every in-process example, started at once: each spends most of its time importing and
+    loading the model on one core, so side by side they share the machine's cores instead of
+    queueing. Each test then waits for its own."""
+    procs = {}
+    for case in IN_PROCESS:
+        name, flags, _ = case.values
+        procs[name] = start_example(name, *flags)
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("name, flags, expected", IN_PROCESS)
+def test_example_runs_in_process(in_process_runs, name: str, flags: list[str], expected: str):
+    out = finish_example(name, in_process_runs[name])
     assert re.search(expected, out), out
     assert REPORT.search(out), out
 

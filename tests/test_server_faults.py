@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import ServerProcess, prompt_ids
+from conftest import ServerProcess, prompt_ids, stop_running
 from radixserve.engine.faults import ENV_VAR
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -40,14 +40,28 @@ POINTS = ["commit", "forward", "detokenize"]
 
 
 @pytest.fixture(scope="module")
-def faulty_server(tiny_chat_model):
-    """A server that fails a request whose rid starts with "<point>-" at that point."""
+def own_servers(tiny_chat_model):
+    """This module's own servers, launched side by side on first use (each test waits for
+    its own): one to kill, one with a tiny queue, and the faulty one."""
+    servers = {
+        "kill": ServerProcess(tiny_chat_model, wait=False),
+        "burst": ServerProcess(tiny_chat_model, "--max-running-requests", "2",
+                               "--max-queued-requests", "1", wait=False),
+    }  # fmt: skip
     rules = [{"rid_prefix": f"{point}-", "points": [point]} for point in POINTS]
     os.environ[ENV_VAR] = json.dumps(rules)
     try:
-        proc = ServerProcess(tiny_chat_model)
+        servers["faulty"] = ServerProcess(tiny_chat_model, wait=False)
     finally:
         del os.environ[ENV_VAR]
+    yield servers
+    stop_running(servers.values())
+
+
+@pytest.fixture(scope="module")
+def faulty_server(own_servers):
+    """A server that fails a request whose rid starts with "<point>-" at that point."""
+    proc = own_servers["faulty"].wait_ready()
     yield proc
     assert proc.stop() == 0
 
@@ -61,8 +75,8 @@ async def integrity(session: aiohttp.ClientSession, url: str) -> dict:
 # ---- the core process dies ------------------------------------------------------------------
 
 
-def test_killing_the_core_fails_requests_at_once_and_the_server_exits(tiny_chat_model):
-    proc = ServerProcess(tiny_chat_model)
+def test_killing_the_core_fails_requests_at_once_and_the_server_exits(own_servers):
+    proc = own_servers["kill"].wait_ready()
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
@@ -156,11 +170,10 @@ def test_a_running_rid_is_refused_and_a_dropped_ones_rid_is_free_at_once(server)
 # ---- capacity -------------------------------------------------------------------------------
 
 
-def test_a_burst_never_exceeds_the_queue_limit(tiny_chat_model):
+def test_a_burst_never_exceeds_the_queue_limit(own_servers):
     """The capacity check and the registration are one step: of 12 simultaneous requests
     against room for 3, exactly 3 run and 9 are told to retry."""
-    proc = ServerProcess(tiny_chat_model, "--max-running-requests", "2",
-                         "--max-queued-requests", "1")  # fmt: skip
+    proc = own_servers["burst"].wait_ready()
 
     async def scenario():
         body = {"input_ids": prompt_ids(1), "sampling_params": GREEDY | {"max_new_tokens": 300}}

@@ -8,9 +8,10 @@ import json
 from types import SimpleNamespace
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ServerProcess, prompt_ids
+from conftest import ServerProcess, prompt_ids, stop_running
 from radixserve.config import ServerConfig
 from radixserve.server.app import api_key_matches, build_app
 
@@ -356,11 +357,23 @@ def test_metrics_parse_and_move(server):
     assert "radixserve:num_requests_running[]" in after
 
 
-def test_api_key_and_queue_limit(tiny_chat_model):
-    proc = ServerProcess(
-        tiny_chat_model, "--api-key", "sekret", "--max-running-requests", "1",
-        "--max-queued-requests", "0",
-    )  # fmt: skip
+@pytest.fixture(scope="module")
+def own_servers(tiny_chat_model):
+    """The servers of this module's tests that stop theirs, launched side by side on first
+    use (each test waits for its own)."""
+    servers = {
+        "queue_limit": ServerProcess(
+            tiny_chat_model, "--api-key", "sekret", "--max-running-requests", "1",
+            "--max-queued-requests", "0", wait=False,
+        ),
+        "sigterm": ServerProcess(tiny_chat_model, wait=False),
+    }  # fmt: skip
+    yield servers
+    stop_running(servers.values())
+
+
+def test_api_key_and_queue_limit(own_servers):
+    proc = own_servers["queue_limit"].wait_ready()
     try:
         body = {"input_ids": prompt_ids(7), "sampling_params": GREEDY}
         assert run(post(proc.url + "/generate", body))[0] == 401
@@ -400,11 +413,11 @@ def app_routes() -> list[tuple[str, str]]:
     return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
 
 
-def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
+def test_api_key_guards_every_route_but_health_and_metrics(keyed_server):
     routes = app_routes()
     assert {path for _, path in routes} == KNOWN_ROUTES | OPEN_ROUTES
     assert {method for method, _ in routes} == {"GET", "HEAD", "POST"}
-    proc = ServerProcess(tiny_chat_model, "--api-key", "sekret")
+    proc = keyed_server
 
     async def status(session, method: str, path: str, authorization: str | None) -> int:
         headers = {} if authorization is None else {"Authorization": authorization}
@@ -429,10 +442,7 @@ def test_api_key_guards_every_route_but_health_and_metrics(tiny_chat_model):
                     failures.append((method, path, without, with_key))
         return failures
 
-    try:
-        assert run(walk()) == []
-    finally:
-        assert proc.stop() == 0
+    assert run(walk()) == []
 
 
 def test_api_key_is_compared_in_constant_time(monkeypatch):
@@ -449,8 +459,8 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
     assert len(compared) == 3
 
 
-def test_sigterm_during_a_request_exits_cleanly(tiny_chat_model):
-    proc = ServerProcess(tiny_chat_model)
+def test_sigterm_during_a_request_exits_cleanly(own_servers):
+    proc = own_servers["sigterm"].wait_ready()
 
     async def scenario():
         body = {"input_ids": prompt_ids(9), "sampling_params": GREEDY | {"max_new_tokens": 200}}
