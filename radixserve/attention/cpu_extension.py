@@ -63,10 +63,12 @@ def compiler_flags() -> list[str]:
 
 
 def build_key(flags: list[str]) -> str:
-    """Hash of everything that makes a build valid: sources, torch version, flags."""
+    """Hash of everything that makes a build valid: sources (and where they lie: two
+    checkouts sharing one cache would otherwise rebuild each other's), torch version, flags."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
+    digest.update(str(CSRC).encode())  # the build files name the sources by absolute path
     digest.update(torch.__version__.encode())
     digest.update(" ".join(flags).encode())
     return digest.hexdigest()[:16]
