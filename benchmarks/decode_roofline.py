@@ -6,7 +6,10 @@ run and over the same KV pool and weights (only the runner's attention backend i
 - step ms: one whole decode forward (all layers, LM head) of one token per request;
 - roofline ms: bytes the step must read (all weights once + every request's K/V in every
   layer) over the copy bandwidth measured in this run (STREAM's convention: bytes read +
-  written per second while copying a 256 MiB buffer).
+  written per second while copying a 256 MiB buffer);
+- a `transformers` row: transformers' own decode step of the same config and dtype (its
+  LlamaForCausalLM, sdpa, a DynamicCache of `context` random tokens per request, cropped back
+  after each step), the step a user of `generate` pays (`--no-hf` leaves it out).
 Backends alternate within each repetition (medians over `--repeats`), so that drift on a
 shared machine hits both alike.
 A second table times one layer's attention for extends (`--extend-lens` new tokens after
@@ -57,7 +60,7 @@ class Row:
     batch: int
     context: int
     backend: str
-    attn_ms: float
+    attn_ms: float | None  # None: no single layer call timed (the transformers row)
     step_ms: float
     roofline_ms: float
     read_mib: float
@@ -90,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-batches", type=_int_list, default=[1])
     p.add_argument("--extend-contexts", type=_int_list, default=[0, 1024, 4096])
     p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip cases with more KV")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time transformers' own decode step")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_roofline.json"))
     return p.parse_args(argv)
 
@@ -206,6 +211,40 @@ def run_case(runner, found, batch: int, context: int, args, bandwidth: float) ->
         pool.allocator.free([p for t in tables for p in t])
 
 
+def hf_model(loaded: LoadedModel, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model of the same HF config (random weights: timing does not depend on
+    them), sdpa attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(loaded.config.hf_config)
+    config = AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_row(model: torch.nn.Module, runner, batch: int, context: int, args, bandwidth) -> Row:
+    """transformers' decode step of one token per request over `context` cached tokens."""
+    from transformers import DynamicCache
+
+    cfg, dtype = runner.config, next(model.parameters()).dtype
+    cache = DynamicCache()
+    shape = (batch, cfg.num_kv_heads, context, cfg.head_dim)
+    for layer in range(cfg.num_layers):
+        cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer)
+    ids = torch.full((batch, 1), 7)
+    positions = torch.full((batch, 1), context)
+
+    def step() -> None:
+        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # drops the token the step appended
+
+    step_ms = interleaved_medians({"transformers": step}, args.repeats)["transformers"] * 1e3
+    read = weight_bytes(runner) + kv_bytes(runner, batch, context)
+    return Row(batch, context, "transformers", None, step_ms, read / bandwidth * 1e3,
+               read / 2**20)  # fmt: skip
+
+
 @torch.inference_mode()
 def extend_row(runner, found, batch: int, context: int, extend: int, args) -> ExtendRow:
     pool = runner.pool
@@ -243,7 +282,8 @@ COLUMNS = ("batch", "context", "backend", "attn ms", "step ms", "roofline ms", "
 
 
 def print_row(r: Row) -> None:
-    times = (f"{r.attn_ms:.2f}", f"{r.step_ms:.1f}", f"{r.roofline_ms:.1f}")
+    attn = "-" if r.attn_ms is None else f"{r.attn_ms:.2f}"
+    times = (attn, f"{r.step_ms:.1f}", f"{r.roofline_ms:.1f}")
     cells = (r.batch, r.context, r.backend, *times, f"{r.of_roofline:.2f}")
     print("".join(f"{c:>13}" for c in cells), flush=True)
 
@@ -275,8 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in meta.items()))
     print("".join(f"{c:>13}" for c in COLUMNS))
     rows = []
+    hf = hf_model(loaded, runner.model.embed_tokens.weight.dtype) if args.hf else None
     for b, c in kept:
-        for row in run_case(runner, found, b, c, args, bandwidth):
+        case = run_case(runner, found, b, c, args, bandwidth)
+        if hf is not None:
+            case.append(hf_row(hf, runner, b, c, args, bandwidth))
+        for row in case:
             rows.append(row)
             print_row(row)
     extend_rows = run_extends(runner, found, args) if "cpu_fused" in found else []
