@@ -8,10 +8,13 @@
 // KV head is one contiguous run of the pool, read front to back (a page holds page_size such
 // runs back to back), and each KV row is scored against its GQA group of query heads.
 // Positions go in blocks of kBlock: scores for the block, one online-softmax rescale, then
-// the weighted V sum. When there are fewer queries than threads, positions are split and
-// the splits' partial results merged by their log-sum-exp (num_splits > 0 forces a split
-// count, for tests and benchmarks). Plain loops: -O3 and `omp simd` vectorize them for
-// whatever SIMD width the build flags allow.
+// the weighted V sum. Scores: per query head, a tile of 16 keys accumulates in 16 vectors
+// across head_dim, reduced together at the end (sum_rows); V sum: 64 floats of a head's output
+// held in registers across the block's keys. When there are fewer queries than threads,
+// positions are split and the splits' partial results merged by their log-sum-exp
+// (num_splits > 0 forces a split count, for tests and benchmarks). Plain loops that -O3 and
+// `omp simd` vectorize for whatever SIMD width the build flags allow, except sum_rows' AVX-512
+// reduction tree (a plain-loop fallback elsewhere).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -21,6 +24,9 @@
 #include "cpu_common.h"
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -38,6 +44,9 @@ using radixserve_cpu::scale_row;
 
 constexpr int64_t kBlock = 32;         // positions per online-softmax rescale
 constexpr int64_t kMinSplitLen = 256;  // a split shorter than this costs more than it saves
+constexpr int64_t kLanes = 16;         // floats per accumulator of the score product
+constexpr int64_t kKeyTile = 16;       // keys scored together against one query head
+constexpr int64_t kPvChunks = 4;       // kLanes-float chunks of a head's output in registers
 
 struct Shape {
   int64_t num_queries, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
@@ -45,20 +54,13 @@ struct Shape {
   float scale;
 };
 
-inline float dot(const float* a, const float* b, int64_t dim) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
-  return s;
-}
-
 // Online-softmax state of one work item: per query head a running max, sum and output.
 struct State {
   std::vector<float> q, acc, max, sum, scores, kbuf, vbuf;
   explicit State(const Shape& s)
       : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), max(s.num_heads),
         sum(s.num_heads), scores(s.num_heads * kBlock),
-        kbuf(kBlock * s.num_kv_heads * s.head_dim), vbuf(s.num_kv_heads * s.head_dim) {}
+        kbuf(kBlock * s.num_kv_heads * s.head_dim), vbuf(kBlock * s.num_kv_heads * s.head_dim) {}
   void reset() {
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(max.begin(), max.end(), kNegInf);
@@ -66,27 +68,81 @@ struct State {
   }
 };
 
-// One block of n positions for every head. A position's K (and V) of all KV heads is one
-// contiguous [num_kv_heads, head_dim] run of the pool, read front to back; each KV row is
-// scored against its GQA group of query heads.
-template <typename T>
-void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64_t* slots,
-                  int64_t n) {
-  const int64_t D = s.head_dim, span = s.num_kv_heads * D;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kr = row_f32(k + slots[j] * span, st.kbuf.data() + j * span, span);
+// sums[i] = the sum of row i's kLanes floats, for kKeyTile = 16 rows. With AVX-512 a
+// transposing tree (unpack, shuffle, add: 45 instructions for all 16 rows) instead of one
+// horizontal reduction per row, which cost more than the row's dot product itself.
+inline void sum_rows(const float (&acc)[kKeyTile][kLanes], float* sums) {
+#if defined(__AVX512F__)
+  static_assert(kKeyTile == 16 && kLanes == 16, "the tree below sums 16 rows of 16");
+  __m512 a[16], b[8], c[4], d[2];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(acc[i]);
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of 4 rows
+    const __m512 x = b[2 * i], y = b[2 * i + 1];
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes: [c0 half, c0 half, c1 half, c1 half]
+    const __m512 x = c[2 * i], y = c[2 * i + 1];
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1))));
+#else
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+    float sum = 0.f;
+    for (int64_t l = 0; l < kLanes; ++l) sum += acc[i][l];
+    sums[i] = sum;
+  }
+#endif
+}
+
+// scores[head, j] = q[head] . k[j] for the block's n keys. Per tile of kKeyTile keys and per
+// query head, kKeyTile vector accumulators run across head_dim (the query chunk loaded once
+// for all the tile's keys) and are reduced together at the end (sum_rows).
+void score_block(State& st, const Shape& s, const float* const* krows, int64_t n) {
+  const int64_t D = s.head_dim, wide = D / kLanes * kLanes;
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
+    const int64_t m = std::min(kKeyTile, n - j0);
     for (int64_t head = 0; head < s.num_heads; ++head) {
-      const float* krow = kr + (head / s.group) * D;
-      st.scores[head * kBlock + j] = dot(st.q.data() + head * D, krow, D);
+      const int64_t off = (head / s.group) * D;
+      const float* kr[kKeyTile];  // a short tile repeats its last key: no branch in the loop
+      for (int64_t jj = 0; jj < kKeyTile; ++jj) kr[jj] = krows[j0 + std::min(jj, m - 1)] + off;
+      const float* qh = st.q.data() + head * D;
+      float acc[kKeyTile][kLanes];
+      for (int64_t jj = 0; jj < kKeyTile; ++jj) {
+        for (int64_t l = 0; l < kLanes; ++l) acc[jj][l] = 0.f;
+      }
+      for (int64_t d0 = 0; d0 < wide; d0 += kLanes) {
+        for (int64_t jj = 0; jj < kKeyTile; ++jj) {
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) acc[jj][l] += kr[jj][d0 + l] * qh[d0 + l];
+        }
+      }
+      for (int64_t d = wide; d < D; ++d) {  // head_dim not a multiple of kLanes
+        for (int64_t jj = 0; jj < kKeyTile; ++jj) acc[jj][0] += kr[jj][d] * qh[d];
+      }
+      float sums[kKeyTile];
+      sum_rows(acc, sums);
+      std::copy_n(sums, m, st.scores.data() + head * kBlock + j0);
     }
   }
+}
+
+// Online softmax over the block per head: new running max, rescale of sum and acc, scores
+// -> weights.
+void softmax_block(State& st, const Shape& s, int64_t n) {
   for (int64_t head = 0; head < s.num_heads; ++head) {
     float* sc = st.scores.data() + head * kBlock;
     float new_max = st.max[head];
     for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sc[j]);
     const float alpha = std::exp(st.max[head] - new_max);
     st.sum[head] *= alpha;
-    scale_row(st.acc.data() + head * D, alpha, D);
+    scale_row(st.acc.data() + head * s.head_dim, alpha, s.head_dim);
     float block_sum = 0.f;
 #pragma omp simd reduction(+ : block_sum)
     for (int64_t j = 0; j < n; ++j) {
@@ -96,13 +152,48 @@ void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64
     st.sum[head] += block_sum;
     st.max[head] = new_max;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vr = row_f32(v + slots[j] * span, st.vbuf.data(), span);
-    for (int64_t head = 0; head < s.num_heads; ++head) {
-      const float* vrow = vr + (head / s.group) * D;
-      axpy(st.acc.data() + head * D, st.scores[head * kBlock + j], vrow, D);
+}
+
+// acc[head] += sum_j weight[head, j] v[j] over the block's n keys, kPvChunks x kLanes floats of a
+// head's output at a time held in registers across the keys (one load and store per block, not per key).
+void value_block(State& st, const Shape& s, const float* const* vrows, int64_t n) {
+  const int64_t D = s.head_dim;
+  for (int64_t head = 0; head < s.num_heads; ++head) {
+    const int64_t off = (head / s.group) * D;
+    const float* w = st.scores.data() + head * kBlock;
+    float* out = st.acc.data() + head * D;
+    int64_t d0 = 0;
+    for (; d0 + kPvChunks * kLanes <= D; d0 += kPvChunks * kLanes) {
+      float acc[kPvChunks][kLanes];
+      for (int64_t c = 0; c < kPvChunks; ++c) std::copy_n(out + d0 + c * kLanes, kLanes, acc[c]);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vv = vrows[j] + off + d0;
+        for (int64_t c = 0; c < kPvChunks; ++c) {
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) acc[c][l] += w[j] * vv[c * kLanes + l];
+        }
+      }
+      for (int64_t c = 0; c < kPvChunks; ++c) std::copy_n(acc[c], kLanes, out + d0 + c * kLanes);
     }
+    for (int64_t j = 0; j < n && d0 < D; ++j) axpy(out + d0, w[j], vrows[j] + off + d0, D - d0);
   }
+}
+
+// One block of n positions for every head. A position's K (and V) of all KV heads is one
+// contiguous [num_kv_heads, head_dim] run of the pool (bf16 runs widened into the buffers).
+template <typename T>
+void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64_t* slots,
+                  int64_t n) {
+  const int64_t span = s.num_kv_heads * s.head_dim;
+  const float* krows[kBlock];
+  const float* vrows[kBlock];
+  for (int64_t j = 0; j < n; ++j) {
+    krows[j] = row_f32(k + slots[j] * span, st.kbuf.data() + j * span, span);
+    vrows[j] = row_f32(v + slots[j] * span, st.vbuf.data() + j * span, span);
+  }
+  score_block(st, s, krows, n);
+  softmax_block(st, s, n);
+  value_block(st, s, vrows, n);
 }
 
 // Attends positions [lo, hi) for query r; leaves the unnormalized state in `st`.
