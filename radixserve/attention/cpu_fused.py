@@ -193,10 +193,8 @@ class CpuFusedBackend(TorchNativeBackend):
     def _forward_decode(
         self, q: torch.Tensor, layer: int, dec: _FusedQueries, page_size: int, out: torch.Tensor
     ) -> None:
-        if dec.token_idx is None:
-            out.copy_(self._decode(q, layer, dec, page_size))
-        else:
-            out[dec.token_idx] = self._decode(q[dec.token_idx], layer, dec, page_size).to(out.dtype)
+        """The decode tokens of a mixed batch (a pure decode batch returns `_decode` as is)."""
+        out[dec.token_idx] = self._decode(q[dec.token_idx], layer, dec, page_size).to(out.dtype)
 
     def _decode(
         self, q: torch.Tensor, layer: int, dec: _FusedQueries, page_size: int
