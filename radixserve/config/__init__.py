@@ -5,8 +5,7 @@ text (see cli_args.py); callers import every public name from here.
     load            LoadConfig (model path, device, dtype, quantization)
     cache           CacheConfig (KV pool, attention backend), HiCacheConfig (the tier below)
     kv_events       KVEventsConfig (--kv-events-config for KV-aware routers)
-    scheduler       SchedulerConfig (ordering, admission, batching, speculative flags)
-    speculative     the speculative algorithms and the checks of their flags
+    scheduler       SchedulerConfig (ordering, admission, batching, speculative decoding)
     parallel        ParallelConfig (tensor parallelism)
     disaggregation  DisaggregationConfig (prefill/decode workers)
     server          ServerConfig (HTTP)
@@ -34,9 +33,13 @@ from radixserve.config.model import (
     UnsupportedModelError,
 )
 from radixserve.config.parallel import DIST_BACKENDS, ParallelConfig
-from radixserve.config.scheduler import PIN_POLICIES, SchedulerConfig
+from radixserve.config.scheduler import (
+    DRAFT_MODEL_ALGORITHMS,
+    PIN_POLICIES,
+    SPECULATIVE_ALGORITHMS,
+    SchedulerConfig,
+)
 from radixserve.config.server import ServerConfig
-from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS, SPECULATIVE_ALGORITHMS
 
 __all__ = [
     "DISAGGREGATION_MODES",

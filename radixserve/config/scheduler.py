@@ -1,11 +1,12 @@
-"""SchedulerConfig: how the scheduler orders, admits and batches requests, speculation included."""
+"""SchedulerConfig: how the scheduler orders, admits and batches requests, speculation included
+(the speculative flags live here: speculation runs in the scheduler's decode phase)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config.speculative import verify_speculative
-
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE")  # SGLang's names (SELF: ours)
+DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE")
 PIN_POLICIES = ("hard", "last")
 
 
@@ -113,7 +114,64 @@ class SchedulerConfig:
             raise ValueError(
                 f"chunked_prefill_size must be -1 or >= 1; got {self.chunked_prefill_size}"
             )
-        verify_speculative(self)
+        self._verify_speculative()
+
+    def _verify_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be NGRAM, SELF, STANDALONE or unset; got {algorithm!r}"
+            )
+        self.speculative_algorithm = algorithm.upper()
+        for name in (
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_capacity",
+            "speculative_self_layers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if high < low:
+            raise ValueError(
+                "speculative_ngram_max_match_window_size must be >= "
+                f"speculative_ngram_min_match_window_size ({low}); got {high}"
+            )
+        if self.speculative_adaptive_threshold < 0:
+            raise ValueError(
+                "speculative_adaptive_threshold must be >= 0; "
+                f"got {self.speculative_adaptive_threshold}"
+            )
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1; got {limit}")
+        self._verify_draft_model()
+
+    def _verify_draft_model(self) -> None:
+        """The flags of SELF / STANDALONE: each only with the algorithm that reads it."""
+        algorithm = self.speculative_algorithm
+        steps = self.speculative_num_steps
+        if steps is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
+            raise ValueError(
+                "speculative_num_steps needs --speculative-algorithm SELF or STANDALONE"
+            )
+        if steps is not None and not 1 <= steps <= self.speculative_num_draft_tokens:
+            raise ValueError(
+                "speculative_num_steps must be between 1 and speculative_num_draft_tokens "
+                f"({self.speculative_num_draft_tokens}); got {steps}"
+            )
+        path = self.speculative_draft_model_path
+        if algorithm == "STANDALONE" and path is None:
+            raise ValueError(
+                "speculative_algorithm STANDALONE needs --speculative-draft-model-path"
+            )
+        if algorithm != "STANDALONE" and path is not None:
+            raise ValueError(
+                "speculative_draft_model_path needs --speculative-algorithm STANDALONE"
+            )
 
     @property
     def speculative_draft_steps(self) -> int:
