@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from forward_micro import median_seconds  # noqa: E402
 
 from radixserve.attention import AttentionBackend  # noqa: E402
-from radixserve.attention.cpu_extension import CpuExtensionUnavailable  # noqa: E402
 from radixserve.attention.cpu_fused import CpuFusedBackend  # noqa: E402
 from radixserve.config import CacheConfig, LoadConfig  # noqa: E402
 from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.loader import LoadedModel, load_model  # noqa: E402
 from radixserve.model.runner import ModelRunner  # noqa: E402
+from radixserve.native.extension import CpuExtensionUnavailable  # noqa: E402
 
 GiB = 1 << 30
 COPY_BYTES = 256 << 20

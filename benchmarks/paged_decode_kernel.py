@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from radixserve.attention.cpu_extension import load_cpu_ops
+from radixserve.native.extension import load_cpu_ops
 
 LAYOUTS = {"page16": (16, False), "page1-shuffled": (1, True)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -124,7 +124,7 @@ def cpu_ops():
     """The C++ CPU attention kernels, built or loaded. A test using them skips where there
     is no compiler, and fails where there is one and the build breaks (a skip would hide a
     broken kernel)."""
-    from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
+    from radixserve.native.extension import CpuExtensionUnavailable, load_cpu_ops
 
     try:
         return load_cpu_ops()

@@ -191,14 +191,14 @@ import sys
 from pathlib import Path
 import torch
 from torch.utils import cpp_extension
-from radixserve.attention import cpu_extension
+from radixserve.native import extension as cpu_extension
 import test_block_matmul as t
 
 level, folder = sys.argv[1], Path(sys.argv[2])
 flags = {"avx2": ["-mavx2", "-mfma"], "portable": []}[level]
 cpu_extension._put_ninja_on_path()
 cpp_extension.load(name=f"block_gemv_{level}", build_directory=str(folder),
-                   sources=[str(cpu_extension.CSRC / "block_gemv.cpp")],
+                   sources=[str(cpu_extension.CSRC / "block_matmul.cpp")],
                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                    is_python_module=False)
 assert torch.ops.radixserve_cpu.block_mm_simd() == level

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from conftest import SYSTEM, greedy, greedy_generate, make_engine, prompt_ids
-from radixserve.attention import cpu_extension, create_attention_backend
-from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
+from radixserve.attention import create_attention_backend
 from radixserve.attention.cpu_fused import CpuFusedBackend
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.cache.kv_pool import KVPool, PoolShape
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
+from radixserve.native import extension as cpu_extension
+from radixserve.native.extension import CpuExtensionUnavailable, load_cpu_ops
 
 # fp32 K/V (and bf16 K/V read by an fp32 query: widening bf16 is exact): both sides compute in
 # fp32 and differ only in summation order.

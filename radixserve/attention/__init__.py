@@ -2,7 +2,7 @@
 
     torch_native  plain PyTorch SDPA over gathered pages; any device; the reference
     cpu_fused     torch_native with decode and cached-prefix extends by C++ kernels reading
-                  pages in place; CPU only, built on first use (cpu_extension.py)
+                  pages in place; CPU only, built on first use (radixserve/native)
     triton        our Triton kernels (radixserve_kernels); CUDA (CPU under TRITON_INTERPRET=1)
     flashinfer    FlashInfer's kernels; CUDA only, optional dependency, imported on use
 
@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 from radixserve.attention.base import AttentionBackend
-from radixserve.attention.cpu_extension import CpuExtensionUnavailable
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.cache.kv_pool import KVPool
+from radixserve.native.extension import CpuExtensionUnavailable
 
 logger = logging.getLogger(__name__)
 

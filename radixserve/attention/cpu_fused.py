@@ -1,7 +1,7 @@
 """cpu_fused: torch_native with decodes and cached-prefix extends run by C++ kernels.
 
-Both kernels (csrc/, built by cpu_extension.py) read K/V pages in place from the pool, once
-the layer's new K/V are in it: no per-layer gathered copy, no padding, no mask tensor.
+Both kernels (native/csrc/, built by native/extension.py) read K/V pages in place from the
+pool, once the layer's new K/V are in it: no per-layer gathered copy, no padding, no mask tensor.
 - decode tokens (extend_len 1): paged_decode, one query per request;
 - extends over a cached prefix that `extend_in_place` routes to it: paged_extend, which
   tiles a request's new tokens so each prefix K/V row is loaded once per tile;
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.attention.cpu_extension import load_cpu_ops
 from radixserve.attention.torch_native import TorchNativeBackend, _Metadata
 from radixserve.cache.kv_pool import KVPool
 from radixserve.forward_batch import ForwardBatch
+from radixserve.native.extension import load_cpu_ops
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
 NO_WINDOW = -1  # the kernel's sliding_window argument when the model has none

@@ -1,4 +1,4 @@
-"""Fused C++ CPU ops for the small-op clusters of a Llama layer (attention/csrc/layer_ops.cpp).
+"""Fused C++ CPU ops for the small-op clusters of a Llama layer (native/csrc/layer_ops.cpp).
 
 An eager CPU decode step spent ~9 ms of a 30-layer step in small torch ops (RMSNorm's five,
 RoPE's chunk/cat/neg/mul, the K/V write, SiLU * mul, residual adds) and more in the Python
@@ -12,7 +12,7 @@ in one call, row by row (batch-invariant), rounding where the torch reference ro
                    k, v into their pool slots: what rotary + `KVPool.write` did
 
 They are built into `torch.ops.radixserve_cpu` with the attention kernels (one extension,
-one build, one cache key: attention/cpu_extension.py). `LlamaForCausalLM.use_cpu_layer_ops`
+one build, one cache key: native/extension.py). `LlamaForCausalLM.use_cpu_layer_ops`
 hands them to the layers; without a compiler the layers keep the torch reference, and so do
 steps traced by torch.compile (the reference is what inductor fuses).
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
+from radixserve.native.extension import CpuExtensionUnavailable, load_cpu_ops
 
 logger = logging.getLogger(__name__)
 

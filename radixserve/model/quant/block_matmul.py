@@ -1,7 +1,7 @@
 """The C++ small-M matmul over GGUF-style weight blocks on CPU (backend "blocks").
 
 A block is 32 inputs of one output row; its weights are dequantized to fp32 once and
-multiplied into every activation row with fp32 FMAs (attention/csrc/block_gemv.cpp), so the
+multiplied into every activation row with fp32 FMAs (native/csrc/block_matmul.cpp), so the
 result is the dequantized matmul up to fp32 summation order, and a row's result does not
 depend on how many rows share the call (--enable-deterministic-inference may use it).
 
@@ -32,7 +32,7 @@ CPU_QUANT_KERNELS = ("auto", "blocks", "torch")
 @functools.cache
 def block_kernels() -> Any | None:
     """`torch.ops.radixserve_cpu` if its block matmuls were built with SIMD here, else None."""
-    from radixserve.attention.cpu_extension import CpuExtensionUnavailable, load_cpu_ops
+    from radixserve.native.extension import CpuExtensionUnavailable, load_cpu_ops
 
     try:
         ops = load_cpu_ops()
@@ -93,7 +93,7 @@ def int8_block_matmul(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -
 def load_block_ops() -> None:
     """Loads the extension whatever its SIMD level (a layer built with backend "blocks" runs
     it) and tells torch.compile's tracer what the ops return without running them."""
-    from radixserve.attention.cpu_extension import load_cpu_ops
+    from radixserve.native.extension import load_cpu_ops
 
     load_cpu_ops()
 

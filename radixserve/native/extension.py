@@ -1,18 +1,21 @@
-"""Builds the C++ CPU kernels (csrc/) on first use and loads them, cached per machine.
+"""Builds radixserve's C++ CPU kernels (csrc/) on first use and loads them, cached per machine.
 
-`torch.utils.cpp_extension` compiles csrc/*.cpp (paged decode, paged extend, the model's
-fused layer ops: layer_ops.cpp, used through model/cpu_layer_ops.py, and the quantized layers'
-block matmuls: block_gemv.cpp, see model/quant/block_matmul.py) once into
-<cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and their header),
-the torch version and the compiler flags. The SIMD flags follow the level torch itself
-detected on this CPU at run time (never assumed), so a cached build is never run on a CPU or
-torch it was not built for.
-Without a compiler (or when the build fails) `load_cpu_ops` raises `CpuExtensionUnavailable`
-with the reason; the `auto` backend then falls back to torch_native.
+One extension, one build: `torch.utils.cpp_extension` compiles every csrc/*.cpp once into
+<cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and common.h), where
+they lie, the torch version and the compiler flags. One source per kernel family; each has
+its Python wrapper beside its caller:
 
-The sources live here, not in kernels/: that package is the Triton kernels (GPU, importable
-without a C++ toolchain). Their users: cpu_fused (torch_native is its reference) and the
-model's eager CPU forward (model/layers.py holds the references); one extension, one build.
+    paged_decode.cpp, paged_extend.cpp  attention                 attention/cpu_fused.py
+    layer_ops.cpp                       a layer's fused small ops model/cpu_layer_ops.py
+    block_matmul.cpp                    GGUF-block matmuls        model/quant/block_matmul.py
+
+The SIMD flags follow the level torch itself detected on this CPU at run time
+(`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
+CPU or torch it was not built for. `ATEN_CPU_CAPABILITY=avx2` or `=default` (torch's own
+switch) lowers that level for torch's kernels and ours alike: AVX2 + FMA intrinsics, or
+portable loops (`simd_level()` says which one a build has). Without a compiler (or when the
+build fails) `load_cpu_ops` raises `CpuExtensionUnavailable` with the reason; callers then
+use their torch references.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ SOURCES = [
     CSRC / "paged_decode.cpp",
     CSRC / "paged_extend.cpp",
     CSRC / "layer_ops.cpp",
-    CSRC / "block_gemv.cpp",
+    CSRC / "block_matmul.cpp",
 ]
-HEADERS = [CSRC / "cpu_common.h"]
+HEADERS = [CSRC / "common.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the
 # same instruction sets torch's own kernels of that level use. Other levels: portable code.
@@ -85,7 +88,7 @@ def load_cpu_ops() -> Any:
     try:
         _loaded = _build_and_load()
     except Exception as exc:  # any build/load failure means: use the reference path
-        _failure = CpuExtensionUnavailable(f"C++ CPU attention kernels unavailable: {exc}")
+        _failure = CpuExtensionUnavailable(f"C++ CPU kernels unavailable: {exc}")
         raise _failure from exc
     return _loaded
 
@@ -122,5 +125,5 @@ def _build_and_load() -> Any:
         build_directory=str(folder),
         is_python_module=False,
     )
-    logger.info("loaded C++ CPU attention kernels %s in %.1fs", name, time.perf_counter() - start)
+    logger.info("loaded C++ CPU kernels %s in %.1fs", name, time.perf_counter() - start)
     return getattr(torch.ops, OPS_NAMESPACE)

@@ -16,7 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "cpu_common.h"
+#include "common.h"
 
 #include <cmath>
 #include <cstdint>

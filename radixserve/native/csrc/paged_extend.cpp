@@ -19,7 +19,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "cpu_common.h"
+#include "common.h"
 
 namespace {
 

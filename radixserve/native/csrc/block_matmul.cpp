@@ -18,7 +18,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "cpu_common.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cstring>
