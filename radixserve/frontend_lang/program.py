@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from radixserve.engine.engine import Engine
+from radixserve.client.engine import Engine
 from radixserve.frontend_lang.backends import Backend, as_backend
 from radixserve.frontend_lang.global_config import global_config
 from radixserve.frontend_lang.interpreter import run_program, run_program_batch

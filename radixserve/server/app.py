@@ -13,11 +13,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.client.client import EngineBusyError, EngineDeadError
+from radixserve.client.output import LogprobCursor, format_output
+from radixserve.client.request_builder import BOOTSTRAP_FIELDS, GenerateArgs
+from radixserve.client.result import ResultStream
 from radixserve.config import ServerConfig
-from radixserve.engine.client import EngineBusyError, EngineDeadError
-from radixserve.engine.output import LogprobCursor, format_output
-from radixserve.engine.request_builder import BOOTSTRAP_FIELDS, GenerateArgs
-from radixserve.engine.result import ResultStream
 from radixserve.server import dashboard, openai_api
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response

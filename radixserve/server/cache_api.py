@@ -17,8 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import PinRequest
-from radixserve.engine.request_builder import GenerateArgs
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.state import read_json, state_of
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.engine.client import EngineDeadError
+from radixserve.client.client import EngineDeadError
+from radixserve.client.request_builder import GenerateArgs
+from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
-from radixserve.engine.request_builder import GenerateArgs
-from radixserve.engine.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (

@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from radixserve.client.request_builder import BOOTSTRAP_FIELDS
+from radixserve.client.result import RequestResult
 from radixserve.engine.request import MAX_LOGPROBS
-from radixserve.engine.request_builder import BOOTSTRAP_FIELDS
-from radixserve.engine.result import RequestResult
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import (

@@ -1,6 +1,6 @@
 """Engine: SGLang's offline API (generate, async_generate, flush_cache, get_stats) in-process.
 
-Requests go through the same typed stream as the HTTP server's (engine/client.py): an
+Requests go through the same typed stream as the HTTP server's (client/client.py): an
 `InProcessClient` runs the core on its own thread, so calls from many threads batch together.
 Synchronous calls run their stream on a private event loop thread.
 """
@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.client.inproc_client import InProcessClient
+from radixserve.client.loop_thread import LoopThread
+from radixserve.client.output import LogprobCursor, format_output
+from radixserve.client.request_builder import GenerateArgs, RequestBuilder
+from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
-from radixserve.engine.inproc_client import InProcessClient
-from radixserve.engine.loop_thread import LoopThread
-from radixserve.engine.output import LogprobCursor, format_output
 from radixserve.engine.protocol import RequestSpec
-from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
-from radixserve.engine.result import RequestResult, ResultStream
 
 PROGRESS_BAR_MIN_BATCH = 32
 
