@@ -161,7 +161,7 @@ def build_specs(
         logprob_start_len=0 if parsed.echo and logprobs else None,
         top_logprobs_num=parsed.logprobs,
         cache_salt=parsed.cache_salt,
-        **parsed.extra_args,
+        **parsed.options,
     )
     try:
         return state.builder.build(args)[0]

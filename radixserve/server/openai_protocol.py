@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.client.request_builder import BOOTSTRAP_FIELDS
+from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.errors import BadRequest
@@ -31,13 +31,10 @@ SAMPLING_FIELDS = (
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "no_stop_trim", "speculative",
 )  # fmt: skip
-# SGLang's priority and session_id, retention (ours) and the bootstrap fields sglang-router's
-# PD mode writes: extra body fields, passed on as on /generate.
-EXTRA_GENERATE_FIELDS = ("priority", "session_id", "retention", *BOOTSTRAP_FIELDS)
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
-    *EXTRA_GENERATE_FIELDS,
+    *REQUEST_OPTIONS,
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -79,7 +76,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     echo: bool = False
     cache_salt: Any = None
-    extra_args: dict[str, Any] = field(default_factory=dict)  # EXTRA_GENERATE_FIELDS given
+    options: dict[str, Any] = field(default_factory=dict)  # the REQUEST_OPTIONS given
     max_tokens_name: str = "max_tokens"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice("none")
@@ -117,7 +114,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         stream=stream,
         include_usage=check_stream_options(body.get("stream_options"), stream),
         cache_salt=body.get("cache_salt"),
-        extra_args={name: body[name] for name in EXTRA_GENERATE_FIELDS if name in body},
+        options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )
     if chat:
         _parse_chat(body, parsed)
