@@ -1,5 +1,5 @@
 """Imports point down: (server, frontend_lang) -> client -> engine -> cache / model / attention /
-sampling. A request reaches the core through client/ and never climbs back into server/."""
+sampling -> native (the C++ kernels' builder). A request reaches the core through client/ and never climbs back into server/."""
 
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ ABOVE = {
     "model": ("engine", "client", "server", "frontend_lang"),
     "attention": ("engine", "client", "server", "frontend_lang"),
     "sampling": ("engine", "client", "server", "frontend_lang"),
+    "native": (
+        "model",
+        "attention",
+        "cache",
+        "sampling",
+        "engine",
+        "client",
+        "server",
+        "frontend_lang",
+    ),
 }
 
 CORE_MODULES = ("core", "core_loop", "core_process", "wire", "scheduler")
