@@ -39,6 +39,7 @@ CASES = ("off", "flag, old attention", "flag")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2 GGUF)")
+    p.add_argument("--quantization", default="auto", help="auto (the GGUF's blocks) | none (fp32)")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prefill")
     p.add_argument("--context-len", type=int, default=512, help="tokens before decode")
     p.add_argument("--batch", type=int, default=8, help="batch of the batched decode row")
@@ -53,7 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_runner(args: argparse.Namespace, deterministic: bool) -> ModelRunner:
-    load = LoadConfig(model=args.model, device="cpu", enable_deterministic_inference=deterministic)
+    load = LoadConfig(
+        model=args.model,
+        device="cpu",
+        quantization=args.quantization,
+        enable_deterministic_inference=deterministic,
+    )
     tokens = max(args.batch * (args.context_len + args.steps + 16), args.prefill_len + 16)
     return ModelRunner.create(load, CacheConfig(max_total_tokens=tokens))
 

@@ -1,7 +1,7 @@
 """radixserve: an LLM serving runtime built around RadixAttention."""
 
+from radixserve.client.engine import Engine
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
-from radixserve.engine.engine import Engine
 from radixserve.sampling.params import SamplingParams
 
 __version__ = "0.1.0"

@@ -105,7 +105,7 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from radixserve.engine.engine import Engine
+    from radixserve.client.engine import Engine
     from radixserve.model.tokenizer import chat_prompt_text
 
     start = time.perf_counter()

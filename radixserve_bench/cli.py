@@ -128,7 +128,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
-    from radixserve.engine.engine import Engine
+    from radixserve.client.engine import Engine
     from radixserve_bench.offline import run_offline
 
     spec, load, report = common_args(args)

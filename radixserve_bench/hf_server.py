@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.cli_args import add_dataclass_args, field_names
-from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.client.detokenizer import IncrementalDetokenizer
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.http_runner import serve_app
 from radixserve.server.state import read_json

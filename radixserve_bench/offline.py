@@ -14,9 +14,9 @@ import dataclasses
 import time
 from typing import Any
 
-from radixserve.engine.client import OutputStream
+from radixserve.client.client import OutputStream
+from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import RequestOutput
-from radixserve.engine.request_builder import GenerateArgs
 from radixserve_bench.backends import greedy_params
 from radixserve_bench.client import LoadShape, load_metrics, progress_bar
 from radixserve_bench.metrics import compute_metrics, engine_counter_delta

@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from radixserve.native.machine import cpu_model, describe_cpu
 from radixserve_bench.record import BenchRun
 
 SECTIONS: list[tuple[str, list[tuple[str, str, str]]]] = [
@@ -86,22 +87,13 @@ def environment() -> dict[str, Any]:
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "cpu": cpu_model(),
+        "cpu_features": describe_cpu(),
         "num_cpus": os.cpu_count(),
         "gpu": gpu_name(),
         "python": platform.python_version(),
         **{name: package_version(name) for name in ("radixserve", "torch", "transformers")},
         **git_state(),
     }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def gpu_name() -> str | None:

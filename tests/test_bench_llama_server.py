@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.native import machine
 from radixserve_bench import llama_build
 from radixserve_bench.backends import LlamaServerBackend, make_backend, record_llama_server_end
 from radixserve_bench.llama_server import llama_server_command
@@ -95,8 +96,8 @@ def test_portable_flavor_follows_the_cpu_and_the_build_targets_the_server_only()
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
-    assert llama_build.cpu_flags(cpuinfo) == {"fpu", "sse", "avx2", "avx512f"}
-    assert llama_build.cpu_flags(tmp_path / "missing") == set()
+    assert machine.cpu_flags(cpuinfo) == {"fpu", "sse", "avx2", "avx512f"}
+    assert machine.cpu_flags(tmp_path / "missing") == set()
 
 
 def fake_binary(path: Path, script: str) -> Path:

@@ -4,11 +4,6 @@ torch's int kernels."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from test_quantization_gguf import PROMPT, save_plain_llama, write_tiny_gguf
@@ -183,38 +178,3 @@ def test_a_tied_blocks_head_multiplies_by_the_embedding_from_24_rows_on_unless_d
     assert flagged[0].lm_head.dequant_min_rows is None  # row-invariant: blocks for every batch
 
 
-# The AVX2 and portable paths, built in a child process (their ops would clash with this
-# process's radixserve_cpu build) and checked as above: on an AVX512 machine nothing else
-# runs them.
-_OTHER_BUILD = """
-import sys
-from pathlib import Path
-import torch
-from torch.utils import cpp_extension
-from radixserve.native import extension as cpu_extension
-import test_block_matmul as t
-
-level, folder = sys.argv[1], Path(sys.argv[2])
-flags = {"avx2": ["-mavx2", "-mfma"], "portable": []}[level]
-cpu_extension._put_ninja_on_path()
-cpp_extension.load(name=f"block_gemv_{level}", build_directory=str(folder),
-                   sources=[str(cpu_extension.CSRC / "block_matmul.cpp")],
-                   extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                   is_python_module=False)
-assert torch.ops.radixserve_cpu.block_mm_simd() == level
-for k, n in t.SHAPES:
-    t.test_int4_blocks_equal_the_dequantized_matmul_and_each_row_its_one_row_call(None, k, n)
-    t.test_int8_blocks_equal_the_dequantized_matmul_and_each_row_its_one_row_call(None, k, n)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("level", ["avx2", "portable"])
-def test_avx2_and_portable_builds_are_exact_and_row_invariant(cpu_ops, level, tmp_path):
-    if level == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("this CPU has no AVX2")
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}
-    command = [sys.executable, "-c", _OTHER_BUILD, level, str(tmp_path)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]

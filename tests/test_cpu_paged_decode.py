@@ -211,7 +211,9 @@ def test_extend_kernel_matches_reference(ops, page_size, kv_heads, group, head_d
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("q_dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
-def test_extend_kernel_matches_reference_bf16_pool(ops, page_size, q_dtype, tol):
+def test_extend_kernel_matches_reference_bf16_pool(ops, page_size, q_dtype, tol, request):
+    if q_dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_sdpa")
     """Cached prefixes only: for a fresh prefill torch_native attends to the new K/V as
     computed, not as rounded into the bf16 pool."""
     pool = _pool(page_size, 3, 64, torch.bfloat16)
@@ -325,7 +327,7 @@ def test_runner_greedy_identical_with_a_bf16_pool(ops, tiny_models):
     assert greedy_generate(fused, PROMPTS, 8) == greedy_generate(native, PROMPTS, 8)
 
 
-def test_runner_bf16_model_decode_logits_close(ops, tiny_models):
+def test_runner_bf16_model_decode_logits_close(ops, tiny_models, bf16_sdpa):
     """A bfloat16 model: the decode step's logits agree to bf16 precision (the reference's
     SDPA rounds in bf16, the kernel accumulates in fp32)."""
     logits = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.client.detokenizer import IncrementalDetokenizer
 from radixserve.model.tokenizer import open_tokenizer
 
 TEXTS = [

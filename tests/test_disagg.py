@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from conftest import greedy, make_core, prompt_ids
+from radixserve.client.inproc_client import InProcessClient
+from radixserve.client.request_builder import GenerateArgs, RequestBuilder
 from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.engine import core_loop
-from radixserve.engine.inproc_client import InProcessClient
+from radixserve.engine.core_process import PipeTransport
 from radixserve.engine.protocol import AbortRequests, Bootstrap, RequestSpec
 from radixserve.engine.request import Req
-from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
+from radixserve.engine.wire import encode
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.core_process import PipeTransport
-from radixserve.server.wire import encode
 from radixserve_bench.systems import free_port
 
 PAGE = 16

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,16 +250,17 @@ def _running(pid: int) -> bool:
 
 
 class FleetProcess:
-    """`radixserve fleet` in a subprocess, one torch thread per worker; `url`: the router."""
+    """`radixserve fleet` in a subprocess, one torch thread per worker; `url`: the router.
+    `cwd`: the folder it runs in (None: this one)."""
 
-    def __init__(self, model: str, workers: int, *flags: str):
+    def __init__(self, model: str, workers: int, *flags: str, cwd: Path | None = None):
         router_port, base = free_port_run(1), free_port_run(workers)
         self.url = f"http://127.0.0.1:{router_port}"
         command = [sys.executable, "-m", "radixserve.cli", "fleet", model]
         command += ["--workers", str(workers), "--router-port", str(router_port)]
         command += ["--worker-base-port", str(base), "--max-total-tokens", "16384", *flags]
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd
         )
         self.log: list[str] = []
         for line in self.proc.stdout:
@@ -286,8 +288,9 @@ class FleetProcess:
 
 
 @needs_router
-def test_fleet_behind_the_real_router(tiny_chat_model, server):
-    fleet = FleetProcess(tiny_chat_model, 2, "--served-model-name", "tiny", "--api-key", "k")
+def test_fleet_behind_the_real_router(tiny_chat_model, server, tmp_path):
+    flags = ["--served-model-name", "tiny", "--api-key", "k"]
+    fleet = FleetProcess(tiny_chat_model, 2, *flags, cwd=tmp_path)
     children = fleet.children()
     try:
         assert len(children) == 3  # two workers and the router
@@ -316,6 +319,7 @@ def test_fleet_behind_the_real_router(tiny_chat_model, server):
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every worker and the router stopped with the fleet
+    assert list(tmp_path.iterdir()) == []  # no pid, log or other run file left where it ran
 
 
 @needs_router

@@ -224,7 +224,7 @@ def test_find_jump_retokenizes_the_newest_token_and_leaves_the_matcher(tiny_chat
 def test_the_flag_is_generated_and_the_count_crosses_the_core_pipe():
     from radixserve.cli import build_parser
     from radixserve.engine.protocol import RequestOutput, StepOutputs
-    from radixserve.server.wire import decode_from_core, encode
+    from radixserve.engine.wire import decode_from_core, encode
 
     args = build_parser().parse_args(["serve", "--disable-jump-forward"])
     assert args.disable_jump_forward is True

@@ -13,8 +13,8 @@ from concurrent.futures import Future
 import pytest
 
 from conftest import greedy, make_engine, prompt_ids
+from radixserve.client.client import EngineClient
 from radixserve.engine import core_loop
-from radixserve.engine.client import EngineClient
 from radixserve.engine.faults import ENV_VAR
 from radixserve.engine.protocol import RequestSpec
 from radixserve.sampling.grammar import GrammarBackend

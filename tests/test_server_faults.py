@@ -215,13 +215,13 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
 def test_an_orphaned_core_stops_quietly_when_the_server_end_is_gone(caplog):
     import multiprocessing
 
+    from radixserve.engine.core_process import PipeTransport
     from radixserve.engine.protocol import StepOutputs
-    from radixserve.server.core_process import PipeTransport
 
     server_end, core_end = multiprocessing.Pipe()
     transport = PipeTransport(core_end)
     server_end.close()  # the HTTP process died
-    with caplog.at_level("INFO", logger="radixserve.server.core_process"):
+    with caplog.at_level("INFO", logger="radixserve.engine.core_process"):
         transport.send(StepOutputs([]))  # no BrokenPipeError traceback
         transport.send(StepOutputs([]))
     assert [r.message for r in caplog.records] == ["the server process is gone; the core stops"]

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from conftest import VOCAB
+from radixserve.client.result import RequestResult
 from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec
-from radixserve.engine.result import RequestResult
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.openai_api import ChoiceTracker

@@ -323,7 +323,7 @@ def test_openai_endpoints_take_the_opt_out_and_stay_free_of_spec_counts(periodic
 
 def test_spec_counts_cross_the_core_pipe():
     from radixserve.engine.protocol import RequestOutput, SpecCounts, StepOutputs
-    from radixserve.server.wire import decode_from_core, encode
+    from radixserve.engine.wire import decode_from_core, encode
 
     sent = StepOutputs([RequestOutput("a", [1, 2], spec_counts=SpecCounts(3, 8, 5))])
     assert decode_from_core(encode(sent)) == sent

@@ -21,8 +21,8 @@ from conftest import (
     prompt_ids,
     save_tiny_model,
 )
+from radixserve.client.client import EngineDeadError
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig
-from radixserve.engine.client import EngineDeadError
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.tp_runner import TPModelRunner
 

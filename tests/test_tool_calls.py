@@ -17,9 +17,9 @@ import xgrammar
 
 from conftest import VOCAB
 from radixserve.model.tokenizer import open_tokenizer
+from radixserve.server.chat_messages import check_messages
 from radixserve.server.chat_prompt import plain_tool_messages, render_chat, template_renders_tools
 from radixserve.server.errors import BadRequest
-from radixserve.server.openai_protocol import check_messages
 from radixserve.server.tool_calls import (
     ToolCallParser,
     call_schema,

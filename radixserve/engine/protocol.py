@@ -2,10 +2,10 @@
 deltas out (one per step that changed the request), the last one with a typed finish reason.
 
 The scheduler's `Req` never leaves the core. These are plain dataclasses: the in-process core
-passes them as they are; server/wire.py encodes them for the core process's pipe (so the
-engine itself needs no msgspec). A new per-token field is added to `RequestOutput` here,
-filled in once on the core side (engine/deltas.py) and applied once on the caller side
-(`RequestResult.apply` in engine/result.py).
+passes them as they are; engine/wire.py encodes them for the core process's pipe (the one
+module here that needs msgspec; both ends of the pipe import it). A new per-token field is
+added to `RequestOutput` here, filled in once on the core side (engine/deltas.py) and applied
+once on the caller side (`RequestResult.apply` in client/result.py).
 
     caller                                   core
     RequestSpec ----------- AddRequests --->  Req (scheduler)
@@ -146,7 +146,7 @@ class RequestOutput:
     jump_forward_tokens: int = 0  # total so far: output tokens its grammar forced, unsampled
 
 
-# ---- messages between a client and its core (a thread, or a process: server/wire.py) -------
+# ---- messages between a client and its core (a thread, or a process: engine/wire.py) -------
 
 
 @dataclass

@@ -4,7 +4,7 @@ the batching engine. A program written for `sglang` runs with `import radixserve
 exists here; the few radixserve does not implement (unsupported.py) raise
 NotImplementedError saying so."""
 
-from radixserve.engine.engine import Engine
+from radixserve.client.engine import Engine
 from radixserve.frontend_lang.api import (
     assistant,
     assistant_begin,

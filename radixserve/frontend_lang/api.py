@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.engine.engine import Engine
+from radixserve.client.engine import Engine
 from radixserve.frontend_lang.backends import Backend
 from radixserve.frontend_lang.choices import ChoicesSamplingMethod, token_length_normalized
 from radixserve.frontend_lang.ir import Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, to_expr

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from radixserve.engine.engine import Engine
+from radixserve.client.engine import Engine
 from radixserve.frontend_lang.roles import ChatTemplate
 
 Output = dict[str, Any]  # {"text", "output_ids", "meta_info"}

@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from typing import Any
 
-from radixserve.engine.engine import Engine
+from radixserve.client.engine import Engine
 from radixserve.frontend_lang.backends import Backend, as_backend
 from radixserve.frontend_lang.global_config import global_config
 from radixserve.frontend_lang.interpreter import run_program, run_program_batch
@@ -17,13 +18,8 @@ from radixserve.frontend_lang.sampling import GenParams
 from radixserve.frontend_lang.state import ProgramState
 from radixserve.frontend_lang.tracing import cache_program
 
-# run()'s and run_batch()'s sampling defaults, in SGLang's names (max_new_tokens, not max_tokens).
-RUN_OPTIONS = (
-    "max_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
-    "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob",
-    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "priority",
-    "session_id", "retention",
-)  # fmt: skip
+RUN_NAMES = {"max_tokens": "max_new_tokens"}
+"""run()'s and run_batch()'s keyword for a GenParams option, where SGLang's name differs."""
 
 
 def set_default_backend(backend: Backend | Engine) -> None:
@@ -45,9 +41,10 @@ def resolve_backend(backend: Backend | Engine | None) -> Backend:
 
 
 def run_defaults(options: dict[str, Any]) -> GenParams:
-    """GenParams from run()'s sampling keywords (`options` may hold more)."""
-    params = {name: options.get(name) for name in RUN_OPTIONS}  # run_batch: no session
-    return GenParams(max_tokens=params.pop("max_new_tokens"), **params)
+    """GenParams from run()'s or run_batch()'s keywords (`options`: its locals); an option
+    the call does not take (min_tokens; session_id in run_batch) stays unset."""
+    names = (f.name for f in fields(GenParams))
+    return GenParams(**{name: options.get(RUN_NAMES.get(name, name)) for name in names})
 
 
 class SglFunction:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from radixserve.client.request_builder import GENERATE_ARG_NAMES
+
 # Regexes for gen(dtype=...). SGLang's REGEX_INT/FLOAT allow trailing spaces and stop on
 # them; these match exactly the value, so the text converts without stripping.
 DTYPE_REGEX = {
@@ -19,12 +21,9 @@ DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 # Frontend name -> wire (`sampling_params`) name.
 WIRE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
-LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
-                  "return_text_in_logprobs")  # fmt: skip
-# Per-request options of /generate beside sampling_params: priority (needs the server's
-# --enable-priority-scheduling), an agent session and its retention ({"ttl_s": seconds}).
-REQUEST_FIELDS = ("priority", "session_id", "retention")
-TOP_LEVEL_FIELDS = LOGPROB_FIELDS + REQUEST_FIELDS
+TOP_LEVEL_FIELDS = GENERATE_ARG_NAMES | {"return_text_in_logprobs"}
+"""/generate's own fields (logprob and request options: priority, session_id, retention...);
+a GenParams option named like one is sent as it, the others inside `sampling_params`."""
 
 
 @dataclass
@@ -77,7 +76,8 @@ class GenParams:
 
     def payload_options(self) -> dict[str, Any]:
         """The payload's top-level fields that are set: logprob and request options."""
-        return {k: getattr(self, k) for k in TOP_LEVEL_FIELDS if getattr(self, k) is not None}
+        own = (f.name for f in fields(self) if f.name in TOP_LEVEL_FIELDS)
+        return {k: getattr(self, k) for k in own if getattr(self, k) is not None}
 
 
 def resolve_dtype(dtype: type | str | None) -> type | None:

@@ -8,6 +8,7 @@ its Python wrapper beside its caller:
     paged_decode.cpp, paged_extend.cpp  attention                 attention/cpu_fused.py
     layer_ops.cpp                       a layer's fused small ops model/cpu_layer_ops.py
     block_matmul.cpp                    GGUF-block matmuls        model/quant/block_matmul.py
+    dense_matmul.cpp                    batch-invariant matmul    model/quant/batch_invariant.py
 
 The SIMD flags follow the level torch itself detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
@@ -40,6 +41,7 @@ SOURCES = [
     CSRC / "paged_extend.cpp",
     CSRC / "layer_ops.cpp",
     CSRC / "block_matmul.cpp",
+    CSRC / "dense_matmul.cpp",
 ]
 HEADERS = [CSRC / "common.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources

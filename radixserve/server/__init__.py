@@ -1,1 +1,1 @@
-"""HTTP server: aiohttp front end in one process, the engine core in another."""
+"""HTTP server: aiohttp routes and API dialects; they reach the core through radixserve.client."""

@@ -13,11 +13,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.client.client import EngineBusyError, EngineDeadError
+from radixserve.client.output import LogprobCursor, format_output
+from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs
+from radixserve.client.result import ResultStream
 from radixserve.config import ServerConfig
-from radixserve.engine.client import EngineBusyError, EngineDeadError
-from radixserve.engine.output import LogprobCursor, format_output
-from radixserve.engine.request_builder import BOOTSTRAP_FIELDS, GenerateArgs
-from radixserve.engine.result import ResultStream
 from radixserve.server import dashboard, openai_api
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
@@ -31,11 +31,8 @@ OPEN_PATHS = ("/health", "/metrics")
 /health_generate: it runs a generation on the GPU."""
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-GENERATE_FIELDS = {
-    "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "cache_salt",
-    "priority", "session_id", "retention", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-}  # fmt: skip
+GENERATE_FIELDS = GENERATE_ARG_NAMES | {"stream", "return_text_in_logprobs"}
+"""/generate's body: the request's fields, and how to answer (stream, logprob token texts)."""
 GENERATE_NO_OP_VALUES = {"log_metrics": True}
 """Fields accepted at their SGLang default only; sglang-router writes them into every body.
 (Other unknown fields are accepted while null, false or empty.)"""
@@ -129,20 +126,7 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
     for name, value in (("stream", stream), ("return_text_in_logprobs", with_text)):
         if not isinstance(value, bool):
             raise BadRequest(f"{name} must be a boolean; got {value!r}", param=name)
-    args = GenerateArgs(
-        text=body.get("text"),
-        input_ids=body.get("input_ids"),
-        sampling_params=body.get("sampling_params"),
-        return_logprob=body.get("return_logprob") or False,
-        logprob_start_len=body.get("logprob_start_len"),
-        top_logprobs_num=body.get("top_logprobs_num"),
-        rid=body.get("rid"),
-        cache_salt=body.get("cache_salt"),
-        priority=body.get("priority"),
-        session_id=body.get("session_id"),
-        retention=body.get("retention"),
-        **{name: body.get(name) for name in BOOTSTRAP_FIELDS},
-    )
+    args = GenerateArgs.from_fields(body, return_logprob=body.get("return_logprob") or False)
     return args, stream, with_text
 
 

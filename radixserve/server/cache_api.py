@@ -17,8 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import PinRequest
-from radixserve.engine.request_builder import GenerateArgs
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.state import read_json, state_of
 
@@ -31,12 +31,7 @@ async def pin_prefix(request: web.Request) -> web.Response:
     body = _object(await read_json(request), PIN_FIELDS)
     name = _name(body.get("name"), "name")
     ttl_s = _ttl(body.get("ttl_s"))
-    args = GenerateArgs(
-        text=body.get("text"),
-        input_ids=body.get("input_ids"),
-        sampling_params={"max_new_tokens": 0},
-        cache_salt=body.get("cache_salt"),
-    )
+    args = GenerateArgs.from_fields(body, sampling_params={"max_new_tokens": 0})
     specs, batched = await state.off_loop(state.builder.build, args)
     if batched:
         raise BadRequest("pin one prefix per request: text or input_ids, not a list", "text")

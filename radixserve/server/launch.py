@@ -7,11 +7,11 @@ import logging
 import signal
 from typing import Any
 
+from radixserve.client.core_client import MultiprocessClient
+from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
-from radixserve.engine.request_builder import RequestBuilder
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.server.app import ServerState, build_app
-from radixserve.server.core_client import MultiprocessClient
 from radixserve.server.http_runner import serve_app
 from radixserve.server.metrics import ServerMetrics
 

@@ -26,27 +26,28 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.engine.client import EngineDeadError
+from radixserve.client.client import EngineDeadError
+from radixserve.client.request_builder import GenerateArgs
+from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
-from radixserve.engine.request_builder import GenerateArgs
-from radixserve.engine.result import RequestResult, ResultStream
+from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (
-    MIN_LOGPROB,
     TOKENIZE_FIELDS,
-    Delta,
     OpenAIRequest,
-    ResponseShape,
-    TokenLogprob,
     bad_request,
     check_bool,
     check_fields,
-    check_messages,
     check_model,
     check_object,
-    check_template_kwargs,
     parse_request,
+)
+from radixserve.server.openai_response import (
+    MIN_LOGPROB,
+    Delta,
+    ResponseShape,
+    TokenLogprob,
     usage,
 )
 from radixserve.server.state import ServerState, read_json, state_of
@@ -160,7 +161,7 @@ def build_specs(
         logprob_start_len=0 if parsed.echo and logprobs else None,
         top_logprobs_num=parsed.logprobs,
         cache_salt=parsed.cache_salt,
-        **parsed.extra_args,
+        **parsed.options,
     )
     try:
         return state.builder.build(args)[0]

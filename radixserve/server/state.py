@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from radixserve.client.client import EngineClient
+from radixserve.client.request_builder import RequestBuilder
+from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import ServerConfig
-from radixserve.engine.client import EngineClient
 from radixserve.engine.protocol import RequestSpec
-from radixserve.engine.request_builder import RequestBuilder
-from radixserve.engine.result import RequestResult, ResultStream
 from radixserve.server.errors import BadRequest
 from radixserve.server.metrics import ServerMetrics
 

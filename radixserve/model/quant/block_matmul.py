@@ -39,7 +39,7 @@ def block_kernels() -> Any | None:
     except CpuExtensionUnavailable as exc:
         logger.info("block matmul kernels unavailable, torch's int kernels run: %s", exc)
         return None
-    simd = ops.block_mm_simd()
+    simd = ops.simd_level()
     if simd == "portable":
         logger.info("block matmul kernels built without AVX2 / AVX512; torch's kernels run")
         return None

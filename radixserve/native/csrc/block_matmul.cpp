@@ -43,7 +43,7 @@ constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in 
 
 // One SIMD level's view of a block: 32 fp32 weights as kVecs vectors of kLanes, and the
 // few operations the kernel needs. AVX512 and AVX2 use intrinsics; anything else plain
-// loops (correct, but slower than torch's kernels: `block_mm_simd` says which was built).
+// loops (correct, but slower than torch's kernels: `simd_level` says which was built).
 #if defined(__AVX512F__)
 constexpr const char* kSimd = "avx512";
 using Vec = __m512;
@@ -303,8 +303,9 @@ at::Tensor int8_block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Te
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("int4_block_mm(Tensor x, Tensor qs, Tensor scale_min) -> Tensor");
   m.def("int8_block_mm(Tensor x, Tensor qs, Tensor scales) -> Tensor");
-  // Which SIMD path was built (avx512, avx2, portable); no tensor argument: a catch-all.
-  m.def("block_mm_simd() -> str", [] { return std::string(kSimd); });
+  // Which SIMD path the extension was built with (avx512, avx2, portable): every kernel
+  // file follows the same build flags. No tensor argument: a catch-all.
+  m.def("simd_level() -> str", [] { return std::string(kSimd); });
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {

@@ -1,5 +1,7 @@
-"""msgpack for the pipe between the server and its core process: each message is sent as
-[type name, payload], and the payload is decoded straight into its engine/protocol.py type."""
+"""msgpack for the pipe between a caller (client/core_client.py) and its core process
+(core_process.py): each message is sent as [type name, payload], and the payload is decoded
+straight into its protocol.py type. It sits beside protocol.py, not in client/, because both
+ends of the pipe use it and the core never imports the caller side."""
 
 from __future__ import annotations
 

@@ -1,8 +1,14 @@
-"""Turns API arguments (prompts or ids, sampling params, logprob options) into validated
-RequestSpecs (one per output: n per prompt), each with a fresh unique request_id.
+"""The one request type and its validation: every API maps its input to `GenerateArgs`, and
+`RequestBuilder.build` turns that into validated RequestSpecs (one per output: n per prompt),
+each with a fresh unique request_id.
 
-Shared by the in-process Engine and the HTTP server, so both reject the same bad input
-with the same ValueError naming the offending parameter.
+    /generate body           server/app.py           parse_generate  -+
+    OpenAI chat/completions  server/openai_api.py    build_specs      |
+    /cache/pin body          server/cache_api.py     pin_prefix       +-> GenerateArgs
+    Engine.generate kwargs   client/engine.py        _generate_args   |     -> RequestBuilder.build
+    frontend gen/run         frontend_lang: GenParams -> /generate  -+       -> [RequestSpec]
+
+So every API rejects the same bad input with the same ValueError naming the offending field.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import math
 import random
 import uuid
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from radixserve.cache.retention import session_pin_key
@@ -21,6 +28,9 @@ from radixserve.sampling.params import SamplingParams, is_int64
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
+REQUEST_OPTIONS = ("priority", "session_id", "retention", *BOOTSTRAP_FIELDS)
+"""Per-request options beside the prompt, sampling and logprobs, under the same names in every
+API that exposes them: /generate and OpenAI bodies, Engine.generate, the frontend's gen."""
 SEED_MASK = (1 << 64) - 1
 """The sampler hashes a seed's low 64 bits, so any int seed is kept as just those: the same
 draws, and a value the engine core message (msgpack, 64 bits) can carry."""
@@ -28,7 +38,9 @@ draws, and a value the engine core message (msgpack, 64 bits) can carry."""
 
 @dataclass
 class GenerateArgs:
-    """SGLang's generate arguments, as the Engine and `/generate` take them."""
+    """SGLang's generate arguments: the one request type. A new request option is a field
+    here, its check in RequestBuilder, and the API mappings that expose it (/generate takes
+    every field; OpenAI bodies REQUEST_OPTIONS; Engine.generate and gen the ones they name)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -44,6 +56,16 @@ class GenerateArgs:
     bootstrap_host: str | list[str] | None = None  # disaggregation: the prefill worker's host
     bootstrap_port: int | list[int] | None = None  # ... its bootstrap port
     bootstrap_room: int | list[int] | None = None  # ... the room pairing prefill and decode
+
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> GenerateArgs:
+        """The args from those keys of `values` that are fields (the rest are the caller's:
+        stream, return_text_in_logprobs, ...), then `overrides`."""
+        given = {name: values[name] for name in GENERATE_ARG_NAMES if name in values}
+        return cls(**(given | overrides))
+
+
+GENERATE_ARG_NAMES = frozenset(f.name for f in fields(GenerateArgs))
 
 
 class RequestBuilder:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
-from radixserve.engine.client import EngineClient
-from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.client.client import EngineClient
+from radixserve.client.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec, SpecCounts
 from radixserve.engine.stop import hold_back_partial_stop, trim_stop

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from radixserve.engine.client import EngineClient
+from radixserve.client.client import EngineClient
 from radixserve.engine.core import EngineCore
 from radixserve.engine.core_loop import CoreLoop
 from radixserve.engine.protocol import CallResult, FromCore, StepOutputs, ToCore

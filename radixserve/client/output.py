@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.engine.result import RequestResult
+from radixserve.client.result import RequestResult
 
 
 @dataclass

@@ -17,10 +17,10 @@ import threading
 import time
 from typing import Any
 
-from radixserve.engine.client import EngineClient, EngineDeadError
+from radixserve.client.client import EngineClient, EngineDeadError
+from radixserve.engine.core_process import run_core
 from radixserve.engine.protocol import CallResult, Ready, StepOutputs
-from radixserve.server.core_process import run_core
-from radixserve.server.wire import decode_from_core, encode
+from radixserve.engine.wire import decode_from_core, encode
 
 logger = logging.getLogger(__name__)
 

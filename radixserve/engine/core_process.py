@@ -17,7 +17,7 @@ from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
 from radixserve.engine.core_loop import CoreLoop
 from radixserve.engine.protocol import FromCore, Ready, ToCore
-from radixserve.server.wire import decode_to_core, encode
+from radixserve.engine.wire import decode_to_core, encode
 
 logger = logging.getLogger(__name__)
 

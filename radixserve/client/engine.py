@@ -1,6 +1,6 @@
 """Engine: SGLang's offline API (generate, async_generate, flush_cache, get_stats) in-process.
 
-Requests go through the same typed stream as the HTTP server's (engine/client.py): an
+Requests go through the same typed stream as the HTTP server's (client/client.py): an
 `InProcessClient` runs the core on its own thread, so calls from many threads batch together.
 Synchronous calls run their stream on a private event loop thread.
 """
@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.client.inproc_client import InProcessClient
+from radixserve.client.loop_thread import LoopThread
+from radixserve.client.output import LogprobCursor, format_output
+from radixserve.client.request_builder import GenerateArgs, RequestBuilder
+from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
-from radixserve.engine.inproc_client import InProcessClient
-from radixserve.engine.loop_thread import LoopThread
-from radixserve.engine.output import LogprobCursor, format_output
 from radixserve.engine.protocol import RequestSpec
-from radixserve.engine.request_builder import GenerateArgs, RequestBuilder
-from radixserve.engine.result import RequestResult, ResultStream
 
 PROGRESS_BAR_MIN_BATCH = 32
 
@@ -68,21 +68,7 @@ class Engine:
         retention: dict | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
-        specs, batched = self._build(
-            GenerateArgs(
-                text=prompt,
-                input_ids=input_ids,
-                sampling_params=sampling_params,
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                rid=rid,
-                cache_salt=cache_salt,
-                priority=priority,
-                session_id=session_id,
-                retention=retention,
-            )
-        )
+        specs, batched = self._build(_generate_args(locals()))
         if stream:
             return self._loop.iterate(self._stream(specs, return_text_in_logprobs))
         show = len(specs) >= PROGRESS_BAR_MIN_BATCH if progress_bar is None else progress_bar
@@ -107,21 +93,7 @@ class Engine:
         retention: dict | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
-        specs, batched = self._build(
-            GenerateArgs(
-                text=prompt,
-                input_ids=input_ids,
-                sampling_params=sampling_params,
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                rid=rid,
-                cache_salt=cache_salt,
-                priority=priority,
-                session_id=session_id,
-                retention=retention,
-            )
-        )
+        specs, batched = self._build(_generate_args(locals()))
         if stream:
             return self._stream(specs, return_text_in_logprobs)
         results = await self._run(specs, progress_bar=False)
@@ -198,6 +170,12 @@ class Engine:
                 stream.settle(result)
                 if result.output_ids or result.finished:
                     yield format_output(result, with_text, cursors[index])
+
+
+def _generate_args(call: dict[str, Any]) -> GenerateArgs:
+    """generate's / async_generate's arguments as the one request type: `prompt` is its text;
+    the others that are no request field (stream, progress_bar, ...) stay with the call."""
+    return GenerateArgs.from_fields(call, text=call["prompt"])
 
 
 def _shape(results: list[RequestResult], batched: bool, with_text: bool) -> dict | list[dict]:

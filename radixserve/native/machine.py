@@ -1,0 +1,48 @@
+"""What CPU this is, for logs and benchmark tables: its model name, its feature flags, and a
+one-line summary of the SIMD features our kernels and torch's care about (AVX-512, its BF16 /
+VNNI extensions, AMX, AVX2) with the level torch picked (`ATEN_CPU_CAPABILITY` may lower it;
+our kernels' build follows it)."""
+
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+FEATURES = {  # /proc/cpuinfo flag -> the name tables use
+    "avx512f": "AVX-512",
+    "avx512_bf16": "BF16",
+    "avx512_vnni": "VNNI",
+    "amx_tile": "AMX",
+    "avx2": "AVX2",
+}
+
+
+def _cpuinfo_field(name: str, cpuinfo: Path) -> str | None:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{name}\s*:(.*)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else None
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
+    """E.g. 'AMD EPYC 9R14 96-Core Processor'; the platform's word where Linux does not say."""
+    return _cpuinfo_field("model name", cpuinfo) or platform.processor() or platform.machine()
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    return set((_cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def describe_cpu() -> str:
+    """E.g. 'Intel(R) Xeon(R) Processor (AVX-512, BF16, VNNI, AMX, AVX2; torch level AVX512)'."""
+    flags = cpu_flags()
+    present = [name for flag, name in FEATURES.items() if flag in flags] or ["no AVX2"]
+    import torch  # here: the bench's report imports this module without needing torch
+
+    level = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu_model()} ({', '.join(present)}; torch level {level})"

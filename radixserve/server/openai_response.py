@@ -1,0 +1,136 @@
+"""OpenAI's response bodies and stream chunks for /v1/completions and /v1/chat/completions:
+choices, logprobs in each endpoint's shape, usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from radixserve.client.result import RequestResult
+from radixserve.server.openai_protocol import OpenAIRequest
+from radixserve.server.tool_calls import ToolCall
+
+MIN_LOGPROB = -9999.0
+"""OpenAI's floor for a logprob: JSON has no -Infinity."""
+
+
+class TokenLogprob(NamedTuple):
+    """One token's logprob; `top` is None for the first echoed prompt token."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]] | None
+    text_offset: int
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last response or chunk."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class ResponseShape:
+    """Builds the response bodies and stream chunks of one request in OpenAI's shapes."""
+
+    def __init__(self, parsed: OpenAIRequest, model: str):
+        self.chat = parsed.chat
+        self.with_logprobs = parsed.logprobs is not None
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def response(self, deltas: list[Delta], usage: dict[str, Any]) -> dict[str, Any]:
+        choices = [self._choice(i, delta, chunk=False) for i, delta in enumerate(deltas)]
+        return self._head(chunk=False) | {"choices": choices, "usage": usage}
+
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
+        return self._head(chunk=True) | {"choices": [self._choice(index, delta, chunk=True)]}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """The first chunk of a chat choice: the assistant's role, no content yet."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        return self._head(chunk=True) | {"choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._head(chunk=True) | {"choices": [], "usage": usage}
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "text_completion"
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _choice(self, index: int, delta: Delta, chunk: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = delta.text
+        elif chunk:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                choice["delta"]["tool_calls"] = [
+                    c.to_openai(streamed=True) for c in delta.tool_calls
+                ]
+        else:
+            choice["message"] = chat_message(delta)
+        choice["logprobs"] = self._logprobs(delta.logprobs)
+        choice["finish_reason"] = delta.finish_reason
+        return choice
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
+
+
+def chat_message(delta: Delta) -> dict[str, Any]:
+    """A whole chat choice's message; with tool calls, empty content is null (as OpenAI)."""
+    if not delta.tool_calls:
+        return {"role": "assistant", "content": delta.text}
+    calls = [call.to_openai() for call in delta.tool_calls]
+    return {"role": "assistant", "content": delta.text or None, "tool_calls": calls}
+
+
+def completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """/v1/completions logprobs; each top dict also holds the sampled token (as vLLM)."""
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [None if e.top is None else dict(e.top) | {e.token: e.logprob}
+                         for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }  # fmt: skip
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """/v1/chat/completions logprobs: exactly `top_logprobs` alternatives per token."""
+
+    def item(token: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            item(e.token, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top or []]}
+            for e in entries
+        ]
+    }
+
+
+def usage(results: list[RequestResult], n: int) -> dict[str, int | dict[str, int]]:
+    """Token counts; a prompt sampled n times (results p*n .. p*n+n-1) counts once."""
+    num_prompt = sum(r.prompt_len for r in results[::n])
+    num_completion = sum(len(r.output_ids) for r in results)
+    groups = range(0, len(results), n)
+    num_cached = sum(max(r.cached_tokens for r in results[i : i + n]) for i in groups)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
