@@ -42,7 +42,8 @@ def add_dataclass_args(
         if f.name in exclude:
             continue
         flag = _flag(f.name)
-        help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+        # argparse %-formats help text: a literal "%" (LoadConfig's "~20% slower") is escaped
+        help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
         annotation = str(f.type).replace(" | None", "").strip()
         if annotation == "bool":
             group.add_argument(

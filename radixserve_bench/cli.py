@@ -1,7 +1,7 @@
 """`radixserve bench serve` (a running server at --url), `bench offline` (an in-process
 Engine), `bench compare` (systems it starts itself, see compare.py) and `bench simulate` (the
 scheduler with a cost model, see simulate.py). Options are generated from the dataclasses
-below, one docstring each."""
+below and in common.py (what every mode shares), one docstring each."""
 
 from __future__ import annotations
 
@@ -10,43 +10,19 @@ import asyncio
 import dataclasses
 import logging
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from radixserve.cli_args import add_dataclass_args, field_names
 from radixserve.config import CacheConfig, SchedulerConfig
-from radixserve_bench.client import LoadShape
-
-
-@dataclass
-class WorkloadArgs:
-    """Which requests to send."""
-
-    workload: str = "shared-prefix"
-    """shared-prefix | multi-turn | agent | fork | tool-echo (answers quote a tool result) |
-    agent-sessions (pauses: simulate only)."""
-    preset: str = "default"
-    """default (GPU sizes) | small (about two minutes per system on 2 CPU cores)."""
-    workload_args: str | None = None
-    """Size overrides of the workload, e.g. num_groups=4,output_len=16."""
-    seed: int = 0
-    """Seed of the workload's text, order and arrival times."""
-
-
-@dataclass
-class ReportArgs:
-    """Where results go."""
-
-    out: str = "bench_results/bench"
-    """Folder for bench.json and the PNG plots."""
-    system: str | None = None
-    """Name of the measured system in the table and plots (default: the backend)."""
-    progress: bool = True
-    """Show a progress bar while requests run."""
-    log_level: str = "warning"
-    """debug | info | warning | error."""
+from radixserve_bench.common import (
+    add_common_args,
+    build_workloads,
+    common_args,
+    finish,
+    from_args,
+    load_tokenizer,
+    run_config,
+)
 
 
 @dataclass
@@ -89,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     modes = parser.add_subparsers(dest="bench_command", required=True)
     serve = modes.add_parser("serve", help="benchmark a running server at --url")
     add_dataclass_args(serve, ServerTarget, "server")
-    _add_common_args(serve)
+    add_common_args(serve)
     offline = modes.add_parser("offline", help="benchmark radixserve.Engine in-process")
     add_dataclass_args(offline, EngineTarget, "model")
     add_dataclass_args(offline, CacheConfig, "KV cache")
     add_dataclass_args(offline, SchedulerConfig, "scheduler")
-    _add_common_args(offline)
+    add_common_args(offline)
     from radixserve_bench.compare import add_compare_parser
     from radixserve_bench.retention_bench import add_retention_parser
     from radixserve_bench.simulate_cli import add_simulate_parser
@@ -110,17 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return run_bench(args)
-
-
-def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(parser, WorkloadArgs, "workload")
-    add_dataclass_args(parser, LoadShape, "load")
-    add_dataclass_args(parser, ReportArgs, "report")
-
-
-def from_args(cls: type, args: argparse.Namespace):
-    """An instance of dataclass `cls` from the parsed options of the same names."""
-    return cls(**{name: getattr(args, name) for name in field_names(cls)})
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -140,32 +105,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
         return run_retention_bench(args)
     return run_offline_bench(args)
-
-
-def build_workloads(spec: WorkloadArgs, tokenizer, num_warmup: int):
-    """The measured workload and the warm-up one, from the options."""
-    from radixserve_bench.workloads import make_workload, parse_overrides, warmup_workload
-
-    try:
-        overrides = parse_overrides(spec.workload_args)
-        workload = make_workload(spec.workload, tokenizer, spec.seed, spec.preset, overrides)
-    except ValueError as exc:
-        raise SystemExit(f"radixserve bench: {exc}") from None
-    return workload, warmup_workload(tokenizer, num_warmup, spec.seed)
-
-
-def load_tokenizer(path: str | None):
-    from radixserve_bench.workloads import default_tokenizer
-
-    if path is None:
-        return default_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def common_args(args: argparse.Namespace) -> tuple[WorkloadArgs, LoadShape, ReportArgs]:
-    return from_args(WorkloadArgs, args), from_args(LoadShape, args), from_args(ReportArgs, args)
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
@@ -208,30 +147,3 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return finish([run], report, run_config("offline", workload, load, engine_args))
-
-
-def run_config(mode: str, workload, load: LoadShape, target: dict[str, Any]) -> dict[str, Any]:
-    """The configuration block of bench.json."""
-    return {
-        "mode": mode,
-        "workload": workload.name,
-        "workload_config": workload.config,
-        "num_requests": len(workload.requests),
-        "load": dataclasses.asdict(load),
-        "target": target,
-    }
-
-
-def finish(runs, report: ReportArgs, config: dict[str, Any]) -> int:
-    """Prints the table, writes the files; exit status 1 if a run completed nothing."""
-    from radixserve_bench.report import format_table, write_report
-
-    title = f"{config['workload']} ({config['workload_config'].get('preset')})"
-    print(format_table(runs, title))
-    for run in runs:
-        errors = [r.error for r in run.results if not r.success]
-        if errors:
-            print(f"{run.system}: {len(errors)} failed; first: {errors[0]}", file=sys.stderr)
-    paths = write_report(Path(report.out), runs, config)
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if all(r.metrics["completed"] > 0 for r in runs) else 1

@@ -250,17 +250,17 @@ def format_comparison(comparison: dict[str, Any], costs: dict[str, TokenCosts]) 
 def add_compare_parser(modes) -> None:
     """`bench compare` and its options."""
     from radixserve.cli_args import add_dataclass_args
-    from radixserve_bench.cli import _add_common_args
+    from radixserve_bench.common import add_common_args
 
     parser = modes.add_parser("compare", help="start several systems and measure them side by side")
     add_dataclass_args(parser, CompareArgs, "systems")
     add_dataclass_args(parser, LaunchOptions, "servers")
-    _add_common_args(parser)
+    add_common_args(parser)
 
 
 def run_compare_bench(args: argparse.Namespace) -> int:
     """Entry point of `radixserve bench compare`."""
-    from radixserve_bench.cli import common_args, from_args, run_config
+    from radixserve_bench.common import common_args, from_args, run_config
     from radixserve_bench.systems import parse_systems
 
     spec, load, report = common_args(args)
@@ -270,7 +270,7 @@ def run_compare_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"radixserve bench compare: {exc}") from None
     from radixserve.model.tokenizer import model_tokenizer
-    from radixserve_bench.cli import build_workloads, finish
+    from radixserve_bench.common import build_workloads, finish
 
     tokenizer = model_tokenizer(options.model)  # every system gets prompts built with it
     workload, warmup = build_workloads(spec, tokenizer, load.num_warmup)

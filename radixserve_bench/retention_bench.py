@@ -24,12 +24,11 @@ import torch
 
 from radixserve.cli_args import add_dataclass_args
 from radixserve.config import CacheConfig, HiCacheConfig, SchedulerConfig
-from radixserve_bench.cli import from_args, load_tokenizer
+from radixserve_bench.common import from_args, load_tokenizer, write_json
 from radixserve_bench.metrics import latency_stats
 from radixserve_bench.sessions_live import LiveRun
 from radixserve_bench.sim_runner import CostModel
 from radixserve_bench.simulate import RequestTimes, SimResult, simulate
-from radixserve_bench.simulate_cli import write_json
 from radixserve_bench.workloads import BenchRequest, Workload, make_workload, parse_overrides
 
 SESSIONS_IN_POOL = 1 / 3  # the sizing: the pool holds about a third of the sessions

@@ -20,7 +20,13 @@ import torch
 
 from radixserve.cli_args import add_dataclass_args
 from radixserve.config import CacheConfig, HiCacheConfig, SchedulerConfig
-from radixserve_bench.cli import WorkloadArgs, build_workloads, from_args, load_tokenizer
+from radixserve_bench.common import (
+    WorkloadArgs,
+    build_workloads,
+    from_args,
+    load_tokenizer,
+    write_json,
+)
 from radixserve_bench.hit_rate import max_hit_rate
 from radixserve_bench.metrics import latency_stats
 from radixserve_bench.sim_runner import CostModel
@@ -236,10 +242,3 @@ def _cell(value: Any, fmt: str, scale: float) -> str:
     if fmt == "s":
         return str(value)
     return format(int(value) if fmt == "d" else value * scale, fmt)
-
-
-def write_json(path: Path, rows: list[dict[str, Any]], config: dict[str, Any]) -> Path:
-    """The configuration, the environment and one summary per simulated configuration."""
-    from radixserve_bench.report import write_results
-
-    return write_results(path, config, rows)

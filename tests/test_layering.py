@@ -1,5 +1,6 @@
 """Imports point down: (server, frontend_lang) -> client -> engine -> cache / model / attention /
-sampling -> native (the C++ kernels' builder). A request reaches the core through client/ and never climbs back into server/."""
+sampling -> native (the C++ kernels' builder). A request reaches the core through client/ and
+never climbs back into server/."""
 
 from __future__ import annotations
 

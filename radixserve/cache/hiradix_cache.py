@@ -32,15 +32,28 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from radixserve.cache.host_tier import HostTier, TierLayout
+from radixserve.cache.host_tier import HostTier, TierLayout, check_slot_accounting
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
-from radixserve.cache.radix_cache import RadixCache, RootNode, TreeNode, _evict_key, _is_evictable
+from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.tier_index import (
     TierEntry,
     load_tier_index,
     save_tier_index,
+    tier_entries,
     tier_identity,
+)
+from radixserve.cache.tree_node import (
+    RootNode,
+    TreeNode,
+    deepest_in_pool,
+    depth,
+    evict_key,
+    has_pool_child,
+    is_evictable,
+    is_tier_evictable,
+    num_tier_only,
+    tier_path,
 )
 from radixserve.config import HiCacheConfig
 
@@ -102,8 +115,8 @@ class HiRadixCache(RadixCache):
         node = match.node
         if node.parent is None or node.pages:
             return match
-        device = _deepest_in_pool(node)
-        num_host = sum(len(n.key) for n in _tier_path(node, device))
+        device = deepest_in_pool(node)
+        num_host = sum(len(n.key) for n in tier_path(node, device))
         return MatchResult(
             pages=match.pages,
             num_tokens=match.num_tokens - num_host,
@@ -113,7 +126,7 @@ class HiRadixCache(RadixCache):
         )
 
     def _take_pages_on_path(self, node: TreeNode, num_cached: int, pages: Sequence[int]) -> int:
-        path = _tier_path(node, _deepest_in_pool(node))
+        path = tier_path(node, deepest_in_pool(node))
         start = num_cached - sum(len(n.key) for n in path)
         first = start // self.page_size
         for n in reversed(path):  # top down
@@ -143,7 +156,7 @@ class HiRadixCache(RadixCache):
         host = match.host_node
         if not match.host_tokens or host.evicted:  # a stale match: the tier dropped it
             return MatchResult(pages=match.pages, num_tokens=match.num_tokens, node=match.node)
-        path = list(reversed(_tier_path(host, match.node)))
+        path = list(reversed(tier_path(host, match.node)))
         self.lock(host)  # the tier LRU and pool eviction keep off the path
         loaded = match.node
         try:
@@ -160,8 +173,8 @@ class HiRadixCache(RadixCache):
                 loaded = node
         finally:
             self.unlock(host)
-        num_tokens = _depth(loaded)
-        rest = _depth(host) - num_tokens
+        num_tokens = depth(loaded)
+        rest = depth(host) - num_tokens
         return MatchResult(
             pages=self._path_pages(loaded),
             num_tokens=num_tokens,
@@ -187,29 +200,29 @@ class HiRadixCache(RadixCache):
             return True
         if num_slots > self.tier.num_slots:
             return False
-        heap = [_evict_key(n) for n in self._leaves if _is_tier_evictable(n)]
+        heap = [evict_key(n) for n in self._leaves if is_tier_evictable(n)]
         heapq.heapify(heap)
         while self.tier.num_free < num_slots and heap:
             node = heapq.heappop(heap)[-1]
             parent = node.parent
             self._drop_leaf(node)
-            if not parent.children and _is_tier_evictable(parent):
-                heapq.heappush(heap, _evict_key(parent))
+            if not parent.children and is_tier_evictable(parent):
+                heapq.heappush(heap, evict_key(parent))
         return self.tier.num_free >= num_slots
 
     def _set_pool_pages(self, node: TreeNode, pages: list[int]) -> None:
         """Gives a node pool pages (loaded, adopted) or takes them (`[]`: demoted)."""
         self._account(node, -1)
-        self._num_tier_only -= _num_tier_only(node)
+        self._num_tier_only -= num_tier_only(node)
         self._num_total += len(pages) - len(node.pages)
         node.pages = pages
         self._account(node, 1)
-        self._num_tier_only += _num_tier_only(node)
+        self._num_tier_only += num_tier_only(node)
         self._refresh_device_leaf(node)
         self._refresh_device_leaf(node.parent)
 
     def _refresh_device_leaf(self, node: TreeNode) -> None:
-        if node.parent is not None and node.pages and not _has_pool_child(node):
+        if node.parent is not None and node.pages and not has_pool_child(node):
             self._device_leaves.add(node)
         else:
             self._device_leaves.discard(node)
@@ -217,7 +230,7 @@ class HiRadixCache(RadixCache):
     # ---- evict ----
 
     def evict(self, num_pages: int) -> int:
-        heap = [_evict_key(n) for n in self._device_leaves if _is_evictable(n)]
+        heap = [evict_key(n) for n in self._device_leaves if is_evictable(n)]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
@@ -226,8 +239,8 @@ class HiRadixCache(RadixCache):
                 continue
             parent = node.parent
             freed += self._evict_from_pool(node)
-            if parent in self._device_leaves and _is_evictable(parent):
-                heapq.heappush(heap, _evict_key(parent))
+            if parent in self._device_leaves and is_evictable(parent):
+                heapq.heappush(heap, evict_key(parent))
         self.allocator.free(freed)
         return len(freed)
 
@@ -252,7 +265,7 @@ class HiRadixCache(RadixCache):
 
     def _drop_leaf(self, node: TreeNode) -> None:
         """Takes a tier-only leaf out of the tree and frees its slots."""
-        self._num_tier_only -= _num_tier_only(node)
+        self._num_tier_only -= num_tier_only(node)
         self.tier.free(node.host_slots)
         node.host_slots = None
         self._detach_leaf(node)
@@ -298,28 +311,15 @@ class HiRadixCache(RadixCache):
     def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
         super().check_integrity(held_pages)
         nodes = list(self._nodes())
-        expected = {n for n in nodes if n.parent is not None and n.pages and not _has_pool_child(n)}
+        expected = {n for n in nodes if n.parent is not None and n.pages and not has_pool_child(n)}
         if self._device_leaves != expected:
             raise CacheIntegrityError("the set of device leaves disagrees with the tree")
-        tier_only = sum(_num_tier_only(n) for n in nodes)
+        tier_only = sum(num_tier_only(n) for n in nodes)
         if tier_only != self._num_tier_only:
             raise CacheIntegrityError(
                 f"tier-only pages: {self._num_tier_only} counted, {tier_only} in the tree"
             )
-        self._check_slots([s for n in nodes if n.host_slots for s in n.host_slots])
-
-    def _check_slots(self, owned: list[int]) -> None:
-        """Each tier slot is free or held by exactly one node, and holds what was written."""
-        if len(set(owned)) != len(owned):
-            raise CacheIntegrityError("a tier slot is held by more than one node")
-        if sorted(owned) != self.tier.used_slots():
-            raise CacheIntegrityError(
-                f"tier slots leaked or lost: {len(owned)} held by nodes, "
-                f"{len(self.tier.used_slots())} in use"
-            )
-        bad = self.tier.bad_slots(owned)
-        if bad:
-            raise CacheIntegrityError(f"tier slots {bad[:10]} fail their checksum")
+        check_slot_accounting(self.tier, [s for n in nodes if n.host_slots for s in n.host_slots])
 
     # ---- persistence ----
 
@@ -331,7 +331,9 @@ class HiRadixCache(RadixCache):
     def persist(self) -> None:
         """Saves the index of tier nodes (and flushes the tier file) for a warm restart."""
         self.tier.flush()
-        save_tier_index(self._index_path(), self.identity, self.tier, self._tier_entries())
+        save_tier_index(
+            self._index_path(), self.identity, self.tier, tier_entries(self.roots(), self.tier)
+        )
         self._last_persist = time.monotonic()
 
     def _tier_changed(self) -> None:
@@ -342,27 +344,15 @@ class HiRadixCache(RadixCache):
     def _index_path(self) -> str:
         return os.path.join(self.tier.folder, INDEX_FILE)
 
-    def _tier_entries(self) -> list[TierEntry]:
-        """Tier nodes whose whole path is in the tier, parents before children."""
-        entries: list[TierEntry] = []
-        stack = [(child, -1) for root in self.roots() for child in root.children.values()]
-        while stack:
-            node, parent = stack.pop()
-            if node.host_slots is None:
-                continue
-            namespace = _root_of(node).namespace
-            crcs = [int(self.tier.crc[s]) for s in node.host_slots]
-            entries.append(TierEntry(parent, namespace, list(node.key), node.host_slots, crcs))
-            stack.extend((child, len(entries) - 1) for child in node.children.values())
-        return entries
-
     def _restore(self) -> None:
         """Rebuilds tier-only nodes from a saved index; a mismatched or broken one is
         discarded with a warning (tier_index.py), a node failing its checksum dropped."""
         entries = load_tier_index(self._index_path(), self.identity, self.tier)
         nodes: list[TreeNode | None] = []
         for entry in entries:
-            parent = self._root(entry.namespace) if entry.parent < 0 else nodes[entry.parent]
+            parent = (
+                self._namespaces.get(entry.namespace) if entry.parent < 0 else nodes[entry.parent]
+            )
             nodes.append(None if parent is None else self._restore_node(parent, entry))
         if entries:
             restored = sum(len(n.key) for n in nodes if n is not None)
@@ -373,53 +363,12 @@ class HiRadixCache(RadixCache):
         if key[: self.page_size] in parent.children:
             return None  # a duplicate (a hand-edited index): skipped with what is below
         if isinstance(parent, RootNode):
-            self._keep_root(parent)
+            self._namespaces.keep(parent)
         self.tier.claim(entry.slots)
         node = self._add_leaf(parent, key, [])
         node.host_slots = list(entry.slots)
-        self._num_tier_only += _num_tier_only(node)
+        self._num_tier_only += num_tier_only(node)
         return node
-
-
-def _deepest_in_pool(node: TreeNode) -> TreeNode:
-    """`node` or its nearest ancestor with pool pages (a root if none has)."""
-    while node.parent is not None and not node.pages:
-        node = node.parent
-    return node
-
-
-def _tier_path(node: TreeNode, top: TreeNode) -> list[TreeNode]:
-    """The nodes from `node` up to, not including, its ancestor `top` (bottom up)."""
-    path = []
-    while node is not top and node.parent is not None:
-        path.append(node)
-        node = node.parent
-    return path
-
-
-def _depth(node: TreeNode) -> int:
-    """Tokens from the root to the end of `node`."""
-    return sum(len(n.key) for n in node.path_to_root())
-
-
-def _num_tier_only(node: TreeNode) -> int:
-    """Pages of `node` held by the tier alone (0 when it is in the pool or not in the tier)."""
-    return len(node.host_slots) if node.host_slots is not None and not node.pages else 0
-
-
-def _has_pool_child(node: TreeNode) -> bool:
-    return any(child.pages for child in node.children.values())
-
-
-def _is_tier_evictable(node: TreeNode) -> bool:
-    """A tier-only node no load in progress holds (locks cover a path being loaded)."""
-    return node.parent is not None and not node.pages and node.lock_count == 0
-
-
-def _root_of(node: TreeNode) -> TreeNode:
-    while node.parent is not None:
-        node = node.parent
-    return node
 
 
 def create_hierarchical_cache(

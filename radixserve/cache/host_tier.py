@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from radixserve.cache.prefix_cache import CacheIntegrityError
+
 TIER_FILE = "kv_tier.bin"
 
 
@@ -176,6 +178,21 @@ class HostTier:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def check_slot_accounting(tier: HostTier, owned: list[int]) -> None:
+    """Each tier slot is free or held by exactly one node (`owned`: the slots the nodes
+    hold), and holds what was written."""
+    if len(set(owned)) != len(owned):
+        raise CacheIntegrityError("a tier slot is held by more than one node")
+    if sorted(owned) != tier.used_slots():
+        raise CacheIntegrityError(
+            f"tier slots leaked or lost: {len(owned)} held by nodes, "
+            f"{len(tier.used_slots())} in use"
+        )
+    bad = tier.bad_slots(owned)
+    if bad:
+        raise CacheIntegrityError(f"tier slots {bad[:10]} fail their checksum")
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:

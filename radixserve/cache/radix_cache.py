@@ -8,28 +8,21 @@ cache salt) has its own root, so requests of different namespaces never share a 
                           └── (g h | i j)     matching "a b c d g h x y" splits the last
                                               node into (g h) -> (i j) and returns (g h)
 
-Namespace roots live in one of two maps, so that a salt per user never piles up roots:
-
-    _roots        default root + every namespace root with pages under it   (held strongly)
-    _empty_roots  namespace roots without pages: handed out by match_prefix  (held weakly)
-                  for a namespace seen first, or emptied by eviction
-
-An empty root lives exactly as long as a match result or a request refers to it; while one
-does, match_prefix and insert hand out that same object (dfs-weight groups its requests under
-it), and the first insert with pages moves it to `_roots`. Eviction works from the `_leaves`
-set and moves a root between the maps in O(1) (a root knows its namespace): its cost never
-depends on the number of namespaces.
+Each namespace's root is kept by NamespaceRoots (namespace_roots.py: live roots strongly,
+empty ones weakly, so that a salt per user never piles up roots); nodes are TreeNodes
+(tree_node.py). Eviction works from the `_leaves` set: its cost never depends on the number
+of namespaces.
 """
 
 from __future__ import annotations
 
 import heapq
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING
 
 from radixserve.cache.kv_pool import PageAllocator
+from radixserve.cache.namespace_roots import NamespaceRoots
 from radixserve.cache.prefix_cache import (
     CacheIntegrityError,
     CacheSizeInfo,
@@ -39,63 +32,16 @@ from radixserve.cache.prefix_cache import (
     check_enough_pages,
     check_page_accounting,
 )
+from radixserve.cache.tree_node import (
+    RootNode,
+    TreeNode,
+    evict_key,
+    is_evictable,
+    raise_priority,
+)
 
 if TYPE_CHECKING:  # msgspec (the events' structs) is needed only with events on
     from radixserve.cache.kv_events import KVEventSink
-
-
-class TreeNode:
-    """A run of whole pages: `key` tokens whose KV lives in `pages`."""
-
-    __slots__ = (
-        "key",
-        "pages",
-        "parent",
-        "children",
-        "lock_count",
-        "pin_count",
-        "priority",
-        "hit_count",
-        "last_access",
-        "evicted",
-        "host_slots",
-        "block_hashes",
-    )
-
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: TreeNode | None):
-        self.key = key
-        self.pages = pages
-        self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.lock_count = 0  # running requests below (or at) this node
-        self.pin_count = 0  # retention pins below (or at) this node: see cache/retention.py
-        self.priority = 0  # highest priority of the requests that inserted or hit it
-        self.hit_count = 0  # admitted requests whose cached prefix covered this node
-        self.last_access = 0
-        self.evicted = False
-        self.host_slots: list[int] | None = None  # second-tier copy (hiradix_cache.py)
-        self.block_hashes: list[int] | None = None  # one per page, only with KV events on
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None and not self.evicted
-
-    def path_to_root(self) -> Iterator[TreeNode]:
-        """This node and its ancestors, roots excluded."""
-        node = self
-        while node.parent is not None:
-            yield node
-            node = node.parent
-
-
-class RootNode(TreeNode):
-    """The root of one namespace's tree: no key, no pages; weakly referable (see above)."""
-
-    __slots__ = ("namespace", "__weakref__")
-
-    def __init__(self, namespace: str | None):
-        super().__init__((), [], None)
-        self.namespace = namespace
 
 
 class RadixCache(PrefixCache):
@@ -120,17 +66,14 @@ class RadixCache(PrefixCache):
             raise RuntimeError("cannot reset the radix cache while some nodes are pinned")
         nodes = list(self._nodes())
         self.allocator.free([page for node in nodes for page in node.pages])
-        for node in [*nodes, *self._empty_roots.values()]:
+        for node in [*nodes, *self._namespaces.empty()]:
             node.evicted = True  # stale handles must not be locked again
         self._clear()
         if self._events:
             self._events.cleared()
 
     def _clear(self) -> None:
-        self._roots: dict[str | None, RootNode] = {None: RootNode(None)}
-        self._empty_roots: weakref.WeakValueDictionary[str, RootNode] = (
-            weakref.WeakValueDictionary()
-        )
+        self._namespaces = NamespaceRoots()
         self._leaves: set[TreeNode] = set()  # childless non-root nodes: eviction candidates
         self._num_evictable = 0  # pages neither locked nor pinned
         self._num_protected = 0  # pages locked by running requests
@@ -148,7 +91,7 @@ class RadixCache(PrefixCache):
     ) -> MatchResult:
         limit = len(token_ids) - 1 if max_tokens is None else min(max_tokens, len(token_ids))
         limit = max(limit, 0) // self.page_size * self.page_size
-        root = self._root(namespace)
+        root = self._namespaces.get(namespace)
         if limit == 0 or not root.children:
             return MatchResult(pages=[], num_tokens=0, node=root)
         key = token_ids if isinstance(token_ids, tuple) else tuple(token_ids[:limit])
@@ -165,15 +108,15 @@ class RadixCache(PrefixCache):
         num_pages = len(token_ids) // self.page_size
         check_enough_pages(pages, num_pages)
         key = tuple(token_ids[: num_pages * self.page_size])
-        root = self._root(namespace)
+        root = self._namespaces.get(namespace)
         node, num_cached = self._walk(root, key)
         num_present = self._take_pages_on_path(node, num_cached, pages)
         if num_cached < len(key):
             new_pages = [int(p) for p in pages[num_cached // self.page_size : num_pages]]
-            self._keep_root(root)
+            self._namespaces.keep(root)
             node = self._add_leaf(node, key[num_cached:], new_pages)
         if priority:
-            _raise_priority(node, priority)
+            raise_priority(node, priority)
         return num_present
 
     def _take_pages_on_path(self, node: TreeNode, num_cached: int, pages: Sequence[int]) -> int:
@@ -181,20 +124,6 @@ class RadixCache(PrefixCache):
         the pool already; a tiered cache hands the caller's `pages` to path nodes that were
         only in its tier and reports less."""
         return num_cached
-
-    def _root(self, namespace: str | None) -> RootNode:
-        """The namespace's live root; a new empty one (held weakly) if it has none."""
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._empty_roots.get(namespace)
-        if root is None:
-            root = self._empty_roots[namespace] = RootNode(namespace)
-        return root
-
-    def _keep_root(self, root: RootNode) -> None:
-        """Holds a root strongly: it is getting pages."""
-        self._roots[root.namespace] = root
-        self._empty_roots.pop(root.namespace, None)
 
     def _walk(
         self, root: TreeNode, key: tuple[int, ...], end: int | None = None
@@ -272,7 +201,7 @@ class RadixCache(PrefixCache):
 
     def roots(self) -> list[RootNode]:
         """The roots of every namespace with pages in the tree (the default one first)."""
-        return list(self._roots.values())
+        return self._namespaces.live()
 
     def record_hit(self, node: object) -> None:
         """Counts one admitted request whose cached prefix ends at `node`, on its whole path."""
@@ -328,20 +257,20 @@ class RadixCache(PrefixCache):
     # ---- evict ----
 
     def evict(self, num_pages: int) -> int:
-        heap = [_evict_key(leaf) for leaf in self._evictable_leaves()]
+        heap = [evict_key(leaf) for leaf in self._evictable_leaves()]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
             leaf = heapq.heappop(heap)[-1]
             freed += self._detach_leaf(leaf)
             parent = leaf.parent
-            if not parent.is_root and not parent.children and _is_evictable(parent):
-                heapq.heappush(heap, _evict_key(parent))
+            if not parent.is_root and not parent.children and is_evictable(parent):
+                heapq.heappush(heap, evict_key(parent))
         self.allocator.free(freed)
         return len(freed)
 
     def _evictable_leaves(self) -> Iterator[TreeNode]:
-        return (leaf for leaf in self._leaves if _is_evictable(leaf))
+        return (leaf for leaf in self._leaves if is_evictable(leaf))
 
     def _detach_leaf(self, leaf: TreeNode) -> list[int]:
         """Takes an unlocked leaf out of the tree; returns its pages, for the caller to free."""
@@ -353,16 +282,10 @@ class RadixCache(PrefixCache):
         if not leaf.parent.children and not leaf.parent.is_root:
             self._leaves.add(leaf.parent)
         if isinstance(leaf.parent, RootNode):
-            self._release_empty_root(leaf.parent)
+            self._namespaces.release_if_empty(leaf.parent)
         if self._events:
             self._events.removed(leaf)
         return leaf.pages
-
-    def _release_empty_root(self, root: RootNode) -> None:
-        """Holds a namespace root whose tree became empty weakly (the default one stays)."""
-        if not root.children and root.namespace is not None:
-            del self._roots[root.namespace]
-            self._empty_roots[root.namespace] = root
 
     # ---- sizes and checks ----
 
@@ -383,7 +306,7 @@ class RadixCache(PrefixCache):
     def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
         for node in self._nodes():
             self._check_node(node)
-        self._check_roots()
+        self._namespaces.check()
         self._check_counters()
         check_page_accounting(self.allocator, self._tree_pages(), held_pages)
 
@@ -410,19 +333,9 @@ class RadixCache(PrefixCache):
                 f"(page_size {self.page_size})"
             )
 
-    def _check_roots(self) -> None:
-        for namespace, root in self._roots.items():
-            if root.namespace != namespace or not root.is_root:
-                raise CacheIntegrityError(f"the root of namespace {namespace!r} is misfiled")
-            if namespace is not None and not root.children:
-                raise CacheIntegrityError(f"namespace {namespace!r} keeps an empty root")
-        for namespace, root in self._empty_roots.items():
-            if root.children or namespace in self._roots or root.namespace != namespace:
-                raise CacheIntegrityError(f"namespace {namespace!r} has a stale empty root")
-
     def _check_counters(self) -> None:
         nodes = list(self._nodes())
-        evictable = sum(len(n.pages) for n in nodes if _is_evictable(n))
+        evictable = sum(len(n.pages) for n in nodes if is_evictable(n))
         protected = sum(len(n.pages) for n in nodes if n.lock_count > 0)
         pinned = sum(len(n.pages) for n in nodes if n.pin_count > 0)
         total = sum(len(n.pages) for n in nodes)
@@ -439,7 +352,7 @@ class RadixCache(PrefixCache):
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node of every namespace, roots included (depth first)."""
-        stack = list(self._roots.values())
+        stack = self._namespaces.live()
         while stack:
             node = stack.pop()
             yield node
@@ -448,24 +361,6 @@ class RadixCache(PrefixCache):
     def _tree_pages(self) -> Iterator[int]:
         for node in self._nodes():
             yield from node.pages
-
-
-def _raise_priority(node: TreeNode, priority: int) -> None:
-    """Raises the priority of `node` and its ancestors to at least `priority` (SGLang
-    propagates a max along the path, so a shared prefix is as precious as its best user)."""
-    for n in node.path_to_root():
-        n.priority = max(n.priority, priority)
-
-
-def _is_evictable(node: TreeNode) -> bool:
-    """Neither a running request nor a retention pin holds it: a second tier would read the
-    same test to demote a pinned node instead of keeping it in the pool."""
-    return node.lock_count == 0 and node.pin_count == 0
-
-
-def _evict_key(node: TreeNode) -> tuple[int, int, int, TreeNode]:
-    """Eviction order: lowest priority first, least recently used among equals."""
-    return (node.priority, node.last_access, id(node), node)
 
 
 def create_prefix_cache(

@@ -11,7 +11,7 @@ by each turn, ended when the next turn is admitted: that request then locks what
                     | nothing else can progress (`release_oldest`: admission would deadlock)
 
 A pin that ends only stops protecting: its pages go back to plain LRU, nothing is freed.
-Eviction reads the node's pin count (`_is_evictable` in radix_cache.py), so a second KV tier
+Eviction reads the node's pin count (`is_evictable` in tree_node.py), so a second KV tier
 can later demote pinned pages instead of keeping them, without changing this table.
 """
 

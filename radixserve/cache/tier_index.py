@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from radixserve.cache.host_tier import HostTier
+    from radixserve.cache.tree_node import RootNode
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,20 @@ def tier_identity(tier: HostTier, model_fingerprint: str) -> dict:
         "layout": tier.layout.to_dict(),
         "num_slots": tier.num_slots,
     }
+
+
+def tier_entries(roots: list[RootNode], tier: HostTier) -> list[TierEntry]:
+    """The tier nodes under `roots` whose whole path is in the tier, parents before children."""
+    entries: list[TierEntry] = []
+    stack = [(child, -1, root.namespace) for root in roots for child in root.children.values()]
+    while stack:
+        node, parent, namespace = stack.pop()
+        if node.host_slots is None:
+            continue
+        crcs = [int(tier.crc[s]) for s in node.host_slots]
+        entries.append(TierEntry(parent, namespace, list(node.key), node.host_slots, crcs))
+        stack.extend((child, len(entries) - 1, namespace) for child in node.children.values())
+    return entries
 
 
 def save_tier_index(path: str, identity: dict, tier: HostTier, entries: list[TierEntry]) -> None:

@@ -23,10 +23,11 @@ from radixserve.engine.admission import Admission
 from radixserve.engine.batch_builder import BatchBuilder, Work
 from radixserve.engine.commit import Committer
 from radixserve.engine.faults import FaultInjector
+from radixserve.engine.intake import Intake
 from radixserve.engine.jump_forward import JumpForward
 from radixserve.engine.kv_handoff import KVHandoff
 from radixserve.engine.new_token_ratio import NewTokenRatio
-from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason, SpecCounts
+from radixserve.engine.protocol import ABORTED_BY_CLIENT, FinishReason
 from radixserve.engine.req_pages import ReqPages
 from radixserve.engine.request import Req, ReqState
 from radixserve.engine.speculative import Drafter, Speculator, Verifier, create_drafter
@@ -62,9 +63,6 @@ class Scheduler:
         self.page_size = runner.pool.page_size
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.inbox: deque[Req] = deque()
-        self.compiling: list[Req] = []  # constrained requests whose grammar is compiling
-        self.receiving: list[Req] = []  # disaggregated decode: requests whose KV is on its way
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
         max_pinned = int(config.max_pinned_fraction * self.pool.allocator.capacity)
@@ -90,9 +88,9 @@ class Scheduler:
         self.speculator = None if drafter is None else Speculator(drafter, config, self.stats)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
         self.handoff = KVHandoff.create(disaggregation, self.pages, self.stats)
-        self._wake: Callable[[], None] | None = None  # the core loop's (set_wake)
         jump_on = not config.disable_jump_forward
         self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
+        self.intake = Intake(self.stats, self.pages, self.jumps, self.handoff, lambda: self.grammar)
         self.committer = Committer(
             sampler=self.sampler,
             verifier=self.verifier,
@@ -120,6 +118,18 @@ class Scheduler:
     def new_token_ratio(self) -> float:
         return self.ratio.value
 
+    @property
+    def inbox(self) -> deque[Req]:
+        return self.intake.inbox
+
+    @property
+    def compiling(self) -> list[Req]:
+        return self.intake.compiling
+
+    @property
+    def receiving(self) -> list[Req]:
+        return self.intake.receiving
+
     # ---- queue ---------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
@@ -141,14 +151,14 @@ class Scheduler:
                 self._release(req)
             self.pages.release_hold(req)
             req.finish(FinishReason.abort(message, status_code=500))
-        self.inbox.clear()
-        self.compiling, self.waiting, self.running, self.receiving = [], [], [], []
+        self.intake.clear()
+        self.waiting, self.running = [], []
         if self.handoff is not None:
             self.handoff.report_aborted(reqs)
         return reqs
 
     def _all_reqs(self) -> list[Req]:
-        return [*self.inbox, *self.receiving, *self.compiling, *self.waiting, *self.running]
+        return [*self.intake.reqs(), *self.waiting, *self.running]
 
     def has_work(self) -> bool:
         queued = self.inbox or self.receiving or self.compiling or self.waiting
@@ -158,7 +168,7 @@ class Scheduler:
         """`wake` (thread-safe) is called when work finishes off the core thread and a step
         can use it: a grammar compiled, a disaggregated decode's KV arrived. The core loop
         passes its own."""
-        self._wake = wake
+        self.intake.wake = wake
         if self.handoff is not None:
             self.handoff.wake = wake
 
@@ -193,9 +203,9 @@ class Scheduler:
         (`pending_compiles()`); a driving loop should wait for one of those, not spin.
         """
         outputs: list[Req] = []
-        self._drain_inbox()
-        compiled = self._collect_compiled(outputs)
-        received = self._collect_received(outputs)
+        self.intake.drain(self.waiting, speculating=self.drafter is not None)
+        compiled = self.intake.collect_compiled(self.waiting, outputs)
+        received = self.intake.collect_received(self.waiting, outputs)
         self._handle_aborts(outputs)
         work = self._schedule()
         if work:
@@ -219,65 +229,7 @@ class Scheduler:
 
     def pending_compiles(self) -> list[Future]:
         """The grammar compiles that queued constrained requests wait for."""
-        return [r.grammar_future for r in self.compiling]
-
-    def _drain_inbox(self) -> None:
-        while self.inbox:
-            req = self.inbox.popleft()
-            self.stats.num_requests += 1
-            self.stats.prompt_tokens += len(req.input_ids)
-            if self.drafter is not None and req.params.speculative:
-                req.spec_counts = SpecCounts()
-            if self.handoff is not None and self.handoff.prepare(req):
-                self.receiving.append(req)  # waits off the queue while its KV is fetched
-            else:
-                self._enqueue(req)
-
-    def _enqueue(self, req: Req) -> None:
-        if req.params.grammar is None:
-            self.waiting.append(req)
-        else:  # waits off the queue so that compiling never stalls the batch
-            req.grammar_future = self.grammar.compile_async(*req.params.grammar)
-            if self._wake is not None:  # no polling delay once it compiles
-                wake = self._wake
-                req.grammar_future.add_done_callback(lambda _: wake())
-            self.compiling.append(req)
-
-    def _collect_compiled(self, outputs: list[Req]) -> bool:
-        """Queues the requests whose grammar compiled (aborts those whose compile failed)."""
-        done = [r for r in self.compiling if r.grammar_future.done()]
-        for req in done:
-            self.compiling.remove(req)
-            error = req.grammar_future.exception()
-            try:
-                if error is not None:
-                    raise error
-                req.grammar = self.grammar.matcher(req.grammar_future.result())
-                self.jumps.after_token(req, None)  # a forced opening is prefilled with the prompt
-                (outputs if req.finished else self.waiting).append(req)
-            except Exception as exc:
-                self.pages.release_hold(req)
-                req.finish(FinishReason.abort(f"grammar failed: {exc}", status_code=400))
-                outputs.append(req)
-            req.grammar_future = None
-        return bool(done)
-
-    def _collect_received(self, outputs: list[Req]) -> bool:
-        """Queues the requests whose KV arrived (stored into the pool and tree first); ends
-        those whose transfer failed, with the error naming their room."""
-        done = [r for r in self.receiving if r.kv_future.done()]
-        for req in done:
-            self.receiving.remove(req)
-            try:
-                self.handoff.receive(req)
-            except Exception as exc:
-                logger.warning("KV transfer of %s failed: %s", req.rid, exc)
-                self.stats.kv_transfer_failures += 1
-                req.finish(FinishReason.abort(f"KV transfer failed: {exc}", status_code=500))
-                outputs.append(req)
-                continue
-            self._enqueue(req)
-        return bool(done)
+        return self.intake.pending_compiles()
 
     def _handle_aborts(self, outputs: list[Req]) -> None:
         for queue in (self.waiting, self.compiling, self.receiving):

@@ -25,7 +25,9 @@ layout, so a layer is built on its device and never moved:
 torch's own CUDA int4 kernel (`_weight_int4pack_mm`) takes bf16 only; the Triton kernels
 (radixserve_kernels.quant_matmul) take fp32 / fp16 / bf16 and any out_features.
 `dequantize()` gives back the weight each layer multiplies by, for tests and for the fp
-reference path.
+reference path. This module holds the int8 and int4 layers and picks their kernels; the fp
+layer and the QuantizedLinear base are in base_linear.py, Fp8Linear in fp8_linear.py, and
+every layer is importable from here.
 
 torch's int8 / int4 CPU kernels are matrix-vector kernels: their time grows linearly with the rows
 (the "blocks" kernels too), so past `dequant_min_rows` rows (a prefill chunk) the torch-backend
@@ -37,92 +39,24 @@ kernels, which read 2-4x fewer bytes. --enable-deterministic-inference keeps eve
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.quant import block_matmul
+from radixserve.model.quant.base_linear import (
+    DEQUANT_MIN_ROWS,
+    QuantizedLinear,
+    UnquantizedLinear,
+    bias_of,
+    dense_linear,
+)
+from radixserve.model.quant.fp8_linear import FP8_MAX, Fp8Linear
 from radixserve.model.quant.int4_layout import packing_format, unpack_codes
 
-DEQUANT_MIN_ROWS = 128  # from this many rows on, dequantize + dense matmul beats the kernels
 INT4_GROUP_SIZES = (32, 64, 128)  # torch's CPU int4 kernel also takes 256; we offer these
 INT4_OUT_MULTIPLE = 16  # the CPU int4 packer needs out_features divisible by 16
 INT4_MID = 8  # torch's int4 kernels read code q as (q - 8) * scale + zero
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MATMUL_BACKENDS = ("torch", "triton", "blocks")
 _INT4_MM_CPU = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-
-
-class UnquantizedLinear(nn.Linear):
-    """The fp layer: what every projection is before quantize-on-load replaces it."""
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.weight if dtype is None else self.weight.to(dtype)
-
-
-class QuantizedLinear(nn.Module):
-    """Common shape bookkeeping; subclasses keep their weights as buffers, not parameters.
-    `dequant_min_rows`: from this many rows on, int8 / int4 layers dequantize and run one
-    dense matmul; None keeps them on the kernels (--enable-deterministic-inference).
-    `dense_dtype`: that matmul's dtype (None: the input's); the block kernels' layers, which
-    compute in fp32 on any input, get the int layers' dtype here (bf16 on CPU by default: a
-    prefill chunk's matmul is several times faster in bf16)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("bias", bias)
-        self.dequant_min_rows: int | None = DEQUANT_MIN_ROWS
-        self.dense_dtype: torch.dtype | None = None
-        self._shared_dense: torch.Tensor | None = None
-
-    def share_dense_weight(self, weight: torch.Tensor, min_rows: int) -> None:
-        """From `min_rows` rows on, multiply by `weight` (an fp tensor holding this layer's
-        weight exactly, e.g. the embedding a tied head is quantized from) instead of
-        dequantizing. A plain attribute: the owner keeps it, nothing is copied."""
-        self._shared_dense, self.dequant_min_rows = weight, min_rows
-
-    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T as one dense matmul: by the shared weight in its own dtype, else by the
-        dequantized weight in dense_dtype; the result in x's dtype."""
-        if self._shared_dense is not None:
-            return F.linear(x.to(self._shared_dense.dtype), self._shared_dense).to(x.dtype)
-        dtype = self.dense_dtype or x.dtype
-        return F.linear(x.to(dtype), self.dequantize(dtype)).to(x.dtype)
-
-    def _dequantizes(self, x: torch.Tensor) -> bool:
-        return self.dequant_min_rows is not None and x.shape[0] >= self.dequant_min_rows
-
-    @property
-    def compute_dtype(self) -> torch.dtype | None:
-        """The activation dtype the kernel runs in (its scales' dtype); None: the input's.
-        Inputs are cast to it and outputs back, so an fp32 model can run bf16 kernels."""
-        return None
-
-    def set_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Makes the kernel run in `dtype` (its scales are cast; codes are unchanged)."""
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Runs ~120 times a decode step: one dtype lookup, buffers read from their dict
-        # (nn.Module.__getattr__ costs ~1 us a read), no reshape of the model's 2-D rows.
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        dtype = self.compute_dtype
-        out = self._matmul(rows if dtype is None else rows.to(dtype)).to(x.dtype)
-        bias = self._buffers["bias"]
-        if bias is not None:
-            out = out + bias
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [m, out]
-        raise NotImplementedError
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight this layer multiplies by, computed in `dtype` (default: its scales'
-        dtype; float32 gives the kernels' effective weight exactly)."""
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int8WeightOnlyLinear(QuantizedLinear):
@@ -165,7 +99,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
         qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(qweight, scales.to(linear.weight.dtype), _bias_of(linear))
+        return cls(qweight, scales.to(linear.weight.dtype), bias_of(linear))
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -257,7 +191,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         """Asymmetric min/max quantization per group of `group_size` input channels."""
         codes, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
         dtype = linear.weight.dtype
-        return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, _bias_of(linear))
+        return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, bias_of(linear))
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -364,48 +298,20 @@ def dequantize_int4(
     return (codes.float() - INT4_MID) * scale + zero
 
 
-class Fp8Linear(QuantizedLinear):
-    """float8_e4m3fn weights with per-output-channel scales; each token's activations are
-    scaled to fp8 on the fly (per-row scales), so both operands feed `torch._scaled_mm`."""
-
-    def __init__(
-        self,
-        qweight: torch.Tensor,  # [out, in] float8_e4m3fn
-        scales: torch.Tensor,  # [out] fp32
-        bias: torch.Tensor | None = None,
-    ):
-        out_features, in_features = qweight.shape
-        super().__init__(in_features, out_features, bias)
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.float().reshape(1, out_features))
-
-    @classmethod
-    def from_float(cls, linear: nn.Linear) -> Fp8Linear:
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        qweight = (weight / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return cls(qweight, scales, _bias_of(linear))
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x_scales = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-        x_fp8 = (x.float() / x_scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return torch._scaled_mm(
-            x_fp8, self.qweight.t(), scale_a=x_scales, scale_b=self.scales, out_dtype=x.dtype
-        )
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return (self.qweight.float() * self.scales.t()).to(dtype or torch.float32)
-
-
-def _bias_of(linear: nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach().clone()
-
-
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> UnquantizedLinear:
-    """An UnquantizedLinear around existing tensors (no copy, no init)."""
-    with torch.device("meta"):
-        linear = UnquantizedLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=False)
-    return linear
+__all__ = [
+    "DEQUANT_MIN_ROWS",
+    "FP8_MAX",
+    "INT4_GROUP_SIZES",
+    "INT4_MID",
+    "INT4_OUT_MULTIPLE",
+    "MATMUL_BACKENDS",
+    "Fp8Linear",
+    "Int4WeightOnlyLinear",
+    "Int8WeightOnlyLinear",
+    "QuantizedLinear",
+    "UnquantizedLinear",
+    "dense_linear",
+    "dequantize_int4",
+    "matmul_backend",
+    "quantize_int4",
+]

@@ -1,0 +1,37 @@
+"""split_engine_kwargs: flat engine keywords (`page_size=16`, ...) to the config dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from radixserve.config.cache import CacheConfig, HiCacheConfig
+from radixserve.config.disaggregation import DisaggregationConfig
+from radixserve.config.load import LoadConfig
+from radixserve.config.parallel import ParallelConfig
+from radixserve.config.scheduler import SchedulerConfig
+
+
+def split_engine_kwargs(
+    model_path: str | None, kwargs: dict[str, Any]
+) -> tuple[
+    LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, DisaggregationConfig, HiCacheConfig
+]:
+    """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses."""
+    groups = (
+        LoadConfig,
+        CacheConfig,
+        SchedulerConfig,
+        ParallelConfig,
+        DisaggregationConfig,
+        HiCacheConfig,
+    )
+    values: dict[type, dict[str, Any]] = {cls: {} for cls in groups}
+    if model_path is not None:
+        values[LoadConfig]["model"] = model_path
+    for key, value in kwargs.items():
+        owner = next((cls for cls in groups if key in {f.name for f in fields(cls)}), None)
+        if owner is None:
+            raise TypeError(f"unknown engine argument {key!r}")
+        values[owner][key] = value
+    return tuple(cls(**values[cls]) for cls in groups)

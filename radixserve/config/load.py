@@ -1,0 +1,79 @@
+"""LoadConfig: which model to run, on which device, in which dtype and quantization."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadConfig:
+    """Which model to run and how to load it."""
+
+    model: str | None = None
+    """HF folder, .gguf file or built-in config name (llama-3-8b, ...); default: SmolLM2."""
+    load_format: str = "auto"
+    """auto | safetensors | gguf | dummy (random weights from the config, for benchmarking)."""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16. On CPU the
+    int8 / int4 / gguf / gptq / awq projections compute in bfloat16 whatever this is (torch's int
+    kernels are fast in bfloat16 only; gguf on the C++ block kernels: fp32); the rest of the model
+    (residual stream, norms, attention, KV pool, LM head) computes in this dtype."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda."""
+    seed: int = 0
+    """Seed for dummy weights."""
+    quantization: str = "auto"
+    """auto (the checkpoint's own: gptq | awq from its quantization_config; on CPU, gguf for
+    a GGUF file whose projections are all Q4_0 / Q4_1 / Q8_0, as the default model's are;
+    else none, for a GGUF file its dequantized fp copy) | none | int8 (weight-only, a scale
+    per output channel) | int4 (weight-only, a scale and zero per group of input
+    channels; CUDA: Triton kernel) | fp8 (CUDA, bf16) | gguf (a GGUF file's Q4_0/Q4_1/Q8_0
+    blocks as they are, no fp32 detour) | gptq | awq (CPU: a GPTQ / AWQ checkpoint's 4-bit
+    weights as they are). Applies to the attention and MLP projections; embeddings, norms and
+    the LM head stay in --dtype."""
+    quantization_group_size: int | None = None
+    """int4: input channels per scale and zero, 32 | 64 | 128; default: per layer, the largest
+    of these that divides its in_features."""
+    quantize_lm_head: bool = False
+    """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
+    cpu_quant_kernel: str = "auto"
+    """gguf on CPU: auto (the C++ block kernels where they build with AVX2 / AVX512: the
+    Q4_0 / Q4_1 / Q8_0 projections as fp32 matmuls over GGUF-style blocks, and a quantized LM
+    head kept as its blocks, not a dense fp copy; else torch's int kernels) | blocks | torch."""
+    enable_deterministic_inference: bool = False
+    """Batch-invariant inference on CPU (SGLang's flag): by default greedy output can depend
+    on batch composition, cache hits and speculation on/off (a verify's rows round
+    differently from one-row decodes), as in SGLang/vLLM without their deterministic mode.
+    With it, on CPU, int8 / int4 / gguf layers stay on torch's row-wise kernels for prefill
+    chunks too (slower prefill), the fp layers left (the LM head; every projection with
+    --quantization none) run one gemm whatever the row count (BatchInvariantLinear: a copy
+    of W.T; the default model's batch-1 decode step measured ~20% slower), and the
+    cpu_fused attention runs every query (decode, verify, extend, fresh prefill) through its
+    extend kernel, whose per-query arithmetic ignores the batch. A token's logits are then
+    bitwise the same at any batch, cached or not, speculating or not (docs/performance.md
+    has the cost). Not on CUDA, nor with --attention-backend torch_native (a warning)."""
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def quant_compute_dtype(self) -> torch.dtype:
+        """The dtype int8 / int4 kernels compute in: with --dtype auto on CPU, bfloat16 (torch's
+        int kernels are fast in bfloat16 only) under an fp32 model; else the model's dtype."""
+        if self.dtype == "auto" and self.torch_device().type == "cpu":
+            return torch.bfloat16
+        return self.torch_dtype()
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            on_cuda = self.torch_device().type == "cuda"
+            return torch.bfloat16 if on_cuda else torch.float32
+        if self.dtype not in TORCH_DTYPES:
+            allowed = ", ".join(TORCH_DTYPES)
+            raise ValueError(f"dtype must be one of auto, {allowed}; got {self.dtype!r}")
+        return TORCH_DTYPES[self.dtype]

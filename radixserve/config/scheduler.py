@@ -1,0 +1,179 @@
+"""SchedulerConfig: how the scheduler orders, admits and batches requests, speculation included
+(the speculative flags live here: speculation runs in the scheduler's decode phase)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE")  # SGLang's names (SELF: ours)
+DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE")
+PIN_POLICIES = ("hard", "last")
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler orders, admits and batches requests."""
+
+    schedule_policy: str = "lpm"
+    """lpm (longest cached prefix first, aged) | dfs-weight (DFS over the radix tree) | fcfs."""
+    chunked_prefill_size: int = 2048
+    """Most prefill tokens one step computes; longer prompts are chunked (-1: no limit)."""
+    max_prefill_tokens: int = 16384
+    """Most prefill tokens admitted per step (new requests), before chunking."""
+    max_running_requests: int = 256
+    """Most requests in the running batch."""
+    disable_radix_cache: bool = False
+    """Share no prefixes: every prompt is computed from scratch."""
+    # 64: lpm may still run a whole group of prefix-sharing requests (parallel samples, a
+    # fork's children, an agent's tool calls: tens, not hundreds) ahead of a colder request,
+    # which then waits behind at most 64 newer ones, a quarter of a default-sized batch. Queue
+    # position, not waiting time, so that `bench simulate` reproduces the engine exactly.
+    schedule_max_bypass: int = 64
+    """Anti-starvation: a waiting request that this many later arrivals were admitted ahead of
+    goes first. A bound in requests, not steps, so lpm keeps its order under sustained load."""
+    schedule_tier_match_weight: float = 0.0
+    """What a cached token in the hierarchical cache's tier counts for in lpm / dfs-weight,
+    relative to one in the pool (1 - its load cost / recompute cost; see engine/policy.py);
+    0: order by pool hits only."""
+    enable_priority_scheduling: bool = False
+    """Honour each request's `priority` (an int, higher first, as SGLang): admission order,
+    retraction order and eviction order of cached prefixes; aging (schedule_max_bypass) still
+    lets a low-priority request through. Off: a request with a non-zero priority is refused."""
+    # 0.3: the issue's default; what pins hold is at most this share, so admission always
+    # keeps the rest of the pool.
+    max_pinned_fraction: float = 0.3
+    """Most of the KV pool that retention pins (session retention, POST /cache/pin) may hold;
+    past it the oldest pins degrade to plain LRU."""
+    pin_policy: str = "hard"
+    """hard: pinned pages are never evicted while pinned (admission works around them) |
+    last: they count as free for admission but are evicted only after every unpinned page,
+    oldest pin first (for pools too small to set pages aside)."""
+    schedule_conservativeness: float = 1.0
+    """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
+    context_length: int | None = None
+    """Longest prompt + output; default: the model's max_position_embeddings."""
+    disable_jump_forward: bool = False
+    """Constrained requests (json_schema / regex / ebnf) sample every token, even where the
+    grammar allows only one continuation; default: that continuation is appended unsampled
+    (jump-forward) and computed in the next step's extend."""
+    speculative_algorithm: str | None = None
+    """Speculative decoding, drafts verified in the running batch: NGRAM (looked up in the
+    request's own prompt + output and in an n-gram store of recent requests), SELF (the
+    target's first --speculative-self-layers layers), STANDALONE (a smaller model,
+    --speculative-draft-model-path); default: off."""
+    speculative_num_draft_tokens: int = 4
+    """Most draft tokens verified per request per step (K: the request computes K + 1)."""
+    speculative_num_steps: int | None = None
+    """SELF / STANDALONE: draft-model forwards per step, one draft token each; default and
+    most: --speculative-num-draft-tokens."""
+    speculative_draft_model_path: str | None = None
+    """STANDALONE: the draft model (HF folder or GGUF, as --model); it must share the
+    target's tokenizer, checked at start."""
+    speculative_self_layers: int = 2
+    """SELF: how many of the target's first layers draft (then its final norm and LM head)."""
+    speculative_adaptive_threshold: float = 1.0
+    """Adaptive fallback: a request whose drafts average fewer accepted tokens per verify
+    step than this (over its last 2 drafted steps) stops drafting for 16, then 32, ... up
+    to 128 decode steps, then retries; 0: never stop. 1: a draft must at least double a
+    step's tokens, about what a verify of 4 drafts costs over a decode on CPU."""
+    speculative_disable_by_batch_size: int | None = None
+    """Decode batches of more requests than this do not speculate (there decode is
+    compute-bound: a verify row costs as much as another request's token); default: any."""
+    speculative_ngram_min_match_window_size: int = 1
+    """NGRAM: shortest suffix of the sequence (in tokens) matched to find a draft."""
+    speculative_ngram_max_match_window_size: int = 12
+    """NGRAM: longest suffix matched; longer matches are tried first."""
+    speculative_ngram_capacity: int = 100_000
+    """NGRAM: most n-grams indexed in the store shared by requests; past it, the sequences
+    least recently added or drafted from go."""
+
+    def verify(self) -> None:
+        policies = ("lpm", "dfs-weight", "fcfs")
+        if self.schedule_policy not in policies:
+            allowed = ", ".join(policies)
+            raise ValueError(
+                f"schedule_policy must be one of {allowed}; got {self.schedule_policy!r}"
+            )
+        if self.pin_policy not in PIN_POLICIES:
+            raise ValueError(
+                f"pin_policy must be one of {', '.join(PIN_POLICIES)}; got {self.pin_policy!r}"
+            )
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}"
+            )
+        if not 0.0 <= self.schedule_tier_match_weight <= 1.0:
+            raise ValueError(
+                "schedule_tier_match_weight must be in [0, 1]; "
+                f"got {self.schedule_tier_match_weight}"
+            )
+        for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_bypass"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(
+                f"chunked_prefill_size must be -1 or >= 1; got {self.chunked_prefill_size}"
+            )
+        self._verify_speculative()
+
+    def _verify_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be NGRAM, SELF, STANDALONE or unset; got {algorithm!r}"
+            )
+        self.speculative_algorithm = algorithm.upper()
+        for name in (
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_capacity",
+            "speculative_self_layers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if high < low:
+            raise ValueError(
+                "speculative_ngram_max_match_window_size must be >= "
+                f"speculative_ngram_min_match_window_size ({low}); got {high}"
+            )
+        if self.speculative_adaptive_threshold < 0:
+            raise ValueError(
+                "speculative_adaptive_threshold must be >= 0; "
+                f"got {self.speculative_adaptive_threshold}"
+            )
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1; got {limit}")
+        self._verify_draft_model()
+
+    def _verify_draft_model(self) -> None:
+        """The flags of SELF / STANDALONE: each only with the algorithm that reads it."""
+        algorithm = self.speculative_algorithm
+        steps = self.speculative_num_steps
+        if steps is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
+            raise ValueError(
+                "speculative_num_steps needs --speculative-algorithm SELF or STANDALONE"
+            )
+        if steps is not None and not 1 <= steps <= self.speculative_num_draft_tokens:
+            raise ValueError(
+                "speculative_num_steps must be between 1 and speculative_num_draft_tokens "
+                f"({self.speculative_num_draft_tokens}); got {steps}"
+            )
+        path = self.speculative_draft_model_path
+        if algorithm == "STANDALONE" and path is None:
+            raise ValueError(
+                "speculative_algorithm STANDALONE needs --speculative-draft-model-path"
+            )
+        if algorithm != "STANDALONE" and path is not None:
+            raise ValueError(
+                "speculative_draft_model_path needs --speculative-algorithm STANDALONE"
+            )
+
+    @property
+    def speculative_draft_steps(self) -> int:
+        """Draft tokens per proposal of a draft model (SELF / STANDALONE)."""
+        return self.speculative_num_steps or self.speculative_num_draft_tokens
