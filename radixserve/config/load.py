@@ -48,14 +48,15 @@ class LoadConfig:
     """Batch-invariant inference on CPU (SGLang's flag): by default greedy output can depend
     on batch composition, cache hits and speculation on/off (a verify's rows round
     differently from one-row decodes), as in SGLang/vLLM without their deterministic mode.
-    With it, on CPU, int8 / int4 / gguf layers stay on torch's row-wise kernels for prefill
-    chunks too (slower prefill), the fp layers left (the LM head; every projection with
-    --quantization none) run one gemm whatever the row count (BatchInvariantLinear: a copy
-    of W.T; the default model's batch-1 decode step measured ~20% slower), and the
-    cpu_fused attention runs every query (decode, verify, extend, fresh prefill) through its
-    extend kernel, whose per-query arithmetic ignores the batch. A token's logits are then
-    bitwise the same at any batch, cached or not, speculating or not (docs/performance.md
-    has the cost). Not on CUDA, nor with --attention-backend torch_native (a warning)."""
+    With it, on CPU, every fp projection and the LM head run our own batch-invariant dense
+    matmul (one fixed-order fp32 FMA chain per output, on any CPU and SIMD level; with
+    --quantization none the decode step is no slower), int8 / int4 / gguf layers stay on
+    their row-wise kernels for prefill chunks too (slower prefill), and the cpu_fused
+    attention runs every query (decode, verify, extend, fresh prefill) through its extend
+    kernel (the default model's batch-1 decode step: about 13-15% slower). A token's logits
+    are then bitwise the same at any batch, cached or not, speculating or not (docs/api.md
+    lists every op it covers). Not on CUDA, nor with --attention-backend torch_native (a
+    warning)."""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
