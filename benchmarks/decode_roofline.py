@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.loader import LoadedModel, load_model  # noqa: E402
 from radixserve.model.runner import ModelRunner  # noqa: E402
 from radixserve.native.extension import CpuExtensionUnavailable  # noqa: E402
+from radixserve.native.machine import describe_cpu  # noqa: E402
 
 GiB = 1 << 30
 COPY_BYTES = 256 << 20
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_dtype": str(runner.pool.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": describe_cpu(),
         "copy_gb_s": bandwidth / 1e9,
         "weight_mib": weight_bytes(runner) / 2**20,
     }

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from radixserve.model.tokenizer import model_tokenizer
+from radixserve.native.machine import describe_cpu
 from radixserve_bench.backends import make_backend
 from radixserve_bench.client import bench_session
 from radixserve_bench.record import RequestResult
@@ -114,6 +115,8 @@ def report(specs, servers, samples, prompt_lens, skipped, args) -> dict:
     for row in rows:
         peer = by_key.get((PEERS.get(row["system"]), row["prompt_len"]))
         row["vs_peer"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
+    machine = describe_cpu()
+    print(machine)
     print(f"{'system':<18} {'weights':<13} {'prompt':>6} {'TTFT s':>7} {'decode tok/s':>12} "
           f"{'vs llama-server':>15}")  # fmt: skip
     for r in rows:
@@ -122,7 +125,8 @@ def report(specs, servers, samples, prompt_lens, skipped, args) -> dict:
               f"{r['decode_tok_s']:>12.1f} {ratio:>15}")  # fmt: skip
     for name, reason in skipped.items():
         print(f"{name}: skipped: {reason}")
-    out = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "skipped": skipped}
+    out = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine}
+    out |= {"rows": rows, "skipped": skipped}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
