@@ -37,7 +37,7 @@ constexpr int64_t kUnits = kSuper / kUnit;
 // Q6_K fills scale[0..15] (one per 16 weights).
 struct SuperScales {
   float scale[16];
-  float min[8];
+  float min[16];  // Q6_K: 32 * scale, so w = q * scale - min with q in 0..63 (one FMA, exact)
 };
 
 inline float half_at(const uint8_t* p) {
@@ -50,27 +50,71 @@ inline float half_at(const uint8_t* p) {
 // unpacked four at a time in 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits) and the top
 // bits of scales 4-7, bytes 4-7 mins 0-3 and the top bits of mins 4-7, bytes 8-11 the low
 // nibbles of scales 4-7 and mins 4-7.
-inline void scales_k4(const uint8_t* block, SuperScales& s) {
-  const float d = half_at(block), dmin = half_at(block + 2);
+// The 8 scale bytes and 8 min bytes of a Q4_K / Q5_K super-block, unpacked.
+inline void unpack_scales_k4(const uint8_t* block, uint8_t* scales, uint8_t* mins) {
   uint32_t q[3], sc[2], mn[2];
   std::memcpy(q, block + 4, sizeof(q));
   sc[0] = q[0] & 0x3F3F3F3Fu;
   mn[0] = q[1] & 0x3F3F3F3Fu;
   sc[1] = (q[2] & 0x0F0F0F0Fu) | ((q[0] >> 6) & 0x03030303u) << 4;
   mn[1] = ((q[2] >> 4) & 0x0F0F0F0Fu) | ((q[1] >> 6) & 0x03030303u) << 4;
+  std::memcpy(scales, sc, sizeof(sc));
+  std::memcpy(mins, mn, sizeof(mn));
+}
+
+// out[j] = d * bytes[j] for 8 bytes (each product rounded once, as the reference does).
+inline void scale_bytes8(const uint8_t* bytes, float d, float* out) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+  _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(d)));
+#else
+  for (int j = 0; j < 8; ++j) out[j] = d * static_cast<float>(bytes[j]);
+#endif
+}
+
+// The d and dmin at the front of a Q4_K / Q5_K super-block (AVX-512 converts fp16 in one
+// instruction; otherwise c10's bit manipulation).
+inline void halves2(const uint8_t* p, float& d, float& dmin) {
+#if defined(__AVX512F__)
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const __m128 both = _mm512_castps512_ps128(
+      _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(bits)))));
+  d = _mm_cvtss_f32(both);
+  dmin = _mm_cvtss_f32(_mm_movehdup_ps(both));
+#else
+  d = half_at(p);
+  dmin = half_at(p + 2);
+#endif
+}
+
+inline void scales_k4(const uint8_t* block, SuperScales& s) {
+  float d, dmin;
+  halves2(block, d, dmin);
   uint8_t scales[8], mins[8];
-  std::memcpy(scales, sc, sizeof(scales));
-  std::memcpy(mins, mn, sizeof(mins));
-  for (int j = 0; j < 8; ++j) {
-    s.scale[j] = d * static_cast<float>(scales[j]);
-    s.min[j] = dmin * static_cast<float>(mins[j]);
-  }
+  unpack_scales_k4(block, scales, mins);
+  scale_bytes8(scales, d, s.scale);
+  scale_bytes8(mins, dmin, s.min);
 }
 
 inline void scales_q6(const uint8_t* block, SuperScales& s) {
   const float d = half_at(block + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
-  for (int j = 0; j < 16; ++j) s.scale[j] = d * static_cast<float>(sc[j]);
+#if defined(__AVX2__)
+  for (int half = 0; half < 2; ++half) {  // 8 int8 scales at a time, as the loop below
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * half));
+    const __m256 scale = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                                       _mm256_set1_ps(d));
+    _mm256_storeu_ps(s.scale + 8 * half, scale);
+    _mm256_storeu_ps(s.min + 8 * half, _mm256_mul_ps(scale, _mm256_set1_ps(32.f)));
+  }
+#else
+  for (int j = 0; j < 16; ++j) {
+    s.scale[j] = d * static_cast<float>(sc[j]);
+    s.min[j] = 32.f * s.scale[j];  // exact: a power of two
+  }
+#endif
 }
 
 // The 6-bit code (0..63) of element l of Q6_K unit u; the portable path and the tests' view.

@@ -50,8 +50,9 @@ inline Vec vopaque(Vec v) { __asm__("" : "+v"(v)); return v; }
 inline __m512i widen(const uint8_t* p) {  // 16 bytes -> 16 int32
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// v >> bits; bits is a constant once the unit loop is unrolled (0: v itself)
 inline __m512i shift_right(__m512i v, int64_t bits) {
-  return _mm512_srl_epi32(v, _mm_cvtsi32_si128(static_cast<int>(bits)));
+  return bits == 0 ? v : _mm512_srl_epi32(v, _mm_cvtsi32_si128(static_cast<int>(bits)));
 }
 // The 16 weights codes c..c+15 stand for, c * scale - min (two roundings): a table that one
 // vpermps per 16 weights reads (its index: the low 4 bits of each lane).
@@ -63,8 +64,10 @@ inline Vec table16(float first, float scale, float min) {
 inline void unit_q4k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
   const uint8_t* qs = b + 16 + 32 * (u / 2);
   const Vec table = table16(0, s.scale[u], s.min[u]);
-  for (int64_t i = 0; i < 2; ++i)
-    w[i] = _mm512_permutexvar_ps(shift_right(widen(qs + 16 * i), 4 * (u % 2)), table);
+  for (int64_t i = 0; i < 2; ++i) {
+    const __m512i v = widen(qs + 16 * i);  // vpermps reads the low 4 bits: no mask
+    w[i] = _mm512_permutexvar_ps(u % 2 ? shift_right(v, 4) : v, table);
+  }
 }
 inline void unit_q5k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
   const uint8_t* qs = b + 48 + 32 * (u / 2);
@@ -77,17 +80,24 @@ inline void unit_q5k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) 
     w[i] = _mm512_permutex2var_ps(low, index, high);
   }
 }
+// Q6_K's 2 high bits of part `part` moved to bits 4-5 (other bits: masked by the caller).
+inline __m512i high_pair_q6(__m512i qh, int64_t part) {
+  if (part == 0) return _mm512_slli_epi32(qh, 4);
+  if (part == 1) return _mm512_slli_epi32(qh, 2);
+  return part == 2 ? qh : _mm512_srli_epi32(qh, 2);
+}
 inline void unit_q6k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
   const int64_t h = u / 4, part = u % 4;
   const uint8_t* ql = b + 64 * h + 32 * (part % 2);
   const uint8_t* qh = b + 128 + 32 * h;
-  const __m512i nibble = _mm512_set1_epi32(0xF), pair = _mm512_set1_epi32(3);
+  const __m512i nibble = _mm512_set1_epi32(0xF), pair = _mm512_set1_epi32(0x30);
   for (int64_t i = 0; i < 2; ++i) {
-    const __m512i low = _mm512_and_si512(shift_right(widen(ql + 16 * i), 4 * (part / 2)), nibble);
-    const __m512i high = _mm512_and_si512(shift_right(widen(qh + 16 * i), 2 * part), pair);
-    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)),
-                                       _mm512_set1_epi32(32));
-    w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s.scale[2 * u + i]));
+    const __m512i v = widen(ql + 16 * i);
+    const __m512i low = part < 2 ? _mm512_and_si512(v, nibble) : _mm512_srli_epi32(v, 4);
+    const __m512i high = high_pair_q6(widen(qh + 16 * i), part);
+    const __m512i q = _mm512_ternarylogic_epi32(low, high, pair, 0xF8);  // low | high & pair
+    const Vec scale = _mm512_set1_ps(s.scale[2 * u + i]), min = _mm512_set1_ps(s.min[2 * u + i]);
+    w[i] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), scale, min);
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -110,8 +120,9 @@ inline Vec vopaque(Vec v) { __asm__("" : "+x"(v)); return v; }
 inline __m256i widen(const uint8_t* p) {  // 8 bytes -> 8 int32
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
+// v >> bits; bits is a constant once the unit loop is unrolled (0: v itself)
 inline __m256i shift_right(__m256i v, int64_t bits) {
-  return _mm256_srl_epi32(v, _mm_cvtsi32_si128(static_cast<int>(bits)));
+  return bits == 0 ? v : _mm256_srl_epi32(v, _mm_cvtsi32_si128(static_cast<int>(bits)));
 }
 inline Vec scale_sub(__m256i q, float scale, float min) {  // q * scale - min, two roundings
   const Vec product = vopaque(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale)));
@@ -134,17 +145,23 @@ inline void unit_q5k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) 
     w[i] = scale_sub(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), s.scale[u], s.min[u]);
   }
 }
+inline __m256i high_pair_q6(__m256i qh, int64_t part) {  // as the AVX-512 one
+  if (part == 0) return _mm256_slli_epi32(qh, 4);
+  if (part == 1) return _mm256_slli_epi32(qh, 2);
+  return part == 2 ? qh : _mm256_srli_epi32(qh, 2);
+}
 inline void unit_q6k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
   const int64_t h = u / 4, part = u % 4;
   const uint8_t* ql = b + 64 * h + 32 * (part % 2);
   const uint8_t* qh = b + 128 + 32 * h;
-  const __m256i nibble = _mm256_set1_epi32(0xF), pair = _mm256_set1_epi32(3);
+  const __m256i nibble = _mm256_set1_epi32(0xF), pair = _mm256_set1_epi32(0x30);
   for (int64_t i = 0; i < 4; ++i) {
-    const __m256i low = _mm256_and_si256(shift_right(widen(ql + 8 * i), 4 * (part / 2)), nibble);
-    const __m256i high = _mm256_and_si256(shift_right(widen(qh + 8 * i), 2 * part), pair);
-    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)),
-                                       _mm256_set1_epi32(32));
-    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s.scale[2 * u + i / 2]));
+    const __m256i v = widen(ql + 8 * i);
+    const __m256i low = part < 2 ? _mm256_and_si256(v, nibble) : _mm256_srli_epi32(v, 4);
+    const __m256i high = _mm256_and_si256(high_pair_q6(widen(qh + 8 * i), part), pair);
+    const Vec scale = _mm256_set1_ps(s.scale[2 * u + i / 2]);
+    const Vec min = _mm256_set1_ps(s.min[2 * u + i / 2]);
+    w[i] = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_or_si256(low, high)), scale, min);
   }
 }
 #else
@@ -207,6 +224,15 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+// Makes the unit loop read each factor of `s` from memory (a broadcast load) rather than
+// shuffle it out of the register it was computed in: shuffles and register broadcasts take
+// the port the table lookups need.
+inline void from_memory(SuperScales& s) {
+#if defined(__GNUC__)
+  __asm__ volatile("" : : "r"(&s) : "memory");
+#endif
+}
+
 inline void fma_unit(Vec* acc, const Vec* w, const float* x) {
   for (int64_t i = 0; i < kVecs; ++i) acc[i] = vfma(w[i], vload(x + i * kLanes), acc[i]);
 }
@@ -224,6 +250,7 @@ void dot_rows(const uint8_t* row, int64_t num_super, const float* x, int64_t K, 
   for (int64_t b = 0; b < num_super; ++b) {
     const uint8_t* block = row + b * F::kBytes;
     F::scales(block, s);
+    from_memory(s);
     // Unrolled: the accumulator set u % kChains and the unit's shifts become constants
     // (a runtime index would keep the accumulators in memory).
 #pragma GCC unroll 8
