@@ -39,7 +39,12 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile
-from radixserve.model.quant.kquant import KQUANT_TYPES, KQuantLinear
+from radixserve.model.quant.kquant import (
+    KQUANT_TYPES,
+    KQuantLinear,
+    kquant_dequantize,
+    kquant_ops_available,
+)
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dense_linear
 from radixserve.model.quant.stacked_linear import StackedLinear
 from radixserve.model.source import ModelLoadError
@@ -342,7 +347,14 @@ def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _dequantize(tensor) -> np.ndarray:
+    """fp32 values of a GGUF tensor: K-quants by our C++ kernels where they load (the same
+    values as gguf's numpy code, bit for bit, without its temporaries: a 1B model's embedding
+    is 262M weights), anything else by the gguf package."""
     from gguf.quants import dequantize
 
+    name = tensor.tensor_type.name
+    if name in KQUANT_TYPES and len(tensor.data.shape) == 2 and kquant_ops_available():
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        return kquant_dequantize(blocks, KQUANT_TYPES[name][0]).numpy()
     return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy:
     # the reader's arrays are read-only views of the mapped file

@@ -46,6 +46,18 @@ def load_kquant_ops() -> None:
         return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
 
 
+@functools.cache
+def kquant_ops_available() -> bool:
+    """True if the C++ extension (any SIMD level) loads here."""
+    from radixserve.native.extension import CpuExtensionUnavailable
+
+    try:
+        load_kquant_ops()
+    except CpuExtensionUnavailable:
+        return False
+    return True
+
+
 def kquant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """[M, K] fp32 / bf16 @ K-quant blocks.T -> [M, N] in x's dtype (fp32 arithmetic)."""
     return torch.ops.radixserve_cpu.kquant_mm(x.contiguous(), blocks, qtype)
