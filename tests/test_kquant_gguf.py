@@ -18,7 +18,7 @@ from test_quantization_gguf import PROMPT, permute, reverse_permute
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.quant.block_matmul import resolve_cpu_quant_kernel
-from radixserve.model.quant.gguf_weights import loads_as_is, read_gguf
+from radixserve.model.quant.gguf_weights import loads_as_is, read_gguf, why_not_as_is
 from radixserve.model.quant.kquant import KQUANT_TYPES, KQuantLinear
 from radixserve.model.quant.linear import Int8WeightOnlyLinear, UnquantizedLinear
 from radixserve.model.quant.stacked_linear import StackedLinear
@@ -150,6 +150,7 @@ def test_auto_keeps_k_quant_blocks_and_stacks_parts_of_different_types(cpu_ops, 
     path, reference = kquant_gguf
     assert loads_as_is(read_gguf(path), kquants=True)
     assert not loads_as_is(read_gguf(path))  # without the block kernels: dequantized
+    assert "K-quants need the C++ block kernels" in why_not_as_is(read_gguf(path))
     model = _runner(path).model
     first, second = model.layers
     qkv = first.self_attn.qkv_proj  # Q4_K q and k rows, then the Q6_K v rows

@@ -22,8 +22,8 @@ from radixserve.model.quant.gguf_weights import (
     gguf_hf_config,
     load_gguf_weights,
     loads_as_is,
-    projection_types,
     read_gguf,
+    why_not_as_is,
 )
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, load_packed_weights
 from radixserve.model.quant.quantize import (
@@ -116,15 +116,8 @@ def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig, tp_size: 
 
 def log_dequantized_fallback(source: ModelSource, reader, kquants: bool) -> None:
     """Says why `auto` dequantizes this GGUF to fp32 instead of keeping its blocks."""
-    types = ", ".join(f"{n} {t}" for t, n in sorted(projection_types(reader.tensors).items()))
-    kernels = "" if kquants else " (K-quants need the C++ block kernels: --cpu-quant-kernel auto)"
-    logger.info(
-        "%s: projections %s are not all Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/fp%s; loading the file "
-        "dequantized to fp32",
-        source.name,
-        types,
-        kernels,
-    )
+    reason = why_not_as_is(reader, kquants)
+    logger.info("%s: loading the GGUF dequantized to fp32: %s", source.name, reason)
 
 
 def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) -> LoadedModel:

@@ -215,6 +215,18 @@ def loads_as_is(reader, kquants: bool = False) -> bool:
     return bool(kinds & quantized) and kinds <= {*quantized, *FP_TYPES}
 
 
+def why_not_as_is(reader, kquants: bool = False) -> str:
+    """Why `loads_as_is` is False for this file, in words for the log."""
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        return f"its architecture is {arch!r} (blocks are read for llama only)"
+    types = ", ".join(f"{n} {t}" for t, n in sorted(projection_types(reader.tensors).items()))
+    reason = f"its projections ({types}) are not all Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/fp"
+    if not kquants and set(projection_types(reader.tensors)) & set(KQUANT_TYPES):
+        reason += " runnable here (K-quants need the C++ block kernels)"
+    return reason
+
+
 def log_projection_types(tensors: dict, blocks: bool) -> None:
     """One line: each projection type, how many, and how it loads."""
     types = projection_types(tensors.values())
