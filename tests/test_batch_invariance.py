@@ -1,5 +1,6 @@
 """--enable-deterministic-inference: a row's result does not depend on how many rows share
-its batch. Layers: each quantized kind (int8, int4, GGUF Q4_0 / Q4_1 / Q8_0) and the fp
+its batch. Layers: each quantized kind (int8, int4, GGUF Q4_0 / Q4_1 / Q8_0 and the K-quants
+Q4_K / Q5_K / Q6_K) and the fp
 BatchInvariantLinear, one row alone vs the same row inside batches. Whole models, with the
 attention the flag picks (cpu_fused's extend kernel for every query): K+1 verify rows give
 bitwise the logits of K+1 one-row decodes."""
@@ -13,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
+from kquant_reference import quantize_kquant
 from test_quantization_gguf import save_plain_llama, write_tiny_gguf
 
 from radixserve.config import CacheConfig, LoadConfig
@@ -43,6 +45,15 @@ def _gguf_layer(qtype: T, backend: str | None = None) -> torch.nn.Module:
     return fused_layer(weights, torch.float32, torch.device("cpu"), "w", backend)
 
 
+def _kquant_layer(qtype: T) -> torch.nn.Module:
+    """A K-quant layer as the GGUF loader builds it, 256 inputs (one super-block a row)."""
+    torch.manual_seed(0)
+    weight = torch.randn(OUT, 256).numpy() / 16
+    tensor = SimpleNamespace(tensor_type=qtype, name="w", data=quantize_kquant(weight, qtype.name))
+    weights = [decode_block_weight(tensor, kquants=True)]
+    return fused_layer(weights, torch.float32, torch.device("cpu"), "w", "blocks")
+
+
 def _int4() -> Int4WeightOnlyLinear:
     return Int4WeightOnlyLinear.from_float(torch.nn.Linear(IN, OUT).requires_grad_(False), 32)
 
@@ -56,18 +67,21 @@ QUANT_LAYERS = {
     "blocks-Q4_0": lambda: _gguf_layer(T.Q4_0, "blocks"),  # the C++ block kernels
     "blocks-Q4_1": lambda: _gguf_layer(T.Q4_1, "blocks"),
     "blocks-Q8_0": lambda: _gguf_layer(T.Q8_0, "blocks"),
+    "blocks-Q4_K": lambda: _kquant_layer(T.Q4_K),  # the C++ K-quant kernels
+    "blocks-Q5_K": lambda: _kquant_layer(T.Q5_K),
+    "blocks-Q6_K": lambda: _kquant_layer(T.Q6_K),
 }
 
 
 def _assert_row_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> None:
     """Row 0 of `x`, alone and at several places inside batches of BATCH_SIZES rows."""
     torch.manual_seed(1)
-    row = torch.randn(1, IN, dtype=dtype)
+    row = torch.randn(1, layer.in_features, dtype=dtype)
     with torch.inference_mode():
         alone = layer(row)[0]
         for num_rows in BATCH_SIZES:
             for place in sorted({0, num_rows // 2, num_rows - 1}):
-                batch = torch.randn(num_rows, IN, dtype=dtype)
+                batch = torch.randn(num_rows, layer.in_features, dtype=dtype)
                 batch[place] = row[0]
                 assert torch.equal(layer(batch)[place], alone), (num_rows, place)
 

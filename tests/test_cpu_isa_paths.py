@@ -24,6 +24,7 @@ KERNEL_TESTS = [
     "tests/test_dense_matmul.py",
     "tests/test_batch_invariance.py",
     "tests/test_block_matmul.py",
+    "tests/test_kquant_matmul.py",
     "tests/test_cpu_layer_ops.py",
     "tests/test_cpu_paged_decode.py",
     "tests/test_deterministic_attention.py",

@@ -22,6 +22,7 @@ from radixserve.model.quant.linear import (
     UnquantizedLinear,
 )
 from radixserve.model.quant.quantize import QuantizationError
+from radixserve.model.quant.stacked_linear import StackedLinear
 from radixserve.model.runner import ModelRunner
 from radixserve.model.source import ModelLoadError
 
@@ -228,11 +229,14 @@ def test_unsupported_block_type_names_the_tensor_and_the_way_out(tiny_gguf, tmp_
         _load(tmp_path / "q5.gguf")
 
 
-def test_a_fused_layer_cannot_mix_int4_and_int8_blocks(tiny_gguf, tmp_path):
+def test_a_fused_layer_of_int4_and_int8_blocks_stacks_one_layer_per_type(tiny_gguf, tmp_path):
     _, hf_folder, _ = tiny_gguf
-    write_tiny_gguf(hf_folder, tmp_path / "mixed.gguf", types={"attn_v": T.Q8_0})
-    with pytest.raises(ModelLoadError, match="attn_q, attn_k, attn_v mix int4 and int8"):
-        _load(tmp_path / "mixed.gguf")
+    expected = write_tiny_gguf(hf_folder, tmp_path / "mixed.gguf", types={"attn_v": T.Q8_0})
+    qkv = _load(tmp_path / "mixed.gguf").model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, StackedLinear)
+    assert [type(p) for p in qkv.parts] == [Int4WeightOnlyLinear, Int8WeightOnlyLinear]
+    parts = [expected[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"]
+    torch.testing.assert_close(qkv.dequantize(), torch.from_numpy(np.concatenate(parts)))
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_gguf):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from radixserve.model.quant.gguf_weights import (
     load_gguf_weights,
     loads_as_is,
     read_gguf,
+    why_not_as_is,
 )
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, load_packed_weights
 from radixserve.model.quant.quantize import (
@@ -33,6 +35,8 @@ from radixserve.model.quant.quantize import (
 )
 from radixserve.model.source import ModelLoadError, ModelSource, builtin_config, resolve_model
 from radixserve.model.tp_shard import ShardLayout
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -62,8 +66,10 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
         return _load_gguf_as_is(source, load_config)
     if _may_load_gguf_as_is(source, load_config, tp.size):
         reader = read_gguf(source.path)
-        if loads_as_is(reader):
+        kquants = resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
+        if loads_as_is(reader, kquants):
             return _load_gguf_as_is(source, replace(load_config, quantization="gguf"), reader)
+        log_dequantized_fallback(source, reader, kquants)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     load_config = resolve_quantization(load_config, hf_config)
@@ -106,6 +112,12 @@ def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig, tp_size: 
         and load_config.load_format in ("auto", "gguf")
         and load_config.torch_device().type == "cpu"
     )
+
+
+def log_dequantized_fallback(source: ModelSource, reader, kquants: bool) -> None:
+    """Says why `auto` dequantizes this GGUF to fp32 instead of keeping its blocks."""
+    reason = why_not_as_is(reader, kquants)
+    logger.info("%s: loading the GGUF dequantized to fp32: %s", source.name, reason)
 
 
 def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) -> LoadedModel:

@@ -9,6 +9,7 @@ its Python wrapper beside its caller:
     layer_ops.cpp                       a layer's fused small ops model/cpu_layer_ops.py
     block_matmul.cpp                    GGUF-block matmuls        model/quant/block_matmul.py
     dense_matmul.cpp                    batch-invariant matmul    model/quant/batch_invariant.py
+    kquant_matmul.cpp (kquant_*.h)      GGUF K-quant matmuls      model/quant/kquant.py
 
 The SIMD flags follow the level torch itself detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
@@ -42,8 +43,9 @@ SOURCES = [
     CSRC / "layer_ops.cpp",
     CSRC / "block_matmul.cpp",
     CSRC / "dense_matmul.cpp",
+    CSRC / "kquant_matmul.cpp",
 ]
-HEADERS = [CSRC / "common.h"]
+HEADERS = [CSRC / "common.h", CSRC / "kquant_blocks.h", CSRC / "kquant_simd.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the
 # same instruction sets torch's own kernels of that level use. Other levels: portable code.

@@ -1,4 +1,5 @@
-"""A GGUF file's Q4_0 / Q4_1 / Q8_0 projections loaded as they are (`--quantization gguf`).
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 and Q4_K / Q5_K / Q6_K projections loaded as they are
+(`--quantization gguf`, and `auto` where every projection is one of these or fp).
 
 Block codes and block scales become the int4 / int8 layers' layout directly; no fp32 copy
 of a projection is ever made. One GGUF block is 32 inputs of one row, so group size is 32.
@@ -8,19 +9,26 @@ of a projection is ever made. One GGUF block is 32 inputs of one row, so group s
     Q4_1  d f16 | m f16 | 16 B nibbles         q * d + m         int4: scale d, zero m + 8d
     Q8_0  d f16 | 32 B int8                    q * d             int8: group-wise scale d
     byte j of a nibble block = element j (low 4 bits) | element j + 16 (high 4 bits)
+    Q4_K / Q5_K / Q6_K: super-blocks of 256, kept as the file's bytes (KQuantLinear, kquant.py)
 
+K-quants run on our C++ kernels only (the "blocks" backend); with torch's kernels (or no
+SIMD build) they are dequantized to fp at load, and the log says so. The parts of one fused
+layer (qkv, gate_up) may differ in type, as llama.cpp's mixes (Q4_K_M: Q6_K attn_v in some
+layers) have it: each run of same-type parts is its own layer (StackedLinear).
 F32 / F16 / BF16 projections stay fp. The embedding and norms are fp by design and are dequantized;
 so is the LM head (tied: the embedding; untied: output.weight), unless the layers use the C++
-"blocks" kernels (block_matmul.py): then a Q4_0 / Q4_1 / Q8_0 head is kept as its blocks too (the
-default model's tied Q8_0 head: 32 MiB read per token instead of 113 MiB), and the embedding keeps
-its fp rows for the lookup. llama.cpp stores q and k rows permuted for its RoPE layout; rows are
-permuted back here (codes and scales alike). Only the `llama` GGUF architecture (Llama, Mistral,
-SmolLM, ...) is read this way; anything else: `--quantization none`.
+"blocks" kernels (block_matmul.py): then a Q4_0 / Q4_1 / Q8_0 / K-quant head is kept as its blocks
+too (the default model's tied Q8_0 head: 32 MiB read per token instead of 113 MiB), and the
+embedding keeps its fp rows for the lookup. llama.cpp stores q and k rows permuted for its RoPE
+layout; rows are permuted back here (codes and scales alike). Only the `llama` GGUF architecture
+(Llama, Mistral, SmolLM, ...) is read this way; anything else: `--quantization none`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,7 +39,14 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile
-from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from radixserve.model.quant.kquant import (
+    KQUANT_TYPES,
+    KQuantLinear,
+    kquant_dequantize,
+    kquant_ops_available,
+)
+from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dense_linear
+from radixserve.model.quant.stacked_linear import StackedLinear
 from radixserve.model.source import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -69,10 +84,12 @@ HF_PARTS = {
 
 
 class BlockWeight(NamedTuple):
-    """One GGUF weight in our terms: int4 codes + scales + zeros, int8 + scales, or fp."""
+    """One GGUF weight in our terms: int4 codes + scales + zeros, int8 + scales, K-quant
+    super-blocks as stored, or fp."""
 
-    kind: str  # "int4" | "int8" | "fp"
-    values: torch.Tensor  # [rows, in]: int32 codes 0..15 | int8 | fp32 weight
+    kind: str  # "int4" | "int8" | "fp" | "Q4_K" | "Q5_K" | "Q6_K"
+    values: torch.Tensor  # [rows, in]: int32 codes 0..15 | int8 | fp32 weight; K-quants:
+    # [rows, in / 256 * block bytes] uint8
     scales: torch.Tensor | None = None  # [rows, in // 32] fp32
     zeros: torch.Tensor | None = None  # [rows, in // 32] fp32 (int4 only)
 
@@ -139,11 +156,12 @@ def load_gguf_weights(model: nn.Module, reader, config: ModelConfig, blocks: boo
     LM head too."""
     backend = "blocks" if blocks else None
     tensors = {t.name: t for t in reader.tensors}
+    log_projection_types(tensors, blocks)
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     fp_weights: list[tuple[str, torch.Tensor]] = []
     for i, layer in enumerate(model.layers):
         for path, parts in FUSED_PARTS.items():
-            weights = [layer_weight(tensors, i, part, config) for part in parts]
+            weights = [layer_weight(tensors, i, part, config, blocks) for part in parts]
             what = f"blk.{i}: {', '.join(parts)}"
             module = fused_layer(weights, dtype, device, what, backend)
             if module is None:  # fp in the file: the fp loader fills the fused rows
@@ -153,50 +171,83 @@ def load_gguf_weights(model: nn.Module, reader, config: ModelConfig, blocks: boo
                 owner_name, attr = path.split(".")
                 setattr(getattr(layer, owner_name), attr, module)
     head = block_lm_head(tensors, dtype, device) if blocks else None
-    if head is not None:
+    if head is not None:  # before the fp weights: an untied head's fp parameter goes
         tensors.pop("output.weight", None)  # not loaded as fp (absent when tied)
-    model.load_weights([*fp_weights, *fp_tensors(tensors)])
-    if head is not None:
         attach_block_head(model, head)
+    model.load_weights([*fp_weights, *fp_tensors(tensors)])
 
 
 def attach_block_head(model: nn.Module, head: nn.Module) -> None:
     """Makes `head` the LM head; a tied one multiplies by the embedding (the same weights in
-    fp) from HEAD_DENSE_MIN_ROWS rows on."""
+    fp, filled in place later by load_weights) from HEAD_DENSE_MIN_ROWS rows on."""
     if model.lm_head is None:
         head.share_dense_weight(model.embed_tokens.weight, HEAD_DENSE_MIN_ROWS)
     model.lm_head = head
 
 
 def block_lm_head(tensors: dict, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
-    """The LM head (output.weight, or the tied token_embd.weight) as an int4 / int8 layer on
-    the block kernels, if the file stores it as Q4_0 / Q4_1 / Q8_0; else None (fp head)."""
+    """The LM head (output.weight, or the tied token_embd.weight) as a layer on the block
+    kernels, if the file stores it as Q4_0 / Q4_1 / Q8_0 or a K-quant; else None (fp head)."""
     tensor = tensors.get("output.weight", tensors["token_embd.weight"])
-    if tensor.tensor_type.name not in AS_IS_TYPES:
+    if tensor.tensor_type.name not in (*AS_IS_TYPES, *KQUANT_TYPES):
         return None
-    return fused_layer([decode_block_weight(tensor)], dtype, device, tensor.name, "blocks")
+    weight = decode_block_weight(tensor, kquants=True)
+    return fused_layer([weight], dtype, device, tensor.name, "blocks")
 
 
 AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def loads_as_is(reader) -> bool:
+def projection_types(tensors) -> Counter:
+    """GGUF type name -> how many layer projections (blk.N.attn_q ... ffn_down) have it."""
+    parts = tuple(f".{part}.weight" for part in HF_PARTS)
+    return Counter(t.tensor_type.name for t in tensors if t.name.endswith(parts))
+
+
+def loads_as_is(reader, kquants: bool = False) -> bool:
     """True if `--quantization auto` means gguf for this file: a llama-architecture GGUF
-    whose layer projections are Q4_0 / Q4_1 / Q8_0 (the default model's are Q4_1), or fp,
-    with at least one quantized."""
+    whose layer projections are Q4_0 / Q4_1 / Q8_0 (the default model's are Q4_1), K-quants
+    if `kquants` (the block kernels run here), or fp, with at least one quantized."""
     if field(reader, "general.architecture") != "llama":
         return False
-    parts = tuple(f".{part}.weight" for part in HF_PARTS)
-    kinds = {t.tensor_type.name for t in reader.tensors if t.name.endswith(parts)}
-    return bool(kinds & set(AS_IS_TYPES)) and kinds <= {*AS_IS_TYPES, *FP_TYPES}
+    quantized = {*AS_IS_TYPES, *(KQUANT_TYPES if kquants else ())}
+    kinds = set(projection_types(reader.tensors))
+    return bool(kinds & quantized) and kinds <= {*quantized, *FP_TYPES}
 
 
-def layer_weight(tensors: dict, layer: int, part: str, config: ModelConfig) -> BlockWeight:
+def why_not_as_is(reader, kquants: bool = False) -> str:
+    """Why `loads_as_is` is False for this file, in words for the log."""
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        return f"its architecture is {arch!r} (blocks are read for llama only)"
+    types = ", ".join(f"{n} {t}" for t, n in sorted(projection_types(reader.tensors).items()))
+    reason = f"its projections ({types}) are not all Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/fp"
+    if not kquants and set(projection_types(reader.tensors)) & set(KQUANT_TYPES):
+        reason += " runnable here (K-quants need the C++ block kernels)"
+    return reason
+
+
+def log_projection_types(tensors: dict, blocks: bool) -> None:
+    """One line: each projection type, how many, and how it loads."""
+    types = projection_types(tensors.values())
+    kquants = sorted(set(types) & set(KQUANT_TYPES))
+    logger.info("GGUF projections: %s", ", ".join(f"{n} {t}" for t, n in sorted(types.items())))
+    if kquants and not blocks:
+        logger.info(
+            "GGUF %s projections dequantized to fp: torch has no kernel for them and the C++ "
+            "block kernels are off here (--cpu-quant-kernel auto runs them as blocks)",
+            "/".join(kquants),
+        )
+
+
+def layer_weight(
+    tensors: dict, layer: int, part: str, config: ModelConfig, kquants: bool = False
+) -> BlockWeight:
     """One projection of one layer, decoded; q and k rows back in HF order."""
     name = f"blk.{layer}.{part}.weight"
     if name not in tensors:
         raise ModelLoadError(f"GGUF file is missing tensor {name}")
-    weight = decode_block_weight(tensors[name])
+    weight = decode_block_weight(tensors[name], kquants)
     if part in ("attn_q", "attn_k"):
         heads = config.num_heads if part == "attn_q" else config.num_kv_heads
         weight = weight.take_rows(unpermute_index(len(weight.values), heads))
@@ -210,15 +261,18 @@ def unpermute_index(num_rows: int, num_heads: int) -> torch.Tensor:
     return rows.transpose(1, 2).reshape(-1)
 
 
-def decode_block_weight(tensor) -> BlockWeight:
-    """A GGUF tensor -> int4 codes / int8 values with their block scales, or fp32 values."""
+def decode_block_weight(tensor, kquants: bool = False) -> BlockWeight:
+    """A GGUF tensor -> int4 codes / int8 values with their block scales, K-quant blocks as
+    stored (if `kquants`: else dequantized), or fp32 values."""
     kind = tensor.tensor_type.name
-    if kind in FP_TYPES:
+    if kind in FP_TYPES or (kind in KQUANT_TYPES and not kquants):
         return BlockWeight("fp", torch.from_numpy(_dequantize(tensor)))
+    if kind in KQUANT_TYPES:  # [rows, bytes] as stored; a copy: the file's map is read-only
+        return BlockWeight(kind, torch.from_numpy(np.array(tensor.data, dtype=np.uint8)))
     if kind not in AS_IS_TYPES:
         raise ModelLoadError(
-            f"--quantization gguf reads Q4_0, Q4_1 and Q8_0 tensors as they are; "
-            f"{tensor.name} is {kind} (use --quantization none to dequantize it)"
+            f"--quantization gguf reads Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors as they "
+            f"are; {tensor.name} is {kind} (use --quantization none to dequantize it)"
         )
     from gguf import GGML_QUANT_SIZES
 
@@ -255,16 +309,20 @@ def fused_layer(
     what: str,
     backend: str | None = None,
 ) -> nn.Module | None:
-    """One int4/int8 layer on `device` (its layout is its kernel's: `backend`, by default
-    the device's) from the stacked rows of `weights`; None if they are all fp."""
+    """One layer on `device` (its layout is its kernel's: `backend`, by default the
+    device's) from the stacked rows of `weights`; None if they are all fp. Parts of
+    different kinds: a StackedLinear of one layer per run of same-kind parts."""
     kinds = {w.kind for w in weights}
     if kinds == {"fp"}:
         return None
     if len(kinds) > 1:
-        raise ModelLoadError(
-            f"--quantization gguf: {what} mix {' and '.join(sorted(kinds))} tensors, "
-            "which one fused layer cannot hold (use --quantization none)"
-        )
+        runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: w.kind)]
+        logger.debug("%s: %s parts stacked", what, " + ".join(run[0].kind for run in runs))
+        return StackedLinear([_part_layer(run, dtype, device, backend) for run in runs])
+    if weights[0].kind in KQUANT_TYPES:
+        if device.type != "cpu" or backend != "blocks":
+            raise ModelLoadError(f"{what}: K-quant blocks run on the CPU block kernels only")
+        return KQuantLinear(torch.cat([w.values for w in weights]), weights[0].kind)
     values = torch.cat([w.values for w in weights]).to(device)
     dtype = torch.float32 if backend == "blocks" else dtype  # blocks keep fp16 scales exact
     scales = torch.cat([w.scales for w in weights]).to(device, dtype)
@@ -272,6 +330,18 @@ def fused_layer(
         return Int8WeightOnlyLinear(values, scales, group_size=GGUF_BLOCK, backend=backend)
     zeros = torch.cat([w.zeros for w in weights]).to(device, dtype)
     return Int4WeightOnlyLinear(values, scales, zeros, GGUF_BLOCK, backend=backend)
+
+
+def _part_layer(weights: list[BlockWeight], dtype, device, backend: str | None) -> nn.Module:
+    """One run of same-kind parts of a stacked layer. fp parts: a dense layer whose weight is
+    a buffer, as the quantized parts' are (load_weights fills and checks parameters only)."""
+    if weights[0].kind == "fp":
+        layer = dense_linear(torch.cat([w.values for w in weights]).to(device, dtype))
+        weight = layer.weight.data
+        del layer.weight
+        layer.register_buffer("weight", weight)
+        return layer
+    return fused_layer(weights, dtype, device, weights[0].kind, backend)
 
 
 def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -289,7 +359,14 @@ def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _dequantize(tensor) -> np.ndarray:
+    """fp32 values of a GGUF tensor: K-quants by our C++ kernels where they load (the same
+    values as gguf's numpy code, bit for bit, without its temporaries: a 1B model's embedding
+    is 262M weights), anything else by the gguf package."""
     from gguf.quants import dequantize
 
+    name = tensor.tensor_type.name
+    if name in KQUANT_TYPES and len(tensor.data.shape) == 2 and kquant_ops_available():
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        return kquant_dequantize(blocks, KQUANT_TYPES[name][0]).numpy()
     return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy:
     # the reader's arrays are read-only views of the mapped file

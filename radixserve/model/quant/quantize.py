@@ -48,6 +48,7 @@ from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
 from radixserve.model.quant.block_matmul import CPU_QUANT_KERNELS, block_kernels
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
+from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import (
     INT4_GROUP_SIZES,
     INT4_OUT_MULTIPLE,
@@ -292,7 +293,7 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
     dtype = load_config.quant_compute_dtype()
     deterministic = load_config.enable_deterministic_inference
     for module in model.modules():
-        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear, KQuantLinear)):
             if module.compute_dtype is None:  # block kernels: fp32; prefill's matmul in dtype
                 module.dense_dtype = dtype
             elif module.compute_dtype != dtype:

@@ -1,0 +1,101 @@
+"""GGUF K-quants (Q4_K, Q5_K, Q6_K) kept as the file stores them, on the C++ kernels of
+native/csrc/kquant_matmul.cpp (backend "blocks" only: torch has no kernel for them).
+
+A weight row is K / 256 super-blocks of 256 weights, the GGUF bytes as they are:
+
+    type  bytes / 256 weights  bits / weight  per 32 weights (one unit)
+    Q4_K  144                  4.5            6-bit scale and min: w = d*sc * q - dmin*m
+    Q5_K  176                  5.5            likewise, q with a fifth bit
+    Q6_K  210                  6.5625         int8 scale per 16: w = d*sc * (q - 32)
+
+Each unit is dequantized to fp32 once, exactly as the gguf package's numpy reference does,
+and multiplied into the activation rows with fp32 FMAs in a fixed order: the dequantized
+matmul up to fp32 summation order, each row's result the same whatever rows share the call.
+`KQuantLinear` is the layer; from `dequant_min_rows` rows on (a prefill chunk) it dequantizes
+(also in C++) and runs one dense matmul, like the other block layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from radixserve.model.quant.linear import QuantizedLinear
+
+SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
+# GGUF type name -> (ggml type id, bytes per super-block)
+KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+
+
+@functools.cache
+def load_kquant_ops() -> None:
+    """Loads the extension and tells torch.compile's tracer what the ops return."""
+    from radixserve.native.extension import load_cpu_ops
+
+    load_cpu_ops()
+
+    @torch.library.register_fake("radixserve_cpu::kquant_mm")
+    def _mm_fake(x, blocks, qtype):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("radixserve_cpu::kquant_dequantize")
+    def _dequantize_fake(blocks, qtype):
+        bytes_per_block = next(b for t, b in KQUANT_TYPES.values() if t == qtype)
+        k = blocks.shape[1] // bytes_per_block * SUPER_BLOCK
+        return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
+
+
+@functools.cache
+def kquant_ops_available() -> bool:
+    """True if the C++ extension (any SIMD level) loads here."""
+    from radixserve.native.extension import CpuExtensionUnavailable
+
+    try:
+        load_kquant_ops()
+    except CpuExtensionUnavailable:
+        return False
+    return True
+
+
+def kquant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """[M, K] fp32 / bf16 @ K-quant blocks.T -> [M, N] in x's dtype (fp32 arithmetic)."""
+    return torch.ops.radixserve_cpu.kquant_mm(x.contiguous(), blocks, qtype)
+
+
+def kquant_dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """[N, K / 256 * bytes] uint8 -> [N, K] fp32: the weights the kernel multiplies by."""
+    return torch.ops.radixserve_cpu.kquant_dequantize(blocks, qtype)
+
+
+class KQuantLinear(QuantizedLinear):
+    """One GGUF K-quant weight, [out, in / 256 * bytes] uint8 as stored, on the C++ kernels.
+    Computes in fp32 on fp32 or bf16 inputs (compute_dtype None, like the "blocks" layers)."""
+
+    backend = "blocks"
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, bias: torch.Tensor | None = None):
+        if type_name not in KQUANT_TYPES:
+            raise ValueError(f"KQuantLinear: {type_name} is not one of {', '.join(KQUANT_TYPES)}")
+        self.qtype, bytes_per_block = KQUANT_TYPES[type_name]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % bytes_per_block:
+            shape = f"[out, in / 256 * {bytes_per_block}]"
+            got = f"{tuple(blocks.shape)} {blocks.dtype}"
+            raise ValueError(f"KQuantLinear: {type_name} blocks must be {shape} uint8; got {got}")
+        in_features = blocks.shape[1] // bytes_per_block * SUPER_BLOCK
+        super().__init__(in_features, blocks.shape[0], bias)
+        self.type_name = type_name
+        self.register_buffer("blocks", blocks.contiguous())
+        load_kquant_ops()
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dequantizes(x):
+            return self._dense_matmul(x)
+        return kquant_matmul(x, self._buffers["blocks"], self.qtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        weight = kquant_dequantize(self._buffers["blocks"], self.qtype)
+        return weight if dtype in (None, torch.float32) else weight.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, type={self.type_name}"

@@ -1,0 +1,157 @@
+// GGUF K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights each), decoded 32 weights (one
+// "unit") at a time into fp32 SIMD vectors for kquant_matmul.cpp. Bytes of one super-block,
+// as llama.cpp's ggml-common.h lays them out:
+//
+//   Q4_K (144 B)  d f16 | dmin f16 | scales[12]: 8 x (6-bit sc, 6-bit m) | qs[128] nibbles
+//   Q5_K (176 B)  d f16 | dmin f16 | scales[12]                | qh[32] | qs[128] nibbles
+//   Q6_K (210 B)  ql[128] nibbles | qh[64] 2-bit pairs | scales[16] int8 | d f16
+//
+//   Q4_K / Q5_K unit u (0..7): w = (d * sc[u]) * q - (dmin * m[u]); q = nibble of
+//     qs[32 * (u / 2) + l] (low for even u, high for odd), l = 0..31; Q5_K adds bit u of
+//     qh[l] as q's fifth bit.
+//   Q6_K unit u = 4h + s (h = 0..1, s = 0..3): q = nibble s / 2 of ql[64h + 32(s % 2) + l]
+//     | bits 2s..2s+1 of qh[32h + l] << 4; w = (d * scales[2u + l / 16]) * (q - 32).
+//
+// Each weight is computed exactly as the gguf package's numpy dequantizer (the reference)
+// does: the scale and min products rounded to fp32, then one multiply and one subtraction,
+// never fused (`opaque` stops the compiler from contracting them into an FMA), so the
+// kernels multiply by the very weights `--quantization none` dequantizes to.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace radixserve_kquant {
+
+constexpr int64_t kSuper = 256;  // weights per super-block (GGUF's QK_K)
+constexpr int64_t kUnit = 32;    // weights decoded at a time
+constexpr int64_t kUnits = kSuper / kUnit;
+
+// The per-unit factors of one super-block: Q4_K / Q5_K fill scale[0..7] and min[0..7];
+// Q6_K fills scale[0..15] (one per 16 weights).
+struct SuperScales {
+  float scale[16];
+  float min[16];  // Q6_K: 32 * scale, so w = q * scale - min with q in 0..63 (one FMA, exact)
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// Q4_K / Q5_K: 8 pairs of 6-bit scale and min packed into 12 bytes (get_scale_min_k4),
+// unpacked four at a time in 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits) and the top
+// bits of scales 4-7, bytes 4-7 mins 0-3 and the top bits of mins 4-7, bytes 8-11 the low
+// nibbles of scales 4-7 and mins 4-7.
+// The 8 scale bytes and 8 min bytes of a Q4_K / Q5_K super-block, unpacked.
+inline void unpack_scales_k4(const uint8_t* block, uint8_t* scales, uint8_t* mins) {
+  uint32_t q[3], sc[2], mn[2];
+  std::memcpy(q, block + 4, sizeof(q));
+  sc[0] = q[0] & 0x3F3F3F3Fu;
+  mn[0] = q[1] & 0x3F3F3F3Fu;
+  sc[1] = (q[2] & 0x0F0F0F0Fu) | ((q[0] >> 6) & 0x03030303u) << 4;
+  mn[1] = ((q[2] >> 4) & 0x0F0F0F0Fu) | ((q[1] >> 6) & 0x03030303u) << 4;
+  std::memcpy(scales, sc, sizeof(sc));
+  std::memcpy(mins, mn, sizeof(mn));
+}
+
+// out[j] = d * bytes[j] for 8 bytes (each product rounded once, as the reference does).
+inline void scale_bytes8(const uint8_t* bytes, float d, float* out) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+  _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(d)));
+#else
+  for (int j = 0; j < 8; ++j) out[j] = d * static_cast<float>(bytes[j]);
+#endif
+}
+
+// The d and dmin at the front of a Q4_K / Q5_K super-block (AVX-512 converts fp16 in one
+// instruction; otherwise c10's bit manipulation).
+inline void halves2(const uint8_t* p, float& d, float& dmin) {
+#if defined(__AVX512F__)
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const __m128 both = _mm512_castps512_ps128(
+      _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(bits)))));
+  d = _mm_cvtss_f32(both);
+  dmin = _mm_cvtss_f32(_mm_movehdup_ps(both));
+#else
+  d = half_at(p);
+  dmin = half_at(p + 2);
+#endif
+}
+
+inline void scales_k4(const uint8_t* block, SuperScales& s) {
+  float d, dmin;
+  halves2(block, d, dmin);
+  uint8_t scales[8], mins[8];
+  unpack_scales_k4(block, scales, mins);
+  scale_bytes8(scales, d, s.scale);
+  scale_bytes8(mins, dmin, s.min);
+}
+
+inline void scales_q6(const uint8_t* block, SuperScales& s) {
+  const float d = half_at(block + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+#if defined(__AVX2__)
+  for (int half = 0; half < 2; ++half) {  // 8 int8 scales at a time, as the loop below
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * half));
+    const __m256 scale = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                                       _mm256_set1_ps(d));
+    _mm256_storeu_ps(s.scale + 8 * half, scale);
+    _mm256_storeu_ps(s.min + 8 * half, _mm256_mul_ps(scale, _mm256_set1_ps(32.f)));
+  }
+#else
+  for (int j = 0; j < 16; ++j) {
+    s.scale[j] = d * static_cast<float>(sc[j]);
+    s.min[j] = 32.f * s.scale[j];  // exact: a power of two
+  }
+#endif
+}
+
+// The 6-bit code (0..63) of element l of Q6_K unit u; the portable path and the tests' view.
+inline int code_q6(const uint8_t* block, int64_t u, int64_t l) {
+  const int64_t h = u / 4, s = u % 4;
+  const int low = block[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2)) & 0xF;
+  const int high = block[128 + 32 * h + l] >> (2 * s) & 3;
+  return low | (high << 4);
+}
+
+inline int code_k4(const uint8_t* qs, int64_t u, int64_t l) {
+  return qs[32 * (u / 2) + l] >> (4 * (u % 2)) & 0xF;
+}
+
+// A value the compiler must treat as unknown: keeps q * scale and - min two roundings
+// (GCC contracts a * b - c into an FMA where the target has one).
+inline float opaque(float v) {
+#if defined(__GNUC__)
+  __asm__("" : "+g"(v));
+#endif
+  return v;
+}
+
+// One unit's 32 weights as fp32, plainly: the portable path.
+inline void unit_q4_k(const uint8_t* block, int64_t u, const SuperScales& s, float* w) {
+  for (int64_t l = 0; l < kUnit; ++l)
+    w[l] = opaque(s.scale[u] * static_cast<float>(code_k4(block + 16, u, l))) - s.min[u];
+}
+inline void unit_q5_k(const uint8_t* block, int64_t u, const SuperScales& s, float* w) {
+  for (int64_t l = 0; l < kUnit; ++l) {
+    const int q = code_k4(block + 48, u, l) | ((block[16 + l] >> u & 1) << 4);
+    w[l] = opaque(s.scale[u] * static_cast<float>(q)) - s.min[u];
+  }
+}
+inline void unit_q6_k(const uint8_t* block, int64_t u, const SuperScales& s, float* w) {
+  for (int64_t l = 0; l < kUnit; ++l)
+    w[l] = s.scale[2 * u + l / 16] * static_cast<float>(code_q6(block, u, l) - 32);
+}
+
+}  // namespace radixserve_kquant

@@ -1,0 +1,252 @@
+// Small-M matmul over GGUF K-quant super-blocks (Q4_K, Q5_K, Q6_K), out = x @ W.T, with the
+// weights as the file stores them: [N, K / 256 * block_bytes] uint8, one row of super-blocks
+// per output row (kquant_blocks.h has the layouts). Same scheme as block_matmul.cpp: each
+// unit of 32 weights is dequantized to fp32 once (exactly the gguf package's values) and
+// multiplied into up to kTileRows activation rows with fp32 FMAs; unit u of a super-block
+// goes to accumulator set u % kChains, so a row's sums and their order do not depend on how
+// many rows share the call (row-invariant: --enable-deterministic-inference may use it).
+// AVX512 / AVX2 intrinsics by the build flags (plain loops otherwise); weight rows prefetched
+// ahead; activations past L1 taken tile by tile over chunks of weight rows; at::parallel_for
+// over output rows. `kquant_dequantize` writes the same fp32 weights out (prefill's dense
+// matmul, tests).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "common.h"
+#include "kquant_blocks.h"
+#include "kquant_simd.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace radixserve_kquant;
+using namespace radixserve_kquant::simd;
+using radixserve_cpu::row_f32;
+
+constexpr int64_t kTileRows = 4;       // activation rows sharing one dequantized unit
+constexpr int64_t kGrain = 16;         // output rows per parallel_for chunk, at least
+constexpr int64_t kPrefetchRows = 4;   // weight rows asked for ahead of the one in use
+constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
+constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
+// ggml's type ids (gguf.GGMLQuantizationType)
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
+
+
+// One format's view of its super-blocks: bytes, the per-super-block factors, a unit's weights.
+struct Q4K {
+  static constexpr int64_t kBytes = 144;
+  static void scales(const uint8_t* b, SuperScales& s) { scales_k4(b, s); }
+  static void unit(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
+    unit_q4k(b, u, s, w);
+  }
+};
+struct Q5K {
+  static constexpr int64_t kBytes = 176;
+  static void scales(const uint8_t* b, SuperScales& s) { scales_k4(b, s); }
+  static void unit(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
+    unit_q5k(b, u, s, w);
+  }
+};
+struct Q6K {
+  static constexpr int64_t kBytes = 210;
+  static void scales(const uint8_t* b, SuperScales& s) { scales_q6(b, s); }
+  static void unit(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
+    unit_q6k(b, u, s, w);
+  }
+};
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use (one core's hardware
+// prefetchers alone keep too few lines in flight to stream weights at the memory's speed).
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+// Makes the unit loop read each factor of `s` from memory (a broadcast load) rather than
+// shuffle it out of the register it was computed in: shuffles and register broadcasts take
+// the port the table lookups need.
+inline void from_memory(SuperScales& s) {
+#if defined(__GNUC__)
+  __asm__ volatile("" : : "r"(&s) : "memory");
+#endif
+}
+
+inline void fma_unit(Vec* acc, const Vec* w, const float* x) {
+  for (int64_t i = 0; i < kVecs; ++i) acc[i] = vfma(w[i], vload(x + i * kLanes), acc[i]);
+}
+
+// out[r, n] for R activation rows from x (fp32, row stride K) against weight row `row`.
+template <int64_t R, typename F>
+void dot_rows(const uint8_t* row, int64_t num_super, const float* x, int64_t K, float* out,
+              int64_t N) {
+  Vec acc[R][kChains][kVecs];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChains; ++c)
+      for (int64_t i = 0; i < kVecs; ++i) acc[r][c][i] = vzero();
+  SuperScales s;
+  Vec w[kVecs];
+  for (int64_t b = 0; b < num_super; ++b) {
+    const uint8_t* block = row + b * F::kBytes;
+    F::scales(block, s);
+    from_memory(s);
+    // Unrolled: the accumulator set u % kChains and the unit's shifts become constants
+    // (a runtime index would keep the accumulators in memory).
+#pragma GCC unroll 8
+    for (int64_t u = 0; u < kUnits; ++u) {
+      F::unit(block, u, s, w);
+      const float* xu = x + b * kSuper + u * kUnit;
+      for (int64_t r = 0; r < R; ++r) fma_unit(acc[r][u % kChains], w, xu + r * K);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    Vec total = acc[r][0][0];
+    for (int64_t c = 0; c < kChains; ++c)
+      for (int64_t i = c == 0 ? 1 : 0; i < kVecs; ++i) total = vadd(total, acc[r][c][i]);
+    out[r * N] = vsum(total);
+  }
+}
+
+// Every activation row against one weight row, in tiles of up to kTileRows rows.
+template <typename F>
+void dot_weight_row(const uint8_t* row, int64_t num_super, const float* x, int64_t M, int64_t K,
+                    float* out, int64_t N) {
+  int64_t r = 0;
+  for (; r + kTileRows <= M; r += kTileRows)
+    dot_rows<kTileRows, F>(row, num_super, x + r * K, K, out + r * N, N);
+  switch (M - r) {
+    case 3: dot_rows<3, F>(row, num_super, x + r * K, K, out + r * N, N); break;
+    case 2: dot_rows<2, F>(row, num_super, x + r * K, K, out + r * N, N); break;
+    case 1: dot_rows<1, F>(row, num_super, x + r * K, K, out + r * N, N); break;
+    default: break;
+  }
+}
+
+// Weight rows [n0, n1); past L1, weight rows go in chunks of kChunkRows and each tile of
+// activations passes over a whole chunk before the next tile (as block_matmul.cpp).
+template <typename F>
+void dot_range(const uint8_t* w, int64_t n0, int64_t n1, int64_t num_super, const float* x,
+               int64_t M, int64_t K, float* out, int64_t N) {
+  const int64_t row_bytes = num_super * F::kBytes;
+  if (M <= kTileRows || M * K * static_cast<int64_t>(sizeof(float)) <= kL1Bytes) {
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + kPrefetchRows < n1) prefetch(w + (n + kPrefetchRows) * row_bytes, row_bytes);
+      dot_weight_row<F>(w + n * row_bytes, num_super, x, M, K, out + n, N);
+    }
+    return;
+  }
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
+    const int64_t c1 = std::min(c0 + kChunkRows, n1);
+    for (int64_t r = 0; r < M; r += kTileRows) {
+      const int64_t rows = std::min(kTileRows, M - r);
+      for (int64_t n = c0; n < c1; ++n) {
+        if (r == 0 && n + kPrefetchRows < n1)
+          prefetch(w + (n + kPrefetchRows) * row_bytes, row_bytes);
+        dot_weight_row<F>(w + n * row_bytes, num_super, x + r * K, rows, K, out + r * N + n, N);
+      }
+    }
+  }
+}
+
+template <typename F>
+void dequantize_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t num_super, float* out) {
+  SuperScales s;
+  Vec v[kVecs];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < num_super; ++b) {
+      const uint8_t* block = w + (n * num_super + b) * F::kBytes;
+      F::scales(block, s);
+#pragma GCC unroll 8
+      for (int64_t u = 0; u < kUnits; ++u) {
+        F::unit(block, u, s, v);
+        float* o = out + (n * num_super + b) * kSuper + u * kUnit;
+        for (int64_t i = 0; i < kVecs; ++i) vstore(o + i * kLanes, v[i]);
+      }
+    }
+  }
+}
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4K: return Q4K::kBytes;
+    case kQ5K: return Q5K::kBytes;
+    case kQ6K: return Q6K::kBytes;
+    default:
+      TORCH_CHECK(false, "kquant: ggml type ", qtype, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  }
+}
+
+// Runs fn.template operator()<F>() for the format of ggml type `qtype`.
+template <typename Fn>
+void by_format(int64_t qtype, Fn&& fn) {
+  if (qtype == kQ4K) fn(Q4K{});
+  else if (qtype == kQ5K) fn(Q5K{});
+  else fn(Q6K{});
+}
+
+// The number of super-blocks per weight row, after checking `blocks` is [N, that * bytes].
+int64_t super_blocks_per_row(const at::Tensor& blocks, int64_t qtype, const char* op) {
+  const int64_t bytes = block_bytes(qtype);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) % bytes == 0,
+              op, ": blocks must be a contiguous uint8 [N, K / 256 * ", bytes, "] CPU tensor");
+  return blocks.size(1) / bytes;
+}
+
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_mm");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kquant_mm: x must be a contiguous float32 or bfloat16 [M, K] CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K == num_super * kSuper, "kquant_mm: x has K = ", K, ", the blocks ",
+              num_super * kSuper);
+  std::vector<float> scratch;
+  const float* xf = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
+  if (xf == nullptr) {
+    scratch.resize(x.numel());
+    xf = row_f32(x.data_ptr<c10::BFloat16>(), scratch.data(), x.numel());
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  by_format(qtype, [&](auto format) {
+    using F = decltype(format);
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+      dot_range<F>(w, n0, n1, num_super, xf, M, K, o, N);
+    });
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
+  const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_dequantize");
+  const int64_t N = blocks.size(0);
+  at::Tensor out = at::empty({N, num_super * kSuper}, blocks.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  by_format(qtype, [&](auto format) {
+    using F = decltype(format);
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+      dequantize_rows<F>(w, n0, n1, num_super, o);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("kquant_mm(Tensor x, Tensor blocks, int qtype) -> Tensor");
+  m.def("kquant_dequantize(Tensor blocks, int qtype) -> Tensor");
+  m.def("kquant_simd() -> str", [] { return std::string(kSimd); });
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("kquant_mm", &kquant_mm);
+  m.impl("kquant_dequantize", &kquant_dequantize);
+}
