@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ops = load_cpu_ops()
     rows = [int(m) for m in args.rows.split(",")]
     picked = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
-    machine = f"{describe_cpu()}; kernel build: {ops.kquant_simd()}; threads={args.threads}"
+    machine = f"{describe_cpu()}; kernel build: {ops.simd_level()}; threads={args.threads}"
     print(machine)
     print("us per call (GB/s of weight read)")
     header = f"{'layer':>6}{'K->N':>13}{'type':>6}{'M':>4}"

@@ -24,5 +24,5 @@ def test_writes_a_row_per_case_and_row_count(cpu_ops, tmp_path, capsys):
         ("Q6_K", 3),
     }
     assert all(r["torch_us"] > 0 and r["kquant_gb_s"] > 0 for r in record["rows"])
-    assert cpu_ops.kquant_simd() in record["machine"]
+    assert cpu_ops.simd_level() in record["machine"]
     assert record["machine"] in capsys.readouterr().out

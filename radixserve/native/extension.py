@@ -1,9 +1,9 @@
 """Builds radixserve's C++ CPU kernels (csrc/) on first use and loads them, cached per machine.
 
 One extension, one build: `torch.utils.cpp_extension` compiles every csrc/*.cpp once into
-<cache_root>/torch_extensions/<name>_<key>; the key hashes the sources (and common.h), where
-they lie, the torch version and the compiler flags. One source per kernel family; each has
-its Python wrapper beside its caller:
+<cache_root>/torch_extensions/<name>_<key>; the key hashes the sources and their headers
+(HEADERS), where they lie, the torch version and the compiler flags. One source per kernel
+family; each has its Python wrapper beside its caller (simd.h: the matmuls' shared vectors):
 
     paged_decode.cpp, paged_extend.cpp  attention                 attention/cpu_fused.py
     layer_ops.cpp                       a layer's fused small ops model/cpu_layer_ops.py
@@ -45,7 +45,7 @@ SOURCES = [
     CSRC / "dense_matmul.cpp",
     CSRC / "kquant_matmul.cpp",
 ]
-HEADERS = [CSRC / "common.h", CSRC / "kquant_blocks.h", CSRC / "kquant_simd.h"]
+HEADERS = [CSRC / "common.h", CSRC / "simd.h", CSRC / "kquant_blocks.h", CSRC / "kquant_simd.h"]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the
 # same instruction sets torch's own kernels of that level use. Other levels: portable code.

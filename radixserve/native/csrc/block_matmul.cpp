@@ -19,19 +19,17 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-using radixserve_cpu::row_f32;
+using namespace radixserve_cpu::simd;
+using radixserve_cpu::activations_f32;
 
 constexpr int64_t kBlock = 32;  // inputs per weight block (GGUF's QK4_0 / QK4_1 / QK8_0)
 constexpr int64_t kHalf = kBlock / 2;
@@ -41,19 +39,11 @@ constexpr int64_t kPrefetchRows = 4;  // weight rows asked for ahead of the one 
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
 
-// One SIMD level's view of a block: 32 fp32 weights as kVecs vectors of kLanes, and the
-// few operations the kernel needs. AVX512 and AVX2 use intrinsics; anything else plain
-// loops (correct, but slower than torch's kernels: `simd_level` says which was built).
+// One SIMD level's view of a block (simd.h's vectors): 32 fp32 weights as kVecs vectors of
+// kLanes and their dequantizers. AVX512 and AVX2 use intrinsics; anything else plain loops
+// (correct, but slower than torch's kernels: `simd_level` says which was built).
 #if defined(__AVX512F__)
-constexpr const char* kSimd = "avx512";
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
 constexpr int64_t kChains = 2;  // blocks alternate between accumulator sets (FMA latency)
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
 // The block's 16 possible weights q * d + m as a table (one FMA), then a lookup per lane
 // (vpermps reads the low 4 bits of each index: the low nibble without a mask): fewer
 // instructions than converting and scaling each code, the same fp32 values.
@@ -72,20 +62,7 @@ inline void dequant_int8(const int8_t* q, float d, Vec* w) {
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr const char* kSimd = "avx2";
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
 constexpr int64_t kChains = 1;  // four vectors a block already make four FMA chains
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline __m256i widen_u8(const uint8_t* q) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
 }
@@ -106,23 +83,7 @@ inline void dequant_int8(const int8_t* q, float d, Vec* w) {
   }
 }
 #else
-constexpr const char* kSimd = "portable";
-struct Vec {
-  float v[4];
-};
-constexpr int64_t kLanes = 4;
 constexpr int64_t kChains = 1;
-inline Vec vzero() { return Vec{}; }
-inline Vec vload(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int64_t j = 0; j < kLanes; ++j) c.v[j] += a.v[j] * b.v[j];
-  return c;
-}
-inline Vec vadd(Vec a, Vec b) {
-  for (int64_t j = 0; j < kLanes; ++j) a.v[j] += b.v[j];
-  return a;
-}
-inline float vsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
 inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
   for (int64_t j = 0; j < kHalf; ++j) {
     w[j / kLanes].v[j % kLanes] = static_cast<float>(q[j] & 0x0F) * d + m;
@@ -241,13 +202,6 @@ void dot_range(const Weights& weights, int64_t n0, int64_t n1, int64_t num_block
       }
     }
   }
-}
-
-// x as contiguous fp32 [M, K]: an fp32 input as it is, bf16 widened into `scratch`.
-const float* activations_f32(const at::Tensor& x, std::vector<float>& scratch) {
-  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
-  scratch.resize(x.numel());
-  return row_f32(x.data_ptr<c10::BFloat16>(), scratch.data(), x.numel());
 }
 
 void check_activations(const at::Tensor& x, const char* op) {

@@ -1,5 +1,6 @@
-// Helpers shared by the CPU kernels (paged_decode.cpp, paged_extend.cpp, layer_ops.cpp): plain
-// loops that -O3 and `omp simd` vectorize for whatever SIMD width the build flags allow.
+// Helpers shared by the CPU kernels (attention, layer ops, the matmuls; simd.h holds the
+// matmuls' vectors): plain loops that -O3 and `omp simd` vectorize for whatever SIMD width
+// the build flags allow.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace radixserve_cpu {
 
@@ -26,6 +28,14 @@ inline const float* row_f32(const c10::BFloat16* src, float* scratch, int64_t di
     scratch[d] = f;
   }
   return scratch;
+}
+
+// x as contiguous fp32 [M, K] (the matmuls' activations): an fp32 input as it is, bf16
+// widened into `scratch`.
+inline const float* activations_f32(const at::Tensor& x, std::vector<float>& scratch) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  scratch.resize(x.numel());
+  return row_f32(x.data_ptr<c10::BFloat16>(), scratch.data(), x.numel());
 }
 
 inline void axpy(float* y, float a, const float* x, int64_t dim) {

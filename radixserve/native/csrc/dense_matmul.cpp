@@ -22,74 +22,42 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "simd.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <string>
 #include <vector>
-
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-using radixserve_cpu::row_f32;
+using namespace radixserve_cpu::simd;
+using radixserve_cpu::activations_f32;
+using radixserve_cpu::simd::vload;  // beside the bf16 overload below
 
 constexpr int64_t kPanel = 16;   // output features per packed panel
 constexpr int64_t kGroup = 64;   // output features per parallel work item (4 panels)
 constexpr int64_t kKBlock = 512; // inputs per K block (a group's block: 128 KiB of fp32)
 constexpr int64_t kTileRows = 4; // activation rows per micro-kernel call
 
-// One SIMD level: a vector of kLanes fp32, loads of fp32 / bf16 weights, one FMA.
+// simd.h's vectors, plus a load of kLanes bf16 weights widened exactly to fp32, and how many
+// passes over a 64-column group the level's registers need.
 #if defined(__AVX512F__)
-constexpr const char* kSimd = "avx512";
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
-constexpr int64_t kHalves = 1;  // passes over a group (registers hold all 64 columns)
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset1(float a) { return _mm512_set1_ps(a); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+constexpr int64_t kHalves = 1;  // registers hold all 64 columns
 inline Vec vload(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr const char* kSimd = "avx2";
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
 constexpr int64_t kHalves = 2;  // 16 ymm registers: 32 columns at a time
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset1(float a) { return _mm256_set1_ps(a); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #else
-constexpr const char* kSimd = "portable";
-struct Vec {
-  float v[4];
-};
-constexpr int64_t kLanes = 4;
 constexpr int64_t kHalves = 1;
-inline Vec vzero() { return Vec{}; }
-inline Vec vset1(float a) { return Vec{{a, a, a, a}}; }
-inline Vec vload(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
 inline Vec vload(const c10::BFloat16* p) {
   Vec r;
   for (int64_t j = 0; j < kLanes; ++j) r.v[j] = static_cast<float>(p[j]);
   return r;
-}
-inline void vstore(float* p, Vec a) { std::memcpy(p, a.v, sizeof(a.v)); }
-inline Vec vfma(Vec a, Vec b, Vec c) {  // one rounding per element, as the FMA instructions
-  for (int64_t j = 0; j < kLanes; ++j) c.v[j] = std::fma(a.v[j], b.v[j], c.v[j]);
-  return c;
 }
 #endif
 constexpr int64_t kCols = kGroup / kHalves;       // columns one micro-kernel call holds
@@ -151,12 +119,6 @@ void run_groups(const float* x, int64_t M, int64_t K, const W* packed, int64_t n
   });
 }
 
-const float* activations_f32(const at::Tensor& x, std::vector<float>& scratch) {
-  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
-  scratch.resize(x.numel());
-  return row_f32(x.data_ptr<c10::BFloat16>(), scratch.data(), x.numel());
-}
-
 // x [M, K] fp32 / bf16 @ W.T with W packed as [Np / 16, K, 16] fp32 / bf16 -> [M, N] fp32.
 at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "dense_mm runs on CPU tensors");
@@ -190,7 +152,6 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("dense_mm(Tensor x, Tensor packed, int n) -> Tensor");
-  m.def("dense_mm_simd() -> str", [] { return std::string(kSimd); });
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("dense_mm", &dense_mm); }

@@ -20,14 +20,13 @@
 #include "kquant_simd.h"
 
 #include <algorithm>
-#include <string>
 #include <vector>
 
 namespace {
 
 using namespace radixserve_kquant;
 using namespace radixserve_kquant::simd;
-using radixserve_cpu::row_f32;
+using radixserve_cpu::activations_f32;
 
 constexpr int64_t kTileRows = 4;       // activation rows sharing one dequantized unit
 constexpr int64_t kGrain = 16;         // output rows per parallel_for chunk, at least
@@ -206,11 +205,7 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   TORCH_CHECK(K == num_super * kSuper, "kquant_mm: x has K = ", K, ", the blocks ",
               num_super * kSuper);
   std::vector<float> scratch;
-  const float* xf = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
-  if (xf == nullptr) {
-    scratch.resize(x.numel());
-    xf = row_f32(x.data_ptr<c10::BFloat16>(), scratch.data(), x.numel());
-  }
+  const float* xf = activations_f32(x, scratch);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
@@ -243,7 +238,6 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("kquant_mm(Tensor x, Tensor blocks, int qtype) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int qtype) -> Tensor");
-  m.def("kquant_simd() -> str", [] { return std::string(kSimd); });
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {

@@ -1,27 +1,18 @@
-// One SIMD level's view of K-quant units for kquant_matmul.cpp: 32 fp32 weights as kVecs
-// vectors of kLanes, the few vector operations the matmul needs, and each format's unit
-// decoder (kquant_blocks.h has the layouts and the plain reference decoders). AVX512 and AVX2
-// by intrinsics, chosen by the build flags; anything else the plain loops (correct, slower:
-// `kquant_simd()` says which was built).
+// One SIMD level's view of K-quant units for kquant_matmul.cpp: 32 fp32 weights as kVecs of
+// simd.h's vectors, and each format's unit decoder (kquant_blocks.h has the layouts and the
+// plain reference decoders). AVX512 and AVX2 by intrinsics, chosen by the build flags;
+// anything else the plain loops (correct, slower: `simd_level()` says which was built).
 #pragma once
 
 #include "kquant_blocks.h"
-
-#include <cstring>
+#include "simd.h"
 
 namespace radixserve_kquant::simd {
 
+using namespace radixserve_cpu::simd;
+
 #if defined(__AVX512F__)
-constexpr const char* kSimd = "avx512";
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
 constexpr int64_t kChains = 2;  // units alternate between accumulator sets (FMA latency)
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
 inline Vec vopaque(Vec v) { __asm__("" : "+v"(v)); return v; }
 inline __m512i widen(const uint8_t* p) {  // 16 bytes -> 16 int32
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -77,21 +68,7 @@ inline void unit_q6k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) 
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr const char* kSimd = "avx2";
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
 constexpr int64_t kChains = 1;  // four vectors a unit already make four FMA chains
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline Vec vopaque(Vec v) { __asm__("" : "+x"(v)); return v; }
 inline __m256i widen(const uint8_t* p) {  // 8 bytes -> 8 int32
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -141,24 +118,7 @@ inline void unit_q6k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) 
   }
 }
 #else
-constexpr const char* kSimd = "portable";
-struct Vec {
-  float v[4];
-};
-constexpr int64_t kLanes = 4;
 constexpr int64_t kChains = 1;
-inline Vec vzero() { return Vec{}; }
-inline Vec vload(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
-inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int64_t j = 0; j < kLanes; ++j) c.v[j] += a.v[j] * b.v[j];
-  return c;
-}
-inline Vec vadd(Vec a, Vec b) {
-  for (int64_t j = 0; j < kLanes; ++j) a.v[j] += b.v[j];
-  return a;
-}
-inline float vsum(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
 inline void unit_q4k(const uint8_t* b, int64_t u, const SuperScales& s, Vec* w) {
   unit_q4_k(b, u, s, reinterpret_cast<float*>(w));  // kVecs plain Vecs: the unit's 32 floats
 }
