@@ -40,7 +40,12 @@ from radixserve.engine.request import Req
 from radixserve.sampling.params import SamplingParams
 
 MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "_weight_int4pack_mm", "_weight_int8")
-BLOCK_MATMUL_OPS = ("radixserve_cpu::int4_block_mm", "radixserve_cpu::int8_block_mm")
+BLOCK_MATMUL_OPS = (  # our C++ matmuls (GGUF blocks, K-quants, the packed dense kernel)
+    "radixserve_cpu::int4_block_mm",
+    "radixserve_cpu::int8_block_mm",
+    "radixserve_cpu::kquant_mm",
+    "radixserve_cpu::dense_mm",
+)
 ATTENTION_OPS = ("radixserve_cpu::paged_", "scaled_dot_product", "_flash_attention")
 
 
@@ -61,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-quant-kernels",
         default="auto",
         help="comma-separated --cpu-quant-kernel values run side by side (e.g. torch,auto)",
+    )
+    p.add_argument(
+        "--cpu-dense-kernels",
+        default="auto",
+        help="comma-separated --cpu-dense-kernel values run side by side (e.g. torch,packed)",
     )
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
     return p.parse_args(argv)
@@ -97,9 +107,15 @@ class Timers:
         return statistics.median(self.seconds.get(name, [0.0])) * 1e3
 
 
-def build_core(args: argparse.Namespace, batch: int, compiled: bool, kernel: str) -> EngineCore:
+def build_core(
+    args: argparse.Namespace, batch: int, compiled: bool, kernel: str, dense: str
+) -> EngineCore:
     load = LoadConfig(
-        model=args.model, quantization=args.quantization, device="cpu", cpu_quant_kernel=kernel
+        model=args.model,
+        quantization=args.quantization,
+        device="cpu",
+        cpu_quant_kernel=kernel,
+        cpu_dense_kernel=dense,
     )
     tokens = batch * (args.context + 4 * args.steps + 64) + 1024
     cache = CacheConfig(
@@ -201,16 +217,17 @@ def main(argv: list[str] | None = None) -> None:
     print("ms per decode step")
     choices = {"off": [False], "on": [True], "both": [False, True]}
     runs = [
-        (c, f, k)
+        (c, f, k, d)
         for c in choices[args.torch_compile]
         for f in choices[args.layer_ops]
         for k in args.cpu_quant_kernels.split(",")
+        for d in args.cpu_dense_kernels.split(",")
     ]
-    header = f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}"
+    header = f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}"
     print(header + "".join(f"{c:>16}" for c in COLUMNS))
     for batch in [int(b) for b in args.batches.split(",")]:
-        for compiled, layer_ops, kernel in runs:
-            core = build_core(args, batch, compiled, kernel)
+        for compiled, layer_ops, kernel, dense in runs:
+            core = build_core(args, batch, compiled, kernel, dense)
             if not layer_ops:
                 core.runner.model.use_cpu_layer_ops(None)
             add_requests(core, batch, args)
@@ -220,11 +237,13 @@ def main(argv: list[str] | None = None) -> None:
                 prof = profiled_pass(core, args.steps)
             row = {"batch": batch, "compiled": compiled, "layer_ops": layer_ops}
             row["cpu_quant_kernel"] = kernel
+            row["cpu_dense_kernel"] = dense
             row |= breakdown(plain, prof)
             row["compile_s"] = compile_seconds(core)
             rows.append(row)
             cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-            print(f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{cells}", flush=True)
+            prefix = f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{dense:>7}"
+            print(prefix + cells, flush=True)
             core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}

@@ -44,6 +44,11 @@ class LoadConfig:
     """gguf on CPU: auto (the C++ block kernels where they build with AVX2 / AVX512: the
     Q4_0 / Q4_1 / Q8_0 projections as fp32 matmuls over GGUF-style blocks, and a quantized LM
     head kept as its blocks, not a dense fp copy; else torch's int kernels) | blocks | torch."""
+    cpu_dense_kernel: str = "auto"
+    """fp projections and LM head on CPU: auto (our packed C++ dense matmul where a one-off
+    measurement, cached per machine, finds it clearly faster than torch's BLAS at one row and
+    no slower at a prefill chunk, as on AMD EPYC; else torch's) | packed | torch. A tied head
+    then gets a packed copy beside the embedding."""
     enable_deterministic_inference: bool = False
     """Batch-invariant inference on CPU (SGLang's flag): by default greedy output can depend
     on batch composition, cache hits and speculation on/off (a verify's rows round

@@ -47,6 +47,7 @@ from radixserve.model.quant import QuantizationError
 from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
 from radixserve.model.quant.block_matmul import CPU_QUANT_KERNELS, block_kernels
+from radixserve.model.quant.dense_choice import check_cpu_dense_kernel, use_packed_dense
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import (
@@ -132,6 +133,10 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
         raise QuantizationError(
             f"--cpu-quant-kernel must be one of {allowed}; got {load_config.cpu_quant_kernel!r}"
         )
+    try:
+        check_cpu_dense_kernel(load_config.cpu_dense_kernel)
+    except ValueError as exc:
+        raise QuantizationError(str(exc)) from None
     device = load_config.torch_device()
     if device.type == "cpu" and method in INT_KERNEL_METHODS and not _on_block_kernels(load_config):
         _warn_if_slow_dtype(method, load_config.quant_compute_dtype())
@@ -289,7 +294,8 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
     on any input: only their prefill matmul runs in it), and with
     --enable-deterministic-inference it stays on its row-wise kernel for every batch; on CPU
     the fp layers left (the LM head, unquantized projections) then become
-    BatchInvariantLinear."""
+    BatchInvariantLinear, as they do without it where `--cpu-dense-kernel` picks our kernel
+    (dense_choice.py)."""
     dtype = load_config.quant_compute_dtype()
     deterministic = load_config.enable_deterministic_inference
     for module in model.modules():
@@ -300,8 +306,13 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
                 module.set_compute_dtype(dtype)
             if deterministic:
                 module.dequant_min_rows = None
-    if deterministic and load_config.torch_device().type == "cpu":
-        make_fp_layers_batch_invariant(model)
+    if load_config.torch_device().type != "cpu":
+        return
+    kernel = load_config.cpu_dense_kernel
+    if deterministic or use_packed_dense(model, kernel, load_config.torch_dtype()):
+        swapped = make_fp_layers_batch_invariant(model)
+        if not deterministic:
+            logger.info("--cpu-dense-kernel %s: %d fp layers on the packed kernel", kernel, swapped)
 
 
 def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
