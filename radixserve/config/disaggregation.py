@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,16 @@ if TYPE_CHECKING:
 DISAGGREGATION_MODES = ("null", "prefill", "decode")  # SGLang's --disaggregation-mode
 TRANSFER_BACKENDS = ("tcp", "fake")
 SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (an address, or "localhost") names this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -27,10 +38,19 @@ class DisaggregationConfig:
     worker i serves on this port + i (0 refused: the router must be told each port)."""
     disaggregation_bootstrap_host: str = "127.0.0.1"
     """prefill: the address the bootstrap port binds; loopback unless told otherwise (as
-    --host): decode workers on other machines need a reachable one."""
+    --host): decode workers on other machines need a reachable one, and then a
+    --disaggregation-secret-file."""
     disaggregation_transfer_backend: str = "tcp"
-    """tcp (pages over TCP, CRC32-checked) | fake (moves nothing: the decode worker computes
+    """tcp (pages over TCP, each MACed) | fake (moves nothing: the decode worker computes
     the prompt itself; warm-up and tests)."""
+    disaggregation_secret_file: str | None = None
+    """A file (mode 0600, >= 16 bytes) holding the secret shared by a fleet's prefill and
+    decode workers: both sides of every KV transfer prove they hold it and every page is
+    MACed with it. Without it a prefill worker binds loopback only and a decode worker fetches
+    from loopback peers only. `fleet` makes one per fleet."""
+    disaggregation_room_budget_mb: int = 0
+    """prefill: MiB of published KV pages waiting for their decode workers at most (the
+    oldest rooms are dropped to fit); 0: the KV pool's size, at most 4096."""
     disaggregation_transfer_timeout: float = 30.0
     """Seconds a decode worker waits for a room's KV pages (and a prefill worker keeps a
     request for them waiting) before the request fails with an error naming the room."""
@@ -62,6 +82,11 @@ class DisaggregationConfig:
                 "--disaggregation-transfer-timeout must be > 0; "
                 f"got {self.disaggregation_transfer_timeout}"
             )
+        if self.disaggregation_room_budget_mb < 0:
+            raise ValueError(
+                "--disaggregation-room-budget-mb must be >= 0; "
+                f"got {self.disaggregation_room_budget_mb}"
+            )
         if self.mode is not None:
             self._verify_combination(scheduler, tp_size)
 
@@ -70,5 +95,12 @@ class DisaggregationConfig:
         if self.mode == "decode" and scheduler.disable_radix_cache:
             message = "inserts the received KV into the radix tree: drop --disable-radix-cache"
             raise ValueError(f"{mode} {message}")
+        host = self.disaggregation_bootstrap_host
+        if self.mode == "prefill" and not self.disaggregation_secret_file:
+            if not is_loopback_host(host):
+                raise ValueError(
+                    f"{mode} --disaggregation-bootstrap-host {host} serves KV beyond loopback: "
+                    "give every prefill and decode worker --disaggregation-secret-file"
+                )
         if tp_size > 1:
             raise ValueError(f"{mode} moves whole KV pages of one rank: use --tp-size 1")

@@ -13,24 +13,40 @@ page_size tokens, at least the last token) itself, as any cache hit does.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.config import DisaggregationConfig
+from radixserve.disagg.auth import load_secret
 from radixserve.disagg.kv_pages import page_nbytes, read_page, write_page
-from radixserve.disagg.transfer import FakeKVTransfer, KVTransfer, KVTransferError, TcpKVTransfer
+from radixserve.disagg.transfer import (
+    DEFAULT_ROOM_BUDGET_BYTES,
+    FakeKVTransfer,
+    FetchCancel,
+    FetchRequest,
+    KVTransfer,
+    KVTransferError,
+    TcpKVTransfer,
+)
 
 MAX_CONCURRENT_FETCHES = 16
 """Fetch threads of a decode worker: rooms pulled at once (more wait their turn)."""
 
 
-def create_transfer(config: DisaggregationConfig) -> KVTransfer:
-    """The configured backend; a tcp prefill worker listens on its bootstrap port."""
+def create_transfer(config: DisaggregationConfig, pool: KVPool) -> KVTransfer:
+    """The configured backend; a tcp prefill worker listens on its bootstrap port. Raises
+    ValueError naming the flag for an unusable secret file or port."""
     if config.disaggregation_transfer_backend == "fake":
         return FakeKVTransfer()
-    transfer = TcpKVTransfer(wait_timeout_s=config.disaggregation_transfer_timeout)
+    path = config.disaggregation_secret_file
+    transfer = TcpKVTransfer(
+        wait_timeout_s=config.disaggregation_transfer_timeout,
+        secret=load_secret(path) if path else None,
+        room_budget_bytes=room_budget_bytes(config, pool),
+    )
     if config.mode == "prefill":
         host, port = config.disaggregation_bootstrap_host, config.disaggregation_bootstrap_port
         try:
@@ -42,6 +58,19 @@ def create_transfer(config: DisaggregationConfig) -> KVTransfer:
     return transfer
 
 
+def room_budget_bytes(config: DisaggregationConfig, pool: KVPool) -> int:
+    """--disaggregation-room-budget-mb in bytes; 0: the pool's pages' bytes, capped."""
+    if config.disaggregation_room_budget_mb:
+        return config.disaggregation_room_budget_mb << 20
+    return min(pool.shape.num_pages * page_nbytes(pool), DEFAULT_ROOM_BUDGET_BYTES)
+
+
+def page_tokens(token_ids: Sequence[int], page_size: int) -> list[Sequence[int]]:
+    """The token ids of each whole page of `token_ids`."""
+    num_pages = len(token_ids) // page_size
+    return [token_ids[i * page_size : (i + 1) * page_size] for i in range(num_pages)]
+
+
 class PrefillSender:
     """Publishes a computed prompt's whole KV pages under its bootstrap room."""
 
@@ -49,12 +78,14 @@ class PrefillSender:
         self.transfer = transfer
         self.pool = pool
 
-    def send(self, room: int, num_tokens: int, page_table: Sequence[int]) -> list[bytes]:
-        """Copies out the pages of the first `num_tokens` tokens' whole pages and publishes
-        them; returns them (for counting)."""
-        num_pages = num_tokens // self.pool.page_size
-        pages = [read_page(self.pool, page) for page in page_table[:num_pages]]
-        self.transfer.publish(room, pages)
+    def send(
+        self, room: int, token_ids: Sequence[int], num_tokens: int, page_table: Sequence[int]
+    ) -> list[bytes]:
+        """Copies out the whole pages of the first `num_tokens` of `token_ids` (the prompt)
+        and publishes them; returns them (for counting)."""
+        tokens = page_tokens(token_ids[:num_tokens], self.pool.page_size)
+        pages = [read_page(self.pool, page) for page in page_table[: len(tokens)]]
+        self.transfer.publish(room, tokens, pages)
         return pages
 
 
@@ -69,13 +100,33 @@ class DecodeReceiver:
         self.timeout_s = timeout_s
         self._nbytes = page_nbytes(pool)
         self._threads = ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, thread_name_prefix="kv-fetch")
+        self._cancels: dict[Future, FetchCancel] = {}  # fetches not done yet
+        self._lock = threading.Lock()
 
-    def fetch(self, host: str, port: int, room: int) -> Future:
-        """Starts pulling room `room`; the future's result is its pages (None: nothing moved,
-        the fake backend), or it raises KVTransferError naming the room."""
-        return self._threads.submit(
-            self.transfer.fetch, host, port, room, self._nbytes, self.timeout_s
-        )
+    def fetch(self, host: str, port: int, room: int, token_ids: Sequence[int]) -> Future:
+        """Starts pulling room `room`, whose pages must hold the whole pages of `token_ids`
+        (the prompt); the future's result is its pages (None: nothing moved, the fake
+        backend), or it raises KVTransferError naming the room."""
+        tokens = page_tokens(token_ids, self.pool.page_size)
+        req = FetchRequest(host, port, room, tokens, self._nbytes)
+        cancel = FetchCancel()
+        future = self._threads.submit(self.transfer.fetch, req, self.timeout_s, cancel)
+        with self._lock:
+            self._cancels[future] = cancel
+        future.add_done_callback(self._forget)
+        return future
+
+    def cancel(self, future: Future) -> None:
+        """Abandons a fetch (its request was aborted): its connection closes, and the prefill
+        worker drops the room (told so when the fetch had not started)."""
+        with self._lock:
+            cancel = self._cancels.get(future)
+        if cancel is not None:
+            cancel.cancel()
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._cancels.pop(future, None)
 
     def store(
         self, room: int, token_ids: Sequence[int], pages: list[bytes], namespace: str | None
@@ -102,5 +153,9 @@ class DecodeReceiver:
         return num_tokens
 
     def close(self) -> None:
+        with self._lock:
+            cancels = list(self._cancels.values())
+        for cancel in cancels:
+            cancel.cancel()
         self._threads.shutdown(wait=False, cancel_futures=True)
         self.transfer.close()

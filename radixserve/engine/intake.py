@@ -102,16 +102,19 @@ class Intake:
 
     def collect_received(self, waiting: list[Req], outputs: list[Req]) -> bool:
         """Queues the requests whose KV arrived (stored into the pool and tree first); ends
-        those whose transfer failed, with the error naming their room."""
+        those whose transfer failed, with one message naming only their room (whether a port
+        is open or a peer lied is no business of the client's)."""
         done = [r for r in self.receiving if r.kv_future.done()]
         for req in done:
             self.receiving.remove(req)
             try:
                 self._handoff.receive(req)
-            except Exception as exc:
-                logger.warning("KV transfer of %s failed: %s", req.rid, exc)
+            except Exception as exc:  # the detail stays in the log: it may describe the network
+                room, peer = req.bootstrap.room, f"{req.bootstrap.host}:{req.bootstrap.port}"
+                logger.warning("KV transfer of %s from %s failed: %s", req.rid, peer, exc)
                 self._stats.kv_transfer_failures += 1
-                req.finish(FinishReason.abort(f"KV transfer failed: {exc}", status_code=500))
+                message = f"KV transfer for bootstrap_room {room} failed"
+                req.finish(FinishReason.abort(message, status_code=500))
                 outputs.append(req)
                 continue
             self._enqueue(req, waiting)

@@ -35,7 +35,7 @@ class KVHandoff:
         self.mode = config.mode
         self.pages = pages
         self.stats = stats
-        transfer = create_transfer(config)
+        transfer = create_transfer(config, pages.pool)
         self.sender = None
         if self.mode == "prefill" and transfer.moves_pages:
             self.sender = PrefillSender(transfer, pages.pool)
@@ -69,7 +69,7 @@ class KVHandoff:
         if req.bootstrap is None:
             return False
         b = req.bootstrap
-        req.kv_future = self.receiver.fetch(b.host, b.port, b.room)
+        req.kv_future = self.receiver.fetch(b.host, b.port, b.room, req.input_ids)
         req.kv_future.add_done_callback(lambda _: self.wake())  # no polling delay on arrival
         return True
 
@@ -94,13 +94,20 @@ class KVHandoff:
         if self.sender is None or req.bootstrap is None or req.finish_reason.is_abort:
             return
         prompt_len = min(len(req.input_ids), req.num_computed)
-        pages = self.sender.send(req.bootstrap.room, prompt_len, req.page_table)
+        pages = self.sender.send(req.bootstrap.room, req.input_ids, prompt_len, req.page_table)
         self.stats.kv_pages_sent += len(pages)
         self.stats.kv_bytes_sent += sum(len(p) for p in pages)
 
     def report_aborted(self, reqs: list[Req]) -> None:
         """Prefill: tells the decode side at once that an aborted request's room will never
-        get its pages (instead of letting it wait out its timeout)."""
+        get its pages (instead of letting it wait out its timeout). Decode: abandons an
+        aborted request's fetch, so that the prefill side drops its room."""
+        if self.receiver is not None:
+            for req in reqs:
+                if req.kv_future is not None and req.finished and req.finish_reason.is_abort:
+                    self.receiver.cancel(req.kv_future)
+                    req.kv_future = None
+            return
         if self.sender is None:
             return
         for req in reqs:

@@ -21,13 +21,17 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +49,7 @@ from radixserve.config import (
     ServerConfig,
     split_engine_kwargs,
 )
+from radixserve.disagg.auth import write_secret_file
 from radixserve.fleet.router import PDWorkers, require_router, router_command
 
 logger = logging.getLogger(__name__)
@@ -192,15 +197,37 @@ def thread_env(num_threads: int) -> dict[str, str]:
 def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]) -> int:
     """Runs the fleet until SIGTERM / SIGINT (0) or until it cannot serve any more (1)."""
     require_router()
-    workers, router = fleet_children(config, server, engine_args)
-    stop = install_stop_signals()
+    with pd_secret_file(config, engine_args) as engine_args:
+        workers, router = fleet_children(config, server, engine_args)
+        stop = install_stop_signals()
+        try:
+            if not start_all(workers, router, config, stop):
+                return 0 if stop.is_set() else 1
+            print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
+            return supervise(workers, router, stop)
+        finally:
+            stop_all([router, *workers])
+
+
+@contextmanager
+def pd_secret_file(config: FleetConfig, engine_args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A PD fleet's engine arguments with the secret its KV transfers share: the given
+    --disaggregation-secret-file, or a fresh one (mode 0600) in a new 0700 run directory
+    (under $XDG_RUNTIME_DIR if set, else the system's temp folder; never the cwd), removed
+    with it when the fleet exits."""
+    if not config.pd_disaggregation or engine_args.get("disaggregation_secret_file"):
+        yield engine_args
+        return
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = tempfile.mkdtemp(
+        prefix="radixserve-fleet-", dir=runtime if runtime and os.path.isdir(runtime) else None
+    )
     try:
-        if not start_all(workers, router, config, stop):
-            return 0 if stop.is_set() else 1
-        print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
-        return supervise(workers, router, stop)
+        path = os.path.join(folder, "disaggregation-secret")
+        write_secret_file(path)
+        yield engine_args | {"disaggregation_secret_file": path}
     finally:
-        stop_all([router, *workers])
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def fleet_children(
