@@ -8,10 +8,11 @@ import errno
 import json
 import logging
 import os
+import resource
+import signal
 import stat
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from test_hiradix_cache import LAYOUT, SEQ_A, SEQ_B, _cache, _computed, _load, _saved
@@ -121,16 +122,17 @@ def test_the_tier_file_is_owner_only_and_allocated_up_front(tmp_path):
 
 
 def test_a_tier_file_the_disk_cannot_hold_is_refused_at_start(tmp_path):
-    code = textwrap.dedent(f"""
-        import resource, signal
-        from radixserve.cache.host_tier import HostTier, TierLayout
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
-        HostTier(TierLayout(2, 4, 2, 8, "float32"), 64, {str(tmp_path)!r})
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1
-    assert "ValueError: --hicache-dir" in out.stderr and "cannot allocate" in out.stderr
+    """A file-size limit below the tier file's size, for the instant of the allocation."""
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a kill
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, previous_limit[1]))
+    try:
+        with pytest.raises(ValueError, match="--hicache-dir .*cannot allocate the 65536-byte"):
+            HostTier(LAYOUT, 64, str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    HostTier(LAYOUT, 64, str(tmp_path)).close()  # the lock was released
 
 
 def _index_with(tmp_path, mutate) -> None:

@@ -170,9 +170,10 @@ def _check_shapes(entries: list[TierEntry], num_slots: int, page_size: int) -> N
             raise ValueError(f"entry {i} has a bad parent or key")
         if len(e.slots) != num_pages or len(e.crcs) != num_pages:
             raise ValueError(f"entry {i} has {len(e.slots)} slots for {num_pages} pages")
-        if any(not 0 <= s < num_slots or s in seen for s in e.slots):
-            raise ValueError(f"entry {i} names a slot out of range or used twice")
-        seen.update(e.slots)
+        for s in e.slots:
+            if not 0 <= s < num_slots or s in seen:
+                raise ValueError(f"entry {i} names a slot out of range or used twice")
+            seen.add(s)
 
 
 def _verified(entries: list[TierEntry], tier: HostTier) -> list[TierEntry]:
