@@ -26,6 +26,25 @@ def listening_addresses(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (a server, its core process, their children)."""
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:  # exited
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    stack.extend(int(child) for child in f.read().split())
+            except OSError:
+                continue
+    return found
+
+
 def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     mapped = getattr(ip, "ipv4_mapped", None)

@@ -1,12 +1,14 @@
-"""KV events' trust boundary: the default socket binds loopback (never every interface), `bind`
-binds what it names, `include_token_ids: false` sends hashes only, and replays are
-rate-limited."""
+"""KV events' trust boundary and bounds: the default socket binds loopback (never every
+interface), `bind` binds what it names, `include_token_ids: false` sends hashes only,
+replays are rate-limited, the queue drops rather than blocks; the config's errors and the
+fleet's per-worker sockets."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -16,11 +18,19 @@ from test_kv_events import DECODER, tree_prefixes
 from test_radix_cache import insert_fresh
 
 from conftest import greedy, make_engine, prompt_ids
-from radixserve.cache.kv_events import BlockStored, KVEventSink, chain_hashes
+from radixserve.cache.kv_events import AllBlocksCleared, BlockStored, KVEventSink, chain_hashes
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.config import CacheConfig, KVEventsConfig
+from radixserve.config import (
+    CacheConfig,
+    FleetConfig,
+    KVEventsConfig,
+    offset_endpoint,
+    split_engine_kwargs,
+)
+from radixserve.engine.core import EngineCore
 from radixserve.engine.kv_publisher import END_OF_REPLAY, KVEventPublisher, ReplayBudget
+from radixserve.fleet.launch import worker_engine_args
 
 DEFAULT_PORT = 5557
 
@@ -190,3 +200,79 @@ def _events(ctx, address: str, expected_batches: int) -> list:
         if len(batches) == expected_batches or time.monotonic() > deadline:
             return [e for b in batches for e in b.events]
         time.sleep(0.5)  # refused: wait for a token
+
+
+# ---- config, bounds, fleet offsets ----
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('["zmq"]', "JSON object"),
+        ('{"enable_kv_cache_events": true, "endpoit": "x"}', r"unknown keys \['endpoit'\]"),
+        ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher must be"),
+        ('{"enable_kv_cache_events": true, "max_queue_size": 0}', "max_queue_size"),
+        ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events"),
+    ],
+)
+def test_bad_kv_events_config_names_the_flag(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        CacheConfig(kv_events_config=text).kv_events()
+    assert "--kv-events-config" in str(info.value)
+
+
+def test_kv_events_are_off_unless_enabled():
+    assert CacheConfig().kv_events() is None
+    assert CacheConfig(kv_events_config='{"publisher": "zmq"}').kv_events() is None
+    config = CacheConfig(kv_events_config='{"enable_kv_cache_events": true}').kv_events()
+    assert config == KVEventsConfig(enable_kv_cache_events=True)  # vLLM's defaults
+
+
+def test_missing_pyzmq_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
+    with pytest.raises(RuntimeError, match=r"--kv-events-config .*pyzmq"):
+        KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True))
+    config = '{"enable_kv_cache_events": true}'
+    with pytest.raises(RuntimeError, match="pyzmq"):  # before it looks for the model
+        EngineCore.build(*split_engine_kwargs("/no/such/model", {"kv_events_config": config}))
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking():
+    config = KVEventsConfig(enable_kv_cache_events=True, bind="tcp://127.0.0.1:*", max_queue_size=2)
+    publisher = KVEventPublisher(config)
+    publisher.close()  # nothing takes from the queue any more
+    for _ in range(5):
+        publisher.publish(AllBlocksCleared())
+    assert publisher.num_dropped == 3
+    assert publisher.stats()["kv_events_dropped"] == 3
+
+
+def test_engine_without_kv_events_opens_no_socket(tiny_chat_model):
+    engine = make_engine(tiny_chat_model, max_total_tokens=16 * 16)
+    try:
+        engine.generate(input_ids=prompt_ids(1, 40), sampling_params=greedy(2))
+        assert engine.core.kv_publisher is None
+        assert "kv_events_dropped" not in engine.get_stats()
+        assert all(
+            n.block_hashes is None for r in engine.cache.roots() for n in r.children.values()
+        )
+    finally:
+        engine.shutdown()
+
+
+def test_fleet_workers_get_their_own_event_sockets():
+    config = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+    config += '"replay_endpoint": "ipc:///tmp/kv-replay"}'
+    args = {"page_size": 16, "kv_events_config": config}
+    assert (
+        worker_engine_args(args, 0, FleetConfig())["kv_events_config"]
+        == KVEventsConfig.from_json(config).to_json()
+    )
+    second_args = worker_engine_args(args, 2, FleetConfig())
+    second = KVEventsConfig.from_json(second_args["kv_events_config"])
+    assert second.endpoint == "tcp://*:5559"
+    assert second.replay_endpoint == "ipc:///tmp/kv-replay_2"
+    assert worker_engine_args({"page_size": 16}, 1, FleetConfig()) == {"page_size": 16}
+    with pytest.raises(ValueError, match="--kv-events-config endpoint"):
+        offset_endpoint("tcp://collector", 1)
