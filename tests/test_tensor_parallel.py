@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
 import torch
+from listening_sockets import is_loopback, listening_addresses
 
 from conftest import (
     SYSTEM,
@@ -110,11 +112,39 @@ def test_draft_model_speculation_with_tp_is_refused_naming_both_flags(tiny_model
 
 @pytest.fixture(scope="module")
 def tp_engine(tiny_chat_model):
+    before = listening_addresses(os.getpid())
     engine = make_engine(
         tiny_chat_model, tp_size=2, max_total_tokens=640, chunked_prefill_size=64, device="cpu"
     )
+    engine.sockets_before_tp = before
     yield engine
     engine.shutdown()
+
+
+def test_the_rendezvous_and_gloo_listen_on_loopback_only(tp_engine):
+    rank0 = listening_addresses(os.getpid()) - tp_engine.sockets_before_tp
+    rank1 = listening_addresses(tp_engine.runner.workers[0].process.pid)
+    assert len(rank0) >= 2 and rank1  # rank 0: the TCPStore and gloo; rank 1: gloo
+    assert all(is_loopback(address) for address, _ in rank0 | rank1), rank0 | rank1
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:29500", "[::]:29500", "*:29500", "host", ":1"])
+def test_a_wildcard_or_malformed_init_addr_is_refused(addr):
+    with pytest.raises(ValueError, match="--dist-init-addr"):
+        ParallelConfig(tp_size=2, dist_init_addr=addr).verify()
+
+
+def test_a_taken_init_addr_is_a_clear_error_before_any_rank_starts(tiny_models):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(ValueError, match="--dist-init-addr .*cannot listen"):
+            TPModelRunner.create(
+                LoadConfig(model=str(tiny_models["llama"]), device="cpu"),
+                CacheConfig(page_size=16, max_total_tokens=1024),
+                ParallelConfig(tp_size=2, dist_init_addr=addr),
+            )
 
 
 def test_engine_tp2_cache_hits_logprobs_grammar_and_retraction_match_one_process(

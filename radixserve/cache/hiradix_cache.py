@@ -20,7 +20,8 @@ Without room a node simply stays pool-only. `insert` over tier-only nodes gives 
 caller's freshly computed pages instead (their tier copy stays valid: same tokens, same KV).
 
 With a folder, `close` (and every PERSIST_INTERVAL_S while the tier changes) saves an index
-of the tier's nodes (cache/tier_index.py); a restart rebuilds them as tier-only nodes.
+of the tier's nodes (cache/tier_index.py); a restart rebuilds them as tier-only nodes. A
+failing tier write (disk full, I/O error) never fails a step: `writes` backs off and counts.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.host_tier import HostTier, TierLayout, check_slot_accounting
 from radixserve.cache.kv_pool import KVPool
@@ -43,6 +44,7 @@ from radixserve.cache.tier_index import (
     tier_entries,
     tier_identity,
 )
+from radixserve.cache.tier_writes import TierWriteGuard
 from radixserve.cache.tree_node import (
     RootNode,
     TreeNode,
@@ -89,6 +91,7 @@ class HiRadixCache(RadixCache):
         self.pages_to_host = 0
         self.pages_to_device = 0
         self._last_persist = time.monotonic()
+        self.writes = TierWriteGuard()
         super().__init__(pool.allocator, pool.page_size, events)
         if tier.folder is not None:
             self._restore()
@@ -184,11 +187,15 @@ class HiRadixCache(RadixCache):
         )
 
     def _backup(self, node: TreeNode) -> bool:
-        """Copies a pool node's pages into tier slots (making room by the tier's LRU)."""
-        if not self._make_tier_room(len(node.pages)):
+        """Copies a pool node's pages into tier slots (making room by the tier's LRU); a
+        write error gives the copy up and backs off (cache/tier_writes.py)."""
+        if not self.writes.allows_write() or not self._make_tier_room(len(node.pages)):
             return False
         slots = self.tier.allocate(len(node.pages))
-        self.tier.write(slots, self.pool.read_pages(node.pages))
+        kv = self.pool.read_pages(node.pages)
+        if not self.writes.attempt("copying pages to the tier", self.tier.write, slots, kv):
+            self.tier.free(slots)
+            return False
         node.host_slots = slots
         self.pages_to_host += len(slots)
         self._tier_changed()
@@ -279,7 +286,7 @@ class HiRadixCache(RadixCache):
 
     # ---- sizes and checks ----
 
-    def tier_stats(self) -> dict[str, int]:
+    def tier_stats(self) -> dict[str, Any]:
         """Counters kept as pages move (no walk: a metrics scrape calls this)."""
         return {
             "hicache_capacity_pages": self.tier.num_slots,
@@ -289,6 +296,7 @@ class HiRadixCache(RadixCache):
             "hicache_pages_to_device": self.pages_to_device,
             "hicache_bytes_to_host": self.tier.bytes_written,
             "hicache_bytes_to_device": self.tier.bytes_read,
+            **self.writes.stats(),
         }
 
     def _check_pages(self, node: TreeNode) -> None:
@@ -325,7 +333,7 @@ class HiRadixCache(RadixCache):
 
     def close(self) -> None:
         if self.tier.folder is not None:
-            self.persist()
+            self.writes.attempt("saving the tier index", self.persist)
         self.tier.close()
 
     def persist(self) -> None:
@@ -338,8 +346,8 @@ class HiRadixCache(RadixCache):
 
     def _tier_changed(self) -> None:
         due = time.monotonic() - self._last_persist >= PERSIST_INTERVAL_S
-        if self.tier.folder is not None and due:
-            self.persist()
+        if self.tier.folder is not None and due and self.writes.allows_write():
+            self.writes.attempt("saving the tier index", self.persist)
 
     def _index_path(self) -> str:
         return os.path.join(self.tier.folder, INDEX_FILE)

@@ -7,11 +7,12 @@ it (and as disaggregation ships a page):
     crc:  [num_slots] CRC32 of each slot's bytes, set when the slot is written
 
 Without a folder the slots live in anonymous host memory. With one (`--hicache-dir`) they
-are a memory-mapped file, `kv_tier.bin`, locked against a second process; the radix cache
-saves an index of what the slots hold beside it (cache/tier_index.py), so that a restarted
-server finds its prefixes again. Beside a CUDA pool the anonymous tier is pinned host memory;
-copies are synchronous everywhere (overlapping them with the forward, as SGLang does on GPU,
-is not done), which is what runs on CPU.
+are a memory-mapped file, `kv_tier.bin` (owner-only, its disk blocks allocated up front),
+locked against a second process; the radix cache saves an index of what the slots hold
+beside it (cache/tier_index.py), so that a restarted server finds its prefixes again.
+Beside a CUDA pool the anonymous tier is pinned host memory; copies are synchronous
+everywhere (overlapping them with the forward, as SGLang does on GPU, is not done), which is
+what runs on CPU.
 
 The tier only stores and hands out slots; which pages to keep, and the LRU that picks what
 goes when it is full, belong to the radix cache that owns it (cache/hiradix_cache.py).
@@ -20,6 +21,7 @@ goes when it is full, belong to the radix cache that owns it (cache/hiradix_cach
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import zlib
 from dataclasses import asdict, dataclass
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 from radixserve.cache.prefix_cache import CacheIntegrityError
+
+logger = logging.getLogger(__name__)
 
 TIER_FILE = "kv_tier.bin"
 
@@ -96,9 +100,13 @@ class HostTier:
             return torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         path = os.path.join(self.folder, TIER_FILE)
         self._lock_fd = _lock_exclusive(path)
-        size = num_slots * page_nbytes
-        mode = "r+" if os.path.getsize(path) == size else "w+"  # another size: start afresh
-        self._mmap = np.memmap(path, dtype=np.uint8, mode=mode, shape=(num_slots, page_nbytes))
+        try:
+            _allocate_file(self._lock_fd, path, num_slots * page_nbytes)
+        except BaseException:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise
+        self._mmap = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_slots, page_nbytes))
         return torch.from_numpy(self._mmap)
 
     @property
@@ -167,13 +175,19 @@ class HostTier:
     # ---- lifetime ----
 
     def flush(self) -> None:
-        """Writes the mapped file's dirty pages to disk (no-op in memory)."""
+        """Writes the mapped file's dirty pages to disk and waits for them (no-op in
+        memory); raises OSError when the disk reports an error."""
         if self._mmap is not None:
             self._mmap.flush()
+            os.fsync(self._lock_fd)
 
     def close(self) -> None:
-        """Flushes and releases the file and its lock."""
-        self.flush()
+        """Flushes (a failure is logged: the index saved before it names only what was
+        flushed then) and releases the file and its lock."""
+        try:
+            self.flush()
+        except OSError as exc:
+            logger.warning("hicache: flushing the tier file %s failed: %s", self.path, exc)
         self._mmap = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -202,9 +216,11 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _lock_exclusive(path: str) -> int:
-    """Opens (creating) the tier file and locks it: two servers must not share a tier."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Opens (creating, owner-only: it holds every tenant's KV) the tier file and locks it:
+    two servers must not share a tier."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        os.fchmod(fd, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
         os.close(fd)
@@ -212,4 +228,22 @@ def _lock_exclusive(path: str) -> int:
             f"--hicache-dir {os.path.dirname(path)!r} is in use by another process ({path} is "
             "locked); give each server its own folder"
         ) from exc
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def _allocate_file(fd: int, path: str, size: int) -> None:
+    """Gives the tier file `size` bytes of real disk blocks now (another size: zeroed first),
+    so that a disk filling up later can never fault a write into the mapping (SIGBUS)."""
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, 0)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise ValueError(
+            f"--hicache-dir {os.path.dirname(path)!r}: cannot allocate the {size}-byte tier "
+            f"file {path} ({exc.strerror or exc}); free disk space or lower --hicache-size / "
+            "--hicache-ratio"
+        ) from exc

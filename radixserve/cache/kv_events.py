@@ -95,12 +95,20 @@ def chain_hashes(
 class KVEventSink:
     """What a RadixCache tells when pages enter or leave it; `emit` gets each event (the
     publisher's non-blocking `publish`). Nodes are the cache's: `key`, `parent` (a root has
-    none, and a `namespace`), `block_hashes`."""
+    none, and a `namespace`), `block_hashes`. Without `include_token_ids`, BlockStored
+    carries the hashes only (`token_ids` empty): a subscriber learns no prompt text."""
 
-    def __init__(self, page_size: int, medium: str, emit: Callable[[KVCacheEvent], Any]):
+    def __init__(
+        self,
+        page_size: int,
+        medium: str,
+        emit: Callable[[KVCacheEvent], Any],
+        include_token_ids: bool = True,
+    ):
         self.page_size = page_size
         self.medium = medium
         self.emit = emit
+        self.include_token_ids = include_token_ids
 
     def stored(self, node: Any) -> None:
         """`node` (with a parent in the tree) just took ownership of its pages."""
@@ -115,7 +123,7 @@ class KVEventSink:
             BlockStored(
                 block_hashes=list(node.block_hashes),
                 parent_block_hash=parent_hash,
-                token_ids=list(node.key),
+                token_ids=list(node.key) if self.include_token_ids else [],
                 block_size=self.page_size,
                 lora_id=None,
                 medium=self.medium,

@@ -8,12 +8,14 @@ load, an index whose identity differs from the running server's (another model, 
 page size, KV dtype or shape, tier size) or that does not parse is discarded with a warning;
 an entry whose slots no longer match their checksums (the file changed after the save, or
 rotted) is dropped with a warning, and so is everything below it. Nothing unverified is
-ever used. The index is written to a temporary file and renamed, so a crash never leaves
-half of one.
+ever used; so is nothing of a file that does not parse, whatever its shape or types. The
+index is written owner-only to a temporary file, fsynced (after the tier file) and renamed,
+so a crash never leaves half of one, nor an index naming pages the disk never got.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,12 +66,36 @@ def tier_entries(roots: list[RootNode], tier: HostTier) -> list[TierEntry]:
 
 
 def save_tier_index(path: str, identity: dict, tier: HostTier, entries: list[TierEntry]) -> None:
+    """Writes the index owner-only to a temporary file, fsyncs it, renames it into place and
+    fsyncs the folder; raises OSError (the old index stays) when the disk refuses."""
     rows = [[e.parent, e.namespace, e.key, e.slots, e.crcs] for e in entries]
     document = {"version": INDEX_VERSION, "identity": identity, "entries": rows}
+    data = json.dumps(document, separators=(",", ":")).encode()
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(document, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    try:
+        _write_synced(tmp, data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_tier_index(path: str, identity: dict, tier: HostTier) -> list[TierEntry]:
@@ -81,28 +107,58 @@ def load_tier_index(path: str, identity: dict, tier: HostTier) -> list[TierEntry
         entries = _read_entries(path, identity, tier.num_slots)
     except ValueError as exc:
         logger.warning("hicache: discarding the saved tier %s: %s", path, exc)
-        os.remove(path)
+        with contextlib.suppress(OSError):
+            os.remove(path)
         return []
     return _verified(entries, tier)
 
 
 def _read_entries(path: str, identity: dict, num_slots: int) -> list[TierEntry]:
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:
             document = json.load(f)
-        version, saved, rows = document["version"], document["identity"], document["entries"]
-        entries = [TierEntry(*row) for row in rows]
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or UTF-8
         raise ValueError(f"unreadable index ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(document, dict):
+        raise ValueError("unreadable index (not a JSON object)")
+    version, saved = document.get("version"), document.get("identity")
     if version != INDEX_VERSION:
-        raise ValueError(f"index version {version}, expected {INDEX_VERSION}")
+        raise ValueError(f"index version {version!r}, expected {INDEX_VERSION}")
+    if not isinstance(saved, dict):
+        raise ValueError("unreadable index (no identity object)")
     if saved != identity:
         changed = sorted(
             k for k in identity.keys() | saved.keys() if saved.get(k) != identity.get(k)
         )
         raise ValueError(f"it belongs to another setup (differs in: {', '.join(changed)})")
+    rows = document.get("entries")
+    if not isinstance(rows, list):
+        raise ValueError("unreadable index (entries is not a list)")
+    entries = [_entry(i, row) for i, row in enumerate(rows)]
     _check_shapes(entries, num_slots, identity["layout"]["page_size"])
     return entries
+
+
+def _entry(i: int, row: object) -> TierEntry:
+    """One index row, every field's type checked: whatever the file holds, a bad row is a
+    ValueError naming it, never a crash further on."""
+    if not isinstance(row, list) or len(row) != 5:
+        raise ValueError(f"entry {i} is not [parent, namespace, key, slots, crcs]")
+    parent, namespace, key, slots, crcs = row
+    if not _is_int(parent) or not (namespace is None or isinstance(namespace, str)):
+        raise ValueError(f"entry {i} has a bad parent or namespace")
+    for name, values, bound in (
+        ("key", key, 2**63),
+        ("slots", slots, 2**63),
+        ("crcs", crcs, 2**32),
+    ):
+        if not isinstance(values, list) or not all(_is_int(v) and 0 <= v < bound for v in values):
+            raise ValueError(f"entry {i}'s {name} is not a list of non-negative integers")
+    return TierEntry(parent, namespace, key, slots, crcs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_shapes(entries: list[TierEntry], num_slots: int, page_size: int) -> None:
@@ -114,9 +170,10 @@ def _check_shapes(entries: list[TierEntry], num_slots: int, page_size: int) -> N
             raise ValueError(f"entry {i} has a bad parent or key")
         if len(e.slots) != num_pages or len(e.crcs) != num_pages:
             raise ValueError(f"entry {i} has {len(e.slots)} slots for {num_pages} pages")
-        if any(not 0 <= s < num_slots or s in seen for s in e.slots):
-            raise ValueError(f"entry {i} names a slot out of range or used twice")
-        seen.update(e.slots)
+        for s in e.slots:
+            if not 0 <= s < num_slots or s in seen:
+                raise ValueError(f"entry {i} names a slot out of range or used twice")
+            seen.add(s)
 
 
 def _verified(entries: list[TierEntry], tier: HostTier) -> list[TierEntry]:

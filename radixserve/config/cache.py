@@ -44,9 +44,11 @@ class CacheConfig:
     dtype needs --attention-backend torch_native or cpu_fused, which cast K/V as they read."""
     kv_events_config: str | None = None
     """KV cache events for KV-aware routers, the flag vLLM and SGLang use: JSON such as
-    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
-    "topic": ""}'. BlockStored / BlockRemoved / AllBlocksCleared in vLLM's wire format over a
-    ZMQ PUB socket (needs pyzmq: the kv-events extra). Default: off."""
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "topic": ""}'. BlockStored /
+    BlockRemoved / AllBlocksCleared in vLLM's wire format over a ZMQ PUB socket (needs
+    pyzmq: the kv-events extra), bound on tcp://127.0.0.1:5557 unless "endpoint" (vLLM's
+    rule: a "*" host binds, others connect) or "bind" (ours: bound as given) says otherwise;
+    "include_token_ids": false sends hashes only. Default: off."""
 
     def __post_init__(self) -> None:
         if self.torch_compile_max_bs < 1:
@@ -137,7 +139,7 @@ class HiCacheConfig:
 
 def _check_writable_dir(path: str) -> None:
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # new folders: owner-only
     except OSError as exc:
         raise ValueError(f"--hicache-dir {path!r} cannot be created: {exc}") from exc
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):

@@ -109,7 +109,9 @@ class EngineCore:
         if publisher is not None:
             from radixserve.cache.kv_events import KVEventSink, device_medium
 
-            events = KVEventSink(pool.page_size, device_medium(pool.device.type), publisher.publish)
+            medium = device_medium(pool.device.type)
+            with_ids = publisher.config.include_token_ids
+            events = KVEventSink(pool.page_size, medium, publisher.publish, with_ids)
         cache = _create_cache(loaded, pool, scheduler_config, hicache_config, events)
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:

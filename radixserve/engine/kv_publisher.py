@@ -7,9 +7,15 @@ them as one `KVEventBatch` in a ZMQ multipart message
 
     [topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]      seq = 0, 1, 2, ...
 
+The PUB socket binds loopback by default (KVEventsConfig.pub_address; a wildcard is bound
+only when asked for, with a warning: the events carry every tenant's token ids unless
+`include_token_ids` is false).
+
 With `replay_endpoint`, a ROUTER socket (always bound) answers `[identity, b"", start_seq]`
 with every buffered batch from `start_seq` on, then `[identity, b"", seq -1, b""]` (vLLM's
-protocol), so a subscriber that sees a gap in the seqs can fetch what it missed.
+protocol), so a subscriber that sees a gap in the seqs can fetch what it missed. Replays
+are rate-limited (`max_replays_per_s`, a token bucket over all clients: identities are the
+peer's choice): a request over the limit gets the end marker alone, and is counted.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_EVENTS = 1024  # events per batch at most: bounds a message's size
 BATCH_LINGER_S = 0.005  # after the first event, wait this long for more to share its batch
 POLL_S = 0.1  # how often the idle thread looks at the replay socket and the stop flag
+MAX_REPLAYS_PER_POLL = 64  # replay requests read per pass: a flood cannot stall publishing
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 FLAG = "--kv-events-config"
 
@@ -46,11 +53,6 @@ def import_zmq() -> Any:
     return zmq
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard, ipc or inproc endpoint is bound, any other is connected to."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
 class KVEventPublisher:
     """Batches, numbers and sends KV events from a background thread (see module doc)."""
 
@@ -59,6 +61,10 @@ class KVEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.num_dropped = 0  # events the full queue turned away
         self.num_batches = 0  # batches sent; the next batch's seq
+        self.num_replays = 0  # replay requests answered in full
+        self.num_replays_refused = 0  # over max_replays_per_s: answered with the end alone
+        self.bound: list[str] = []  # the addresses the sockets bound (ports resolved)
+        self._replay_budget = ReplayBudget(config.max_replays_per_s)
         self._zmq = import_zmq()
         self._queue: queue.Queue[KVCacheEvent] = queue.Queue(maxsize=config.max_queue_size)
         self._replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -86,7 +92,12 @@ class KVEventPublisher:
         self._thread.join()
 
     def stats(self) -> dict[str, int]:
-        return {"kv_event_batches": self.num_batches, "kv_events_dropped": self.num_dropped}
+        return {
+            "kv_event_batches": self.num_batches,
+            "kv_events_dropped": self.num_dropped,
+            "kv_event_replays": self.num_replays,
+            "kv_event_replays_refused": self.num_replays_refused,
+        }
 
     # ---- the thread ----
 
@@ -111,13 +122,33 @@ class KVEventPublisher:
         zmq = self._zmq
         pub = ctx.socket(zmq.PUB)
         pub.set_hwm(self.config.hwm)
-        _open_named(lambda: _open(pub, self.config.endpoint), "endpoint", self.config.endpoint)
+        address, bind = self.config.pub_address()
+        key = "bind" if self.config.bind is not None else "endpoint"
+        _open_named(lambda: self._open(pub, address, bind), key, address)
         replay = None
         if self.config.replay_endpoint is not None:
             replay = ctx.socket(zmq.ROUTER)
             endpoint = self.config.replay_endpoint
-            _open_named(lambda: replay.bind(endpoint), "replay_endpoint", endpoint)  # as vLLM
+            _open_named(lambda: self._open(replay, endpoint, True), "replay_endpoint", endpoint)
         return pub, replay
+
+    def _open(self, socket: Any, address: str, bind: bool) -> None:
+        if not bind:
+            socket.connect(address)
+            logger.info("kv events: publishing to %s (connected)", address)
+            return
+        socket.bind(address)
+        bound = socket.getsockopt(self._zmq.LAST_ENDPOINT).decode()
+        self.bound.append(bound)
+        if _is_wildcard(address):
+            logger.warning(
+                "kv events: %s listens on every interface; whoever reaches it reads the "
+                "cache's events%s",
+                bound,
+                " and token ids" if self.config.include_token_ids else "",
+            )
+        else:
+            logger.info("kv events: listening on %s", bound)
 
     def _serve(self, pub: Any, replay: Any | None) -> None:
         while True:
@@ -154,24 +185,52 @@ class KVEventPublisher:
         self.num_batches += 1
 
     def _answer_replays(self, replay: Any) -> None:
-        while replay.poll(0):
+        for _ in range(MAX_REPLAYS_PER_POLL):
+            if not replay.poll(0):
+                return
             frames = replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
                 logger.warning("kv events replay: ignoring a malformed request")
                 continue
             identity, _, start = frames
-            start_seq = int.from_bytes(start, "big", signed=True)
-            for seq, payload in list(self._replay_buffer):
-                if seq >= start_seq:
-                    replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+            if self._replay_budget.take(time.monotonic()):
+                self.num_replays += 1
+                self._replay(replay, identity, int.from_bytes(start, "big", signed=True))
+            else:
+                self.num_replays_refused += 1
             replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
 
+    def _replay(self, replay: Any, identity: bytes, start_seq: int) -> None:
+        for seq, payload in list(self._replay_buffer):
+            if seq >= start_seq:
+                replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
 
-def _open(socket: Any, endpoint: str) -> None:
-    if binds(endpoint):
-        socket.bind(endpoint)
-    else:
-        socket.connect(endpoint)
+
+class ReplayBudget:
+    """A token bucket: `rate` replays a second, bursts of up to `rate`."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self.tokens = float(rate)
+        self.updated: float | None = None
+
+    def take(self, now: float) -> bool:
+        """Spends one token if there is one."""
+        if self.updated is not None:
+            self.tokens = min(self.rate, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+def _is_wildcard(address: str) -> bool:
+    """A tcp address on every interface (`*`, 0.0.0.0, ::)."""
+    if not address.startswith("tcp://"):
+        return False
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("0.0.0.0", "::", "") or "*" in host
 
 
 def _open_named(open_socket: Any, key: str, endpoint: str) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import socket
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -26,6 +25,7 @@ import torch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig
 from radixserve.distributed.group import RankFailedError
+from radixserve.distributed.rendezvous import listen_for_ranks
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
@@ -80,20 +80,27 @@ class TPModelRunner:
         refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
         parallel_config.torch_backend(load_config.torch_device())  # nccl off CUDA: refused
         check_tp_size(peek_model_config(load_config), parallel_config.tp_size)
+        # rank 0 listens before any rank starts: the others get the port it got
+        listen_socket, init_addr = listen_for_ranks(parallel_config.dist_init_addr)
         spec = RankSpec(
             load_config=load_config,
             cache_config=cache_config,
             parallel_config=parallel_config,
-            init_addr=parallel_config.dist_init_addr or _loopback_addr(),
+            init_addr=init_addr,
             context_length=context_length,
             num_threads=torch.get_num_threads(),
             log_level=logging.getLogger().level,
         )
-        workers = [_spawn(rank, spec) for rank in range(1, parallel_config.tp_size)]
         try:
-            loaded, local = build_rank(0, spec)
+            workers = [_spawn(rank, spec) for rank in range(1, parallel_config.tp_size)]
+        except BaseException:
+            listen_socket.close()
+            raise
+        try:
+            loaded, local = build_rank(0, spec, listen_socket)
             _wait_ready(workers, parallel_config.dist_timeout)
         except BaseException as exc:
+            listen_socket.close()  # a no-op once the store took it
             _stop(workers)
             reasons = [f"rank {w.rank}: {w.poll_error()}" for w in workers if w.poll_error()]
             if reasons:
@@ -177,12 +184,6 @@ class TPModelRunner:
 
 
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
-
-
-def _loopback_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _spawn(rank: int, spec: RankSpec) -> _Worker:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -48,8 +49,11 @@ def rank_load_config(load_config: LoadConfig, rank: int) -> LoadConfig:
     return dataclasses.replace(load_config, device=f"cuda:{rank}")
 
 
-def build_rank(rank: int, spec: RankSpec) -> tuple[LoadedModel, ModelRunner]:
-    """Joins the group, loads this rank's shard, sizes its KV pool with the others."""
+def build_rank(
+    rank: int, spec: RankSpec, listen_socket: socket.socket | None = None
+) -> tuple[LoadedModel, ModelRunner]:
+    """Joins the group (rank 0 serving the rendezvous on `listen_socket`), loads this rank's
+    shard, sizes its KV pool with the others."""
     load_config = rank_load_config(spec.load_config, rank)
     device = load_config.torch_device()
     parallel = spec.parallel_config
@@ -60,6 +64,7 @@ def build_rank(rank: int, spec: RankSpec) -> tuple[LoadedModel, ModelRunner]:
         spec.init_addr,
         parallel.dist_timeout,
         device,
+        listen_socket,
     )
     try:
         loaded = load_model(load_config, tp)

@@ -245,16 +245,29 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine core answers; 503 at once when it is gone."""
+    """200 while the engine core answers (its body names what runs degraded, if anything);
+    503 at once when it is gone."""
     state = state_of(request)
     if state.client.dead:
         reason = state.client.dead_reason
         return web.Response(status=503, text=f"engine core is not running: {reason}\n")
     try:
-        await state.client.call("get_stats", timeout_s=HEALTH_TIMEOUT_S)
+        stats = await state.client.call("get_stats", timeout_s=HEALTH_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError):
         return web.Response(status=503, text="engine core not responding\n")
-    return web.Response(text="")
+    return web.Response(text=health_text(stats))
+
+
+def health_text(stats: dict) -> str:
+    """A healthy /health's body: empty, or what runs degraded while it keeps serving (the
+    host tier backing off after a write error)."""
+    backoff = stats.get("hicache_write_backoff_s", 0)
+    if not backoff:
+        return ""
+    error = stats.get("hicache_last_write_error", "")
+    return (
+        f"degraded: hicache writes off for {backoff:.0f} s after {error}; serving from the pool\n"
+    )
 
 
 async def health_generate(request: web.Request) -> web.Response:
