@@ -344,3 +344,17 @@ def test_forced_deepseek_call_streams_as_argument_fragments(deepseek_client, too
     jsonschema.validate(json.loads(arguments), schemas[deltas[0].function.name])
     [call] = deepseek_client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == (deltas[0].function.name, arguments)
+
+
+def test_serve_rejects_an_unknown_parser_before_loading_and_detects_from_the_template():
+    from types import SimpleNamespace
+
+    from radixserve.config import ServerConfig
+    from radixserve.server import launch
+
+    with pytest.raises(SystemExit, match="--tool-call-parser 'gpt5' is not one of qwen25"):
+        launch.serve({"model": "/nonexistent"}, ServerConfig(tool_call_parser="gpt5"))
+    llama = SimpleNamespace(chat_template="{{ '<|python_tag|>' }}")
+    assert launch._tool_parser(ServerConfig(), llama) == "llama3"
+    assert launch._tool_parser(ServerConfig(tool_call_parser="hermes"), llama) == "qwen25"
+    assert launch._tool_parser(ServerConfig(), SimpleNamespace(chat_template=None)) == "qwen25"

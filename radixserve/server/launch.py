@@ -29,8 +29,11 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    if config.tool_call_parser is not None:
-        tool_format(config.tool_call_parser)  # a bad name fails before the model loads
+    if config.tool_call_parser is not None:  # a bad name fails before the model loads
+        try:
+            tool_format(config.tool_call_parser)
+        except ValueError as exc:
+            raise SystemExit(f"radixserve serve: {exc}") from None
     client = MultiprocessClient(engine_args, config.log_level)
     info = client.start()
     try:
