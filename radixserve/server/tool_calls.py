@@ -6,8 +6,8 @@ Output. `required` (or a named function) constrains the output to one call in th
 `--tool-call-parser` (qwen25: one bare JSON call, `{"name": ..., "arguments": {...}}`);
 `auto` generates freely. Either way `ToolCallParser` reads the text: each call in the
 family's format (a known tool's name, object arguments) is a call; everything else is
-content; the whitespace between content and a call is dropped. A block that is no call
-(an unknown name, no object) stays content.
+content; the whitespace between content and a call is dropped. A malformed block stays
+content (streamed: unless it breaks after its call was sent; see tool_parsers/parser.py).
 
 Streaming. Content streams as it settles; text that may begin a call is held. A call is sent
 as OpenAI's deltas: the first carries its index, id, type and name, later ones append to

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.server.tool_parsers.json_stream import JsonStreamer
 
@@ -80,20 +80,20 @@ class Source:
         self.pos += len(rest) - len(rest.lstrip())
 
 
-class CallSink:
-    """What a reader reports calls to; `ToolCallParser` implements it."""
+class CallSink(Protocol):
+    """What a reader reports calls to; `ToolCallParser` is one."""
 
     def begin(self, name: str) -> bool:
         """Opens a call of tool `name`; False (nothing opened) if it is no known tool."""
-        raise NotImplementedError
+        ...
 
     def arguments(self, text: str) -> None:
         """Appends to the open call's JSON arguments."""
-        raise NotImplementedError
+        ...
 
     def schema(self, name: str) -> dict[str, Any]:
         """The parameters schema of tool `name` ({} when unknown)."""
-        raise NotImplementedError
+        ...
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ import uuid
 from typing import Any
 
 from radixserve.server.tool_parsers.base import (
-    CallSink,
     ParsedText,
     Reader,
     Source,
@@ -35,7 +34,7 @@ from radixserve.server.tool_parsers.base import (
 from radixserve.server.tool_parsers.registry import DEFAULT_TOOL_PARSER, tool_format
 
 
-class ToolCallParser(CallSink):
+class ToolCallParser:
     """Splits one choice's output into content and calls to the tools `names`, in the
     format `tool_parser` names (or is), as the text arrives. `feed` returns what has settled;
     text that may still turn into a call is held. `schemas` (tool name -> parameters) types
