@@ -315,16 +315,20 @@ def check_call(call, names=NAMES) -> dict:
 
 
 def streamed_calls(chunks) -> tuple[str, list[dict], str | None]:
-    """Content, calls reassembled from tool-call deltas (by index), and the finish reason."""
+    """Content, calls reassembled from tool-call deltas (by index), and the finish reason;
+    a call's first delta carries its id and name, later ones only argument fragments."""
     content, calls, finish = "", {}, None
     for chunk in chunks:
         [choice] = chunk.choices
         content += choice.delta.content or ""
         for delta in choice.delta.tool_calls or []:
-            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            first = delta.index not in calls
+            assert (delta.id is not None, delta.function.name is not None) == (first, first)
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": "", "n": 0})
             call["id"] += delta.id or ""
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
+            call["n"] += 1
         finish = choice.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -343,6 +347,7 @@ def test_required_tool_choice_streamed(client):
     full = chat(client, **kwargs).choices[0].message.tool_calls[0]
     content, [call], finish = streamed_calls(chat(client, True, **kwargs))
     assert content == "" and finish == "tool_calls" and call["id"].startswith("call_")
+    assert call["n"] > 2  # the arguments arrive as fragments, not in one delta
     assert (call["name"], call["arguments"]) == (full.function.name, full.function.arguments)
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 

@@ -23,5 +23,8 @@ class ServerConfig:
     """debug | info | warning | error."""
     max_body_mb: float = 32.0
     """Largest request body accepted, in MiB (larger: 413)."""
+    tool_call_parser: str | None = None
+    """Tool-call format: qwen25 (alias hermes), llama3 (llama3_json), mistral, pythonic,
+    deepseekv3 (deepseek_v3), qwen3_coder; default: the chat template's, else qwen25."""
     disable_dashboard: bool = False
     """Do not serve the live dashboard at /dashboard (behind --api-key when one is set)."""

@@ -6,9 +6,9 @@ probe tool) gets the tools and the tool turns of the history as they are, with e
 arguments decoded to an object, as HF templates expect. Any other template gets plain text
 in the Hermes/Qwen style:
 - a system message (merged into the first one, if any) lists the tools, one JSON object per
-  line inside <tools></tools>, and asks for calls as
-  `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`;
-- an assistant turn's `tool_calls` become such blocks after its content;
+  line inside <tools></tools>, and asks for calls in the `--tool-call-parser` format (qwen25:
+  `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`);
+- an assistant turn's `tool_calls` become calls in that format after its content;
 - `tool` turns become a user turn of `<tool_response>\\n...\\n</tool_response>` blocks
   (consecutive results share one turn).
 
@@ -23,7 +23,8 @@ from typing import Any
 from jinja2 import TemplateError
 
 from radixserve.server.errors import BadRequest
-from radixserve.server.tool_calls import CALL_END, CALL_START, NO_PARAMETERS
+from radixserve.server.tool_calls import NO_PARAMETERS
+from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER, tool_format
 
 TOOLS_PROMPT = """# Tools
 
@@ -33,9 +34,7 @@ listed below, one JSON object per line, inside <tools></tools> tags:
 {tools}
 </tools>
 
-To call a function, answer with a JSON object inside <tool_call></tool_call> tags, one \
-block per call:
-<tool_call>{{"name": <function-name>, "arguments": <arguments-json-object>}}</tool_call>
+{instruction}
 Function results come back inside <tool_response></tool_response> tags."""
 
 PROBE_NAME = "radixserve_probe_tool"
@@ -48,14 +47,16 @@ def render_chat(
     messages: list[dict[str, Any]],
     template_kwargs: dict[str, Any],
     tools: list[dict[str, Any]] | None = None,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
 ) -> str:
     """The conversation, with `tools` offered, as the chat template writes it; a template
-    that cannot render tools gets them, and the tool turns, as plain text."""
+    that cannot render tools gets them, and the tool turns, as plain text (calls written in
+    `tool_parser`'s format)."""
     if tokenizer.chat_template is None:
         raise BadRequest("this model's tokenizer has no chat template; use /v1/completions")
     kwargs = {"add_generation_prompt": True} | template_kwargs | {"tokenize": False}
     if (tools or _has_tool_turns(messages)) and not template_renders_tools(tokenizer):
-        messages, tools = plain_tool_messages(messages, tools), None
+        messages, tools = plain_tool_messages(messages, tools, tool_parser), None
     if tools:
         kwargs["tools"] = tools
     try:
@@ -81,32 +82,37 @@ def template_renders_tools(tokenizer) -> bool:
     return _renders_tools[key]
 
 
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The system text that lists the tools and the <tool_call> format (see module doc)."""
+def tools_system_prompt(tools: list[dict[str, Any]], tool_parser: str = DEFAULT_TOOL_PARSER) -> str:
+    """The system text that lists the tools and how to call them (see module doc)."""
     lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return TOOLS_PROMPT.format(tools=lines)
+    return TOOLS_PROMPT.format(tools=lines, instruction=tool_format(tool_parser).instruction)
 
 
 def plain_tool_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
 ) -> list[dict[str, Any]]:
-    """Messages for a template without tool support: tools in the system prompt, calls and
-    results as tagged text."""
+    """Messages for a template without tool support: tools in the system prompt, calls in
+    `tool_parser`'s format and results as tagged text."""
     converted: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if message["role"] == "tool" and i and messages[i - 1]["role"] == "tool":
             joined = f"{converted[-1]['content']}\n{_result_block(message)}"
             converted[-1] = converted[-1] | {"content": joined}
         else:
-            converted.append(_plain_message(message))
-    return _with_system_text(converted, tools_system_prompt(tools)) if tools else converted
+            converted.append(_plain_message(message, tool_parser))
+    if not tools:
+        return converted
+    return _with_system_text(converted, tools_system_prompt(tools, tool_parser))
 
 
-def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
+def _plain_message(message: dict[str, Any], tool_parser: str) -> dict[str, Any]:
     if message["role"] == "tool":
         return {"role": "user", "content": _result_block(message)}
     plain = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
-    calls = [format_call(c["function"]["name"], c["function"]["arguments"])
+    write_call = tool_format(tool_parser).write_call
+    calls = [write_call(c["function"]["name"], c["function"]["arguments"])
              for c in message.get("tool_calls", [])]  # fmt: skip
     plain["content"] = "\n".join(text for text in [message["content"], *calls] if text)
     return plain
@@ -121,9 +127,3 @@ def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[st
         first = messages[0] | {"content": f"{messages[0]['content']}\n\n{text}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
-
-
-def format_call(name: str, arguments: dict[str, Any]) -> str:
-    """One call as the plain-text prompt format writes it."""
-    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_START}{call}{CALL_END}"

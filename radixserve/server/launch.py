@@ -14,6 +14,7 @@ from radixserve.model.tokenizer import open_tokenizer
 from radixserve.server.app import ServerState, build_app
 from radixserve.server.http_runner import serve_app
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.tool_parsers import resolve_tool_parser, tool_format
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0
@@ -28,6 +29,11 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
+    if config.tool_call_parser is not None:  # a bad name fails before the model loads
+        try:
+            tool_format(config.tool_call_parser)
+        except ValueError as exc:
+            raise SystemExit(f"radixserve serve: {exc}") from None
     client = MultiprocessClient(engine_args, config.log_level)
     info = client.start()
     try:
@@ -60,7 +66,17 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
         served_model_name=config.served_model_name or info["model_name"],
         max_running_requests=max_running,
         metrics=ServerMetrics(),
+        tool_parser=_tool_parser(config, tokenizer),
     )
+
+
+def _tool_parser(config: ServerConfig, tokenizer) -> str:
+    """--tool-call-parser, or the format the chat template names (logged), or the default."""
+    template = tokenizer.chat_template
+    name = resolve_tool_parser(config.tool_call_parser, None if template is None else str(template))
+    if config.tool_call_parser is None:
+        logger.info("tool-call parser: %s (from the chat template or the default)", name)
+    return name
 
 
 async def _serve(client: MultiprocessClient, info, engine_args, config: ServerConfig) -> int:

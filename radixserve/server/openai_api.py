@@ -11,7 +11,8 @@ Choices where OpenAI and vLLM leave room:
   start a stop string) is held back until it settles, so the chunks add up to the
   non-streamed text.
 - With tools (and tool_choice not "none"), a chat choice's text is split into content and
-  tool calls (tool_calls.py); a choice that made a call and stopped ends in "tool_calls".
+  tool calls in the `--tool-call-parser` format (tool_parsers/), streamed as argument
+  fragments; a choice that made a call and stopped ends in "tool_calls".
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from radixserve.server.openai_response import (
     usage,
 )
 from radixserve.server.state import ServerState, read_json, state_of
-from radixserve.server.tool_calls import ToolCallParser, tool_names
+from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
-    parsed = parse_request(await read_json(request), chat)
+    parsed = parse_request(await read_json(request), chat, state.tool_parser)
     check_model_name(state, parsed.model)
     ids = await state.off_loop(prompt_ids, state, parsed)
     stream = state.open(build_specs(state, parsed, ids))
@@ -144,7 +145,10 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
     """Token ids per prompt: the chat template's rendering, or the completion prompts."""
     tokenizer = state.tokenizer
     if parsed.chat:
-        text = render_chat(tokenizer, parsed.messages, parsed.template_kwargs, parsed.offered_tools)
+        tools = parsed.offered_tools
+        text = render_chat(
+            tokenizer, parsed.messages, parsed.template_kwargs, tools, state.tool_parser
+        )
         return [tokenizer.encode(text, add_special_tokens=False)]
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompt]
 
@@ -187,8 +191,11 @@ def choice_trackers(
     """One tracker per choice; with `echo`, each starts with its prompt's text; with tools
     offered, each splits its text into content and tool calls."""
     if parsed.offered_tools:
-        names = tool_names(parsed.tools)
-        return [ToolCallTracker(r, state.tokenizer, names) for r in results]
+        names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
+        parsers = [
+            ToolCallParser(names, state.tool_parser, schemas, parsed.stream) for _ in results
+        ]
+        return [ToolCallTracker(r, state.tokenizer, p) for r, p in zip(results, parsers)]
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
@@ -320,11 +327,13 @@ class ChoiceTracker:
 
 
 class ToolCallTracker(ChoiceTracker):
-    """A chat choice that may call tools: its deltas carry content and complete tool calls."""
+    """A chat choice that may call tools, read by `parser` (or, given tool names, the
+    default format's streaming parser): its deltas carry content, the calls completed and
+    the call fragments streamed."""
 
-    def __init__(self, result: RequestResult, tokenizer, names: list[str]):
+    def __init__(self, result: RequestResult, tokenizer, parser: ToolCallParser | list[str]):
         super().__init__(result, tokenizer)
-        self.parser = ToolCallParser(names)
+        self.parser = ToolCallParser(parser) if isinstance(parser, list) else parser
 
     def next_delta(self) -> Delta | None:
         delta = super().next_delta()
@@ -334,9 +343,9 @@ class ToolCallTracker(ChoiceTracker):
         finish = delta.finish_reason
         if finish == "stop" and self.parser.num_calls:
             finish = "tool_calls"
-        if not parsed.content and not parsed.calls and not delta.logprobs and finish is None:
+        if not (parsed.content or parsed.calls or parsed.deltas or delta.logprobs or finish):
             return None
-        return Delta(parsed.content, delta.logprobs, finish, parsed.calls)
+        return Delta(parsed.content, delta.logprobs, finish, parsed.calls, parsed.deltas)
 
 
 def _floor(logprob: float) -> float:

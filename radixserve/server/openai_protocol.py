@@ -20,6 +20,7 @@ from radixserve.server.chat_messages import check_messages, check_template_kwarg
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import ToolChoice, check_tool_choice, check_tools
+from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
 MAX_TEMPERATURE = 2.0
 """OpenAI's upper bound on temperature, which vLLM's OpenAI server keeps; SGLang's has none."""
@@ -101,8 +102,9 @@ class OpenAIRequest:
         return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], message)
 
 
-def parse_request(body: Any, chat: bool) -> OpenAIRequest:
-    """Validates a /v1/completions (chat=False) or /v1/chat/completions body."""
+def parse_request(body: Any, chat: bool, tool_parser: str = DEFAULT_TOOL_PARSER) -> OpenAIRequest:
+    """Validates a /v1/completions (chat=False) or /v1/chat/completions body; a forced tool
+    call is constrained to `tool_parser`'s format."""
     body = check_object(body)
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     stream = check_bool(body, "stream")
@@ -120,7 +122,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         _parse_chat(body, parsed)
     else:
         _parse_completion(body, parsed)
-    constraint = output_constraint(body, parsed.tools, parsed.tool_choice)
+    constraint = output_constraint(body, parsed.tools, parsed.tool_choice, tool_parser)
     if constraint is not None:
         parsed.sampling[constraint.kind] = constraint.spec
     return parsed

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from radixserve.client.result import RequestResult
 from radixserve.server.openai_protocol import OpenAIRequest
-from radixserve.server.tool_calls import ToolCall
+from radixserve.server.tool_calls import ToolCall, ToolCallDelta
 
 MIN_LOGPROB = -9999.0
 """OpenAI's floor for a logprob: JSON has no -Infinity."""
@@ -27,12 +27,14 @@ class TokenLogprob(NamedTuple):
 
 @dataclass
 class Delta:
-    """What one choice gained since the last response or chunk."""
+    """What one choice gained since the last response or chunk: text, the tool calls that
+    completed, and the tool-call fragments a stream sends."""
 
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
 
 
 class ResponseShape:
@@ -73,10 +75,8 @@ class ResponseShape:
             choice["text"] = delta.text
         elif chunk:
             choice["delta"] = {"content": delta.text} if delta.text else {}
-            if delta.tool_calls:
-                choice["delta"]["tool_calls"] = [
-                    c.to_openai(streamed=True) for c in delta.tool_calls
-                ]
+            if delta.tool_call_deltas:
+                choice["delta"]["tool_calls"] = [c.to_openai() for c in delta.tool_call_deltas]
         else:
             choice["message"] = chat_message(delta)
         choice["logprobs"] = self._logprobs(delta.logprobs)

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 
 from radixserve.sampling.grammar import check_grammar
 from radixserve.server.errors import BadRequest
-from radixserve.server.tool_calls import ToolChoice, call_schema
+from radixserve.server.tool_calls import ToolChoice
+from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER, tool_format
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
 """vLLM's and SGLang's output constraints, copied into SamplingParams under the same name."""
@@ -27,12 +28,15 @@ class Constraint(NamedTuple):
 
 
 def output_constraint(
-    body: dict, tools: list[dict[str, Any]], tool_choice: ToolChoice
+    body: dict,
+    tools: list[dict[str, Any]],
+    tool_choice: ToolChoice,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
 ) -> Constraint | None:
-    """The request's one output constraint, if any."""
+    """The request's one output constraint, if any (a forced call in `tool_parser`'s format)."""
     given = [check_response_format(body.get("response_format"))]
     given += [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
-    given.append(forced_call_constraint(tools, tool_choice))
+    given.append(forced_call_constraint(tools, tool_choice, tool_parser))
     given = [constraint for constraint in given if constraint is not None]
     if len(given) > 1:
         first, second = given[0].param, given[1].param
@@ -80,10 +84,20 @@ def _checked_schema(schema: dict[str, Any], param: str = "response_format") -> d
 
 
 def forced_call_constraint(
-    tools: list[dict[str, Any]], tool_choice: ToolChoice
+    tools: list[dict[str, Any]], tool_choice: ToolChoice, tool_parser: str = DEFAULT_TOOL_PARSER
 ) -> Constraint | None:
-    """tool_choice "required" or a named function: the output is one call (a JSON object)."""
+    """tool_choice "required" or a named function: the output is one call, written in the
+    format of `tool_parser` (qwen25: one bare JSON object)."""
     if not tool_choice.forced:
         return None
-    schema = call_schema(tools, tool_choice.name)
-    return Constraint("tool_choice", "json_schema", _checked_schema(schema, param="tools"))
+    try:
+        kind, spec = tool_format(tool_parser).forced(tools, tool_choice.name)
+    except (RuntimeError, ValueError) as exc:  # xgrammar rejects a tool's schema
+        raise BadRequest(f"tools have an unusable JSON schema: {exc}", param="tools") from exc
+    if kind == "json_schema":
+        return Constraint("tool_choice", kind, _checked_schema(spec, param="tools"))
+    try:
+        check_grammar(kind, spec)
+    except ValueError as exc:
+        raise BadRequest(f"tools have an unusable JSON schema: {exc}", param="tools") from exc
+    return Constraint("tool_choice", kind, spec)

@@ -18,6 +18,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.errors import BadRequest
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
 T = TypeVar("T")
 TOKENIZER_THREADS = 2
@@ -34,6 +35,8 @@ class ServerState:
     served_model_name: str
     max_running_requests: int
     metrics: ServerMetrics
+    tool_parser: str = DEFAULT_TOOL_PARSER
+    """The tool-call format (tool_parsers/): `--tool-call-parser`, or the chat template's."""
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "radixserve-tokenize")
     )

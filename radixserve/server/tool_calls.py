@@ -1,30 +1,47 @@
-"""Tool calling for /v1/chat/completions: checking `tools` and `tool_choice`, forcing a call
-with a JSON schema, and finding calls in the output. Showing the tools to the model: see
-chat_prompt.py.
+"""Tool calling for /v1/chat/completions: checking `tools` and `tool_choice`, and the entry
+points to the per-family formats of tool_parsers/ (finding calls in the output, forcing one).
+Showing the tools to the model: see chat_prompt.py.
 
-Output. `required` (or a named function) constrains the output to one bare JSON call,
-`{"name": ..., "arguments": {...}}`; `auto` generates freely. Either way `ToolCallParser`
-reads the text: each valid `<tool_call>` block (a known tool's name, object arguments) is a
-call, and so is an output that is, as a whole, one such JSON object. Everything else is
-content; the whitespace between content and a call is dropped. A malformed block stays content.
+Output. `required` (or a named function) constrains the output to one call in the format of
+`--tool-call-parser` (qwen25: one bare JSON call, `{"name": ..., "arguments": {...}}`);
+`auto` generates freely. Either way `ToolCallParser` reads the text: each call in the
+family's format (a known tool's name, object arguments) is a call; everything else is
+content; the whitespace between content and a call is dropped. A malformed block stays
+content (streamed: unless it breaks after its call was sent; see tool_parsers/parser.py).
 
-Streaming. Content streams as it settles. From a `<tool_call>` tag to its end tag the text is
-held; a valid block is sent as one delta carrying the whole call (id, name and the complete
-arguments string), not as argument fragments. An output whose first non-blank character is
-"{" may be a bare call, so it is held to the end (this covers `required`).
+Streaming. Content streams as it settles; text that may begin a call is held. A call is sent
+as OpenAI's deltas: the first carries its index, id, type and name, later ones append to
+`function.arguments`; concatenated they are the complete JSON arguments (tool_parsers/).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.server.errors import BadRequest
+from radixserve.server.tool_parsers import (
+    DEFAULT_TOOL_PARSER,
+    ParsedText,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+)
+from radixserve.server.tool_parsers.qwen25 import END as CALL_END
+from radixserve.server.tool_parsers.qwen25 import START as CALL_START
+from radixserve.server.tool_parsers.qwen25 import call_schema
 
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+__all__ = [
+    "CALL_END",
+    "CALL_START",
+    "ParsedText",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallParser",
+    "call_schema",
+]
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 """OpenAI's rule for function names."""
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -118,22 +135,6 @@ def _parse_tool_choice(value: Any) -> ToolChoice:
     )
 
 
-def call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
-    """A JSON schema for one call, {"name": NAME, "arguments": PARAMETERS}, of any of the
-    tools (anyOf) or of just the one named."""
-    cases = [_call_case(t["function"]) for t in tools if name in (None, t["function"]["name"])]
-    return cases[0] if len(cases) == 1 else {"anyOf": cases}
-
-
-def _call_case(function: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": function["parameters"]},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
 def check_message_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls`, each call's arguments decoded to an object."""
     if not isinstance(value, list) or not value:
@@ -177,131 +178,20 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-# ---- output ------------------------------------------------------------------------------
+# ---- output ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One call found in a choice's output; `arguments` is a JSON object string."""
-
-    index: int
-    id: str
-    name: str
-    arguments: str
-
-    def to_openai(self, streamed: bool = False) -> dict[str, Any]:
-        """OpenAI's tool call; stream deltas also carry the call's index in the choice."""
-        call = {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
-        return {"index": self.index} | call if streamed else call
+def parse_tool_calls(
+    text: str,
+    names: list[str],
+    tool_parser: str = DEFAULT_TOOL_PARSER,
+    schemas: dict[str, Any] | None = None,
+) -> ParsedText:
+    """A whole output's content and tool calls, in the format `tool_parser` names (each
+    region judged whole: a call that breaks is content)."""
+    return ToolCallParser(names, tool_parser, schemas, streaming=False).feed(text, final=True)
 
 
-@dataclass
-class ParsedText:
-    """What settled of a choice's output: content text and complete tool calls."""
-
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-
-
-class ToolCallParser:
-    """Splits one choice's output into content and tool calls as the text arrives.
-
-    `feed` returns what has settled; text that may still turn into a call is held. The
-    parse is the same however the text is cut into pieces.
-    """
-
-    def __init__(self, names: list[str]):
-        self.names = set(names)
-        self.buffer = ""  # text not yet returned
-        self.in_block = False  # buffer starts inside a <tool_call> block (its tag consumed)
-        self.block_gap = ""  # whitespace before the open block: dropped if it is a call
-        self.bare: bool | None = None  # output may be one bare JSON call; None: undecided
-        self.after_call = False  # leading whitespace of the next content is dropped
-        self.num_calls = 0
-
-    def feed(self, text: str, final: bool = False) -> ParsedText:
-        """Parses `text`, the output's next piece; `final` when it is the last one."""
-        self.buffer += text
-        if self.bare is None and self.buffer.strip():
-            self.bare = self.buffer.lstrip().startswith("{")
-        out = ParsedText()
-        if self.bare and not final:
-            return out  # a bare call is judged whole, at the end
-        if self.bare and (call := self._call(self.buffer)) is not None:
-            self.buffer = ""
-            out.calls.append(call)
-            return out
-        while self._step(out, final):
-            pass
-        return out
-
-    def _step(self, out: ParsedText, final: bool) -> bool:
-        """Moves one piece of the buffer into `out`; False when the rest must wait."""
-        if self.in_block:
-            return self._close_block(out, final)
-        start = self.buffer.find(CALL_START)
-        if start >= 0:
-            before = self.buffer[:start]
-            self._add_content(out, before.rstrip())
-            self.block_gap = before[len(before.rstrip()) :]
-            self.buffer, self.in_block = self.buffer[start + len(CALL_START) :], True
-            return True
-        keep = 0 if final else held_tail(self.buffer)
-        self._add_content(out, self.buffer[: len(self.buffer) - keep])
-        self.buffer = self.buffer[len(self.buffer) - keep :]
-        return False
-
-    def _close_block(self, out: ParsedText, final: bool) -> bool:
-        end = self.buffer.find(CALL_END)
-        if end < 0 and not final:
-            return False
-        body = self.buffer if end < 0 else self.buffer[:end]
-        self.buffer = "" if end < 0 else self.buffer[end + len(CALL_END) :]
-        self.in_block = False
-        call = self._call(body)
-        if call is None:
-            tail = "" if end < 0 else CALL_END
-            self._add_content(out, self.block_gap + CALL_START + body + tail)
-        else:
-            out.calls.append(call)
-            self.after_call = True
-        return end >= 0
-
-    def _add_content(self, out: ParsedText, text: str) -> None:
-        if self.after_call:
-            text = text.lstrip()
-            self.after_call = not text
-        out.content += text
-
-    def _call(self, text: str) -> ToolCall | None:
-        """The call `text` holds, if it is {"name": a known tool, "arguments": {...}}."""
-        value = _json_object(text.strip())
-        if value is None or set(value) - {"name", "arguments"}:
-            return None
-        name, arguments = value.get("name"), value.get("arguments", {})
-        if not isinstance(name, str) or name not in self.names or not isinstance(arguments, dict):
-            return None
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        arguments_text = json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(index, f"call_{uuid.uuid4().hex}", name, arguments_text)
-
-
-def held_tail(text: str) -> int:
-    """How many trailing characters may still precede or begin a <tool_call> tag: a partial
-    tag and the whitespace before it."""
-    head = text[: len(text) - _partial_tag(text)]
-    return len(text) - len(head.rstrip())
-
-
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of `text` that begins CALL_START (but is not all of it)."""
-    for k in range(min(len(text), len(CALL_START) - 1), 0, -1):
-        if CALL_START.startswith(text[-k:]):
-            return k
-    return 0
-
-
-def parse_tool_calls(text: str, names: list[str]) -> ParsedText:
-    """A whole output's content and tool calls."""
-    return ToolCallParser(names).feed(text, final=True)
+def tool_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tool's parameters schema by name (what a parser types untyped values with)."""
+    return {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
