@@ -18,6 +18,7 @@ from radixserve.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    resolve_keys,
 )
 
 
@@ -84,7 +85,11 @@ def engine_args_from(args: argparse.Namespace) -> dict:
 def run_serve(args: argparse.Namespace) -> int:
     from radixserve.server.launch import serve
 
-    return serve(engine_args_from(args), server_config_from(args))
+    try:
+        server = resolve_keys(server_config_from(args))
+    except ValueError as exc:
+        raise SystemExit(f"radixserve serve: {exc}") from None
+    return serve(engine_args_from(args), server)
 
 
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
@@ -96,8 +101,8 @@ def run_fleet(args: argparse.Namespace) -> int:
     from radixserve.fleet.launch import run_fleet as launch_fleet
     from radixserve.fleet.router import RouterNotInstalledError
 
-    server = server_config_from(args)
     try:
+        server = resolve_keys(server_config_from(args))
         config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
         return launch_fleet(config, server, engine_args_from(args))
     except (RouterNotInstalledError, ValueError) as exc:

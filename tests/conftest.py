@@ -232,9 +232,12 @@ def greedy_generate(
 class ServerProcess:
     """A `radixserve serve` subprocess; `url` once ready, `stop()` sends SIGTERM. A subclass
     may serve another program by overriding `command`. With `wait=False` it returns at once;
-    `wait_ready()` then waits, so that several servers start side by side."""
+    `wait_ready()` then waits, so that several servers start side by side. `env`: variables
+    added to this process's environment for it."""
 
-    def __init__(self, model: str, *flags: str, wait: bool = True):
+    def __init__(
+        self, model: str, *flags: str, wait: bool = True, env: dict[str, str] | None = None
+    ):
         import subprocess
 
         self.port = free_port()
@@ -244,6 +247,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=os.environ | (env or {}),
         )
         self.log: list[str] = []
         self.ready = False
@@ -300,13 +304,20 @@ def server(tiny_chat_model):
 
 
 API_KEY = "sekret"
+ADMIN_API_KEY = "admin-sekret-4d1f"
 
 
 @pytest.fixture(scope="session")
-def keyed_server(tiny_chat_model):
-    """A server behind `--api-key API_KEY`, shared by the tests of what the key guards; they
-    send nothing that stays running, so each sees the server idle."""
-    proc = ServerProcess(tiny_chat_model, "--api-key", API_KEY)
+def keyed_server(tiny_chat_model, tmp_path_factory):
+    """A server with the user key API_KEY (read from --api-key-file) and the admin key
+    ADMIN_API_KEY (from $RADIXSERVE_ADMIN_API_KEY): neither on its command line. Shared by the
+    tests of what the keys guard; they send nothing that stays running, so each sees the
+    server idle."""
+    key_file = tmp_path_factory.mktemp("keys") / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    key_file.chmod(0o600)
+    env = {"RADIXSERVE_ADMIN_API_KEY": ADMIN_API_KEY}
+    proc = ServerProcess(tiny_chat_model, "--api-key-file", str(key_file), env=env)
     yield proc
     assert proc.stop() == 0
 

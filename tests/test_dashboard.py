@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ServerProcess, prompt_ids
+from conftest import ADMIN_API_KEY, ServerProcess, prompt_ids
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import NoPrefixCache
 from radixserve.cache.radix_cache import RadixCache
@@ -162,8 +162,10 @@ def test_static_files_ship_and_the_script_parses():
 
 
 def http(url: str, body=None, headers=None, method=None) -> tuple[int, dict, bytes]:
+    """`body`: raw if bytes, else JSON (sent as application/json unless `headers` say)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
+    headers = {"Content-Type": "application/json"} | (headers or {})
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, dict(resp.headers), resp.read()
@@ -247,7 +249,9 @@ def test_page_behind_api_key_uses_a_session_cookie(keyed_server):
     assert http(url + "/dashboard/dashboard.js")[0] == 401
     form = {"Content-Type": "application/x-www-form-urlencoded"}
     assert http(url + "/dashboard/login", b"key=wrong", form)[0] == 401
-    status, headers, _ = http_no_redirect(url + "/dashboard/login", b"key=sekret", form)
+    assert http(url + "/dashboard/login", b"key=sekret", form)[0] == 401  # the user's key
+    login = f"key={ADMIN_API_KEY}".encode()
+    status, headers, _ = http_no_redirect(url + "/dashboard/login", login, form)
     assert status == 303 and headers["Location"] == "/dashboard"
     cookie = headers["Set-Cookie"]
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/dashboard" in cookie
@@ -257,7 +261,9 @@ def test_page_behind_api_key_uses_a_session_cookie(keyed_server):
     status, headers, _ = http(url + "/dashboard/dashboard.js", headers=session)
     assert status == 200 and headers["Content-Type"].startswith("text/javascript")
     assert stats_of(url, session)["requests"]["running"] == 0
-    assert stats_of(url, {"Authorization": "Bearer sekret"})["requests"]["running"] == 0
+    assert stats_of(url, {"Authorization": f"Bearer {ADMIN_API_KEY}"})["requests"]["running"] == 0
+    user = {"Authorization": "Bearer sekret"}
+    assert http(url + "/dashboard/stats", headers=user)[0] == 403  # every tenant's prompts
     body = {"input_ids": [1, 2, 3], "sampling_params": GREEDY}
     assert http(url + "/generate", body, session)[0] == 401  # the cookie is for the page only
     assert http(url + "/dashboard/nothing.js", headers=session)[0] == 404
@@ -336,7 +342,7 @@ def test_dashboard_in_headless_chromium(keyed_server, browser_path, tmp_path):
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
         page.goto(proc.url + "/dashboard")
-        page.fill("input[name=key]", "sekret")
+        page.fill("input[name=key]", ADMIN_API_KEY)
         page.click("button[type=submit]")
         page.wait_for_function(
             "() => document.querySelector('#status').textContent.startsWith('updated')"

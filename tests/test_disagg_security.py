@@ -20,7 +20,8 @@ from radixserve.disagg.bootstrap_server import MAX_CONNECTIONS
 from radixserve.disagg.kv_pages import page_nbytes
 from radixserve.disagg.transfer import TcpKVTransfer
 from radixserve.engine.protocol import Bootstrap
-from radixserve.fleet.launch import pd_secret_file, worker_children
+from radixserve.fleet.auth import pd_secret_file
+from radixserve.fleet.launch import worker_children
 
 PAGE = 16
 FAILED = "KV transfer for bootstrap_room {} failed"

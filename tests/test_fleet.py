@@ -43,7 +43,8 @@ ROUTER_COMPLETION_DEFAULTS = {
     "skip_special_tokens": True, "return_hidden_states": False,
 }  # fmt: skip
 JSON = {"Content-Type": "application/json"}  # the router answers 415 without it
-AUTH = JSON | {"Authorization": "Bearer k"}
+FLEET_KEY = "fleet-key-5b7c91"
+AUTH = JSON | {"Authorization": f"Bearer {FLEET_KEY}"}
 HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
 needs_router = pytest.mark.skipif(
     not HAS_ROUTER, reason="sglang-router is not installed (pip install 'radixserve[fleet]')"
@@ -250,17 +251,31 @@ def _running(pid: int) -> bool:
 
 
 class FleetProcess:
-    """`radixserve fleet` in a subprocess, one torch thread per worker; `url`: the router.
-    `cwd`: the folder it runs in (None: this one)."""
+    """`radixserve fleet` in a subprocess, one torch thread per worker; `url`: the router,
+    `worker_urls`: the workers. `cwd`: the folder it runs in (None: this one); `env`: added
+    to its environment."""
 
-    def __init__(self, model: str, workers: int, *flags: str, cwd: Path | None = None):
+    def __init__(
+        self,
+        model: str,
+        workers: int,
+        *flags: str,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
         router_port, base = free_port_run(1), free_port_run(workers)
         self.url = f"http://127.0.0.1:{router_port}"
+        self.worker_urls = [f"http://127.0.0.1:{base + i}" for i in range(workers)]
         command = [sys.executable, "-m", "radixserve.cli", "fleet", model]
         command += ["--workers", str(workers), "--router-port", str(router_port)]
         command += ["--worker-base-port", str(base), "--max-total-tokens", "16384", *flags]
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=cwd,
+            env=os.environ | (env or {}),
         )
         self.log: list[str] = []
         for line in self.proc.stdout:
@@ -289,13 +304,17 @@ class FleetProcess:
 
 @needs_router
 def test_fleet_behind_the_real_router(tiny_chat_model, server, tmp_path):
-    flags = ["--served-model-name", "tiny", "--api-key", "k"]
-    fleet = FleetProcess(tiny_chat_model, 2, *flags, cwd=tmp_path)
+    env = {"RADIXSERVE_API_KEY": FLEET_KEY}  # the key: never on a command line
+    fleet = FleetProcess(tiny_chat_model, 2, "--served-model-name", "tiny", cwd=tmp_path, env=env)
     children = fleet.children()
     try:
         assert len(children) == 3  # two workers and the router
+        for pid in [fleet.proc.pid, *children]:
+            assert FLEET_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         status, _ = run(post(fleet.url + "/generate", {"text": "hi"}, headers=JSON))
-        assert status == 401  # the router holds the key; workers listen on loopback only
+        assert status == 401  # the router holds the key
+        for url in fleet.worker_urls:  # and the workers too, on loopback
+            assert run(post(url + "/generate", {"text": "hi"}, headers=JSON))[0] == 401
         body = {"input_ids": prompt_ids(5), "sampling_params": GREEDY, "rid": "r1"}
         status, routed = run(post(fleet.url + "/generate", body, headers=AUTH))
         assert status == 200 and routed["meta_info"]["id"] == "r1"

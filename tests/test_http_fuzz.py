@@ -28,6 +28,7 @@ from conftest import ServerProcess
 
 CONTEXT_LENGTH = 64
 REQUEST_TIMEOUT_S = 30.0
+JSON_TYPE = {"Content-Type": "application/json"}  # a keyless server answers 415 without it
 MAX_EXAMPLES = int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "60"))  # more: a longer local run
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
@@ -354,7 +355,7 @@ async def send(url: str, body: Any) -> tuple[int, str]:
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     data = body if isinstance(body, bytes) else json.dumps(body)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        async with session.post(url, data=data) as resp:
+        async with session.post(url, data=data, headers=JSON_TYPE) as resp:
             return resp.status, await resp.text()
 
 

@@ -158,3 +158,21 @@ def test_tree_summary_reports_subtrees_hits_and_pins():
     )
     assert not top.pinned
     assert cache.tree_summary().largest_subtrees[1].pinned
+
+
+def test_a_pin_name_is_its_namespaces_so_tenants_cannot_touch_each_others():
+    allocator, cache, table, _ = make_table(max_pinned=20)
+    pages_a = allocator.allocate(4).tolist()
+    cache.insert([1, 2, 3, 4], pages_a, namespace="salt-a")
+    pages_b = allocator.allocate(4).tolist()
+    cache.insert([1, 2, 3, 4], pages_b, namespace="salt-b")
+    key = prefix_pin_key("tools")
+    assert table.pin(key, [1, 2, 3, 4], namespace="salt-a") is not None
+    assert table.pin(key, [1, 2, 3, 4], namespace="salt-b") is not None  # no replacement
+    assert len(table) == 2 and cache.size_info().pinned_pages == 8
+    assert not table.unpin(key)  # the default namespace has no such pin
+    assert table.unpin(key, "salt-b") and not table.unpin(key, "salt-b")
+    assert [(p["name"], p["namespace"]) for p in table.describe()] == [("tools", "salt-a")]
+    assert cache.evict(100) == 4  # B's pages are plain LRU again; A's stay pinned
+    assert cache.match_prefix([1, 2, 3, 4], "salt-a", max_tokens=4).num_tokens == 4
+    cache.check_integrity()

@@ -11,14 +11,18 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ServerProcess, prompt_ids, stop_running
+from conftest import ADMIN_API_KEY, ServerProcess, prompt_ids, stop_running
 from radixserve.config import ServerConfig
-from radixserve.server.app import api_key_matches, build_app
+from radixserve.server.app import build_app
+from radixserve.server.auth import api_key_matches, needs_admin
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+JSON_TYPE = {"Content-Type": "application/json"}
 
 
 async def post(url: str, body, **kwargs):
+    """POSTs `body` (raw if bytes or str, else as JSON) as Content-Type: application/json."""
+    kwargs["headers"] = JSON_TYPE | kwargs.get("headers", {})
     async with aiohttp.ClientSession() as session:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)
         async with session.post(url, data=data, **kwargs) as resp:
@@ -288,7 +292,7 @@ MAX_BODY = 32 << 20  # the default --max-body-mb
 async def send_head(port: int, content_length: int) -> tuple[int, dict]:
     """POSTs /generate announcing `content_length` bytes but sends one; returns the answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {content_length}\r\n\r\n{{")  # fmt: skip
     writer.write(head.encode())
     try:
@@ -315,7 +319,8 @@ def test_body_size_is_checked_before_the_body_is_read(server):
                 yield b" " * (1 << 20)
 
         async with aiohttp.ClientSession() as session:
-            async with session.post(server.url + "/generate", data=chunks()) as resp:
+            post = session.post(server.url + "/generate", data=chunks(), headers=JSON_TYPE)
+            async with post as resp:
                 assert resp.request_info.headers.get("Transfer-Encoding") == "chunked"
                 return resp.status, await resp.json()
 
@@ -413,7 +418,9 @@ def app_routes() -> list[tuple[str, str]]:
     return sorted({(route.method, route.resource.canonical) for route in app.router.routes()})
 
 
-def test_api_key_guards_every_route_but_health_and_metrics(keyed_server):
+def test_keys_guard_every_route_but_health_and_metrics(keyed_server):
+    """No key or a wrong one: 401; the user key: 403 on admin routes only; the admin key:
+    every route."""
     routes = app_routes()
     assert {path for _, path in routes} == KNOWN_ROUTES | OPEN_ROUTES
     assert {method for method, _ in routes} == {"GET", "HEAD", "POST"}
@@ -435,11 +442,13 @@ def test_api_key_guards_every_route_but_health_and_metrics(keyed_server):
             for method, path in routes:
                 without = [await status(session, method, path, auth) for auth in wrong]
                 with_key = await status(session, method, path, "Bearer sekret")
+                admin = await status(session, method, path, f"Bearer {ADMIN_API_KEY}")
                 guarded = path not in OPEN_ROUTES
                 ok = with_key != 401 and without == [401] * len(wrong) if guarded else (
                     with_key == 200 and without == [200] * len(wrong))  # fmt: skip
+                ok = ok and admin not in (401, 403) and (with_key == 403) == needs_admin(path)
                 if not ok:
-                    failures.append((method, path, without, with_key))
+                    failures.append((method, path, without, with_key, admin))
         return failures
 
     assert run(walk()) == []
@@ -452,7 +461,7 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("radixserve.server.app.hmac.compare_digest", compare_digest)
+    monkeypatch.setattr("radixserve.server.auth.hmac.compare_digest", compare_digest)
     assert api_key_matches("Bearer k3y", "k3y") and compared
     assert not api_key_matches("Bearer k3", "k3y")
     assert not api_key_matches("Bearer k3y\u00e9", "k3y")  # not ASCII: False, not a TypeError

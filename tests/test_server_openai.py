@@ -183,7 +183,8 @@ def test_client_disconnect_aborts_the_request(server, stream):
     before = aborted()
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     body = {"model": MODEL, "prompt": "Hello", "stream": stream, "ignore_eos": True}
-    connection.request("POST", "/v1/completions", json.dumps(body))  # about 2000 tokens
+    json_type = {"Content-Type": "application/json"}
+    connection.request("POST", "/v1/completions", json.dumps(body), json_type)  # ~2000 tokens
     if stream:
         response = connection.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")

@@ -135,9 +135,10 @@ class PrefixCache(ABC):
     def num_evictable_pages(self) -> int:
         """Pages `evict` could free right now (O(1))."""
 
-    def tree_summary(self, top_k: int = 10) -> TreeSummary:
-        """Size and shape of the cached tree, its `top_k` largest top-level subtrees."""
-        return summarize_tree(self.roots(), top_k)
+    def tree_summary(self, top_k: int = 10, namespaces: Iterable | None = None) -> TreeSummary:
+        """Size and shape of the cached tree, its `top_k` largest top-level subtrees (of
+        `namespaces` only, when given)."""
+        return summarize_tree(self.roots(), top_k, namespaces)
 
     def tree_outline(self, max_nodes: int = 200, max_children: int = 8) -> dict:
         """The cached tree as a bounded nested outline, largest subtrees first (dashboard)."""

@@ -4,7 +4,9 @@ A pin holds one radix node (`PrefixCache.pin`: a reference count along the path 
 beside the lock count of running requests), so the prefix up to that node stays in the pool
 until the pin ends. Pins are named: `session:<id>` for an agent session's last turn (renewed
 by each turn, ended when the next turn is admitted: that request then locks what it reads),
-`prefix:<name>` for a prefix pinned through `POST /cache/pin`.
+`prefix:<name>` for a prefix pinned through `POST /cache/pin`. A name is the namespace's
+(cache_salt's): the same name in two namespaces is two pins, so one tenant can neither
+replace nor end another's.
 
     pin ends when:  its TTL passes (`expire`) | it is replaced or unpinned by name
                     | the bound needs room: pinned pages > max_pinned_pages, oldest first
@@ -70,14 +72,16 @@ class PinTable:
         self.cache = cache
         self.max_pinned_pages = max_pinned_pages
         self.clock = clock
-        self._pins: dict[str, Pin] = {}  # insertion order = pinned_at order (renewals move)
+        # (namespace, key) -> pin; insertion order = pinned_at order (renewals move)
+        self._pins: dict[tuple[str | None, str], Pin] = {}
         self.num_degraded = 0  # pins ended early by the bound or by memory pressure
 
     def __len__(self) -> int:
         return len(self._pins)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._pins
+        """Whether `key` is pinned in the default namespace (tests)."""
+        return (None, key) in self._pins
 
     def pin(
         self,
@@ -86,22 +90,24 @@ class PinTable:
         namespace: str | None = None,
         ttl_s: float | None = None,
     ) -> Pin | None:
-        """Pins the cached part of `token_ids` under `key` (replacing its old pin); None if
-        none of it is cached or the bound let it go at once (it alone is too large)."""
-        self.unpin(key)
+        """Pins the cached part of `token_ids` under `key` in `namespace` (replacing its old
+        pin there); None if none of it is cached or the bound let it go at once (it alone is
+        too large)."""
+        self.unpin(key, namespace)
         match = self.cache.match_prefix(token_ids, namespace, max_tokens=len(token_ids))
         if match.num_tokens == 0 or not self.cache.shares_prefixes:
             return None
         now = self.clock()
         expires_at = None if ttl_s is None else now + ttl_s
         self.cache.pin(match.node)
-        self._pins[key] = Pin(key, match.node, match.num_tokens, namespace, now, expires_at)
+        pin = Pin(key, match.node, match.num_tokens, namespace, now, expires_at)
+        self._pins[namespace, key] = pin
         self._enforce_bound()
-        return self._pins.get(key)
+        return self._pins.get((namespace, key))
 
-    def unpin(self, key: str) -> bool:
-        """Ends the pin named `key`; False if there is none."""
-        pin = self._pins.pop(key, None)
+    def unpin(self, key: str, namespace: str | None = None) -> bool:
+        """Ends the pin named `key` in `namespace`; False if there is none."""
+        pin = self._pins.pop((namespace, key), None)
         if pin is None:
             return False
         self.cache.unpin(pin.node)
@@ -111,17 +117,18 @@ class PinTable:
         """Ends the pins whose TTL has passed; returns how many."""
         now = self.clock()
         expired = [
-            k for k, p in self._pins.items() if p.expires_at is not None and p.expires_at <= now
+            p for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now
         ]
-        for key in expired:
-            self.unpin(key)
+        for pin in expired:
+            self.unpin(pin.key, pin.namespace)
         return len(expired)
 
     def release_oldest(self) -> bool:
         """Ends the oldest pin (memory pressure with nothing else to free); False if none."""
         if not self._pins:
             return False
-        self.unpin(next(iter(self._pins)))
+        oldest = next(iter(self._pins.values()))
+        self.unpin(oldest.key, oldest.namespace)
         self.num_degraded += 1
         return True
 
@@ -130,8 +137,8 @@ class PinTable:
             pass
 
     def clear(self) -> None:
-        for key in list(self._pins):
-            self.unpin(key)
+        for namespace, key in list(self._pins):
+            self.unpin(key, namespace)
 
     def describe(self) -> list[dict]:
         """Every live pin, oldest first (`GET /cache/sessions`)."""

@@ -50,23 +50,28 @@ class TreeSummary:
         return asdict(self)
 
 
-def summarize_tree(roots: Iterable, top_k: int = 10) -> TreeSummary:
+def summarize_tree(
+    roots: Iterable, top_k: int = 10, namespaces: Iterable | None = None
+) -> TreeSummary:
     """Walks every node once; `roots` are RadixCache roots (nodes with `children`, `key`,
-    `hit_count`, `pin_count`, `lock_count`)."""
+    `hit_count`, `pin_count`, `lock_count`). The counts cover every namespace; the largest
+    subtrees come from `namespaces` only, when given (a tenant sees its own prompts only)."""
     roots = list(roots)
+    shown = None if namespaces is None else set(namespaces)
     subtrees = [
         _summarize_subtree(child, root.namespace)
         for root in roots
         for child in root.children.values()
     ]
     subtrees.sort(key=lambda s: s.num_tokens, reverse=True)
+    largest = [s for s in subtrees if shown is None or s.namespace in shown][:top_k]
     return TreeSummary(
         num_nodes=sum(s.num_nodes for s in subtrees),
         num_namespaces=sum(1 for root in roots if root.children),
         max_depth=max((s.max_depth for s in subtrees), default=0),
         num_tokens=sum(s.num_tokens for s in subtrees),
         num_host_only_tokens=sum(s.num_host_only_tokens for s in subtrees),
-        largest_subtrees=subtrees[:top_k],
+        largest_subtrees=largest,
     )
 
 

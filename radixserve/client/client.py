@@ -204,11 +204,12 @@ class EngineClient(ABC):
     async def list_pins(self) -> list[dict]:
         return await self.call("list_pins")
 
-    async def unpin(self, key: str) -> bool:
-        return await self.call("unpin", key=key)
+    async def unpin(self, key: str, namespace: str | None = None) -> bool:
+        return await self.call("unpin", key=key, namespace=namespace)
 
-    async def tree_summary(self, top_k: int = 10) -> dict:
-        return await self.call("tree_summary", top_k=top_k)
+    async def tree_summary(self, top_k: int = 10, namespaces: list | None = None) -> dict:
+        """Size and shape of the tree; largest subtrees of `namespaces` only (None: all)."""
+        return await self.call("tree_summary", top_k=top_k, namespaces=namespaces)
 
     # ---- what the core sends back (any thread) -------------------------------------------
 

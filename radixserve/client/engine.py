@@ -118,12 +118,19 @@ class Engine:
         """Retention pins (sessions, pinned prefixes), oldest first: as GET /cache/sessions."""
         return self._loop.run(self.client.list_pins())
 
-    def unpin(self, *, name: str | None = None, session_id: str | None = None) -> bool:
-        """Ends a pinned prefix's (`name`) or a session's pin; False if there is none."""
+    def unpin(
+        self,
+        *,
+        name: str | None = None,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> bool:
+        """Ends a pinned prefix's (`name`) or a session's pin in the namespace of
+        `cache_salt`; False if there is none."""
         if (name is None) == (session_id is None):
             raise ValueError("unpin: give exactly one of name or session_id")
         key = prefix_pin_key(name) if session_id is None else session_pin_key(session_id)
-        return self._loop.run(self.client.unpin(key))
+        return self._loop.run(self.client.unpin(key, cache_salt))
 
     def tree_summary(self, top_k: int = 10) -> dict:
         """The radix tree's size, depth and largest subtrees: as GET /cache/tree."""

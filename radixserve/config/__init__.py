@@ -9,6 +9,7 @@ text (see cli_args.py); callers import every public name from here.
     parallel        ParallelConfig (tensor parallelism)
     disaggregation  DisaggregationConfig (prefill/decode workers)
     server          ServerConfig (HTTP)
+    keys            resolve_keys (API keys from flag, file or environment), redact_secrets
     fleet           FleetConfig (`radixserve fleet`)
     engine_args     split_engine_kwargs (flat engine keywords -> the dataclasses above)
 """
@@ -24,6 +25,13 @@ from radixserve.config.disaggregation import (
 )
 from radixserve.config.engine_args import split_engine_kwargs
 from radixserve.config.fleet import ROUTER_POLICIES, FleetConfig
+from radixserve.config.keys import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    is_secret_field,
+    redact_secrets,
+    resolve_keys,
+)
 from radixserve.config.kv_events import KV_EVENT_PUBLISHERS, KVEventsConfig, offset_endpoint
 from radixserve.config.load import TORCH_DTYPES, LoadConfig
 from radixserve.config.model import (
@@ -42,6 +50,8 @@ from radixserve.config.scheduler import (
 from radixserve.config.server import ServerConfig
 
 __all__ = [
+    "ADMIN_API_KEY_ENV",
+    "API_KEY_ENV",
     "DISAGGREGATION_MODES",
     "DIST_BACKENDS",
     "DRAFT_MODEL_ALGORITHMS",
@@ -66,6 +76,9 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "UnsupportedModelError",
+    "is_secret_field",
     "offset_endpoint",
+    "redact_secrets",
+    "resolve_keys",
     "split_engine_kwargs",
 ]

@@ -14,7 +14,22 @@ class ServerConfig:
     port: int = 30000
     """Port to listen on."""
     api_key: str | None = None
-    """Require `Authorization: Bearer <key>` on every endpoint but health and metrics."""
+    """The user key: `Authorization: Bearer <key>` on every route but health and metrics
+    (generation, own pins, introspection of the caller's own namespace). Without
+    --admin-api-key it opens the admin routes too. Prefer --api-key-file or
+    RADIXSERVE_API_KEY: a flag shows in `ps`."""
+    api_key_file: str | None = None
+    """Read --api-key from this file (one line; warned about when group/other can read it)."""
+    admin_api_key: str | None = None
+    """The admin key (SGLang's flag): /flush_cache, /check_integrity, /cache/tree and
+    /cache/sessions of every namespace, and the dashboard. Prefer --admin-api-key-file or
+    RADIXSERVE_ADMIN_API_KEY."""
+    admin_api_key_file: str | None = None
+    """Read --admin-api-key from this file (one line; warned about when group/other can read
+    it)."""
+    allowed_hosts: str | None = None
+    """Comma-separated host names (no port) that requests without a key may name in Host and
+    Origin besides loopback and --host (DNS-rebinding guard), e.g. "myhost,myhost.lan"."""
     max_queued_requests: int = 1024
     """Requests allowed to wait beyond the running batch; more are answered 503."""
     served_model_name: str | None = None
@@ -27,4 +42,9 @@ class ServerConfig:
     """Tool-call format: qwen25 (alias hermes), llama3 (llama3_json), mistral, pythonic,
     deepseekv3 (deepseek_v3), qwen3_coder; default: the chat template's, else qwen25."""
     disable_dashboard: bool = False
-    """Do not serve the live dashboard at /dashboard (behind --api-key when one is set)."""
+    """Do not serve the live dashboard at /dashboard (behind the admin key when one is set)."""
+
+    def allowed_host_names(self) -> frozenset[str]:
+        """--allowed-hosts as lower-case names."""
+        names = (self.allowed_hosts or "").split(",")
+        return frozenset(name.strip().lower() for name in names if name.strip())

@@ -156,12 +156,14 @@ class EngineCore:
         """Every retention pin (sessions and pinned prefixes), oldest first."""
         return self.scheduler.pins.describe()
 
-    def unpin(self, key: str) -> bool:
-        """Ends the pin named `key` (session:<id> | prefix:<name>); False if there is none."""
-        return self.scheduler.pins.unpin(key)
+    def unpin(self, key: str, namespace: str | None = None) -> bool:
+        """Ends the pin named `key` (session:<id> | prefix:<name>) in `namespace` (a
+        cache_salt); False if there is none."""
+        return self.scheduler.pins.unpin(key, namespace)
 
-    def tree_summary(self, top_k: int = 10) -> dict:
-        return self.cache.tree_summary(top_k).to_dict()
+    def tree_summary(self, top_k: int = 10, namespaces: list | None = None) -> dict:
+        """The tree's size and shape; its largest subtrees from `namespaces` only (None: all)."""
+        return self.cache.tree_summary(top_k, namespaces).to_dict()
 
     def check_integrity(self) -> None:
         """Raises unless every page is free, owned by the tree, or held by a running request."""

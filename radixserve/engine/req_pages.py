@@ -61,7 +61,7 @@ class ReqPages:
         req.last_node = match.node
         req.num_computed = match.num_tokens
         if req.session_id is not None:
-            self.pins.unpin(session_pin_key(req.session_id))
+            self.pins.unpin(session_pin_key(req.session_id), req.namespace)
 
     def load_from_tier(self, match: MatchResult) -> MatchResult:
         """Brings the tier-only part of a (locked) match into the pool, as far as pages can

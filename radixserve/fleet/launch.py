@@ -3,7 +3,8 @@
     radixserve fleet --workers N
         worker i: radixserve serve --host 127.0.0.1 --port (worker_base_port + i)
                   CPU: pinned to its own cores, that many torch threads; CUDA: one GPU each
-        router:   python -m sglang_router.launch_router --worker-urls ... (on --host, --router-port)
+        router:   sglang-router (on --host, --router-port); each worker registered through its
+                  POST /workers with the workers' key (fleet/auth.py)
 
     radixserve fleet --prefill-workers P --decode-workers D       (prefill/decode disaggregation)
         workers 0..P-1:   ... --disaggregation-mode prefill
@@ -21,17 +22,13 @@ import ctypes
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,7 +46,7 @@ from radixserve.config import (
     ServerConfig,
     split_engine_kwargs,
 )
-from radixserve.disagg.auth import write_secret_file
+from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
 from radixserve.fleet.router import PDWorkers, require_router, router_command
 
 logger = logging.getLogger(__name__)
@@ -58,8 +55,10 @@ POLL_S = 0.5
 STOP_TIMEOUT_S = 45.0
 """Per process, after SIGTERM: a worker drains for up to 30 s (server/launch.py), then exits."""
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key")
-"""Set by the fleet itself: workers listen on loopback; the API key guards the router."""
+SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key", "api_key_file", "admin_api_key",
+                         "admin_api_key_file")  # fmt: skip
+"""Set by the fleet itself: workers listen on loopback; their key comes in the environment
+(fleet/auth.py)."""
 
 
 @dataclass
@@ -159,9 +158,10 @@ def engine_flags(engine_args: dict[str, Any]) -> list[str]:
 
 
 def router_workers(workers: list[Child]) -> list[str] | PDWorkers:
-    """What the router fronts: the workers' urls, or in a PD fleet prefill and decode ones."""
+    """What the router's command line names: in a PD fleet its prefill and decode workers;
+    none in a data-parallel one (they register with their key once it runs)."""
     if all(w.mode is None for w in workers):
-        return [w.url for w in workers]
+        return []
     prefill = [(w.url, w.bootstrap_port) for w in workers if w.mode == "prefill"]
     return PDWorkers(prefill, [w.url for w in workers if w.mode == "decode"])
 
@@ -197,11 +197,12 @@ def thread_env(num_threads: int) -> dict[str, str]:
 def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]) -> int:
     """Runs the fleet until SIGTERM / SIGINT (0) or until it cannot serve any more (1)."""
     require_router()
+    keys = fleet_keys(server, config.pd_disaggregation)
     with pd_secret_file(config, engine_args) as engine_args:
-        workers, router = fleet_children(config, server, engine_args)
+        workers, router = fleet_children(config, server, engine_args, keys)
         stop = install_stop_signals()
         try:
-            if not start_all(workers, router, config, stop):
+            if not start_all(workers, router, config, stop, keys):
                 return 0 if stop.is_set() else 1
             print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
             return supervise(workers, router, stop)
@@ -209,43 +210,29 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
             stop_all([router, *workers])
 
 
-@contextmanager
-def pd_secret_file(config: FleetConfig, engine_args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A PD fleet's engine arguments with the secret its KV transfers share: the given
-    --disaggregation-secret-file, or a fresh one (mode 0600) in a new 0700 run directory
-    (under $XDG_RUNTIME_DIR if set, else the system's temp folder; never the cwd), removed
-    with it when the fleet exits."""
-    if not config.pd_disaggregation or engine_args.get("disaggregation_secret_file"):
-        yield engine_args
-        return
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    folder = tempfile.mkdtemp(
-        prefix="radixserve-fleet-", dir=runtime if runtime and os.path.isdir(runtime) else None
-    )
-    try:
-        path = os.path.join(folder, "disaggregation-secret")
-        write_secret_file(path)
-        yield engine_args | {"disaggregation_secret_file": path}
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def fleet_children(
-    config: FleetConfig, server: ServerConfig, engine_args: dict[str, Any]
+    config: FleetConfig,
+    server: ServerConfig,
+    engine_args: dict[str, Any],
+    keys: FleetKeys | None = None,
 ) -> tuple[list[Child], Child]:
-    """The fleet's processes, not started yet: its workers, and the router fronting them."""
+    """The fleet's processes, not started yet: its workers, and the router fronting them;
+    each with its key in its environment (`keys`, default: fleet_keys)."""
+    keys = keys or fleet_keys(server, config.pd_disaggregation)
     workers = worker_children(config, server, engine_args)
     check_ports(workers, config.router_port)
+    for worker in workers:
+        worker.env = worker.env | keys.worker_env()
     command = router_command(
         router_workers(workers),
         server.host,
         config.router_port,
         config.policy,
-        api_key=server.api_key,
         log_level=server.log_level,
         extra_args=config.router_args,
     )
-    return workers, Child("router", command, f"http://{server.host}:{config.router_port}")
+    url = f"http://{server.host}:{config.router_port}"
+    return workers, Child("router", command, url, env=keys.router_env())
 
 
 def check_ports(workers: list[Child], router_port: int) -> None:
@@ -279,9 +266,12 @@ def install_stop_signals() -> threading.Event:
     return stop
 
 
-def start_all(workers: list[Child], router: Child, config: FleetConfig, stop) -> bool:
-    """Starts the workers, waits until each is healthy, then the router until it sees them all;
-    False (with the reason logged) when one fails or a stop signal comes first."""
+def start_all(
+    workers: list[Child], router: Child, config: FleetConfig, stop, keys: FleetKeys
+) -> bool:
+    """Starts the workers, waits until each is healthy, then the router (registering the
+    data-parallel workers with it) until it sees them all; False (with the reason logged)
+    when one fails or a stop signal comes first."""
     deadline = time.monotonic() + config.startup_timeout_s
     for worker in workers:
         worker.start()
@@ -289,6 +279,11 @@ def start_all(workers: list[Child], router: Child, config: FleetConfig, stop) ->
         if not wait_until(worker, lambda w=worker: worker_healthy(w.url), deadline, stop):
             return False
     router.start()
+    if not config.pd_disaggregation:
+        if not wait_until(router, lambda: router_live(router.url), deadline, stop):
+            return False
+        if not register_workers(router.url, [w.url for w in workers], keys):
+            return False
     return wait_until(router, lambda: router_ready(router.url, len(workers)), deadline, stop)
 
 
@@ -307,6 +302,11 @@ def wait_until(child: Child, ready, deadline: float, stop: threading.Event) -> b
 
 def worker_healthy(url: str) -> bool:
     return http_get(url + "/health") is not None
+
+
+def router_live(url: str) -> bool:
+    """Whether the router answers at all (it does before any worker is added)."""
+    return http_get(url + "/liveness") is not None
 
 
 def router_ready(url: str, num_workers: int) -> bool:

@@ -6,8 +6,12 @@ import importlib.util
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-ROUTER_MODULE = "sglang_router.launch_router"
+from radixserve.fleet import router_main
+
+ROUTER_LAUNCHER = str(Path(router_main.__file__).resolve())
+"""sglang-router's launcher, its key read from the environment (ROUTER_API_KEY_ENV)."""
 ROUTER_LOG_LEVELS = {"warning": "warn"}
 """Our --log-level names where the router's differ (it takes debug | info | warn | error)."""
 INSTALL_HINT = "pip install 'radixserve[fleet]' (or: pip install sglang-router)"
@@ -32,10 +36,10 @@ class PDWorkers:
 
 
 def worker_flags(workers: list[str] | PDWorkers) -> list[str]:
-    """The router's worker list: `--worker-urls ...`, or in PD mode `--pd-disaggregation
-    --prefill URL BOOTSTRAP_PORT ... --decode URL ...`."""
+    """The router's worker list: `--worker-urls ...` (none: they register later), or in PD
+    mode `--pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...`."""
     if not isinstance(workers, PDWorkers):
-        return ["--worker-urls", *workers]
+        return ["--worker-urls", *workers] if workers else []
     flags = ["--pd-disaggregation"]
     for url, bootstrap_port in workers.prefill:
         flags += ["--prefill", url, str(bootstrap_port)]
@@ -49,16 +53,14 @@ def router_command(
     host: str,
     port: int,
     policy: str,
-    api_key: str | None = None,
     log_level: str | None = None,
     extra_args: str = "",
 ) -> list[str]:
-    """`python -m sglang_router.launch_router ...` in this interpreter, fronting `workers`
-    (urls, or a PD fleet's); `extra_args` come last, so they override."""
-    command = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
+    """sglang-router's launcher in this interpreter, fronting `workers` (urls, or a PD
+    fleet's); `extra_args` come last, so they override. Its key travels in the environment
+    (ROUTER_API_KEY_ENV), never on this command line."""
+    command = [sys.executable, ROUTER_LAUNCHER, "--host", host, "--port", str(port)]
     command += [*worker_flags(workers), "--policy", policy]
-    if api_key:
-        command += ["--api-key", api_key]
     if log_level:
         command += ["--log-level", ROUTER_LOG_LEVELS.get(log_level, log_level)]
     return command + shlex.split(extra_args)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from contextlib import aclosing
@@ -17,18 +16,17 @@ from radixserve.client.client import EngineBusyError, EngineDeadError
 from radixserve.client.output import LogprobCursor, format_output
 from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs
 from radixserve.client.result import ResultStream
-from radixserve.config import ServerConfig
+from radixserve.config import ServerConfig, redact_secrets
 from radixserve.server import dashboard, openai_api
+from radixserve.server.auth import auth_middleware
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.openai_protocol import is_same_value
+from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")
-"""The only paths served without the API key: probes and scrapers carry none. Not
-/health_generate: it runs a generation on the GPU."""
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_FIELDS = GENERATE_ARG_NAMES | {"stream", "return_text_in_logprobs"}
@@ -65,30 +63,6 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         logger.exception("internal error on %s", request.path)
         return error_response(500, "internal server error")
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    key = state_of(request).config.api_key
-    if key and request.path not in OPEN_PATHS and not await _authorized(request, key):
-        if (login_form := dashboard.unauthorized(request)) is not None:
-            return login_form
-        return error_response(401, "missing or invalid API key", param="Authorization")
-    return await handler(request)
-
-
-async def _authorized(request: web.Request, key: str) -> bool:
-    """The Bearer key, or on the dashboard's paths its session cookie or login form."""
-    if api_key_matches(request.headers.get("Authorization", ""), key):
-        return True
-    return dashboard.has_session(request) or await dashboard.posts_key(request, key)
-
-
-def api_key_matches(authorization: str, key: str) -> bool:
-    """Whether the Authorization header is `Bearer <key>`, compared in constant time so the
-    answer's timing tells nothing about how much of a guess was right."""
-    given = authorization.encode("utf-8", "surrogateescape")
-    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 @web.middleware
@@ -234,11 +208,11 @@ async def server_info(request: web.Request) -> web.Response:
     state = state_of(request)
     stats = await state.client.call("get_stats")
     return web.json_response({
-        **state.engine_args,
-        **{k: v for k, v in asdict(state.config).items() if k != "api_key"},
+        **redact_secrets(state.engine_args),
+        **redact_secrets(asdict(state.config)),
         **model_paths(state),
         "served_model_name": state.served_model_name,
-        "engine": state.client.info,
+        "engine": redact_secrets(state.client.info),
         "num_active_requests": state.client.num_active,
         "stats": stats,
     })  # fmt: skip
@@ -306,7 +280,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, body_size_middleware],
+        middlewares=[
+            error_middleware,
+            auth_middleware,
+            browser_guard_middleware,
+            body_size_middleware,
+        ],
         client_max_size=max_body_bytes(state.config),
     )
     app[STATE_KEY] = state

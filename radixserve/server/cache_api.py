@@ -3,9 +3,11 @@ radix tree (for dashboards).
 
     POST /cache/pin       {"text" | "input_ids", "name", "ttl_s"?, "cache_salt"?}
                           prefills the prefix (max_new_tokens 0) and pins it as prefix:<name>
-    POST /cache/unpin     {"name"} | {"session_id"}
-    GET  /cache/sessions  every pin: sessions and prefixes, their sizes and TTLs
+    POST /cache/unpin     {"name"} | {"session_id"}, "cache_salt"?  (a pin is its namespace's)
+    GET  /cache/sessions  pins: sessions and prefixes, their sizes and TTLs
     GET  /cache/tree      ?top_k=10: node count, depth, largest subtrees with tokens and hits
+
+The GETs count every namespace but list the caller's only (admin: all; tenants.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import PinRequest
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.state import read_json, state_of
+from radixserve.server.tenants import namespaces_shown, public_pin, public_tree, shown_pins
 
 PIN_FIELDS = {"text", "input_ids", "name", "ttl_s", "cache_salt"}
 MAX_TREE_TOP_K = 1000
@@ -38,28 +41,34 @@ async def pin_prefix(request: web.Request) -> web.Response:
     key = prefix_pin_key(name)
     specs = [replace(specs[0], pin=PinRequest(key, ttl_s))]
     await state.run(state.open(specs))
-    pin = _find_pin(await state.client.list_pins(), "prefix", name)
+    pin = _find_pin(await state.client.list_pins(), "prefix", name, specs[0].namespace)
+    pin = None if pin is None else public_pin(pin)
     return web.json_response({"name": name, "pinned": pin is not None, "pin": pin})
 
 
 async def unpin(request: web.Request) -> web.Response:
-    body = _object(await read_json(request), {"name", "session_id"})
+    body = _object(await read_json(request), {"name", "session_id", "cache_salt"})
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest(f"cache_salt must be a string; got {salt!r}", param="cache_salt")
     if ("name" in body) == ("session_id" in body):
         raise BadRequest("give exactly one of name (a pinned prefix) or session_id", "name")
     if "name" in body:
         key = prefix_pin_key(_name(body["name"], "name"))
     else:
         key = session_pin_key(_name(body["session_id"], "session_id"))
-    if not await state_of(request).client.unpin(key):
-        return error_response(404, f"no pin named {key!r}", param="name")
+    if not await state_of(request).client.unpin(key, salt):
+        return error_response(404, f"no pin named {key!r} in this namespace", param="name")
     return web.json_response({"success": True})
 
 
 async def list_sessions(request: web.Request) -> web.Response:
     client = state_of(request).client
     stats = await client.stats()
+    pins = await client.list_pins()
     return web.json_response({
-        "pins": await client.list_pins(),
+        "pins": shown_pins(pins, namespaces_shown(request)),
+        "num_pins": len(pins),
         "pinned_pages": stats["tree_pinned_pages"],
         "max_pinned_pages": stats["max_pinned_pages"],
         "page_size": stats["page_size"],
@@ -71,8 +80,9 @@ async def tree(request: web.Request) -> web.Response:
     raw = request.query.get("top_k", "10")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_TREE_TOP_K:
         raise BadRequest(f"top_k must be an int in [1, {MAX_TREE_TOP_K}]; got {raw!r}", "top_k")
-    summary = await state_of(request).client.tree_summary(top_k=int(raw))
-    return web.json_response(summary)
+    client = state_of(request).client
+    summary = await client.tree_summary(top_k=int(raw), namespaces=namespaces_shown(request))
+    return web.json_response(public_tree(summary))
 
 
 def register_cache_routes(app: web.Application) -> None:
@@ -106,5 +116,6 @@ def _ttl(value: Any) -> float | None:
     return float(value)
 
 
-def _find_pin(pins: list[dict], kind: str, name: str) -> dict | None:
-    return next((p for p in pins if p["kind"] == kind and p["name"] == name), None)
+def _find_pin(pins: list[dict], kind: str, name: str, namespace: str | None) -> dict | None:
+    matches = (p for p in pins if (p["kind"], p["name"], p["namespace"]) == (kind, name, namespace))
+    return next(matches, None)

@@ -1,9 +1,10 @@
 """`GET /dashboard`: a static page (dashboard_static/) that polls `/dashboard/stats`.
 
-With an API key the page sits behind it like every route. A browser cannot send a Bearer
-header when it navigates, so it gets a login form instead (status 401); posting the key
-to `/dashboard/login` sets an HttpOnly, SameSite=Strict session cookie valid for
-`/dashboard*` only. The key never enters a URL, and the page's script never sees it.
+The page shows every tenant's prompts, so it is the admin's: behind --admin-api-key (or the
+one --api-key) when a key is set (server/auth.py). A browser cannot send a Bearer header
+when it navigates, so it gets a login form instead (status 401); posting the admin key to
+`/dashboard/login` sets an HttpOnly, SameSite=Strict session cookie valid for `/dashboard*`
+only. The key never enters a URL, and the page's script never sees it.
 """
 
 from __future__ import annotations

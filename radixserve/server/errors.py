@@ -6,8 +6,9 @@ import re
 
 from aiohttp import web
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          413: "BadRequestError", 503: "ServiceUnavailableError"}  # fmt: skip
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+          404: "NotFoundError", 413: "BadRequestError", 415: "UnsupportedMediaTypeError",
+          503: "ServiceUnavailableError"}  # fmt: skip
 _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 
 

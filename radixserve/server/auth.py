@@ -1,0 +1,111 @@
+"""Who is calling: the API keys, the role each grants, and the routes each role may reach.
+
+    keys set            caller presents            role     by_key
+    none                anything                   admin    no    (loopback; request_guard.py)
+    --api-key only      it                         admin    yes   (one key: the operator's)
+    --admin-api-key     it (or the dashboard       admin    yes
+                        cookie it opened)
+    both                --api-key                  user     yes
+    admin key only      no key                     user     no
+    --api-key set       nothing that matches       401
+
+Admin routes (ADMIN_PATHS, the dashboard) answer a user 403 (401 when it sent no key).
+/cache/tree and /cache/sessions answer a user about its own namespace only (tenants.py).
+/health and /metrics are open to everyone: probes and scrapers carry no key.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from radixserve.config import ServerConfig
+from radixserve.server import dashboard
+from radixserve.server.errors import error_response
+from radixserve.server.state import state_of
+
+OPEN_PATHS = ("/health", "/metrics")
+"""The only paths served without a key: probes and scrapers carry none. Not
+/health_generate: it runs a generation on the GPU."""
+ADMIN_PATHS = ("/flush_cache", "/check_integrity")
+"""Admin-only besides the dashboard: they act on (or read) every tenant's cache."""
+
+
+class Role(enum.Enum):
+    USER = "user"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The role a request acts in, and whether a key (or the dashboard cookie) proved it."""
+
+    role: Role
+    by_key: bool
+
+
+CALLER_KEY = web.RequestKey("caller", Caller)
+
+
+def caller_of(request: web.Request) -> Caller:
+    """The caller the auth middleware identified (an open path's caller is a user)."""
+    return request.get(CALLER_KEY, Caller(Role.USER, by_key=False))
+
+
+def is_admin(request: web.Request) -> bool:
+    return caller_of(request).role is Role.ADMIN
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    if request.path in OPEN_PATHS:
+        return await handler(request)
+    caller = await identify(request, state_of(request).config)
+    if caller is not None and (caller.role is Role.ADMIN or not needs_admin(request.path)):
+        request[CALLER_KEY] = caller
+        return await handler(request)
+    if caller is not None and caller.by_key:
+        message = "this route needs the admin API key (--admin-api-key)"
+        return error_response(403, message, param="Authorization")
+    if (login_form := dashboard.unauthorized(request)) is not None:
+        return login_form
+    return error_response(401, "missing or invalid API key", param="Authorization")
+
+
+def needs_admin(path: str) -> bool:
+    return path in ADMIN_PATHS or dashboard.is_dashboard_path(path)
+
+
+async def identify(request: web.Request, config: ServerConfig) -> Caller | None:
+    """The request's caller per the table above; None: a key is required and none matched."""
+    admin_key = admin_level_key(config)
+    authorization = request.headers.get("Authorization", "")
+    if admin_key is not None and await _opens_admin(request, authorization, admin_key):
+        return Caller(Role.ADMIN, by_key=True)
+    if config.admin_api_key and config.api_key and api_key_matches(authorization, config.api_key):
+        return Caller(Role.USER, by_key=True)
+    if config.api_key is not None:
+        return None
+    return Caller(Role.USER if config.admin_api_key else Role.ADMIN, by_key=False)
+
+
+def admin_level_key(config: ServerConfig) -> str | None:
+    """The key that makes its holder admin: --admin-api-key, else the one --api-key."""
+    return config.admin_api_key or config.api_key
+
+
+async def _opens_admin(request: web.Request, authorization: str, key: str) -> bool:
+    """The admin Bearer key, or on the dashboard's paths its session cookie or login form."""
+    if api_key_matches(authorization, key):
+        return True
+    return dashboard.has_session(request) or await dashboard.posts_key(request, key)
+
+
+def api_key_matches(authorization: str, key: str) -> bool:
+    """Whether the Authorization header is `Bearer <key>`, compared in constant time so the
+    answer's timing tells nothing about how much of a guess was right."""
+    given = authorization.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
