@@ -5,25 +5,31 @@ radix tree (for dashboards).
                           prefills the prefix (max_new_tokens 0) and pins it as prefix:<name>
     POST /cache/unpin     {"name"} | {"session_id"}
     GET  /cache/sessions  every pin: sessions and prefixes, their sizes and TTLs
-    GET  /cache/tree      ?top_k=10: node count, depth, largest subtrees with tokens and hits
+    GET  /cache/tree      ?top_k=10: node count, depth, largest subtrees with tokens and hits;
+                          one walk of the tree per TREE_CACHE_S, however often it is asked
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
-from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.cache.retention import check_pin_name, prefix_pin_key, session_pin_key
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import PinRequest
 from radixserve.server.errors import BadRequest, error_response
-from radixserve.server.state import read_json, state_of
+from radixserve.server.state import ServerState, read_json, state_of
+from radixserve.server.ttl_cache import TtlCache
 
 PIN_FIELDS = {"text", "input_ids", "name", "ttl_s", "cache_salt"}
 MAX_TREE_TOP_K = 1000
+TREE_CACHE_S = 1.0
+"""How long one summary of the tree answers /cache/tree: the walk runs on the core thread."""
+TREE_CACHE_KEY = web.AppKey("cache_tree_summaries", TtlCache)
 
 
 async def pin_prefix(request: web.Request) -> web.Response:
@@ -36,10 +42,25 @@ async def pin_prefix(request: web.Request) -> web.Response:
     if batched:
         raise BadRequest("pin one prefix per request: text or input_ids, not a list", "text")
     key = prefix_pin_key(name)
+    await _check_room_for_pin(state, name)
     specs = [replace(specs[0], pin=PinRequest(key, ttl_s))]
     await state.run(state.open(specs))
     pin = _find_pin(await state.client.list_pins(), "prefix", name)
+    if pin is None:
+        await _check_room_for_pin(state, name)
     return web.json_response({"name": name, "pinned": pin is not None, "pin": pin})
+
+
+async def _check_room_for_pin(state: ServerState, name: str) -> None:
+    """429 naming `name` when --max-pins pins are live, none of them a session's (those give
+    way to a new pin) nor `name` itself: the core would refuse the pin."""
+    stats = await state.client.stats()
+    pins = await state.client.list_pins()
+    if len(pins) < stats["max_pins"] or any(p["kind"] == "session" for p in pins):
+        return
+    if _find_pin(pins, "prefix", name) is None:
+        message = f"{len(pins)} prefixes are pinned, the most allowed (--max-pins); unpin one"
+        raise BadRequest(message, param="name", status=429)
 
 
 async def unpin(request: web.Request) -> web.Response:
@@ -71,11 +92,15 @@ async def tree(request: web.Request) -> web.Response:
     raw = request.query.get("top_k", "10")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_TREE_TOP_K:
         raise BadRequest(f"top_k must be an int in [1, {MAX_TREE_TOP_K}]; got {raw!r}", "top_k")
-    summary = await state_of(request).client.tree_summary(top_k=int(raw))
-    return web.json_response(summary)
+    client = state_of(request).client
+    fetch = partial(client.tree_summary, top_k=MAX_TREE_TOP_K)
+    summary = await request.app[TREE_CACHE_KEY].get("tree", fetch)
+    top = summary["largest_subtrees"][: int(raw)]
+    return web.json_response(summary | {"largest_subtrees": top})
 
 
 def register_cache_routes(app: web.Application) -> None:
+    app[TREE_CACHE_KEY] = TtlCache(TREE_CACHE_S)
     app.router.add_post("/cache/pin", pin_prefix)
     app.router.add_post("/cache/unpin", unpin)
     app.router.add_get("/cache/sessions", list_sessions)
@@ -92,9 +117,10 @@ def _object(body: Any, allowed: set[str]) -> dict:
 
 
 def _name(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise BadRequest(f"{param} must be a non-empty string; got {value!r}", param=param)
-    return value
+    try:
+        return check_pin_name(value, param)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param=param) from None
 
 
 def _ttl(value: Any) -> float | None:
