@@ -94,7 +94,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
     names = [name for name in field_names(ServerConfig) if hasattr(args, name)]
-    return ServerConfig(**{name: getattr(args, name) for name in names})
+    config = ServerConfig(**{name: getattr(args, name) for name in names})
+    try:
+        config.verify()
+    except ValueError as exc:
+        raise SystemExit(f"radixserve: {exc}") from None
+    return config
 
 
 def run_fleet(args: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ replace nor end another's.
 
     pin ends when:  its TTL passes (`expire`) | it is replaced or unpinned by name
                     | the bound needs room: pinned pages > max_pinned_pages, oldest first
+                    | the count needs room: a new pin past max_pins ends the oldest session
+                      pin; with none to end (all are prefix pins) the new pin is refused
                     | nothing else can progress (`release_oldest`: admission would deadlock)
 
 A pin that ends only stops protecting: its pages go back to plain LRU, nothing is freed.
@@ -25,13 +27,29 @@ from dataclasses import dataclass
 
 from radixserve.cache.prefix_cache import PrefixCache
 
+MAX_PIN_NAME_CHARS = 256
+"""Longest session id or pinned prefix name: a UUID or a path fits; a key is not a payload."""
+SESSION_PREFIX, PREFIX_PREFIX = "session:", "prefix:"
+
+
+def check_pin_name(value: object, param: str) -> str:
+    """`value` if it is a non-empty string of at most MAX_PIN_NAME_CHARS; else ValueError
+    naming `param` (session_id, name)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{param} must be a non-empty string; got {value!r}")
+    if len(value) > MAX_PIN_NAME_CHARS:
+        raise ValueError(
+            f"{param} must be at most {MAX_PIN_NAME_CHARS} characters; got {len(value)}"
+        )
+    return value
+
 
 def session_pin_key(session_id: str) -> str:
-    return f"session:{session_id}"
+    return SESSION_PREFIX + session_id
 
 
 def prefix_pin_key(name: str) -> str:
-    return f"prefix:{name}"
+    return PREFIX_PREFIX + name
 
 
 @dataclass
@@ -59,22 +77,29 @@ class Pin:
 
 
 class PinTable:
-    """The live pins of one prefix cache, with their TTLs and the bound on pinned pages."""
+    """The live pins of one prefix cache, with their TTLs, the bound on pinned pages and the
+    bound on their number (pin names come from clients)."""
 
     def __init__(
         self,
         cache: PrefixCache,
         max_pinned_pages: int,
         clock: Callable[[], float] = time.monotonic,
+        max_pins: int = 4096,
     ):
         if max_pinned_pages < 0:
             raise ValueError(f"max_pinned_pages must be >= 0; got {max_pinned_pages}")
+        if max_pins < 1:
+            raise ValueError(f"max_pins must be >= 1; got {max_pins}")
         self.cache = cache
         self.max_pinned_pages = max_pinned_pages
+        self.max_pins = max_pins
         self.clock = clock
         # (namespace, key) -> pin; insertion order = pinned_at order (renewals move)
         self._pins: dict[tuple[str | None, str], Pin] = {}
-        self.num_degraded = 0  # pins ended early by the bound or by memory pressure
+        self.num_degraded = 0  # pins ended early by a bound or by memory pressure
+        self.num_refused = 0  # new pins refused: max_pins prefix pins already live
+        self._num_sessions = 0  # live pins whose key is a session's
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -91,17 +116,21 @@ class PinTable:
         ttl_s: float | None = None,
     ) -> Pin | None:
         """Pins the cached part of `token_ids` under `key` in `namespace` (replacing its old
-        pin there); None if none of it is cached or the bound let it go at once (it alone is
-        too large)."""
+        pin there); None if none of it is cached, the bound let it go at once (it alone is
+        too large) or the table is full of prefix pins (`is_full`)."""
         self.unpin(key, namespace)
         match = self.cache.match_prefix(token_ids, namespace, max_tokens=len(token_ids))
         if match.num_tokens == 0 or not self.cache.shares_prefixes:
+            return None
+        if not self._make_room():
+            self.num_refused += 1
             return None
         now = self.clock()
         expires_at = None if ttl_s is None else now + ttl_s
         self.cache.pin(match.node)
         pin = Pin(key, match.node, match.num_tokens, namespace, now, expires_at)
         self._pins[namespace, key] = pin
+        self._num_sessions += key.startswith(SESSION_PREFIX)
         self._enforce_bound()
         return self._pins.get((namespace, key))
 
@@ -110,6 +139,7 @@ class PinTable:
         pin = self._pins.pop((namespace, key), None)
         if pin is None:
             return False
+        self._num_sessions -= key.startswith(SESSION_PREFIX)
         self.cache.unpin(pin.node)
         return True
 
@@ -128,6 +158,21 @@ class PinTable:
         if not self._pins:
             return False
         oldest = next(iter(self._pins.values()))
+        self.unpin(oldest.key, oldest.namespace)
+        self.num_degraded += 1
+        return True
+
+    def is_full(self) -> bool:
+        """Whether a new pin would be refused: max_pins live and none a session's."""
+        return len(self._pins) >= self.max_pins and self._num_sessions == 0
+
+    def _make_room(self) -> bool:
+        """Below max_pins, ending the oldest session pin if need be; False: cannot."""
+        if len(self._pins) < self.max_pins:
+            return True
+        if self._num_sessions == 0:
+            return False
+        oldest = next(p for p in self._pins.values() if p.key.startswith(SESSION_PREFIX))
         self.unpin(oldest.key, oldest.namespace)
         self.num_degraded += 1
         return True

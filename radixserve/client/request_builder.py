@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from radixserve.cache.retention import session_pin_key
+from radixserve.cache.retention import check_pin_name, session_pin_key
 from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
 from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
@@ -135,8 +135,8 @@ class RequestBuilder:
         """`specs` with the call's priority, session and retention, checked."""
         priority = _priority(args.priority, self.enable_priority)
         session_id = args.session_id
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ValueError(f"session_id must be a non-empty string; got {session_id!r}")
+        if session_id is not None:
+            check_pin_name(session_id, "session_id")
         pin = None
         if args.retention is not None:
             if session_id is None:

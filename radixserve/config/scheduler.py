@@ -44,6 +44,11 @@ class SchedulerConfig:
     max_pinned_fraction: float = 0.3
     """Most of the KV pool that retention pins (session retention, POST /cache/pin) may hold;
     past it the oldest pins degrade to plain LRU."""
+    # 4096: a pin costs a dict entry and a node reference; the count bounds what clients can
+    # name (the page bound above already bounds what pins hold).
+    max_pins: int = 4096
+    """Most retention pins at once, sessions and prefixes together. A new one past it ends the
+    oldest session pin; with only prefix pins live it is refused (POST /cache/pin: 429)."""
     pin_policy: str = "hard"
     """hard: pinned pages are never evicted while pinned (admission works around them) |
     last: they count as free for admission but are evicted only after every unpinned page,
@@ -52,6 +57,11 @@ class SchedulerConfig:
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
+    # 64: a compiled grammar of a 50k-token vocabulary holds its token-mask cache (up to a
+    # few MB); recompiling one evicted takes about a second on the grammar thread.
+    grammar_cache_size: int = 64
+    """Most compiled grammars (json_schema / regex / ebnf, failed compiles included) kept for
+    reuse, least recently used dropped first."""
     disable_jump_forward: bool = False
     """Constrained requests (json_schema / regex / ebnf) sample every token, even where the
     grammar allows only one continuation; default: that continuation is appended unsampled
@@ -98,6 +108,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"pin_policy must be one of {', '.join(PIN_POLICIES)}; got {self.pin_policy!r}"
             )
+        for name in ("max_pins", "grammar_cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(
                 f"max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}"

@@ -41,6 +41,13 @@ class ServerConfig:
     tool_call_parser: str | None = None
     """Tool-call format: qwen25 (alias hermes), llama3 (llama3_json), mistral, pythonic,
     deepseekv3 (deepseek_v3), qwen3_coder; default: the chat template's, else qwen25."""
+    # 5: uvicorn's default, so SGLang's and vLLM's servers close idle connections as soon.
+    timeout_keep_alive: float = 5.0
+    """Seconds a connection may wait for a request's headers to complete: idle between
+    requests (keep-alive) or a client sending headers slowly; then it is closed."""
+    http_read_timeout: float = 60.0
+    """Seconds a request's body may take to arrive in full; a client that stalls mid-body
+    gets 408 and its connection is closed."""
     disable_dashboard: bool = False
     """Do not serve the live dashboard at /dashboard (behind the admin key when one is set)."""
 
@@ -48,3 +55,10 @@ class ServerConfig:
         """--allowed-hosts as lower-case names."""
         names = (self.allowed_hosts or "").split(",")
         return frozenset(name.strip().lower() for name in names if name.strip())
+
+    def verify(self) -> None:
+        """Raises ValueError naming the first field out of range (a timeout of 0 would be
+        none at all)."""
+        for name in ("max_body_mb", "timeout_keep_alive", "http_read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")

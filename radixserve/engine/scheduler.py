@@ -66,7 +66,7 @@ class Scheduler:
         self._grammar: GrammarBackend | None = None
         self.stats = EngineStats()
         max_pinned = int(config.max_pinned_fraction * self.pool.allocator.capacity)
-        self.pins = PinTable(cache, max_pinned)
+        self.pins = PinTable(cache, max_pinned, max_pins=config.max_pins)
         self.pages = ReqPages(
             self.pool,
             cache,
@@ -185,7 +185,8 @@ class Scheduler:
         """Built on the first constrained request (loading xgrammar costs a second)."""
         if self._grammar is None:
             vocab_size = self.runner.config.vocab_size
-            self._grammar = GrammarBackend(self.tokenizer, vocab_size, self.eos_token_ids)
+            size = self.config.grammar_cache_size
+            self._grammar = GrammarBackend(self.tokenizer, vocab_size, self.eos_token_ids, size)
         return self._grammar
 
     def held_pages(self) -> list[int]:

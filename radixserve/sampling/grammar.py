@@ -5,12 +5,15 @@ wander off into endless indentation; the JSON is the same value either way.
 
 `check_grammar` parses a constraint without a tokenizer (cheap; used to reject bad input
 before a request is queued). `GrammarBackend` compiles constraints against the model's
-vocabulary on a worker thread, caches compiled grammars, and masks a batch's logits.
+vocabulary on a worker thread, caches compiled grammars (an LRU of `max_entries`, failures
+included: a constraint comes from the client, so the cache must not grow with them), and
+masks a batch's logits.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,34 +58,58 @@ def json_schema_ebnf(spec: str) -> str:
 class GrammarStats:
     compiles: int = 0
     cache_hits: int = 0
+    cache_evictions: int = 0
+    cache_entries: int = 0  # constraints cached now: at most max_entries
 
 
 class GrammarBackend:
-    """Compiles constraints once per (kind, spec) and hands out per-request matchers."""
+    """Compiles constraints once per (kind, spec) while cached and hands out per-request
+    matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        max_entries: int = 64,
+    ):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1; got {max_entries}")
         xgr = _xgr()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: dict[tuple[str, str], Future] = {}
+        self.max_entries = max_entries
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.stats = GrammarStats()
 
     def compile_async(self, kind: str, spec: str) -> Future:
-        """A future of the compiled grammar; the same constraint compiles only once."""
+        """A future of the compiled grammar (or of its ValueError); the same constraint
+        compiles once while it stays among the `max_entries` most recently used. An entry
+        dropped while compiling still completes for the requests holding its future."""
+        key = (kind, spec)
         with self._lock:
-            future = self._cache.get((kind, spec))
+            future = self._cache.get(key)
             if future is not None:
+                self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 return future
             self.stats.compiles += 1
             future = self._executor.submit(self._compile, kind, spec)
-            self._cache[(kind, spec)] = future
+            self._cache[key] = future
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+                self.stats.cache_evictions += 1
+            self.stats.cache_entries = len(self._cache)
             return future
+
+    def __len__(self) -> int:
+        """Constraints cached (compiled, compiling or failed)."""
+        return len(self._cache)
 
     def _compile(self, kind: str, spec: str):
         compile_fn = {

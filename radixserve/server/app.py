@@ -16,11 +16,12 @@ from radixserve.client.client import EngineBusyError, EngineDeadError
 from radixserve.client.output import LogprobCursor, format_output
 from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs
 from radixserve.client.result import ResultStream
-from radixserve.config import ServerConfig, redact_secrets
+from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
 from radixserve.server.auth import auth_middleware
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
+from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
@@ -65,22 +66,6 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, "internal server error")
 
 
-@web.middleware
-async def body_size_middleware(request: web.Request, handler):
-    """A body whose Content-Length is over the limit is a 413 before any of it is read;
-    a chunked body (no Content-Length) is bounded by aiohttp's client_max_size as it is read."""
-    limit = max_body_bytes(state_of(request).config)
-    length = request.content_length
-    if length is not None and length > limit:
-        message = f"request body is {length} bytes; the limit is {limit} bytes (--max-body-mb)"
-        response = error_response(413, message, param="body")
-        response.force_close()  # the body stays unread: do not keep the connection
-        return response
-    return await handler(request)
-
-
-def max_body_bytes(config: ServerConfig) -> int:
-    return int(config.max_body_mb * (1 << 20))
 
 
 # ---- native API --------------------------------------------------------------------------

@@ -5,7 +5,8 @@ radix tree (for dashboards).
                           prefills the prefix (max_new_tokens 0) and pins it as prefix:<name>
     POST /cache/unpin     {"name"} | {"session_id"}, "cache_salt"?  (a pin is its namespace's)
     GET  /cache/sessions  pins: sessions and prefixes, their sizes and TTLs
-    GET  /cache/tree      ?top_k=10: node count, depth, largest subtrees with tokens and hits
+    GET  /cache/tree      ?top_k=10: node count, depth, largest subtrees with tokens and hits;
+                          one walk of the tree per TREE_CACHE_S per set of namespaces shown
 
 The GETs count every namespace but list the caller's only (admin: all; tenants.py).
 """
@@ -14,19 +15,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
-from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.cache.retention import check_pin_name, prefix_pin_key, session_pin_key
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import PinRequest
 from radixserve.server.errors import BadRequest, error_response
-from radixserve.server.state import read_json, state_of
+from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tenants import namespaces_shown, public_pin, public_tree, shown_pins
+from radixserve.server.ttl_cache import TtlCache
 
 PIN_FIELDS = {"text", "input_ids", "name", "ttl_s", "cache_salt"}
 MAX_TREE_TOP_K = 1000
+TREE_CACHE_S = 1.0
+"""How long one summary of the tree answers /cache/tree: the walk runs on the core thread."""
+TREE_CACHE_KEY = web.AppKey("cache_tree_summaries", TtlCache)
 
 
 async def pin_prefix(request: web.Request) -> web.Response:
@@ -39,11 +45,26 @@ async def pin_prefix(request: web.Request) -> web.Response:
     if batched:
         raise BadRequest("pin one prefix per request: text or input_ids, not a list", "text")
     key = prefix_pin_key(name)
+    await _check_room_for_pin(state, name, specs[0].namespace)
     specs = [replace(specs[0], pin=PinRequest(key, ttl_s))]
     await state.run(state.open(specs))
     pin = _find_pin(await state.client.list_pins(), "prefix", name, specs[0].namespace)
+    if pin is None:
+        await _check_room_for_pin(state, name, specs[0].namespace)
     pin = None if pin is None else public_pin(pin)
     return web.json_response({"name": name, "pinned": pin is not None, "pin": pin})
+
+
+async def _check_room_for_pin(state: ServerState, name: str, namespace: str | None) -> None:
+    """429 naming `name` when --max-pins pins are live, none of them a session's (those give
+    way to a new pin) nor `name` itself: the core would refuse the pin."""
+    stats = await state.client.stats()
+    pins = await state.client.list_pins()
+    if len(pins) < stats["max_pins"] or any(p["kind"] == "session" for p in pins):
+        return
+    if _find_pin(pins, "prefix", name, namespace) is None:
+        message = f"{len(pins)} prefixes are pinned, the most allowed (--max-pins); unpin one"
+        raise BadRequest(message, param="name", status=429)
 
 
 async def unpin(request: web.Request) -> web.Response:
@@ -81,11 +102,16 @@ async def tree(request: web.Request) -> web.Response:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_TREE_TOP_K:
         raise BadRequest(f"top_k must be an int in [1, {MAX_TREE_TOP_K}]; got {raw!r}", "top_k")
     client = state_of(request).client
-    summary = await client.tree_summary(top_k=int(raw), namespaces=namespaces_shown(request))
-    return web.json_response(public_tree(summary))
+    namespaces = namespaces_shown(request)
+    fetch = partial(client.tree_summary, top_k=MAX_TREE_TOP_K, namespaces=namespaces)
+    key = ("tree", None if namespaces is None else tuple(namespaces))
+    summary = public_tree(await request.app[TREE_CACHE_KEY].get(key, fetch))
+    top = summary["largest_subtrees"][: int(raw)]
+    return web.json_response(summary | {"largest_subtrees": top})
 
 
 def register_cache_routes(app: web.Application) -> None:
+    app[TREE_CACHE_KEY] = TtlCache(TREE_CACHE_S)
     app.router.add_post("/cache/pin", pin_prefix)
     app.router.add_post("/cache/unpin", unpin)
     app.router.add_get("/cache/sessions", list_sessions)
@@ -102,9 +128,10 @@ def _object(body: Any, allowed: set[str]) -> dict:
 
 
 def _name(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise BadRequest(f"{param} must be a non-empty string; got {value!r}", param=param)
-    return value
+    try:
+        return check_pin_name(value, param)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param=param) from None
 
 
 def _ttl(value: Any) -> float | None:

@@ -4,7 +4,9 @@ The page shows every tenant's prompts, so it is the admin's: behind --admin-api-
 one --api-key) when a key is set (server/auth.py). A browser cannot send a Bearer header
 when it navigates, so it gets a login form instead (status 401); posting the admin key to
 `/dashboard/login` sets an HttpOnly, SameSite=Strict session cookie valid for `/dashboard*`
-only. The key never enters a URL, and the page's script never sees it.
+only. The key never enters a URL, and the page's script never sees it. The form is read
+under a small size limit and the read timeout, and an address that posts wrong keys too
+often gets 429 for a while (server/limits.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from radixserve.server.dashboard_stats import DashboardStats, label_tree
+from radixserve.server.limits import LOGIN_MAX_BODY_BYTES, LoginThrottle, read_body
 from radixserve.server.state import state_of
 
 STATIC_DIR = Path(__file__).parent / "dashboard_static"
@@ -30,6 +33,8 @@ CSP = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' d
 NO_STORE = {"Cache-Control": "no-store"}
 BOARD_KEY = web.AppKey("dashboard", DashboardStats)
 SESSION_KEY = web.AppKey("dashboard_session", str)
+THROTTLE_KEY = web.AppKey("dashboard_login_throttle", LoginThrottle)
+FORM = "application/x-www-form-urlencoded"
 
 
 def is_dashboard_path(path: str) -> bool:
@@ -53,20 +58,40 @@ def login_page(status: int = 401, message: str = "") -> web.Response:
 
 
 async def posts_key(request: web.Request, key: str) -> bool:
-    """Whether this is the login form posting the right key (compared in constant time)."""
-    if request.path != LOGIN_PATH or request.content_type != "application/x-www-form-urlencoded":
+    """Whether this is the login form posting the right key (compared in constant time). A
+    wrong key counts against the client's address; a throttled address is not even read."""
+    if request.path != LOGIN_PATH or request.content_type != FORM:
         return False
+    throttle = request.app.get(THROTTLE_KEY)
+    if throttle is not None and throttle.retry_after(_address(request)) is not None:
+        return False
+    await read_body(request, state_of(request).config.http_read_timeout, LOGIN_MAX_BODY_BYTES)
     given = str((await request.post()).get("key", ""))
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode())
+    if hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+        return True
+    if throttle is not None:
+        throttle.record_failure(_address(request))
+    return False
 
 
 def unauthorized(request: web.Request) -> web.Response | None:
-    """The login form where a browser lands without the key; None: the caller's 401."""
+    """The login form where a browser lands without the key (429 while its address is
+    throttled); None: the caller's 401."""
     if request.path == "/dashboard" and request.method == "GET":
         return login_page()
-    if request.path == LOGIN_PATH:
+    if request.path != LOGIN_PATH:
+        return None
+    throttle = request.app.get(THROTTLE_KEY)
+    wait_s = None if throttle is None else throttle.retry_after(_address(request))
+    if wait_s is None:
         return login_page(message="Wrong key.")
-    return None
+    response = login_page(429, f"Too many wrong keys: try again in {wait_s} s.")
+    response.headers["Retry-After"] = str(wait_s)
+    return response
+
+
+def _address(request: web.Request) -> str:
+    return request.remote or ""
 
 
 async def login(request: web.Request) -> web.Response:
@@ -111,6 +136,7 @@ async def stats(request: web.Request) -> web.Response:
 def register_dashboard_routes(app: web.Application) -> None:
     app[BOARD_KEY] = DashboardStats()
     app[SESSION_KEY] = secrets.token_urlsafe(32)  # a restart logs every viewer out
+    app[THROTTLE_KEY] = LoginThrottle()
     app.router.add_get("/dashboard", page)
     app.router.add_get("/dashboard/stats", stats)
     app.router.add_post(LOGIN_PATH, login)

@@ -7,7 +7,8 @@ import re
 from aiohttp import web
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 413: "BadRequestError", 415: "UnsupportedMediaTypeError",
+          404: "NotFoundError", 408: "BadRequestError", 411: "BadRequestError",
+          413: "BadRequestError", 415: "UnsupportedMediaTypeError", 429: "RateLimitError",
           503: "ServiceUnavailableError"}  # fmt: skip
 _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
@@ -31,13 +32,14 @@ async def serve_app(
     name: str,
     drain: Callable[[], Awaitable],
     stop: asyncio.Event | None = None,
+    limits: dict[str, Any] | None = None,
 ) -> None:
     """Serves `app`, printing "`name` ready at URL" once it listens; on a signal (or when
     `stop` is set) stops taking connections, awaits `drain()` (in-flight requests finish or
-    are aborted), then cleans up."""
+    are aborted), then cleans up. `limits`: the connections' bounds (limits.runner_options)."""
     loop = asyncio.get_running_loop()
     logging.getLogger("aiohttp.server").addFilter(HTTP2_PROBE_FILTER)  # once: filters are a set
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **(limits or {}))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

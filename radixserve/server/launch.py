@@ -13,6 +13,7 @@ from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.server.app import ServerState, build_app
 from radixserve.server.http_runner import serve_app
+from radixserve.server.limits import runner_options
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.tool_parsers import resolve_tool_parser, tool_format
 
@@ -86,7 +87,13 @@ async def _serve(client: MultiprocessClient, info, engine_args, config: ServerCo
     stop = asyncio.Event()
     client.on_dead.append(lambda reason: _exit_soon(loop, stop, reason))
     await serve_app(
-        build_app(state), config.host, config.port, "radixserve", lambda: _drain(client), stop
+        build_app(state),
+        config.host,
+        config.port,
+        "radixserve",
+        lambda: _drain(client),
+        stop,
+        limits=runner_options(config),
     )
     return DEAD_CORE_EXIT_CODE if client.dead else 0
 

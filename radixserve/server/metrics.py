@@ -35,6 +35,7 @@ ENGINE_METRICS = {
     "tree_pinned_pages": ("radixserve:pinned_pages", "KV pages kept by retention pins", "g"),
     "num_pins": ("radixserve:num_pins", "Retention pins (sessions and prefixes)", "g"),
     "pins_degraded": ("radixserve:pins_degraded", "Pins ended early by the bound or pressure", "c"),
+    "pins_refused": ("radixserve:pins_refused", "New pins refused: --max-pins prefixes", "c"),
     "prompt_tokens": ("radixserve:prompt_tokens", "Prompt tokens received", "c"),
     "cached_tokens": ("radixserve:cached_tokens", "Prompt tokens served from cache", "c"),
     "cached_tokens_host": (

@@ -109,9 +109,10 @@ async def tokenize(request: web.Request) -> web.Response:
     body = check_object(await read_json(request))
     check_fields(body, TOKENIZE_FIELDS)
     check_model_name(state, check_model(body))
-    tokens = tokenize_body(state.tokenizer, body)
+    tokens = await state.off_loop(tokenize_body, state.tokenizer, body)
     max_len = state.client.info["context_length"]
-    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+    reply = {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
+    return web.json_response(text=await state.off_loop(json.dumps, reply))
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -121,11 +122,11 @@ async def detokenize(request: web.Request) -> web.Response:
     check_model_name(state, check_model(body))
     tokens = body.get("tokens")
     try:
-        state.builder.check_ids(tokens)
+        await state.off_loop(state.builder.check_ids, tokens)
     except ValueError as exc:
         vocab = state.builder.vocab_size
         raise bad_request(f"tokens must be a list of token ids in [0, {vocab})", "tokens") from exc
-    return web.json_response({"prompt": state.tokenizer.decode(tokens)})
+    return web.json_response({"prompt": await state.off_loop(state.tokenizer.decode, tokens)})
 
 
 # ---- requests ----------------------------------------------------------------------------

@@ -80,9 +80,19 @@ class ServerState:
         return stream.results
 
 
+JSON_OFF_LOOP_BYTES = 1 << 20
+"""Bodies larger than this are parsed on a worker thread: a 32 MiB list of ids takes a
+second to parse, which on the event loop would stall every stream and /health."""
+
+
 async def read_json(request: web.Request) -> Any:
+    """The body as JSON (400 naming `body` when it is not), parsed off the event loop when
+    it is large."""
+    raw = await request.read()
     try:
-        return json.loads(await request.read())
+        if len(raw) > JSON_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(json.loads, raw)
+        return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # ValueError: also ints past 4300 digits
         raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from exc
 

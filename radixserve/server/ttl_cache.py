@@ -1,0 +1,58 @@
+"""TtlCache: an async call's result reused for a while, so that clients polling an expensive
+read (a walk of the whole radix tree on the core thread) cost the core at most one call per
+key per `ttl_s`, however many of them poll and however fast.
+
+    get(key, fetch):  fresh entry -> its result | call in flight -> wait for it (one call)
+                      | none or stale -> fetch(), stored with the time it started
+    failures are not kept; at most `max_entries` keys, the least recently used dropped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
+
+
+class TtlCache:
+    """Results of `fetch()` per key, reused for `ttl_s` seconds; concurrent callers of one
+    key share one call."""
+
+    def __init__(
+        self,
+        ttl_s: float,
+        max_entries: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if ttl_s <= 0 or max_entries < 1:
+            raise ValueError(f"ttl_s must be > 0 and max_entries >= 1; got {ttl_s}, {max_entries}")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.clock = clock
+        self.num_fetches = 0
+        self._entries: OrderedDict[Hashable, tuple[float, asyncio.Future]] = OrderedDict()
+
+    async def get(self, key: Hashable, fetch: Callable[[], Awaitable[Any]]) -> Any:
+        """The key's result, fetched now only when none is fresh or in flight."""
+        now = self.clock()
+        entry = self._entries.get(key)
+        if entry is None or (entry[1].done() and now - entry[0] >= self.ttl_s):
+            entry = (now, asyncio.ensure_future(self._fetch(key, fetch)))
+            self._entries[key] = entry
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return await asyncio.shield(entry[1])
+
+    async def _fetch(self, key: Hashable, fetch: Callable[[], Awaitable[Any]]) -> Any:
+        self.num_fetches += 1
+        try:
+            return await fetch()
+        except BaseException:
+            self._entries.pop(key, None)  # a failure is not kept: the next caller retries
+            raise
+
+    def __len__(self) -> int:
+        return len(self._entries)
