@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from listening_sockets import is_loopback, listening_addresses, process_tree
 from test_server_native import get, post, run
 
 from conftest import prompt_ids
@@ -332,6 +333,7 @@ def test_fleet_behind_the_real_router(tiny_chat_model, server, tmp_path):
         status, info = run(get(fleet.url + "/get_model_info", headers=AUTH))
         assert status == 200 and info["model_path"] == tiny_chat_model
         assert run(get(fleet.url + "/health"))[0] == 200
+        assert_listening_on_loopback_only(fleet.proc.pid)
     finally:
         assert fleet.stop() == 0, "".join(fleet.log[-30:])
     time.sleep(0.5)
@@ -339,6 +341,12 @@ def test_fleet_behind_the_real_router(tiny_chat_model, server, tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every worker and the router stopped with the fleet
     assert list(tmp_path.iterdir()) == []  # no pid, log or other run file left where it ran
+
+
+def assert_listening_on_loopback_only(pid: int) -> None:
+    """What `ss -ltnp` would show for the fleet and every process under it: loopback only."""
+    addresses = {address for p in process_tree(pid) for address in listening_addresses(p)}
+    assert addresses and all(is_loopback(host) for host, _ in addresses), addresses
 
 
 @needs_router
@@ -357,6 +365,7 @@ def test_pd_fleet_behind_the_real_router(tiny_chat_model, server):
         _, single = run(post(server.url + "/generate", body))
         assert routed["output_ids"] == single["output_ids"]  # same greedy tokens as one worker
         assert routed["meta_info"]["cached_tokens"] == 32  # the prompt's KV came from prefill
+        assert_listening_on_loopback_only(fleet.proc.pid)  # the bootstrap port included
     finally:
         assert fleet.stop() == 0, "".join(fleet.log[-30:])
     time.sleep(0.5)

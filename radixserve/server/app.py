@@ -66,8 +66,6 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, "internal server error")
 
 
-
-
 # ---- native API --------------------------------------------------------------------------
 
 
