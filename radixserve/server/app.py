@@ -19,6 +19,7 @@ from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs
 from radixserve.client.result import ResultStream
 from radixserve.config import ServerConfig
 from radixserve.server import dashboard, openai_api
+from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.openai_protocol import is_same_value
@@ -78,9 +79,12 @@ async def auth_middleware(request: web.Request, handler):
 
 
 async def _authorized(request: web.Request, key: str) -> bool:
-    """The Bearer key, or on the dashboard's paths its session cookie or login form."""
+    """The Bearer key (or Anthropic's x-api-key header), or on the dashboard's paths its
+    session cookie or login form."""
     if api_key_matches(request.headers.get("Authorization", ""), key):
         return True
+    if "x-api-key" in request.headers:
+        return api_key_matches(f"Bearer {request.headers['x-api-key']}", key)
     return dashboard.has_session(request) or await dashboard.posts_key(request, key)
 
 
@@ -293,7 +297,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, body_size_middleware],
+        middlewares=[
+            anthropic_error_middleware,
+            error_middleware,
+            auth_middleware,
+            body_size_middleware,
+        ],
         client_max_size=max_body_bytes(state.config),
     )
     app[STATE_KEY] = state
@@ -310,6 +319,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
+    register_anthropic_routes(app)
     register_cache_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
