@@ -18,6 +18,7 @@ from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs
 from radixserve.client.result import ResultStream
 from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
+from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
 from radixserve.server.auth import auth_middleware
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
@@ -264,6 +265,7 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
         middlewares=[
+            anthropic_error_middleware,
             error_middleware,
             auth_middleware,
             browser_guard_middleware,
@@ -285,6 +287,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
+    register_anthropic_routes(app)
     register_cache_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)

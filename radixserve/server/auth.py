@@ -82,10 +82,9 @@ def needs_admin(path: str) -> bool:
 async def identify(request: web.Request, config: ServerConfig) -> Caller | None:
     """The request's caller per the table above; None: a key is required and none matched."""
     admin_key = admin_level_key(config)
-    authorization = request.headers.get("Authorization", "")
-    if admin_key is not None and await _opens_admin(request, authorization, admin_key):
+    if admin_key is not None and await _opens_admin(request, admin_key):
         return Caller(Role.ADMIN, by_key=True)
-    if config.admin_api_key and config.api_key and api_key_matches(authorization, config.api_key):
+    if config.admin_api_key and config.api_key and presents_key(request, config.api_key):
         return Caller(Role.USER, by_key=True)
     if config.api_key is not None:
         return None
@@ -97,11 +96,20 @@ def admin_level_key(config: ServerConfig) -> str | None:
     return config.admin_api_key or config.api_key
 
 
-async def _opens_admin(request: web.Request, authorization: str, key: str) -> bool:
-    """The admin Bearer key, or on the dashboard's paths its session cookie or login form."""
-    if api_key_matches(authorization, key):
+async def _opens_admin(request: web.Request, key: str) -> bool:
+    """The admin key in a header, or on the dashboard's paths its session cookie or login
+    form."""
+    if presents_key(request, key):
         return True
     return dashboard.has_session(request) or await dashboard.posts_key(request, key)
+
+
+def presents_key(request: web.Request, key: str) -> bool:
+    """Whether `Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>` is sent."""
+    if api_key_matches(request.headers.get("Authorization", ""), key):
+        return True
+    given = request.headers.get("x-api-key")
+    return given is not None and api_key_matches(f"Bearer {given}", key)
 
 
 def api_key_matches(authorization: str, key: str) -> bool:

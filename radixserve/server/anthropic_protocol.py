@@ -1,0 +1,275 @@
+"""Anthropic's Messages API request bodies (/v1/messages, /v1/messages/count_tokens), checked
+and mapped onto what chat completions already uses: chat messages (anthropic_messages.py),
+OpenAI-shaped tools and a `ToolChoice` (tool_calls.py), SamplingParams' fields.
+
+Field by field:
+- `max_tokens` is required (as Anthropic), an integer >= 1 -> max_new_tokens.
+- `temperature` in [0, 1] (Anthropic's range), `top_p`, `top_k`, `stop_sequences` -> stop.
+- `tools`: `{"name", "description", "input_schema", "cache_control", "type": "custom"}`;
+  Anthropic's server tools (bash, web search, ...) are a 400.
+- `tool_choice`: auto | any (= "required") | tool + name (= a named function) | none;
+  `disable_parallel_tool_use: true` keeps the first call only.
+- `cache_control` on the request marks its last block (as Anthropic's top-level one does).
+- `metadata` (`user_id`) is accepted and not used; `service_tier` "auto" / "standard_only"
+  and `thinking` `{"type": "disabled"}` are accepted as the no-ops they are here.
+- `chat_template_kwargs` as on chat completions (a `chat_template` of its own is a 400), and
+  the extras `ignore_eos` and `seed` (SamplingParams' `sampling_seed`).
+A field this server does not know is a 400 naming it, unless null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.server.anthropic_messages import (
+    Conversation,
+    check_cache_control,
+    convert_conversation,
+    ends_with_assistant_text,
+)
+from radixserve.server.chat_messages import check_template_kwargs
+from radixserve.server.errors import BadRequest
+from radixserve.server.response_format import forced_call_constraint
+from radixserve.server.tool_calls import NAME_PATTERN, ToolChoice, check_tools
+
+MAX_TEMPERATURE = 1.0
+"""Anthropic's upper bound on temperature."""
+EXTRA_SAMPLING_FIELDS = {"ignore_eos": "ignore_eos", "seed": "sampling_seed"}
+"""radixserve's extras (as on chat completions) -> SamplingParams' names."""
+COUNT_FIELDS = {
+    "model", "messages", "system", "tools", "tool_choice", "cache_control", "chat_template_kwargs",
+}  # fmt: skip
+MESSAGES_FIELDS = COUNT_FIELDS | {
+    "max_tokens",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "metadata",
+    *EXTRA_SAMPLING_FIELDS,
+}
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "service_tier": ("auto", "standard_only"),
+    "thinking": ({"type": "disabled"},),
+}
+"""Fields accepted only at values that change nothing here."""
+TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control"}
+PARALLEL_KEYS = {"type", "disable_parallel_tool_use"}
+TOOL_CHOICE_KEYS = {
+    "auto": PARALLEL_KEYS,
+    "any": PARALLEL_KEYS,
+    "tool": PARALLEL_KEYS | {"name"},
+    "none": {"type"},
+}
+TOOL_CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+@dataclass
+class MessagesRequest:
+    """A checked Messages request, before rendering: the chat-completions view of it."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = ToolChoice("none")
+    single_tool_use: bool = False  # disable_parallel_tool_use
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    breakpoint_messages: list[dict[str, Any]] | None = None  # up to the last cache_control
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows: none when tool_choice is "none"."""
+        return self.tools if self.tool_choice.mode != "none" else None
+
+
+def parse_messages_request(body: Any, count_only: bool = False) -> MessagesRequest:
+    """Checks a /v1/messages body (count_only: a /v1/messages/count_tokens one)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", param="body")
+    _check_fields(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest(f"model: a string is required; got {model!r}", param="model")
+    conversation = Conversation()
+    tools = _check_tools(body.get("tools"), conversation)
+    convert_conversation(body.get("system"), body.get("messages"), conversation)
+    check_cache_control(body.get("cache_control"), "cache_control")
+    if body.get("cache_control") is not None:
+        conversation.mark()  # a top-level marker: on the last block, i.e. the whole prompt
+    choice, single = check_tool_choice(body.get("tool_choice"), tools)
+    parsed = MessagesRequest(
+        model=model,
+        messages=conversation.messages,
+        tools=tools,
+        tool_choice=choice,
+        single_tool_use=single,
+        template_kwargs=_template_kwargs(body, conversation),
+        breakpoint_messages=conversation.breakpoint,
+    )
+    if not count_only:
+        parsed.stream = _check_bool(body, "stream")
+        parsed.sampling = sampling_dict(body, tools, choice)
+        check_metadata(body.get("metadata"))
+    return parsed
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    for key, value in body.items():
+        if value is None or key in known:
+            continue
+        if value in NO_OP_VALUES.get(key, ()):
+            continue
+        reason = (
+            "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
+        )
+        raise BadRequest(f"{key} {reason}; got {value!r}"[:160], param=key)
+
+
+def _check_bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false; got {value!r}", param=name)
+    return bool(value)
+
+
+def _template_kwargs(body: dict, conversation: Conversation) -> dict[str, Any]:
+    """The template's extra variables; a last assistant turn is continued, not closed."""
+    kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    if ends_with_assistant_text(conversation):
+        kwargs = kwargs | {"add_generation_prompt": False, "continue_final_message": True}
+    return kwargs
+
+
+def check_metadata(value: Any) -> None:
+    """`metadata`: `{"user_id": str}` at most (an opaque id, not used here)."""
+    if value is None:
+        return
+    user_id = value.get("user_id") if isinstance(value, dict) else None
+    if (
+        not isinstance(value, dict)
+        or set(value) - {"user_id"}
+        or not (user_id is None or isinstance(user_id, str))
+    ):
+        raise BadRequest(f"metadata must be {{'user_id': str}}; got {value!r}"[:160], "metadata")
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+
+def sampling_dict(body: dict, tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
+    """SamplingParams' fields; a forced tool call adds its JSON schema."""
+    sampling = {"max_new_tokens": check_max_tokens(body.get("max_tokens"))}
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise BadRequest(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]; got {temperature!r}",
+                param="temperature",
+            )
+        sampling["temperature"] = temperature
+    names = {"top_p": "top_p", "top_k": "top_k"} | EXTRA_SAMPLING_FIELDS
+    sampling |= {names[k]: body[k] for k in names if body.get(k) is not None}
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise BadRequest(
+                f"stop_sequences must be a list of non-empty strings; got {stops!r}"[:160],
+                param="stop_sequences",
+            )
+        sampling["stop"] = stops
+    constraint = forced_call_constraint(tools, choice)
+    if constraint is not None:
+        sampling[constraint.kind] = constraint.spec
+    return sampling
+
+
+def check_max_tokens(value: Any) -> int:
+    if value is None:
+        raise BadRequest("max_tokens: Field required", param="max_tokens")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest(f"max_tokens must be an integer >= 1; got {value!r}", param="max_tokens")
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ---- tools -------------------------------------------------------------------------------
+
+
+def _check_tools(value: Any, conversation: Conversation) -> list[dict[str, Any]]:
+    """Anthropic's custom tools as OpenAI function tools (checked by tool_calls.py)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadRequest(f"tools must be a list of tools; got {value!r}"[:160], param="tools")
+    converted = [_function_tool(tool, f"tools[{i}]", conversation) for i, tool in enumerate(value)]
+    return check_tools(converted)
+
+
+def _function_tool(tool: Any, where: str, conversation: Conversation) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type", "custom") not in ("custom", None):
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise BadRequest(
+            f"{where} must be a custom tool {{'name', 'description', 'input_schema'}}; "
+            f"{kind!r} tools are not supported by this server"[:200],
+            param=where,
+        )
+    for key, value in tool.items():
+        if key not in TOOL_KEYS and value is not None:
+            raise BadRequest(f"{where}.{key} is not a known field of a tool", f"{where}.{key}")
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise BadRequest(
+            f"{where}.input_schema must be a JSON schema object; got {schema!r}"[:160],
+            f"{where}.input_schema",
+        )
+    if not isinstance(tool.get("name"), str) or not NAME_PATTERN.match(tool["name"]):
+        name = tool.get("name")
+        message = f"{where}.name must match {NAME_PATTERN.pattern}; got {name!r}"
+        raise BadRequest(message[:160], f"{where}.name")
+    check_cache_control(tool.get("cache_control"), f"{where}.cache_control")
+    if tool.get("cache_control") is not None:
+        conversation.mark()  # tools come before system and messages in Anthropic's prefix
+    function = {
+        "name": tool.get("name"),
+        "description": tool.get("description"),
+        "parameters": schema,
+    }
+    return {"type": "function", "function": function}
+
+
+def check_tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[ToolChoice, bool]:
+    """`tool_choice` -> (ToolChoice, disable_parallel_tool_use); auto by default with tools."""
+    if value is None:
+        return ToolChoice("auto" if tools else "none"), False
+    kind = value.get("type") if isinstance(value, dict) else None
+    keys = TOOL_CHOICE_KEYS.get(kind)
+    name = value.get("name") if kind == "tool" else None
+    single = value.get("disable_parallel_tool_use") if isinstance(value, dict) else None
+    if (
+        keys is None
+        or set(value) - keys
+        or (kind == "tool") != isinstance(name, str)
+        or not (single is None or isinstance(single, bool))
+    ):
+        raise BadRequest(
+            "tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': "
+            f"str}}, with an optional disable_parallel_tool_use: bool; got {value!r}"[:240],
+            param="tool_choice",
+        )
+    choice = ToolChoice(TOOL_CHOICE_MODES[kind], name)
+    names = [tool["function"]["name"] for tool in tools]
+    if choice.forced and not tools:
+        raise BadRequest(f"tool_choice {kind!r} requires tools", param="tool_choice")
+    if name is not None and name not in names:
+        raise BadRequest(
+            f"tool_choice names tool {name!r}, which is not among the tools {names}",
+            param="tool_choice",
+        )
+    return (choice if tools else ToolChoice("none")), bool(single)
