@@ -43,7 +43,7 @@ from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import ChoiceTracker, ToolCallTracker, check_model_name
 from radixserve.server.state import ServerState, read_json, state_of
-from radixserve.server.tool_calls import tool_names
+from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class MessageRun:
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    parsed = parse_messages_request(await read_json(request))
+    parsed = parse_messages_request(await read_json(request), tool_parser=state.tool_parser)
     check_model_name(state, parsed.model)
     prompt = await state.off_loop(render_prompt, state, parsed, True)
     stream = state.open(build_specs(state, parsed, prompt.ids))
@@ -136,7 +136,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
-    parsed = parse_messages_request(await read_json(request), count_only=True)
+    parsed = parse_messages_request(
+        await read_json(request), count_only=True, tool_parser=state.tool_parser
+    )
     check_model_name(state, parsed.model)
     prompt = await state.off_loop(render_prompt, state, parsed, False)
     return web.json_response({"input_tokens": len(prompt.ids)})
@@ -148,7 +150,13 @@ async def count_tokens(request: web.Request) -> web.Response:
 def render_prompt(state: ServerState, parsed: MessagesRequest, breakpoint: bool) -> PromptTokens:
     """The prompt's token ids and, with `breakpoint`, where its last cache_control ends."""
     tokenizer = state.tokenizer
-    text = render_chat(tokenizer, parsed.messages, parsed.template_kwargs, parsed.offered_tools)
+    text = render_chat(
+        tokenizer,
+        parsed.messages,
+        parsed.template_kwargs,
+        parsed.offered_tools,
+        tool_parser=state.tool_parser,
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not breakpoint or parsed.breakpoint_messages is None:
         return PromptTokens(ids)
@@ -164,7 +172,11 @@ def breakpoint_len(state: ServerState, parsed: MessagesRequest, ids: list[int]) 
     }
     try:
         text = render_chat(
-            state.tokenizer, parsed.breakpoint_messages, kwargs, parsed.offered_tools
+            state.tokenizer,
+            parsed.breakpoint_messages,
+            kwargs,
+            parsed.offered_tools,
+            tool_parser=state.tool_parser,
         )
     except (BadRequest, LookupError):  # e.g. a template that needs a user turn: nothing cached
         return 0
@@ -187,7 +199,9 @@ def _anthropic_names(message: str) -> str:
 
 def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult) -> ChoiceTracker:
     if parsed.offered_tools:
-        return ToolCallTracker(result, state.tokenizer, tool_names(parsed.tools))
+        names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
+        parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
+        return ToolCallTracker(result, state.tokenizer, parser)
     return ChoiceTracker(result, state.tokenizer)
 
 

@@ -32,6 +32,7 @@ from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
 from radixserve.server.response_format import forced_call_constraint
 from radixserve.server.tool_calls import NAME_PATTERN, ToolChoice, check_tools
+from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
 MAX_TEMPERATURE = 1.0
 """Anthropic's upper bound on temperature."""
@@ -86,8 +87,11 @@ class MessagesRequest:
         return self.tools if self.tool_choice.mode != "none" else None
 
 
-def parse_messages_request(body: Any, count_only: bool = False) -> MessagesRequest:
-    """Checks a /v1/messages body (count_only: a /v1/messages/count_tokens one)."""
+def parse_messages_request(
+    body: Any, count_only: bool = False, tool_parser: str = DEFAULT_TOOL_PARSER
+) -> MessagesRequest:
+    """Checks a /v1/messages body (count_only: a /v1/messages/count_tokens one); a forced
+    call is constrained to `tool_parser`'s format."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
     _check_fields(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS)
@@ -112,7 +116,7 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
     )
     if not count_only:
         parsed.stream = _check_bool(body, "stream")
-        parsed.sampling = sampling_dict(body, tools, choice)
+        parsed.sampling = sampling_dict(body, tools, choice, tool_parser)
         check_metadata(body.get("metadata"))
     return parsed
 
@@ -160,7 +164,12 @@ def check_metadata(value: Any) -> None:
 # ---- sampling ----------------------------------------------------------------------------
 
 
-def sampling_dict(body: dict, tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
+def sampling_dict(
+    body: dict,
+    tools: list[dict[str, Any]],
+    choice: ToolChoice,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
+) -> dict[str, Any]:
     """SamplingParams' fields; a forced tool call adds its JSON schema."""
     sampling = {"max_new_tokens": check_max_tokens(body.get("max_tokens"))}
     temperature = body.get("temperature")
@@ -181,7 +190,7 @@ def sampling_dict(body: dict, tools: list[dict[str, Any]], choice: ToolChoice) -
                 param="stop_sequences",
             )
         sampling["stop"] = stops
-    constraint = forced_call_constraint(tools, choice)
+    constraint = forced_call_constraint(tools, choice, tool_parser)
     if constraint is not None:
         sampling[constraint.kind] = constraint.spec
     return sampling
