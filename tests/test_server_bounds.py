@@ -45,7 +45,7 @@ async def stall(port: int, sent: bytes) -> tuple[bytes, float]:
 
 
 def test_a_stalled_request_body_gets_408_and_is_dropped_while_others_are_served(bounded):
-    head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000\r\n\r\n{\"input_ids\": [1, ")  # fmt: skip
 
     async def go():
@@ -66,7 +66,7 @@ def test_a_stalled_request_body_gets_408_and_is_dropped_while_others_are_served(
 def test_stalled_headers_and_an_idle_connection_are_closed(bounded):
     async def go():
         return await asyncio.gather(
-            stall(bounded.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "),
+            stall(bounded.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "),
             stall(bounded.port, b""),
         )
 
