@@ -124,8 +124,15 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> d
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of parameters a decode step reads (a tied embedding once, as the LM head)."""
-    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    """Bytes of weights a decode step reads: parameters and packed weights (buffers named
+    *weight, as --cpu-dense-kernel's packed layers hold them); the embedding only when it is
+    also the LM head (tied, not packed), else the step reads one row of it."""
+    model = runner.model
+    tensors = {id(p): p for p in model.parameters()}
+    tensors |= {id(b): b for name, b in model.named_buffers() if name.endswith("weight")}
+    if model.lm_head is not None:
+        tensors.pop(id(model.embed_tokens.weight), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def kv_bytes(runner: ModelRunner, batch: int, context: int) -> int:
