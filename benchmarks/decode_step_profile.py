@@ -16,6 +16,8 @@ so the profiler's own cost is dropped.
 `--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
 by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
 `--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
+`--top-ops N` also prints the N ops of most self time per step, by op and input shapes (so
+each projection, and the LM head, shows as its own line).
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py [--quantization none]
 Prints a table; writes JSON to `--out`.
@@ -72,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="comma-separated --cpu-dense-kernel values run side by side (e.g. torch,packed)",
     )
+    p.add_argument("--top-ops", type=int, default=0,
+                   help="print the N ops of most self time, by input shapes")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
     return p.parse_args(argv)
 
@@ -155,12 +159,13 @@ def plain_pass(core: EngineCore, steps: int) -> dict[str, float]:
     return {name: timers.median_ms(name) for name in names}
 
 
-def profiled_pass(core: EngineCore, steps: int) -> dict[str, float]:
+def profiled_pass(core: EngineCore, steps: int, top_ops: int = 0) -> dict[str, Any]:
     """Self ms per step of matmul, attention and other ops, and the forward's ms per step,
-    all wall time under the profiler (its op times are wall times)."""
+    all wall time under the profiler (its op times are wall times); with `top_ops`, also
+    the ops of most self time by input shapes (`top_ops`: [{op, shapes, ms}])."""
     timers = Timers(time.perf_counter)
     timers.wrap(core.scheduler.runner, "forward", "forward")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=top_ops > 0) as prof:
         for _ in range(steps):
             core.scheduler.step()
     split = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
@@ -179,7 +184,17 @@ def profiled_pass(core: EngineCore, steps: int) -> dict[str, float]:
             split["other_ops"] += ms
     split["forward"] = statistics.mean(timers.seconds["forward"]) * 1e3
     timers.unwrap()
+    if top_ops:
+        split["top_ops"] = largest_ops(prof, steps, top_ops)
     return split
+
+
+def largest_ops(prof, steps: int, num: int) -> list[dict[str, Any]]:
+    """The `num` (op, input shapes) of most self time, in ms per step."""
+    events = sorted(prof.key_averages(group_by_input_shape=True),
+                    key=lambda e: e.self_cpu_time_total, reverse=True)  # fmt: skip
+    return [{"op": e.key, "shapes": str(e.input_shapes), "ms": e.self_cpu_time_total / 1e3 / steps}
+            for e in events[:num]]  # fmt: skip
 
 
 def breakdown(plain: dict[str, float], prof: dict[str, float]) -> dict[str, float]:
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             with torch.inference_mode():
                 until_all_decode(core)
                 plain = plain_pass(core, args.steps)
-                prof = profiled_pass(core, args.steps)
+                prof = profiled_pass(core, args.steps, args.top_ops)
             row = {"batch": batch, "compiled": compiled, "layer_ops": layer_ops}
             row["cpu_quant_kernel"] = kernel
             row["cpu_dense_kernel"] = dense
@@ -244,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
             cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
             prefix = f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{dense:>7}"
             print(prefix + cells, flush=True)
+            for op in prof.get("top_ops", []):
+                row.setdefault("top_ops", []).append(op)
+                print(f"{'':>8}{op['ms']:>9.2f} ms  {op['op']}  {op['shapes']}")
             core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}

