@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -31,17 +30,9 @@ from radixserve.config import (
 from radixserve.engine.core import EngineCore
 from radixserve.engine.kv_publisher import END_OF_REPLAY, KVEventPublisher, ReplayBudget
 from radixserve.fleet.launch import worker_engine_args
+from radixserve_bench.systems import _port_free
 
 DEFAULT_PORT = 5557
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _receive_one(ctx, address: str, publisher: KVEventPublisher, timeout_s: float = 10):

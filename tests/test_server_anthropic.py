@@ -12,6 +12,7 @@ from typing import Any
 import anthropic
 import jsonschema
 import pytest
+from test_tool_calls import ADD
 
 from conftest import API_KEY
 from radixserve.server.anthropic_protocol import parse_messages_request
@@ -23,15 +24,6 @@ MODEL = "tiny"
 # A random model may sample EOS; lengths stay exact without it. The SDK no longer takes
 # sampling arguments (the API still does): greedy goes in the body.
 GREEDY = {"ignore_eos": True, "temperature": 0}
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": -50, "maximum": 50},
-        "b": {"type": "integer", "minimum": -50, "maximum": 50},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 TOOLS = [{"name": "add", "description": "Adds two integers", "input_schema": ADD}]
 MARK = {"type": "ephemeral"}
 QUESTION = [{"role": "user", "content": "What is 1 + 2?"}]
