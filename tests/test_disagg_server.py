@@ -133,7 +133,8 @@ def test_pd_through_the_real_router(server, pd_servers):
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         + ["--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
-        + ["--host", "127.0.0.1", "--port", str(router_port), "--policy", "round_robin"],
+        + ["--host", "127.0.0.1", "--port", str(router_port), "--policy", "round_robin"]
+        + ["--prometheus-host", "127.0.0.1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

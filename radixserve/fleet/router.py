@@ -60,6 +60,7 @@ def router_command(
     fleet's); `extra_args` come last, so they override. Its key travels in the environment
     (ROUTER_API_KEY_ENV), never on this command line."""
     command = [sys.executable, ROUTER_LAUNCHER, "--host", host, "--port", str(port)]
+    command += ["--prometheus-host", host]  # its metrics port binds 0.0.0.0 by default
     command += [*worker_flags(workers), "--policy", policy]
     if log_level:
         command += ["--log-level", ROUTER_LOG_LEVELS.get(log_level, log_level)]
