@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.disk_cache import cache_root
+from radixserve.model.quant import QuantizationError
 from radixserve.model.quant.base_linear import UnquantizedLinear
 from radixserve.model.quant.batch_invariant import dense_kernels, dense_matmul, pack_dense_weight
 
@@ -52,7 +53,7 @@ PROBE_VERSION = 2  # part of the cache key: a change to how the probe measures r
 def check_cpu_dense_kernel(choice: str) -> None:
     if choice not in CPU_DENSE_KERNELS:
         allowed = ", ".join(CPU_DENSE_KERNELS)
-        raise ValueError(f"--cpu-dense-kernel must be one of {allowed}; got {choice!r}")
+        raise QuantizationError(f"--cpu-dense-kernel must be one of {allowed}; got {choice!r}")
 
 
 def fp_layer_shapes(model: nn.Module) -> Counter[tuple[int, int]]:
@@ -73,7 +74,9 @@ def use_packed_dense(model: nn.Module, choice: str, dtype: torch.dtype) -> bool:
         return False
     if dense_kernels() is None:
         if choice == "packed":
-            raise ValueError("--cpu-dense-kernel packed: the C++ dense kernel did not build here")
+            raise QuantizationError(
+                "--cpu-dense-kernel packed: the C++ dense kernel did not build here"
+            )
         return False
     if choice == "packed":
         return True

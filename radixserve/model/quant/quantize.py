@@ -133,10 +133,7 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
         raise QuantizationError(
             f"--cpu-quant-kernel must be one of {allowed}; got {load_config.cpu_quant_kernel!r}"
         )
-    try:
-        check_cpu_dense_kernel(load_config.cpu_dense_kernel)
-    except ValueError as exc:
-        raise QuantizationError(str(exc)) from None
+    check_cpu_dense_kernel(load_config.cpu_dense_kernel)
     device = load_config.torch_device()
     if device.type == "cpu" and method in INT_KERNEL_METHODS and not _on_block_kernels(load_config):
         _warn_if_slow_dtype(method, load_config.quant_compute_dtype())
