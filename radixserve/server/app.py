@@ -19,13 +19,14 @@ from radixserve.client.result import ResultStream
 from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
 from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
-from radixserve.server.auth import auth_middleware
+from radixserve.server.auth import auth_middleware, install_key_throttle
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
+from radixserve.server.tenants import namespaces_shown
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +128,17 @@ def _sse(body: Any) -> bytes:
 
 
 async def abort_request(request: web.Request) -> web.Response:
+    """Aborts the request `rid` of the caller's namespace: the body's `cache_salt` (as the
+    request was sent with), else X-Cache-Salt, else the default one (admin: every one)."""
     body = await read_json(request)
-    rid = body.get("rid") if isinstance(body, dict) else None
+    body = body if isinstance(body, dict) else {}
+    rid, salt = body.get("rid"), body.get("cache_salt")
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string", param="rid")
-    state_of(request).client.abort_rid(rid)
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("cache_salt must be a string", param="cache_salt")
+    namespaces = [salt] if salt is not None else namespaces_shown(request)
+    state_of(request).client.abort_rid(rid, namespaces)
     return web.json_response({"success": True})
 
 
@@ -274,6 +281,7 @@ def build_app(state: ServerState) -> web.Application:
         client_max_size=max_body_bytes(state.config),
     )
     app[STATE_KEY] = state
+    install_key_throttle(app)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/flush_cache", flush_cache)  # it changes state: never on a GET
