@@ -18,7 +18,8 @@ Field by field:
   it on and ends longer reasoning at n tokens; needs `--reasoning-parser` (checked by the
   route). Reasoning comes back as `thinking` blocks (server/reasoning.py).
 - `chat_template_kwargs` as on chat completions (a `chat_template` of its own is a 400), and
-  the extras `ignore_eos` and `seed` (SamplingParams' `sampling_seed`).
+  the extras `ignore_eos`, `seed` (SamplingParams' `sampling_seed`) and the output
+  constraints `regex` / `json_schema` / `ebnf` (one at most, none with a forced tool call).
 A field this server does not know is a 400 naming it, unless null.
 """
 
@@ -36,7 +37,11 @@ from radixserve.server.anthropic_messages import (
 from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
 from radixserve.server.reasoning import ReasoningOptions, thinking_of
-from radixserve.server.response_format import forced_call_constraint
+from radixserve.server.response_format import (
+    CONSTRAINT_FIELDS,
+    Constraint,
+    forced_call_constraint,
+)
 from radixserve.server.tool_calls import NAME_PATTERN, ToolChoice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
@@ -57,6 +62,7 @@ MESSAGES_FIELDS = COUNT_FIELDS | {
     "top_k",
     "metadata",
     *EXTRA_SAMPLING_FIELDS,
+    *CONSTRAINT_FIELDS,
 }
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "standard_only"),
@@ -226,9 +232,15 @@ def sampling_dict(
                 param="stop_sequences",
             )
         sampling["stop"] = stops
-    constraint = forced_call_constraint(tools, choice, tool_parser)
-    if constraint is not None:
-        sampling[constraint.kind] = constraint.spec
+    given = [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
+    given.append(forced_call_constraint(tools, choice, tool_parser))
+    given = [constraint for constraint in given if constraint is not None]
+    if len(given) > 1:
+        first, second = given[0].param, given[1].param
+        raise BadRequest(
+            f"{second} cannot be combined with {first}: one constraint at most", param=second
+        )
+    sampling |= {c.kind: c.spec for c in given}
     return sampling
 
 
