@@ -141,8 +141,12 @@ def test_messages_thinking_block_then_text(claude):
     assert [b.type for b in reply.content] == ["thinking", "text"]
     thinking, text = reply.content
     assert re.fullmatch(THINK, f"<think>{thinking.thinking}</think>{text.text}")
-    with claude.messages.stream(model=MODEL, max_tokens=48, messages=QUESTION,
-                                extra_body={"regex": THINK} | NO_THINKING | GREEDY) as events:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=48,
+        messages=QUESTION,
+        extra_body={"regex": THINK} | NO_THINKING | GREEDY,
+    ) as events:
         kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in events]
         final = events.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in reply.content]
@@ -187,3 +191,35 @@ def test_unknown_parser_fails_at_start_naming_the_flag(tiny_chat_model):
     )  # fmt: skip
     assert done.returncode != 0
     assert "--reasoning-parser 'r2' is not one of deepseek-r1" in done.stderr
+
+
+def test_content_blocks_stream_thinking_then_call_fragments():
+    from radixserve.server.anthropic_response import ContentBlocks
+    from radixserve.server.openai_response import Delta
+    from radixserve.server.tool_calls import ToolCall, ToolCallDelta
+
+    blocks = ContentBlocks()
+    events = blocks.add(Delta("", [], None, reasoning="hm"))
+    events += blocks.add(Delta("", [], None, reasoning=" ok"))
+    events += blocks.add(Delta("", [], None, [], [ToolCallDelta(0, "call_ab", "add", '{"a": ')]))
+    events += blocks.add(Delta("", [], None, [], [ToolCallDelta(0, None, None, "1}")]))
+    events += blocks.add(
+        Delta("done", [], "tool_calls", [ToolCall(0, "call_ab", "add", '{"a": 1}')])
+    )
+    events += blocks.close()
+    shapes = [
+        (name, data.get("index"), (data.get("delta") or {}).get("type")) for name, data in events
+    ]
+    assert shapes == [
+        ("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"), ("content_block_stop", 0, None),
+        ("content_block_start", 1, None), ("content_block_delta", 1, "input_json_delta"),
+        ("content_block_delta", 1, "input_json_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, None), ("content_block_delta", 2, "text_delta"),
+        ("content_block_stop", 2, None),
+    ]  # fmt: skip
+    assert blocks.blocks == [
+        {"type": "thinking", "thinking": "hm ok", "signature": ""},
+        {"type": "tool_use", "id": "toolu_ab", "name": "add", "input": {"a": 1}},
+        {"type": "text", "text": "done"},
+    ]
