@@ -41,6 +41,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     """Tool-call format: qwen25 (alias hermes), llama3 (llama3_json), mistral, pythonic,
     deepseekv3 (deepseek_v3), qwen3_coder; default: the chat template's, else qwen25."""
+    reasoning_parser: str | None = None
+    """Reasoning format, split out of chat outputs (`reasoning_content`, Messages' thinking
+    blocks): deepseek-r1 (also qwen3-thinking), qwen3, gpt-oss; default: none."""
     # 5: uvicorn's default, so SGLang's and vLLM's servers close idle connections as soon.
     timeout_keep_alive: float = 5.0
     """Seconds a connection may wait for a request's headers to complete: idle between

@@ -11,6 +11,7 @@ from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
 from radixserve.model.tokenizer import open_tokenizer
+from radixserve.reasoning import reasoning_format
 from radixserve.server.app import ServerState, build_app
 from radixserve.server.http_runner import serve_app
 from radixserve.server.limits import runner_options
@@ -30,11 +31,13 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    if config.tool_call_parser is not None:  # a bad name fails before the model loads
-        try:
+    try:  # a bad name fails before the model loads
+        if config.tool_call_parser is not None:
             tool_format(config.tool_call_parser)
-        except ValueError as exc:
-            raise SystemExit(f"radixserve serve: {exc}") from None
+        if config.reasoning_parser is not None:
+            reasoning_format(config.reasoning_parser)
+    except ValueError as exc:
+        raise SystemExit(f"radixserve serve: {exc}") from None
     client = MultiprocessClient(engine_args, config.log_level)
     info = client.start()
     try:
@@ -68,6 +71,9 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
         max_running_requests=max_running,
         metrics=ServerMetrics(),
         tool_parser=_tool_parser(config, tokenizer),
+        reasoning_format=(
+            None if config.reasoning_parser is None else reasoning_format(config.reasoning_parser)
+        ),
     )
 
 
