@@ -1,0 +1,148 @@
+"""Workers that join a real sglang-router by themselves (`serve --router-url`), survive its
+restart, and leave it on SIGTERM without failing a request (graceful drain)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+from test_server_native import post, run
+
+from conftest import ServerProcess, prompt_ids
+from radixserve.fleet.router import router_command
+from radixserve.fleet.router_main import ROUTER_API_KEY_ENV
+from radixserve_bench.systems import free_port_run
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang_router") is None,
+    reason="sglang-router is not installed (pip install 'radixserve[fleet]')",
+)
+KEY = "register-key-81c2"
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+JOIN_TIMEOUT_S = 60.0
+LOAD = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+class Router:
+    """sglang-router on 127.0.0.1 with the key KEY and no workers of its own."""
+
+    def __init__(self):
+        self.port = free_port_run(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        extra = f"--prometheus-port {free_port_run(1)}"
+        command = router_command([], "127.0.0.1", self.port, "round_robin", "warning", extra)
+        env = os.environ | {ROUTER_API_KEY_ENV: KEY}
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
+
+    def restart(self) -> None:
+        """A new router on the same port, knowing no worker."""
+        self.stop()
+        self.proc = self._start()
+
+    def worker_urls(self) -> list[str] | None:
+        """The urls GET /workers lists, or None while the router does not answer."""
+        request = urllib.request.Request(self.url + "/workers", headers=AUTH)
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return sorted(w["url"] for w in json.loads(response.read())["workers"])
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def wait_for_workers(self, urls: list[str], timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.worker_urls() != sorted(urls):
+            assert self.proc.poll() is None, "the router exited"
+            assert time.monotonic() < deadline, f"router lists {self.worker_urls()}, not {urls}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.kill()  # its SIGTERM waits out a grace period; nothing of ours runs there
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_chat_model):
+    """A router and two workers that registered themselves with it."""
+    router = Router()
+    env = {"RADIXSERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    flags = ("--router-url", router.url, "--log-level", "info")
+    workers = [ServerProcess(tiny_chat_model, *flags, wait=False, env=env) for _ in range(2)]
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        yield router, workers
+    finally:
+        for worker in workers:
+            worker.stop()
+        router.stop()
+
+
+def test_workers_join_and_rejoin_a_restarted_router(fleet):
+    router, workers = fleet
+    router.wait_for_workers([w.url for w in workers])
+    status, out = run(post(router.url + "/generate", _body(), headers=AUTH))
+    assert status == 200 and len(out["output_ids"]) == LOAD["max_new_tokens"]
+    router.restart()  # the new one knows no worker: they register again by themselves
+    router.wait_for_workers([w.url for w in workers])
+    for worker in workers:
+        assert sum("joined the router" in line for line in worker.log) == 2, worker.log[-20:]
+
+
+def test_sigterm_under_load_loses_no_request(fleet):
+    router, workers = fleet
+    router.wait_for_workers([w.url for w in workers])
+    statuses: Counter = Counter()
+    stop = threading.Event()
+    clients = [threading.Thread(target=_load, args=(router.url, stop, statuses)) for _ in range(4)]
+    for client in clients:
+        client.start()
+    try:
+        _wait_for(lambda: sum(statuses.values()) >= 8)
+        leaving = workers[1]
+        assert leaving.stop(timeout=60) == 0  # SIGTERM: leave the router, drain, exit 0
+        served = sum(statuses.values())
+        _wait_for(lambda: sum(statuses.values()) >= served + 8)  # the other one serves on
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(60)
+    assert set(statuses) == {200}, statuses
+    assert router.worker_urls() == [workers[0].url]
+    log = "".join(leaving.log)
+    assert "left the router" in log, log[-2000:]
+
+
+def _body() -> dict:
+    return {"input_ids": prompt_ids(5), "sampling_params": LOAD}
+
+
+def _load(url: str, stop: threading.Event, statuses: Counter) -> None:
+    """Sends /generate through the router back to back until `stop`, counting statuses."""
+    data = json.dumps(_body()).encode()
+    while not stop.is_set():
+        request = urllib.request.Request(url + "/generate", data, AUTH, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                statuses[response.status] += 1
+        except urllib.error.HTTPError as exc:
+            statuses[exc.code] += 1
+        except (urllib.error.URLError, OSError) as exc:
+            statuses[type(exc).__name__] += 1
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
