@@ -2,7 +2,7 @@
 
     once healthy   POST {router}/workers {url, api_key, worker_type[, bootstrap_port]}
     every few s    GET  {router}/workers: our url missing (the router restarted) -> POST again;
-                   router unreachable -> retry with a backoff doubling up to MAX_BACKOFF_S
+                   router unreachable -> retry after 1, 2, 4, 8, then every 15 s
     SIGTERM        DELETE {router}/workers/{id}, then wait until the list no longer names us
                    (the router removes workers in the background), bounded by LEAVE_TIMEOUT_S
 
@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 3.0
 """How often a registered worker checks that the router still lists it."""
-MAX_BACKOFF_S = 30.0
-"""Longest wait between tries while the router is unreachable or refuses us."""
+FIRST_RETRY_S = 1.0
+MAX_BACKOFF_S = 15.0
+"""While the router is unreachable or refuses us: retries after 1, 2, 4, 8, then every 15 s."""
 REQUEST_TIMEOUT_S = 5.0
 LEAVE_TIMEOUT_S = 10.0
 """How long SIGTERM waits for the router to drop this worker before draining anyway."""
@@ -169,22 +170,18 @@ class RouterMembership:
         return True
 
     async def _keep_registered(self) -> None:
-        backoff = CHECK_INTERVAL_S
+        failures = 0
         while True:
             try:
                 await self._check_once()
-                backoff = CHECK_INTERVAL_S
+                failures, delay = 0, CHECK_INTERVAL_S
             except RouterError as exc:
-                if self.registered or backoff == CHECK_INTERVAL_S:  # once per outage
-                    logger.warning(
-                        "router %s: %s; retrying, backoff <= %.0f s",
-                        self._router,
-                        exc,
-                        MAX_BACKOFF_S,
-                    )
+                if failures == 0:  # once per outage
+                    logger.warning("router %s: %s; retrying", self._router, exc)
+                failures += 1
                 self.registered = False
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-            await asyncio.sleep(backoff)
+                delay = min(FIRST_RETRY_S * 2 ** (failures - 1), MAX_BACKOFF_S)
+            await asyncio.sleep(delay)
 
     async def _check_once(self) -> None:
         if await self.client.worker_id() is not None:
