@@ -3,6 +3,7 @@ restart, and leave it on SIGTERM without failing a request (graceful drain)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -14,14 +15,19 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from test_server_native import post, run
 
 from conftest import ServerProcess, prompt_ids
 from radixserve.fleet.router import router_command
 from radixserve.fleet.router_main import ROUTER_API_KEY_ENV
+from radixserve.server.anthropic_api import anthropic_error_middleware
+from radixserve.server.app import error_middleware
+from radixserve.server.drain import Drain
 from radixserve_bench.systems import free_port_run
 
-pytestmark = pytest.mark.skipif(
+needs_router = pytest.mark.skipif(
     importlib.util.find_spec("sglang_router") is None,
     reason="sglang-router is not installed (pip install 'radixserve[fleet]')",
 )
@@ -88,6 +94,7 @@ def fleet(tiny_chat_model):
         router.stop()
 
 
+@needs_router
 def test_workers_join_and_rejoin_a_restarted_router(fleet):
     router, workers = fleet
     router.wait_for_workers([w.url for w in workers])
@@ -99,6 +106,7 @@ def test_workers_join_and_rejoin_a_restarted_router(fleet):
         assert sum("joined the router" in line for line in worker.log) == 2, worker.log[-20:]
 
 
+@needs_router
 def test_sigterm_under_load_loses_no_request(fleet):
     router, workers = fleet
     router.wait_for_workers([w.url for w in workers])
@@ -146,3 +154,60 @@ def _wait_for(condition, timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+# ---- the drain itself, without a model ---------------------------------------------------
+
+
+class FakeClient:
+    """What Drain.run reads of an EngineClient: one request that never finishes by itself."""
+
+    def __init__(self):
+        self.ids = ["r1"]
+        self.dead = False
+
+    @property
+    def num_active(self) -> int:
+        return len(self.ids)
+
+    def active_request_ids(self) -> list[str]:
+        return list(self.ids)
+
+    def abort(self, ids: list[str]) -> None:
+        self.ids = [i for i in self.ids if i not in ids]
+
+
+def test_a_draining_server_leaves_first_then_answers_503_in_each_apis_shape():
+    drain, client, events = Drain(), FakeClient(), []
+
+    async def ok(request):
+        return web.json_response({"ok": True})
+
+    async def leave():
+        events.append(("left", drain.draining))
+
+    async def scenario():
+        app = web.Application(
+            middlewares=[anthropic_error_middleware, drain.middleware, error_middleware]
+        )
+        for path in ("/generate", "/v1/chat/completions", "/v1/messages", "/health", "/metrics"):
+            app.router.add_route("*", path, ok)
+        async with TestClient(TestServer(app)) as http:
+            assert (await http.post("/generate")).status == 200
+            await drain.run(client, timeout_s=0.2, leave_router=leave)
+            answers = {}
+            for path in ("/generate", "/v1/chat/completions", "/v1/messages", "/health"):
+                response = await http.post(path) if path != "/health" else await http.get(path)
+                answers[path] = (response.status, await response.json())
+            metrics = (await http.get("/metrics")).status
+        return answers, metrics
+
+    answers, metrics = asyncio.run(scenario())
+    assert events == [("left", False)]  # the router first, while still serving
+    assert client.ids == []  # the request past --drain-timeout was aborted
+    for path in ("/generate", "/v1/chat/completions", "/health"):
+        status, body = answers[path]
+        assert status == 503 and body["error"]["code"] == 503, (path, body)
+    status, body = answers["/v1/messages"]
+    assert status == 503 and body["type"] == "error" and body["error"]["type"] != "api_error"
+    assert metrics == 200
