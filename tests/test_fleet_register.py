@@ -20,6 +20,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from test_server_native import post, run
 
 from conftest import ServerProcess, prompt_ids
+from radixserve.config import ServerConfig
+from radixserve.fleet.register import WorkerRegistration
 from radixserve.fleet.router import router_command
 from radixserve.fleet.router_main import ROUTER_API_KEY_ENV
 from radixserve.server.anthropic_api import anthropic_error_middleware
@@ -211,3 +213,27 @@ def test_a_draining_server_leaves_first_then_answers_503_in_each_apis_shape():
     status, body = answers["/v1/messages"]
     assert status == 503 and body["type"] == "error" and body["error"]["type"] != "api_error"
     assert metrics == 200
+
+
+def test_registration_names_the_workers_type_bootstrap_port_and_key(monkeypatch):
+    monkeypatch.delenv(ROUTER_API_KEY_ENV, raising=False)
+    config = ServerConfig(port=31001, api_key="k", router_url="http://r:1/")
+    plain = WorkerRegistration.from_config(config, None, 8998)
+    assert plain.body() == {
+        "url": "http://127.0.0.1:31001",
+        "worker_type": "regular",
+        "api_key": "k",
+    }
+    assert plain.router_url == "http://r:1" and plain.router_key == "k"
+    prefill = WorkerRegistration.from_config(config, "prefill", 8998)
+    assert prefill.body()["worker_type"] == "prefill" and prefill.body()["bootstrap_port"] == 8998
+    assert "bootstrap_port" not in WorkerRegistration.from_config(config, "decode", 8998).body()
+    with pytest.raises(ValueError, match="--disaggregation-bootstrap-port must be a fixed port"):
+        WorkerRegistration.from_config(config, "prefill", 0)
+    monkeypatch.setenv(ROUTER_API_KEY_ENV, "router-key")
+    advertised = ServerConfig(router_url="http://r:1", advertise_url="http://w:2")
+    registration = WorkerRegistration.from_config(advertised, None, 8998)
+    assert registration.url == "http://w:2" and registration.router_key == "router-key"
+    assert "api_key" not in registration.body()
+    with pytest.raises(ValueError, match="router_url"):
+        ServerConfig(router_url="r:1").verify()

@@ -65,7 +65,7 @@ class Drain:
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self._busy(client) and loop.time() < deadline:
+        while self._busy(client) and not client.dead and loop.time() < deadline:
             await asyncio.sleep(POLL_S)
         if client.num_active:
             logger.warning("drain: aborting %d requests after %.0f s", client.num_active, timeout_s)
