@@ -53,6 +53,17 @@ class ServerConfig:
     gets 408 and its connection is closed."""
     disable_dashboard: bool = False
     """Do not serve the live dashboard at /dashboard (behind the admin key when one is set)."""
+    router_url: str | None = None
+    """A running sglang-router (http://host:port) this worker joins by itself once healthy
+    (its POST /workers, with this worker's key; PD mode: its --disaggregation-mode and
+    bootstrap port), re-joins when the router forgets it, and leaves first on SIGTERM. The
+    router's own key, if it differs from --api-key: $RADIXSERVE_ROUTER_API_KEY."""
+    advertise_url: str | None = None
+    """The URL the router reaches this worker at (with --router-url); default
+    http://<--host>:<--port>."""
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM lets running requests finish (new ones get 503, /health 503) before
+    it aborts the rest and exits 0."""
 
     def allowed_host_names(self) -> frozenset[str]:
         """--allowed-hosts as lower-case names."""
@@ -62,6 +73,12 @@ class ServerConfig:
     def verify(self) -> None:
         """Raises ValueError naming the first field out of range (a timeout of 0 would be
         none at all)."""
-        for name in ("max_body_mb", "timeout_keep_alive", "http_read_timeout"):
+        for name in ("max_body_mb", "timeout_keep_alive", "http_read_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        for name in ("router_url", "advertise_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name} must be an http(s):// URL; got {url!r}")
+        if self.advertise_url is not None and self.router_url is None:
+            raise ValueError("advertise_url is what --router-url is told; give --router-url too")

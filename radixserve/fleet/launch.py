@@ -55,14 +55,15 @@ from radixserve.native.machine import available_memory_bytes
 logger = logging.getLogger(__name__)
 WORKER_HOST = "127.0.0.1"
 POLL_S = 0.5
-STOP_TIMEOUT_S = 45.0
-"""Per process, after SIGTERM: a worker drains for up to 30 s (server/launch.py), then exits."""
+STOP_MARGIN_S = 15.0
+"""After SIGTERM a worker drains for up to --drain-timeout (server/drain.py), then exits;
+a child still running this much later is killed."""
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 GiB = 1 << 30
 SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key", "api_key_file", "admin_api_key",
-                         "admin_api_key_file")  # fmt: skip
+                         "admin_api_key_file", "router_url", "advertise_url")  # fmt: skip
 """Set by the fleet itself: workers listen on loopback; their key comes in the environment
-(fleet/auth.py)."""
+(fleet/auth.py); the fleet registers them with its router."""
 
 
 @dataclass
@@ -212,7 +213,7 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
             print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
             return supervise(workers, router, stop)
         finally:
-            stop_all([router, *workers])
+            stop_all([router, *workers], server.drain_timeout + STOP_MARGIN_S)
 
 
 def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[str, Any]:
@@ -383,17 +384,19 @@ def supervise(workers: list[Child], router: Child, stop: threading.Event) -> int
     return 0
 
 
-def stop_all(children: list[Child]) -> None:
+def stop_all(
+    children: list[Child], timeout_s: float = ServerConfig.drain_timeout + STOP_MARGIN_S
+) -> None:
     """SIGTERM to every child at once (workers drain in parallel), then waits; kills any that
-    outlive STOP_TIMEOUT_S."""
+    outlive `timeout_s`."""
     running = [c for c in children if c.alive]
     for child in running:
         child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for child in running:
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.error("%s did not stop in %.0f s; killing it", child.name, STOP_TIMEOUT_S)
+            logger.error("%s did not stop in %.0f s; killing it", child.name, timeout_s)
             child.proc.kill()
             child.proc.wait()

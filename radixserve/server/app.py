@@ -21,6 +21,7 @@ from radixserve.server import dashboard, openai_api
 from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
 from radixserve.server.auth import auth_middleware, install_key_throttle
 from radixserve.server.cache_api import register_cache_routes
+from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.openai_protocol import is_same_value
@@ -270,9 +271,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
+    drain = Drain()  # inside anthropic_error_middleware: its 503 in each API's error shape
     app = web.Application(
         middlewares=[
             anthropic_error_middleware,
+            drain.middleware,
             error_middleware,
             auth_middleware,
             browser_guard_middleware,
@@ -282,6 +285,7 @@ def build_app(state: ServerState) -> web.Application:
     )
     app[STATE_KEY] = state
     install_key_throttle(app)
+    app[DRAIN_KEY] = drain
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/flush_cache", flush_cache)  # it changes state: never on a GET
