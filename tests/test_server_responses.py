@@ -20,7 +20,10 @@ from pydantic import BaseModel, Field
 from test_tool_calls import ADD
 
 from conftest import ADMIN_API_KEY, API_KEY
+from radixserve.server.openai_response import Delta
+from radixserve.server.responses_output import OutputItems
 from radixserve.server.responses_store import ResponseStore, StoredResponse
+from radixserve.server.tool_calls import ToolCall, ToolCallDelta
 from radixserve.server.ttl_cache import TtlStore
 
 MODEL = "tiny"
@@ -420,3 +423,44 @@ def test_response_store_scopes_by_owner():
     for other in (("user", None), ("admin", "a"), (None, "a")):
         assert store.get(other, "resp_1") is None and not store.delete(other, "resp_1")
     assert store.delete(("user", "a"), "resp_1") and len(store) == 0
+
+
+def test_output_items_and_their_events_in_order():
+    items = OutputItems(single_call=True)
+    first = [ToolCallDelta(0, "call_a", "add", '{"a": 1'), ToolCallDelta(0, None, None, "}")]
+    events = items.add(Delta("Sure.", [], None, [], first))
+    events += items.add(Delta("", [], None, [ToolCall(0, "call_a", "add", '{"a": 1}')]))
+    second = [ToolCallDelta(1, "call_b", "add", "{}")]  # parallel_tool_calls false: left out
+    events += items.add(Delta("", [], None, [ToolCall(1, "call_b", "add", "{}")], second))
+    events += items.add(Delta(" Done", [], "tool_calls")) + items.close()
+    assert [(e["type"].removeprefix("response."), e["output_index"]) for e in events] == [
+        ("output_item.added", 0),
+        ("content_part.added", 0),
+        ("output_text.delta", 0),
+        ("output_text.done", 0),
+        ("content_part.done", 0),
+        ("output_item.done", 0),
+        ("output_item.added", 1),
+        ("function_call_arguments.delta", 1),
+        ("function_call_arguments.delta", 1),
+        ("function_call_arguments.done", 1),
+        ("output_item.done", 1),
+        ("output_item.added", 2),
+        ("content_part.added", 2),
+        ("output_text.delta", 2),
+        ("output_text.done", 2),
+        ("content_part.done", 2),
+        ("output_item.done", 2),
+    ]
+    assert events[6]["item"]["arguments"] == "" and events[6]["item"]["status"] == "in_progress"
+    call = items.items[1]
+    assert call | {"id": "fc"} == {
+        "type": "function_call",
+        "id": "fc",
+        "call_id": "call_a",
+        "name": "add",
+        "arguments": '{"a": 1}',
+        "status": "completed",
+    }
+    assert [item["type"] for item in items.items] == ["message", "function_call", "message"]
+    assert all(item["status"] == "completed" for item in items.items)

@@ -147,9 +147,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return await stream_response(request, state, run, stream)
     await state.run(stream)
     delta = run.tracker.next_delta()  # the whole output: the request has finished
-    run.items.add(delta)
+    if delta is not None:
+        run.items.add(delta)
     run.items.close()
-    response = run.final(delta.finish_reason or "abort")
+    response = run.final(delta.finish_reason if delta is not None else "abort")
     run.save(store, response)
     return web.json_response(response)
 
