@@ -158,7 +158,7 @@ def run(url: str, args: argparse.Namespace) -> list[dict]:
     chat_e2e = rows[0]["chat_median_s"]
     extra = {api: (layer[api] - layer["chat"]) / chat_e2e * 100 for api in APIS[1:]}
     costs = ", ".join(f"{api} {layer[api] * 1e3:.3f}" for api in APIS)
-    differences = ", ".join(f"{api} {pct:+.3f}%" for api, pct in extra.items())
+    differences = ", ".join(f"{api} {pct:+.4f}%" for api, pct in extra.items())
     print(f"layer (CPU ms/request): {costs}; over the chat median: {differences}")
     rows.append({"mode": "layer", "cpu_s_per_request": layer, "overhead_pct_of_chat_median": extra})
     return rows
