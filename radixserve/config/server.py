@@ -51,6 +51,14 @@ class ServerConfig:
     http_read_timeout: float = 60.0
     """Seconds a request's body may take to arrive in full; a client that stalls mid-body
     gets 408 and its connection is closed."""
+    responses_store_max_entries: int = 10000
+    """Most responses `/v1/responses` keeps (`store: true`) for GET, DELETE and
+    `previous_response_id`; the oldest go first."""
+    responses_store_max_mb: float = 64.0
+    """Largest total size of the stored responses, in MiB (their JSON, each with its chain's
+    history); the oldest go first."""
+    responses_store_ttl: float = 3600.0
+    """Seconds a stored response is kept."""
     disable_dashboard: bool = False
     """Do not serve the live dashboard at /dashboard (behind the admin key when one is set)."""
     router_url: str | None = None
@@ -73,7 +81,16 @@ class ServerConfig:
     def verify(self) -> None:
         """Raises ValueError naming the first field out of range (a timeout of 0 would be
         none at all)."""
-        for name in ("max_body_mb", "timeout_keep_alive", "http_read_timeout", "drain_timeout"):
+        positive = (
+            "max_body_mb",
+            "timeout_keep_alive",
+            "http_read_timeout",
+            "drain_timeout",
+            "responses_store_max_entries",
+            "responses_store_max_mb",
+            "responses_store_ttl",
+        )
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         for name in ("router_url", "advertise_url"):

@@ -26,6 +26,7 @@ from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
+from radixserve.server.responses_api import register_responses_routes
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
 from radixserve.server.tenants import namespaces_shown
 
@@ -300,6 +301,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
     register_anthropic_routes(app)
+    register_responses_routes(app)
     register_cache_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)

@@ -5,6 +5,8 @@ key per `ttl_s`, however many of them poll and however fast.
     get(key, fetch):  fresh entry -> its result | call in flight -> wait for it (one call)
                       | none or stale -> fetch(), stored with the time it started
     failures are not kept; at most `max_entries` keys, the least recently used dropped
+
+TtlStore: values kept for a while within a count and a byte budget (stored responses).
 """
 
 from __future__ import annotations
@@ -53,6 +55,80 @@ class TtlCache:
         except BaseException:
             self._entries.pop(key, None)  # a failure is not kept: the next caller retries
             raise
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class TtlStore:
+    """Values kept for `ttl_s` seconds within `max_entries` and `max_bytes` (each value's
+    size given by its owner); the oldest go first when a bound is reached. Expiry is checked
+    lazily: on `get`, and from the oldest end on every `put`.
+
+        put(key, value, num_bytes): replaces any old value; drops expired, then oldest,
+                                    until both bounds hold (False: the value alone is larger
+                                    than max_bytes, and is not kept)
+        get(key) -> value | None    (None: absent or expired)      pop(key) -> value | None
+    """
+
+    def __init__(
+        self,
+        ttl_s: float,
+        max_entries: int,
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if ttl_s <= 0 or max_entries < 1 or max_bytes < 1:
+            raise ValueError(
+                "ttl_s must be > 0, max_entries and max_bytes >= 1; "
+                f"got {ttl_s}, {max_entries}, {max_bytes}"
+            )
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self.num_bytes = 0
+        self._entries: OrderedDict[Hashable, tuple[float, int, Any]] = OrderedDict()
+
+    def put(self, key: Hashable, value: Any, num_bytes: int) -> bool:
+        self.pop(key)
+        if num_bytes > self.max_bytes:
+            return False
+        self._drop_expired()
+        while self._entries and (
+            len(self._entries) >= self.max_entries or self.num_bytes + num_bytes > self.max_bytes
+        ):
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = (self.clock(), num_bytes, value)
+        self.num_bytes += num_bytes
+        return True
+
+    def get(self, key: Hashable) -> Any:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self.clock() - entry[0] >= self.ttl_s:
+            self._drop(key)
+            return None
+        return entry[2]
+
+    def pop(self, key: Hashable) -> Any:
+        value = self.get(key)
+        if key in self._entries:
+            self._drop(key)
+        return value
+
+    def _drop_expired(self) -> None:
+        now = self.clock()
+        while self._entries:
+            key, (stored, _, _) = next(iter(self._entries.items()))
+            if now - stored < self.ttl_s:
+                return
+            self._drop(key)
+
+    def _drop(self, key: Hashable) -> None:
+        _, num_bytes, _ = self._entries.pop(key)
+        self.num_bytes -= num_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
