@@ -223,3 +223,44 @@ def test_content_blocks_stream_thinking_then_call_fragments():
         {"type": "tool_use", "id": "toolu_ab", "name": "add", "input": {"a": 1}},
         {"type": "text", "text": "done"},
     ]
+
+
+# ---- OpenAI Responses --------------------------------------------------------------------
+
+
+def respond(client, stream: bool = False, **extra):
+    body = {"regex": THINK} | NO_THINKING | GREEDY | extra
+    return client.responses.create(model=MODEL, input="What is 1 + 2?", max_output_tokens=48,
+                                   stream=stream, extra_body=body)  # fmt: skip
+
+
+def test_responses_reasoning_item_before_the_message_and_streamed(client):
+    response = respond(client)
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "message"]
+    reasoning = response.output[0].content[0].text
+    assert re.fullmatch(THINK, f"<think>{reasoning}</think>{response.output_text}")
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    events = list(respond(client, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == reasoning
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.item.type for e in done] == ["reasoning", "message"]
+    assert events[-1].response.output_text == response.output_text
+
+
+def test_responses_schema_after_reasoning_and_reasoning_effort(client):
+    fmt = {"type": "json_schema", "name": "n", "schema": SCHEMA}
+    response = client.responses.create(
+        model=MODEL, input="What is 1 + 2?", max_output_tokens=64, text={"format": fmt},
+        reasoning={"effort": "low"},
+        extra_body={"max_reasoning_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True},
+    )  # fmt: skip
+    assert response.output[0].type == "reasoning" and response.output[0].content[0].text
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    assert response.reasoning.effort == "low"
+    for body, field in [({"reasoning": {"effort": "max"}}, "reasoning.effort"),
+                        ({"reasoning": "high"}, "reasoning"),
+                        ({"text": {"format": fmt}}, "regex")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=field):
+            respond(client, **body)

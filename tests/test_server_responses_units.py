@@ -26,6 +26,20 @@ def test_ttl_store_bounds_count_bytes_and_age():
     assert len(store) == 1 and store.num_bytes == 1  # expired entries swept on put
 
 
+def test_ttl_store_groups_share_the_bounds_fairly():
+    store = TtlStore(ttl_s=10, max_entries=4, max_bytes=100, group_of=lambda key: key[0])
+    for i in range(4):
+        assert store.put(("a", i), i, 10)  # one group alone fills the count
+    for i in range(3):  # b takes places back from the group holding the most
+        store.put(("b", i), i, 10)
+    kept = [key for key in [*(("a", i) for i in range(4)), *(("b", i) for i in range(3))]
+            if store.get(key) is not None]  # fmt: skip
+    assert kept == [("a", 2), ("a", 3), ("b", 1), ("b", 2)]  # a's oldest went, then b's own
+    assert store.put(("c", 0), 0, 70)  # bytes: 40 held, 70 more: the largest group gives way
+    assert store.get(("c", 0)) == 0 and store.num_bytes <= 100 and len(store) <= 4
+    assert store.get(("a", 2)) is None and store.get(("b", 2)) is not None
+
+
 def test_response_store_scopes_by_owner():
     store = ResponseStore(ttl_s=60, max_entries=10, max_bytes=1 << 20)
     record = StoredResponse({"id": "resp_1"}, [], [])

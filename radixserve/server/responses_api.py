@@ -23,6 +23,7 @@ import re
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -39,6 +40,7 @@ from radixserve.server.openai_api import (
     check_model_name,
     with_default_max_tokens,
 )
+from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.responses_items import chat_messages
 from radixserve.server.responses_output import (
     Event,
@@ -90,6 +92,7 @@ class ResponseRun:
     tracker: ChoiceTracker
     shape: ResponseShape
     items: OutputItems
+    count_tokens: Callable[[str], list[int]]  # the reasoning's tokens, for its usage
 
     @property
     def result(self) -> RequestResult:
@@ -105,7 +108,10 @@ class ResponseRun:
                 f"request aborted: {message or 'no reason given'}", status=status or 503
             )
         status, incomplete = status_of(finish)
-        return self.shape.response(status, self.items.items, usage(self.result), incomplete)
+        reasoning = self.items.reasoning_text
+        num_reasoning = len(self.count_tokens(reasoning)) if reasoning else 0
+        used = usage(self.result, num_reasoning)
+        return self.shape.response(status, self.items.items, used, incomplete)
 
     def failed(self, message: str) -> dict[str, Any]:
         return self.shape.response("failed", self.items.items, error=error_event(message))
@@ -133,6 +139,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     owner = owner_of(request, parsed.cache_salt)
     history = previous_history(store, owner, parsed.previous_response_id)
     ids = await state.off_loop(render_prompt, state, parsed, history)
+    parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
     stream = state.open(build_specs(state, parsed, ids))
     [result] = stream.results
     run = ResponseRun(
@@ -142,6 +149,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         tracker=_tracker(state, parsed, result),
         shape=ResponseShape(state.served_model_name, parsed.echo()),
         items=OutputItems(single_call=not parsed.parallel_tool_calls),
+        count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
     )
     if parsed.stream:
         return await stream_response(request, state, run, stream)
@@ -279,11 +287,14 @@ def _responses_names(message: str) -> str:
 
 
 def _tracker(state: ServerState, parsed: ResponsesRequest, result: RequestResult) -> ChoiceTracker:
+    """The choice's reader: reasoning split off first (with --reasoning-parser), then tool
+    calls read from the content (with tools offered)."""
+    reader = choice_reasoning_parser(state.reasoning_format, parsed.reasoning)
     if parsed.offered_tools:
         names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
         parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
-        return ToolCallTracker(result, state.tokenizer, parser)
-    return ChoiceTracker(result, state.tokenizer)
+        return ToolCallTracker(result, state.tokenizer, parser, reader)
+    return ChoiceTracker(result, state.tokenizer, reasoning=reader)
 
 
 # ---- streaming ---------------------------------------------------------------------------

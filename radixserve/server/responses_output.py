@@ -36,8 +36,9 @@ from radixserve.server.tool_calls import ToolCall, ToolCallDelta
 Event = dict[str, Any]  # one stream event's data; its `type` is the SSE event name
 
 
-def usage(result: RequestResult) -> dict[str, Any]:
-    """The Responses usage of one request (see the module doc)."""
+def usage(result: RequestResult, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The Responses usage of one request (see the module doc); `reasoning_tokens`: of the
+    output, those its reasoning items hold."""
     num_prompt, num_output = result.prompt_len, len(result.output_ids)
     cached = min(result.cached_tokens, num_prompt)
     return {
@@ -47,8 +48,7 @@ def usage(result: RequestResult) -> dict[str, Any]:
             "cache_write_tokens": num_prompt - cached,
         },
         "output_tokens": num_output,
-        # Reasoning hook: the tokens a reasoning parser assigns to reasoning items count here.
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, num_output)},
         "total_tokens": num_prompt + num_output,
     }
 
@@ -74,11 +74,20 @@ class OutputItems:
     items: list[dict[str, Any]] = field(default_factory=list)
     open_message: dict[str, Any] | None = None
     open_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # parser index -> item
+    open_reasoning: dict[str, Any] | None = None
+
+    @property
+    def reasoning_text(self) -> str:
+        """All the reasoning items' text."""
+        parts = [i["content"][0]["text"] for i in self.items if i["type"] == "reasoning"]
+        return "".join(parts)
 
     def add(self, delta: Delta) -> list[Event]:
-        # Reasoning hook: when a reasoning parser splits the output, a `reasoning` item
-        # (response.reasoning_text.delta / .done) is opened here, before the message text.
-        events = self._add_text(delta.text) if delta.text else []
+        events = self._add_reasoning(delta.reasoning) if delta.reasoning else []
+        if delta.text or delta.tool_call_deltas or delta.tool_calls:
+            events += self._close_reasoning()
+        if delta.text:
+            events += self._add_text(delta.text)
         for fragment in delta.tool_call_deltas:
             events += self._add_fragment(fragment)
         for call in delta.tool_calls:
@@ -86,8 +95,38 @@ class OutputItems:
         return events
 
     def close(self) -> list[Event]:
-        """Ends the open message (at the end of the output)."""
-        return self._close_message()
+        """Ends the open reasoning and message (at the end of the output)."""
+        return self._close_reasoning() + self._close_message()
+
+    def _add_reasoning(self, text: str) -> list[Event]:
+        events = []
+        item = self.open_reasoning
+        if item is None:
+            events += self._close_message()
+            item = {
+                "type": "reasoning",
+                "id": new_id("rs_"),
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}],
+                "status": "in_progress",
+            }
+            self.items.append(item)
+            self.open_reasoning = item
+            events.append(self._item_event("response.output_item.added", item))
+        item["content"][0]["text"] += text
+        events.append(self._reasoning_event("response.reasoning_text.delta", delta=text))
+        return events
+
+    def _close_reasoning(self) -> list[Event]:
+        item = self.open_reasoning
+        if item is None:
+            return []
+        text = item["content"][0]["text"]
+        events = [self._reasoning_event("response.reasoning_text.done", text=text)]
+        item["status"] = "completed"
+        events.append(self._item_event("response.output_item.done", item))
+        self.open_reasoning = None
+        return events
 
     def _add_text(self, text: str) -> list[Event]:
         events = []
@@ -206,6 +245,15 @@ class OutputItems:
             "output_index": self._index(item),
             "content_index": 0,
             "logprobs": [],
+        } | text
+
+    def _reasoning_event(self, kind: str, **text: str) -> Event:
+        item = self.open_reasoning
+        return {
+            "type": kind,
+            "item_id": item["id"],
+            "output_index": self._index(item),
+            "content_index": 0,
         } | text
 
     def _call_event(self, kind: str, item: dict[str, Any], **text: str) -> Event:

@@ -8,7 +8,7 @@ Field by field:
   (not carried over by `previous_response_id`, as OpenAI);
 - `max_output_tokens` (>= 1; absent: up to the context, as chat completions), `temperature`
   in [0, 2], `top_p`, and the extras `ignore_eos`, `seed`, `top_k`, `min_p`,
-  `repetition_penalty`, `chat_template_kwargs`, `cache_salt` and REQUEST_OPTIONS;
+  `repetition_penalty`, `regex`, `chat_template_kwargs`, `cache_salt` and REQUEST_OPTIONS;
 - `tools`: flat function tools `{"type": "function", "name", "description", "parameters",
   "strict"}` (hosted tools are a 400); `tool_choice`: auto | none | required |
   `{"type": "function", "name"}`; `parallel_tool_calls: false` keeps the first call only;
@@ -17,10 +17,14 @@ Field by field:
   takes precedence (its output is the call), and with tool_choice auto a schema leaves the
   model no way to call;
 - `store` (default true), `previous_response_id`, `metadata` (at most 16 string pairs, as
-  OpenAI), `stream`.
+  OpenAI), `stream`;
+- `reasoning.effort` (with `--reasoning-parser`): "none" turns thinking off, any other
+  effort reaches the chat template as `reasoning_effort` (gpt-oss's template reads it);
+  `reasoning.summary` is accepted and not produced; `separate_reasoning`,
+  `stream_reasoning`, `max_reasoning_tokens` as on chat completions (server/reasoning.py).
 Accepted at their no-op values only: `include` [], `truncation` "disabled", `background`
 false, `service_tier` "auto" / "default", `prompt_cache_retention` "in_memory", `top_logprobs`
-0, `reasoning` / `stream_options` without settings; `user` and `prompt_cache_key` are taken
+0, `stream_options` without settings; `user` and `prompt_cache_key` are taken
 and not used (the radix cache caches every prefix). Any other field is a 400 naming it.
 """
 
@@ -36,8 +40,10 @@ from radixserve.server.openai_protocol import (
     check_bool,
     check_model,
     check_temperature,
+    check_top_count,
     is_same_value,
 )
+from radixserve.server.reasoning import ReasoningOptions, thinking_of
 from radixserve.server.response_format import (
     Constraint,
     check_response_format,
@@ -53,8 +59,10 @@ EXTRA_SAMPLING_FIELDS = {
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
+    "regex": "regex",
 }
-"""radixserve's extras (as on chat completions) -> SamplingParams' names."""
+"""radixserve's extras (as on chat completions) -> SamplingParams' names; `regex` is the
+output's one constraint (with text.format text and no forced call)."""
 RESPONSES_FIELDS = {
     "model",
     "input",
@@ -74,6 +82,10 @@ RESPONSES_FIELDS = {
     "prompt_cache_key",
     "chat_template_kwargs",
     "cache_salt",
+    "reasoning",
+    "separate_reasoning",
+    "stream_reasoning",
+    "max_reasoning_tokens",
     *EXTRA_SAMPLING_FIELDS,
     *REQUEST_OPTIONS,
 }
@@ -84,7 +96,6 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
     "prompt_cache_retention": ("in_memory",),
     "top_logprobs": (0,),
-    "reasoning": ({}, {"effort": None}, {"effort": None, "summary": None}),
     "stream_options": ({}, {"include_obfuscation": False}),
 }
 """Fields accepted only at values that change nothing here."""
@@ -120,6 +131,8 @@ class ResponsesRequest:
     cache_salt: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # the REQUEST_OPTIONS given
+    reasoning: ReasoningOptions = ReasoningOptions()
+    effort: str | None = None  # reasoning.effort, echoed
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -143,6 +156,7 @@ class ResponsesRequest:
             "tool_choice": tool_choice,
             "tools": [{"type": "function"} | tool["function"] for tool in self.tools],
             "text": {"format": self.text_format},
+            "reasoning": {"effort": self.effort, "summary": None},
             "store": self.store,
             "truncation": "disabled",
         }
@@ -177,8 +191,43 @@ def parse_responses_request(
     )
     for name in ("user", "prompt_cache_key"):
         _optional_str(body, name)
+    parsed.effort = _check_reasoning(body.get("reasoning"), parsed.template_kwargs)
+    parsed.reasoning = ReasoningOptions(
+        separate=check_bool(body, "separate_reasoning", True),
+        stream=check_bool(body, "stream_reasoning", True),
+        thinking=thinking_of(parsed.template_kwargs),
+        budget=check_top_count(body, "max_reasoning_tokens", limit=None),
+    )
     parsed.text_format = _check_text(body.get("text"), parsed, tool_parser)
     return parsed
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _check_reasoning(value: Any, template_kwargs: dict[str, Any]) -> str | None:
+    """`reasoning` {"effort", "summary"}: the effort (None: not given), put into
+    `template_kwargs` ("none": enable_thinking false; else reasoning_effort)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
+        raise BadRequest(
+            f"reasoning must be an object with effort and summary; got {value!r}"[:160],
+            param="reasoning",
+        )
+    effort = value.get("effort")
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise BadRequest(
+            f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+            param="reasoning.effort",
+        )
+    if effort == "none":
+        template_kwargs.setdefault("enable_thinking", False)
+    else:
+        template_kwargs.setdefault("reasoning_effort", effort)
+    return effort
 
 
 def _check_fields(body: dict) -> None:
@@ -316,6 +365,12 @@ def _check_text(value: Any, parsed: ResponsesRequest, tool_parser: str) -> dict[
     constraint = forced_call_constraint(parsed.tools, parsed.tool_choice, tool_parser)
     text_constraint = _format_constraint(fmt)
     constraint = constraint or text_constraint
+    if constraint is not None and "regex" in parsed.sampling:
+        raise BadRequest(
+            "regex is a constraint of its own: give it with text.format text and no forced "
+            "tool call",
+            param="regex",
+        )
     if constraint is not None:
         parsed.sampling[constraint.kind] = constraint.spec
     return fmt

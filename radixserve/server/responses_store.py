@@ -1,7 +1,7 @@
 """Stored responses (`store: true`): what GET / DELETE /v1/responses/{id}, `input_items` and
 `previous_response_id` read, kept in memory within `--responses-store-max-entries`,
 `--responses-store-max-mb` and `--responses-store-ttl` (ttl_cache.py's `TtlStore`: the
-oldest go first).
+oldest of the owner holding the most go first, so owners share the bounds fairly).
 
 Tenants. A response belongs to the key its creator presented and to its namespace
 (`cache_salt` or the X-Cache-Salt header, as tenants.py defines namespaces):
@@ -55,7 +55,7 @@ class ResponseStore:
     """Stored responses by owner and id (see the module doc)."""
 
     def __init__(self, ttl_s: float, max_entries: int, max_bytes: int):
-        self._store = TtlStore(ttl_s, max_entries, max_bytes)
+        self._store = TtlStore(ttl_s, max_entries, max_bytes, group_of=lambda key: key[0])
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> ResponseStore:

@@ -6,7 +6,8 @@ key per `ttl_s`, however many of them poll and however fast.
                       | none or stale -> fetch(), stored with the time it started
     failures are not kept; at most `max_entries` keys, the least recently used dropped
 
-TtlStore: values kept for a while within a count and a byte budget (stored responses).
+TtlStore: values kept for a while within a count and a byte budget (stored responses),
+shared fairly between groups of keys (tenants) when a bound needs room.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ class TtlCache:
 
 class TtlStore:
     """Values kept for `ttl_s` seconds within `max_entries` and `max_bytes` (each value's
-    size given by its owner); the oldest go first when a bound is reached. Expiry is checked
-    lazily: on `get`, and from the oldest end on every `put`.
+    size given by its owner). When a bound is reached the oldest value of the group
+    (`group_of(key)`: a tenant) holding the most of that bound goes first, so one group
+    alone may fill the store but every other group that stores takes its share back.
+    Expiry is checked lazily: on `get`, and from the oldest end on every `put`.
 
-        put(key, value, num_bytes): replaces any old value; drops expired, then oldest,
+        put(key, value, num_bytes): replaces any old value; drops expired, then as above,
                                     until both bounds hold (False: the value alone is larger
                                     than max_bytes, and is not kept)
         get(key) -> value | None    (None: absent or expired)      pop(key) -> value | None
@@ -77,6 +80,7 @@ class TtlStore:
         max_entries: int,
         max_bytes: int,
         clock: Callable[[], float] = time.monotonic,
+        group_of: Callable[[Hashable], Hashable] = lambda key: None,
     ):
         if ttl_s <= 0 or max_entries < 1 or max_bytes < 1:
             raise ValueError(
@@ -87,21 +91,34 @@ class TtlStore:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.clock = clock
+        self.group_of = group_of
         self.num_bytes = 0
         self._entries: OrderedDict[Hashable, tuple[float, int, Any]] = OrderedDict()
+        self._groups: dict[Hashable, OrderedDict[Hashable, None]] = {}  # oldest key first
+        self._group_bytes: dict[Hashable, int] = {}
 
     def put(self, key: Hashable, value: Any, num_bytes: int) -> bool:
         self.pop(key)
         if num_bytes > self.max_bytes:
             return False
         self._drop_expired()
-        while self._entries and (
-            len(self._entries) >= self.max_entries or self.num_bytes + num_bytes > self.max_bytes
-        ):
-            self._drop(next(iter(self._entries)))
+        group = self.group_of(key)  # on a tie the newcomer's own group gives way
+        while len(self._entries) >= self.max_entries:
+            self._drop_oldest_of(
+                max(self._groups, key=lambda g: (len(self._groups[g]), g == group))
+            )
+        while self.num_bytes + num_bytes > self.max_bytes:
+            self._drop_oldest_of(
+                max(self._group_bytes, key=lambda g: (self._group_bytes[g], g == group))
+            )
         self._entries[key] = (self.clock(), num_bytes, value)
+        self._groups.setdefault(group, OrderedDict())[key] = None
+        self._group_bytes[group] = self._group_bytes.get(group, 0) + num_bytes
         self.num_bytes += num_bytes
         return True
+
+    def _drop_oldest_of(self, group: Hashable) -> None:
+        self._drop(next(iter(self._groups[group])))
 
     def get(self, key: Hashable) -> Any:
         entry = self._entries.get(key)
@@ -129,6 +146,12 @@ class TtlStore:
     def _drop(self, key: Hashable) -> None:
         _, num_bytes, _ = self._entries.pop(key)
         self.num_bytes -= num_bytes
+        group = self.group_of(key)
+        keys = self._groups[group]
+        del keys[key]
+        self._group_bytes[group] -= num_bytes
+        if not keys:
+            del self._groups[group], self._group_bytes[group]
 
     def __len__(self) -> int:
         return len(self._entries)
