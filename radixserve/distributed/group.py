@@ -57,6 +57,12 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of `x` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` concatenated along the last dim, in rank order."""
         if self.size == 1:

@@ -75,7 +75,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     load_config = resolve_quantization(load_config, hf_config)
     refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
-    check_quantization(load_config, config)
+    check_quantization(load_config, ShardLayout(config, tp.rank, tp.size).local_config())
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
     if load_config.load_format == "dummy":
@@ -141,12 +141,16 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
     return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
+SHARDED_METHODS = ("none", "auto", "int8", "int4")
+"""What --tp-size > 1 loads: each rank quantizes its own shard on load (quantize.py)."""
+
+
 def refuse_sharded_quantization(method: str, tp_size: int) -> None:
-    """Packed int8 / int4 / fp8 / GGUF / GPTQ / AWQ layouts are not sharded yet."""
-    if tp_size > 1 and method not in ("none", "auto"):
+    """Packed fp8 / GGUF / GPTQ / AWQ layouts are not sharded yet."""
+    if tp_size > 1 and method not in SHARDED_METHODS:
         raise QuantizationError(
             f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
-            "weights are not sharded); use --quantization none or --tp-size 1"
+            "weights are not sharded); use --quantization none, int8 or int4, or --tp-size 1"
         )
 
 
