@@ -1,6 +1,7 @@
-"""Quantize-on-load under tensor parallelism: each rank quantizes its own shard as its slice
+"""Quantized layers under tensor parallelism: each rank quantizes its own shard as its slice
 of the whole layer would be at tp 1 (int8 row scales over every rank's columns, int4 groups
-of the whole input), so greedy output over tp 2 equals one process."""
+of the whole input), or cuts it from a GGUF's blocks (rows for column-parallel layers, whole
+blocks of the input for row-parallel ones), so greedy output over tp 2 equals one process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_quantization_gguf import save_plain_llama, write_tiny_gguf
 from torch import nn
 
 from conftest import greedy_generate
@@ -38,6 +40,26 @@ def test_quantized_tp2_matches_one_process(tiny_models, method, group_size):
         down = runner.model.layers[0].mlp.down_proj
         assert isinstance(down, LAYER_TYPES[method])
         assert down.in_features == 64  # intermediate 128 over two ranks: packed, not fp
+        assert greedy_generate(runner, PROMPTS, 8) == expected
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("head", [None, "Q8_0"])  # tied fp head; an untied head of blocks
+def test_gguf_blocks_sharded_over_tp2_match_one_process(tmp_path, head):
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / "tiny.gguf"
+    head_type = None if head is None else GGMLQuantizationType[head]
+    write_tiny_gguf(save_plain_llama(tmp_path / "hf"), path, head=head_type)
+    load = LoadConfig(model=str(path), device="cpu", quantization="gguf", dtype="float32")
+    cache = CacheConfig(page_size=16, max_total_tokens=1024)
+    expected = greedy_generate(ModelRunner.create(load, cache), PROMPTS, 8)
+    runner = TPModelRunner.create(load, cache, ParallelConfig(tp_size=2))
+    try:
+        o_proj = runner.model.layers[0].self_attn.o_proj  # Q4_1 in the file
+        assert isinstance(o_proj, Int4WeightOnlyLinear)
+        assert o_proj.in_features == 32  # whole blocks of its 64 inputs: one per rank
         assert greedy_generate(runner, PROMPTS, 8) == expected
     finally:
         runner.close()
