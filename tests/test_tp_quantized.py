@@ -104,3 +104,19 @@ def test_an_int8_row_shard_holds_its_slice_of_the_whole_layers_codes_and_scales(
     got = _quantize_row_shard(shard, "int8", LoadConfig(), group)
     torch.testing.assert_close(got.scales, expected.scales, rtol=0, atol=0)
     assert torch.equal(got.qweight, expected.qweight[:, :32])
+
+
+@pytest.mark.slow
+def test_the_default_models_q4_1_blocks_over_tp3_match_one_process():
+    """SmolLM2-135M divides only by 3 (9 heads, 3 KV heads): o_proj's 192 inputs per rank
+    are 6 whole Q4_1 blocks."""
+    load = LoadConfig(model=None, device="cpu", quantization="gguf")
+    cache = CacheConfig(page_size=16, max_total_tokens=1024)
+    prompts = [[(i * 131 + j * 17) % 4000 + 200 for j in range(n)] for i, n in enumerate((9, 30))]
+    expected = greedy_generate(ModelRunner.create(load, cache), prompts, 8)
+    runner = TPModelRunner.create(load, cache, ParallelConfig(tp_size=3))
+    try:
+        assert isinstance(runner.model.layers[0].self_attn.o_proj, Int4WeightOnlyLinear)
+        assert greedy_generate(runner, prompts, 8) == expected
+    finally:
+        runner.close()
