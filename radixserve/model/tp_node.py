@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, split_engine_kwargs
-from radixserve.distributed.group import TPGroup
+from radixserve.distributed.group import RankFailedError, TPGroup
 from radixserve.model.loader import peek_model_config, refuse_sharded_quantization
 from radixserve.model.tp_batch import HEADER_LEN, BatchHeader, header_from_tensor
 from radixserve.model.tp_local import (
@@ -95,7 +95,15 @@ def start_node(spec: RankSpec) -> list[LocalRank]:
 def _serve(leader: int, spec: RankSpec, workers: list[LocalRank]) -> int:
     parallel = spec.parallel_config
     deadline = time.monotonic() + parallel.dist_timeout
-    _, runner = build_rank(leader, spec)
+    try:
+        _, runner = build_rank(leader, spec)
+    except ValueError:  # the ranks disagree on a flag: the message names it
+        raise
+    except Exception as exc:
+        raise RankFailedError(
+            f"could not join the group at --dist-init-addr {parallel.dist_init_addr} "
+            f"within --dist-timeout {parallel.dist_timeout:g} s: {type(exc).__name__}: {exc}"
+        ) from exc
     tp = runner.model.tp
     try:
         wait_for(workers, "ready", deadline)
@@ -107,7 +115,12 @@ def _serve(leader: int, spec: RankSpec, workers: list[LocalRank]) -> int:
         )
         serve_forwards(runner, lambda: relay_header(tp, workers))
     except Exception as exc:
-        logger.error("node %d: the tensor-parallel group failed: %s", parallel.node_rank, exc)
+        logger.error(
+            "node %d: the tensor-parallel group failed (node 0 stopped, or a rank of some "
+            "node died): %s",
+            parallel.node_rank,
+            exc,
+        )
         return 1
     finally:
         tp.close()
