@@ -148,6 +148,26 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def verify_parallel(args: argparse.Namespace) -> None:
+    """Bad parallelism flags (--nnodes, --node-rank, ...) end the command before any load."""
+    config = ParallelConfig(**{name: getattr(args, name) for name in field_names(ParallelConfig)})
+    try:
+        config.verify()
+    except ValueError as exc:
+        raise SystemExit(f"radixserve {args.command}: {exc}") from None
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """`serve --nnodes N --node-rank R` (R > 0): this machine's ranks, joined to node 0."""
+    from radixserve.distributed.group import RankFailedError
+    from radixserve.model.tp_node import serve_node
+
+    try:
+        return serve_node(engine_args_from(args), args.log_level)
+    except (RankFailedError, ValueError) as exc:
+        raise SystemExit(f"radixserve {args.command} --node-rank {args.node_rank}: {exc}") from None
+
+
 def run_bench(argv: list[str]) -> int:
     """`radixserve bench ...`: the bench is a tool beside the runtime, imported only here."""
     try:
@@ -167,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "node_rank"):
+        verify_parallel(args)
+        if args.node_rank != 0:  # a node of multi-node TP: its ranks, no HTTP
+            return run_node(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "serve":

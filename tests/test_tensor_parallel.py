@@ -96,8 +96,8 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused(tiny_models):
 def test_quantization_with_tp_is_refused_naming_both_flags(tiny_models):
     from radixserve.model.quant.quantize import QuantizationError
 
-    config = LoadConfig(model=str(tiny_models["llama"]), device="cpu", quantization="int8")
-    with pytest.raises(QuantizationError, match="--quantization int8.*--tp-size 2"):
+    config = LoadConfig(model=str(tiny_models["llama"]), device="cpu", quantization="fp8")
+    with pytest.raises(QuantizationError, match="--quantization fp8.*--tp-size 2"):
         TPModelRunner.create(config, CacheConfig(), ParallelConfig(tp_size=2))
 
 

@@ -5,19 +5,30 @@ return their input, so the model code reads the same at any tp size. A real grou
 torch.distributed's default process group (nccl on CUDA, gloo on CPU), created by
 `init_tp_group` in every rank's process and destroyed by `close`; where the ranks meet and
 which interface they talk on: distributed/rendezvous.py.
+
+Across nodes (--nnodes > 1) rank 0 also needs to wake the ranks of other machines for each
+step: the first rank of every node (its leader) joins a second, gloo group, `headers`, over
+which rank 0 broadcasts each step's small header (model/tp_batch.py); a leader waits there
+while idle (no timeout: rank 0 may stay idle for days; a closed connection ends the wait at
+once) and hands the header on to its node's other ranks through their pipes.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from radixserve.distributed.rendezvous import bind_collectives_to, listen_for_ranks, split_init_addr
+
+IDLE_WAIT = timedelta(days=365)
+"""How long a node leader waits for rank 0's next step: indefinitely, in effect."""
 
 
 class RankFailedError(RuntimeError):
@@ -29,6 +40,12 @@ class RankFailedError(RuntimeError):
 class TPGroup:
     rank: int
     size: int
+    headers: Any = None  # the node leaders' gloo group (a ProcessGroup), None on one node
+
+    @property
+    def leads_a_node(self) -> bool:
+        """True on the ranks the `headers` group reaches (rank 0 and each node's first)."""
+        return self.headers is not None
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -38,6 +55,12 @@ class TPGroup:
         """Sum of `x` over the ranks, in place."""
         if self.size > 1:
             dist.all_reduce(x)
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of `x` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +77,13 @@ class TPGroup:
             dist.broadcast(x, src=0)
         return x
 
+    def broadcast_header(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's header (a CPU int64 tensor) on every node leader, in place; a leader that
+        is not rank 0 blocks here until rank 0 sends one."""
+        if self.headers is not None:
+            dist.broadcast(x, src=0, group=self.headers)
+        return x
+
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's `value` (the KV pool size all ranks can hold)."""
         if self.size == 1:
@@ -61,6 +91,19 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    def differing(self, values: dict[str, object], device: torch.device) -> list[str]:
+        """The names in `values` whose value is not the same on every rank (compared by a
+        CRC-32 of each value's repr: ranks on other nodes read their own flags)."""
+        if self.size == 1:
+            return []
+        hashes = [zlib.crc32(repr(v).encode()) for v in values.values()]
+        low = torch.tensor(hashes, dtype=torch.int64, device=device)
+        high = low.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        same = (low == high).tolist()
+        return [name for name, ok in zip(values, same) if not ok]
 
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
@@ -75,11 +118,13 @@ def init_tp_group(
     timeout_s: float,
     device: torch.device,
     listen_socket: socket.socket | None = None,
+    leaders: list[int] | None = None,
 ) -> TPGroup:
     """Joins the group at `init_addr` (host:port): rank 0 serves torch's TCPStore on
     `listen_socket` (from `listen_for_ranks`; opened here when None), the others connect;
     the collectives bind the interface towards that host (distributed/rendezvous.py).
-    Blocks until every rank has joined or `timeout_s` passes."""
+    Blocks until every rank has joined or `timeout_s` passes. `leaders` (the first rank of
+    each node, with more than one node): the `headers` group, which every rank creates."""
     if dist.is_initialized():
         raise RuntimeError(
             "a torch.distributed group already exists in this process: one tensor-parallel "
@@ -94,7 +139,11 @@ def init_tp_group(
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=size, timeout=timeout
     )
-    return TPGroup(rank=rank, size=size)
+    if not leaders or len(leaders) < 2:
+        return TPGroup(rank=rank, size=size)
+    # every rank of the default group must take part in creating it, members or not
+    headers = dist.new_group(ranks=leaders, timeout=IDLE_WAIT, backend="gloo")
+    return TPGroup(rank=rank, size=size, headers=headers if rank in leaders else None)
 
 
 def _store(

@@ -62,20 +62,20 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
         )
     source = resolve_model(load_config.model)
     if load_config.quantization == "gguf":
-        refuse_sharded_quantization("gguf", tp.size)
-        return _load_gguf_as_is(source, load_config)
-    if _may_load_gguf_as_is(source, load_config, tp.size):
+        return _load_gguf_as_is(source, load_config, tp=tp)
+    if _may_load_gguf_as_is(source, load_config):
         reader = read_gguf(source.path)
         kquants = resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
         if loads_as_is(reader, kquants):
-            return _load_gguf_as_is(source, replace(load_config, quantization="gguf"), reader)
+            as_is = replace(load_config, quantization="gguf")
+            return _load_gguf_as_is(source, as_is, reader, tp)
         log_dequantized_fallback(source, reader, kquants)
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     load_config = resolve_quantization(load_config, hf_config)
     refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
-    check_quantization(load_config, config)
+    check_quantization(load_config, ShardLayout(config, tp.rank, tp.size).local_config())
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
     if load_config.load_format == "dummy":
@@ -102,12 +102,11 @@ def peek_model_config(load_config: LoadConfig) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config)
 
 
-def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig, tp_size: int) -> bool:
-    """`auto` on a .gguf file on CPU, one rank: gguf if its blocks load as they are
-    (`loads_as_is`); sharded ranks read the dequantized copy (packed layouts are not sharded)."""
+def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> bool:
+    """`auto` on a .gguf file on CPU: gguf if its blocks load as they are (`loads_as_is`);
+    tensor-parallel ranks each cut their part from the blocks."""
     return (
-        tp_size == 1
-        and load_config.quantization == "auto"
+        load_config.quantization == "auto"
         and source.kind == "gguf"
         and load_config.load_format in ("auto", "gguf")
         and load_config.torch_device().type == "cpu"
@@ -120,8 +119,12 @@ def log_dequantized_fallback(source: ModelSource, reader, kquants: bool) -> None
     logger.info("%s: loading the GGUF dequantized to fp32: %s", source.name, reason)
 
 
-def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) -> LoadedModel:
-    """`--quantization gguf`: config from the file's metadata, projections kept packed."""
+def _load_gguf_as_is(
+    source: ModelSource, load_config: LoadConfig, reader=None, tp: TPGroup | None = None
+) -> LoadedModel:
+    """`--quantization gguf`: config from the file's metadata, projections kept packed (a
+    tensor-parallel rank: its part of each, cut along whole blocks)."""
+    tp = tp or TPGroup.single()
     if source.kind != "gguf" or load_config.load_format not in ("auto", "gguf"):
         raise QuantizationError(
             f"--quantization gguf needs a .gguf model and load_format auto or gguf; "
@@ -129,8 +132,8 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
         )
     reader = read_gguf(source.path) if reader is None else reader
     config = ModelConfig.from_hf_dict(gguf_hf_config(reader, source.path))
-    check_quantization(load_config, config)
-    model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype())
+    check_quantization(load_config, ShardLayout(config, tp.rank, tp.size).local_config())
+    model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype(), tp)
     on_cpu = load_config.torch_device().type == "cpu"
     blocks = on_cpu and resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
     load_gguf_weights(model, reader, config, blocks)
@@ -141,12 +144,17 @@ def _load_gguf_as_is(source: ModelSource, load_config: LoadConfig, reader=None) 
     return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
+SHARDED_METHODS = ("none", "auto", "int8", "int4", "gguf")
+"""What --tp-size > 1 loads: int8 / int4 quantize each rank's shard on load (quantize.py),
+gguf cuts it from the file's blocks (quant/gguf_shard.py)."""
+
+
 def refuse_sharded_quantization(method: str, tp_size: int) -> None:
-    """Packed int8 / int4 / fp8 / GGUF / GPTQ / AWQ layouts are not sharded yet."""
-    if tp_size > 1 and method not in ("none", "auto"):
+    """fp8 and the GPTQ / AWQ packed layouts are not sharded yet."""
+    if tp_size > 1 and method not in SHARDED_METHODS:
         raise QuantizationError(
             f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
-            "weights are not sharded); use --quantization none or --tp-size 1"
+            "weights are not sharded); use --quantization none, int8, int4 or gguf, or --tp-size 1"
         )
 
 

@@ -1,6 +1,7 @@
 """A ForwardBatch sent from rank 0 to the other tensor-parallel ranks.
 
-A small header (five ints) travels over each worker's pipe, which also wakes it; the token
+A small header (six ints) travels over each local worker's pipe, which also wakes it (to the
+leaders of other nodes: over the group's `headers` broadcast, as an int64 tensor); the token
 ids, positions, slots, page table, and the pages to zero before use travel as one int64
 tensor broadcast over the group (on the device, for nccl):
 
@@ -26,6 +27,26 @@ class BatchHeader(NamedTuple):
     page_size: int
     return_all_logits: bool
     num_new_pages: int  # pages handed out for the first time: zeroed before the forward
+
+
+HEADER_LEN = len(BatchHeader._fields)
+_SHUTDOWN = -1  # num_reqs of the header that tells other nodes to stop
+
+
+def header_tensor(header: BatchHeader | None) -> torch.Tensor:
+    """`header` as HEADER_LEN int64s on the CPU; None (stop) as a header of -1s."""
+    if header is None:
+        return torch.full((HEADER_LEN,), _SHUTDOWN, dtype=torch.int64)
+    return torch.tensor([int(v) for v in header], dtype=torch.int64)
+
+
+def header_from_tensor(values: torch.Tensor) -> BatchHeader | None:
+    """The header `header_tensor` made, None for stop."""
+    num_reqs, *rest = values.tolist()
+    if num_reqs == _SHUTDOWN:
+        return None
+    header = BatchHeader(num_reqs, *rest)
+    return header._replace(return_all_logits=bool(header.return_all_logits))
 
 
 def pack_batch(batch: ForwardBatch, new_pages: torch.Tensor) -> tuple[BatchHeader, torch.Tensor]:

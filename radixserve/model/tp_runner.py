@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 
 import torch
 
@@ -28,48 +27,26 @@ from radixserve.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
 from radixserve.model.runner import LogitsOutput, ModelRunner
-from radixserve.model.tp_batch import pack_batch
-from radixserve.model.tp_process import RankProcess
+from radixserve.model.tp_batch import header_tensor, pack_batch
+from radixserve.model.tp_local import (
+    LocalRank,
+    failed_start,
+    send_header,
+    spawn_rank,
+    stop_ranks,
+    wait_for,
+)
 from radixserve.model.tp_shard import check_tp_size
 from radixserve.model.tp_worker import RankSpec, build_rank
 
 logger = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = 10.0  # a worker told to stop that has not exited by then is terminated
-FAILED_START_JOIN_S = 2.0  # the same after a failed start (a silent rank reads nothing)
-
-
-@dataclass
-class _Worker:
-    rank: int
-    process: RankProcess
-    conn: Connection
-    error: str | None = None  # what it reported before it died, if anything
-
-    def poll_error(self) -> str | None:
-        try:
-            while self.conn.poll(0):
-                kind, message = self.conn.recv()
-                if kind == "error":
-                    self.error = message
-        except (EOFError, OSError):
-            pass
-        return self.error
-
-    def describe_exit(self) -> str:
-        """`rank r exited (code c): <its error>`, then its last output, if any."""
-        text = f"rank {self.rank} exited (code {self.process.exitcode})"
-        if self.poll_error():
-            text += f": {self.error}"
-        output = self.process.last_output()
-        return text + (f"; its last output:\n{output}" if output else "")
-
-
 @dataclass
 class TPModelRunner:
     loaded: LoadedModel  # rank 0's shard, with the full model's config and tokenizer
     local: ModelRunner  # rank 0's shard
-    workers: list[_Worker]
+    workers: list[LocalRank]  # the other ranks of node 0
+    parallel: ParallelConfig
     _new_pages: list[torch.Tensor] = field(default_factory=list)
     _closed: bool = False
 
@@ -81,8 +58,14 @@ class TPModelRunner:
         parallel_config: ParallelConfig,
         context_length: int | None = None,
     ) -> TPModelRunner:
-        """Spawns ranks 1..tp-1, builds rank 0 here, returns once every rank is ready."""
+        """Spawns node 0's other ranks, builds rank 0 here, returns once every rank (those of
+        other nodes too) has joined and is ready."""
         parallel_config.verify()
+        if parallel_config.node_rank != 0:
+            raise ValueError(
+                f"--node-rank {parallel_config.node_rank}: only node 0 runs the engine; "
+                "the others run their ranks alone (`radixserve serve --node-rank R`)"
+            )
         # refused before any process starts; `auto` resolving to a packed method is refused
         # by every rank's loader
         refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
@@ -100,25 +83,20 @@ class TPModelRunner:
             log_level=logging.getLogger().level,
         )
         deadline = time.monotonic() + parallel_config.dist_timeout
-        workers: list[_Worker] = []
+        workers: list[LocalRank] = []
         try:
-            for rank in range(1, parallel_config.tp_size):
-                workers.append(_spawn(rank, spec))
-            _wait_for(workers, "hello", deadline)  # alive, imported, device set
+            for rank in parallel_config.node_ranks(0)[1:]:
+                workers.append(spawn_rank(rank, spec))
+            wait_for(workers, "hello", deadline)  # alive, imported, device set
             loaded, local = build_rank(0, spec, listen_socket)
-            _wait_for(workers, "ready", deadline)
+            wait_for(workers, "ready", deadline)
         except BaseException as exc:
             listen_socket.close()  # a no-op once the store took it
-            failed = [w for w in workers if w.poll_error() or not w.process.is_alive()]
-            _stop(workers, FAILED_START_JOIN_S)
-            if isinstance(exc, RankFailedError):
+            error = failed_start(workers, exc)
+            if error is exc:
                 raise
-            reasons = [w.describe_exit() for w in failed]
-            if reasons:
-                message = "tensor-parallel start failed: " + "; ".join(reasons)
-                raise RankFailedError(message) from exc
-            raise
-        runner = cls(loaded=loaded, local=local, workers=workers)
+            raise error from exc
+        runner = cls(loaded=loaded, local=local, workers=workers, parallel=parallel_config)
         local.pool.allocator.on_first_use = runner._on_first_use
         logger.info("tensor parallel: %d ranks ready", parallel_config.tp_size)
         return runner
@@ -143,7 +121,7 @@ class TPModelRunner:
 
     @property
     def tp_size(self) -> int:
-        return len(self.workers) + 1
+        return self.parallel.tp_size
 
     # ---- forward and lifecycle -----------------------------------------------------------
 
@@ -156,8 +134,8 @@ class TPModelRunner:
             new_pages = torch.cat(self._new_pages) if self._new_pages else _NO_PAGES
             self._new_pages.clear()
             header, payload = pack_batch(batch, new_pages)
-            for worker in self.workers:
-                worker.conn.send(tuple(header))
+            send_header(self.workers, tuple(header))
+            self.model.tp.broadcast_header(header_tensor(header))  # other nodes' leaders
             self.model.tp.broadcast(payload)
             return self.local.forward(batch)
         except Exception as exc:
@@ -168,7 +146,11 @@ class TPModelRunner:
         if self._closed:
             return
         self._closed = True
-        _stop(self.workers)
+        stop_ranks(self.workers)
+        try:
+            self.model.tp.broadcast_header(header_tensor(None))  # other nodes: stop
+        except Exception:  # a node already gone: nothing to tell it
+            logger.warning("tensor parallel: could not tell the other nodes to stop")
         self.model.tp.close()
 
     def _on_first_use(self, pages: torch.Tensor) -> None:
@@ -188,51 +170,12 @@ class TPModelRunner:
                 parts.append(w.describe_exit())
         if exc is not None:
             parts.append(f"rank 0: {type(exc).__name__}: {exc}")
+        if self.parallel.nnodes > 1:
+            parts.append(
+                f"the ranks span --nnodes {self.parallel.nnodes}: a node that stopped is "
+                "named in its own log"
+            )
         return "tensor-parallel step failed; " + "; ".join(parts)
 
 
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
-
-
-def _spawn(rank: int, spec: RankSpec) -> _Worker:
-    process = RankProcess(rank)
-    process.conn.send(spec)
-    return _Worker(rank=rank, process=process, conn=process.conn)
-
-
-def _wait_for(workers: list[_Worker], kind: str, deadline: float) -> None:
-    """Waits until every rank has sent `kind` ("hello", "ready"); RankFailedError naming the
-    first rank that reports an error, exits or is still silent at `deadline`."""
-    for w in workers:
-        while not w.conn.poll(0.1):
-            if not w.process.is_alive():
-                w.process.join(1.0)
-                raise RankFailedError(f"tensor-parallel start failed: {w.describe_exit()}")
-            if time.monotonic() > deadline:
-                output = w.process.last_output() or "(none)"
-                raise RankFailedError(
-                    f"tensor-parallel start failed: rank {w.rank} did not report {kind} within "
-                    f"--dist-timeout; its last output:\n{output}"
-                )
-        try:
-            got, message = w.conn.recv()
-        except (EOFError, OSError):
-            got, message = "error", "its channel closed"
-        if got != kind:
-            w.error = message
-            w.process.join(JOIN_TIMEOUT_S)
-            raise RankFailedError(f"tensor-parallel start failed: {w.describe_exit()}")
-
-
-def _stop(workers: list[_Worker], join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
-    for w in workers:
-        try:
-            w.conn.send(None)
-        except OSError:
-            pass
-    for w in workers:
-        w.process.join(join_timeout_s)
-        if w.process.is_alive():
-            logger.warning("tensor-parallel rank %d did not stop; terminating it", w.rank)
-            w.process.terminate()
-            w.process.join()

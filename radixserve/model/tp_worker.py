@@ -7,7 +7,9 @@ in their own process, `python -m radixserve.model.tp_worker` (model/tp_process.p
       pipe: ("hello", None) <----------------     (rank 0 joins the group after every hello)
       rendezvous, load shards, size the pool together
       pipe: ("ready", None) | ("error", msg) <-
-      pipe: BatchHeader  ------------------->     wakes (idle ranks wait here, no timeout)
+      pipe: BatchHeader  ------------------->     wakes (idle ranks wait here, no timeout;
+                                                 on another node its leader relays it:
+                                                 model/tp_node.py)
       broadcast(payload) <==================>     receive_batch
       ModelRunner.forward: all-reduces, logits all-gather (collectives time out)
       pipe: None (shutdown)  --------------->     returns; process exits
@@ -21,13 +23,14 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
 
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig
-from radixserve.distributed.group import init_tp_group
+from radixserve.distributed.group import TPGroup, init_tp_group
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tp_batch import BatchHeader, receive_batch
@@ -48,11 +51,11 @@ class RankSpec:
     log_level: int
 
 
-def rank_load_config(load_config: LoadConfig, rank: int) -> LoadConfig:
-    """On CUDA each rank gets its own device, cuda:<rank>."""
+def rank_load_config(load_config: LoadConfig, parallel: ParallelConfig, rank: int) -> LoadConfig:
+    """On CUDA each rank gets its own device of its node, cuda:<its index there>."""
     if load_config.torch_device().type != "cuda":
         return load_config
-    return dataclasses.replace(load_config, device=f"cuda:{rank}")
+    return dataclasses.replace(load_config, device=f"cuda:{parallel.local_index(rank)}")
 
 
 def build_rank(
@@ -60,9 +63,9 @@ def build_rank(
 ) -> tuple[LoadedModel, ModelRunner]:
     """Joins the group (rank 0 serving the rendezvous on `listen_socket`), loads this rank's
     shard, sizes its KV pool with the others."""
-    load_config = rank_load_config(spec.load_config, rank)
-    device = load_config.torch_device()
     parallel = spec.parallel_config
+    load_config = rank_load_config(spec.load_config, parallel, rank)
+    device = load_config.torch_device()
     tp = init_tp_group(
         rank,
         parallel.tp_size,
@@ -71,15 +74,39 @@ def build_rank(
         parallel.dist_timeout,
         device,
         listen_socket,
+        parallel.node_leaders() if parallel.nnodes > 1 else None,
     )
     try:
         loaded = load_model(load_config, tp)
         context_length = spec.context_length or loaded.config.max_position_embeddings
         loaded.model.rotary.reserve(context_length, device)  # before any graph captures it
-        return loaded, ModelRunner.from_loaded(loaded, load_config, spec.cache_config)
+        runner = ModelRunner.from_loaded(loaded, load_config, spec.cache_config)
+        _check_ranks_agree(tp, loaded, runner, context_length)
+        return loaded, runner
     except BaseException:
         tp.close()
         raise
+
+
+def _check_ranks_agree(
+    tp: TPGroup, loaded: LoadedModel, runner: ModelRunner, context_length: int
+) -> None:
+    """Ranks of other nodes read their own flags: what must be equal everywhere is compared
+    once the group stands, a difference refused naming the flags behind it."""
+    pool = runner.pool
+    values = {
+        "the model (--model's config.json)": runner.config,
+        "--max-total-tokens / --mem-fraction-static (KV pages)": pool.allocator.num_pages,
+        "--page-size": pool.page_size,
+        "--dtype / --kv-cache-dtype": (loaded.dtype, pool.dtype),
+        "--context-length": context_length,
+    }
+    differing = tp.differing(values, runner.device)
+    if differing:
+        raise ValueError(
+            "the tensor-parallel ranks disagree on " + ", ".join(differing) + ": give every "
+            "node the same flags"
+        )
 
 
 def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
@@ -89,7 +116,7 @@ def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(spec.num_threads)
     try:
-        device = rank_load_config(spec.load_config, rank).torch_device()
+        device = rank_load_config(spec.load_config, spec.parallel_config, rank).torch_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # a missing device fails here, before the group
         conn.send(("hello", None))
@@ -99,7 +126,7 @@ def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
         raise SystemExit(1) from exc
     conn.send(("ready", None))
     try:
-        serve_forwards(runner, conn)
+        serve_forwards(runner, lambda: _header_from(conn))
     except BaseException as exc:
         logger.exception("tensor-parallel rank %d failed", rank)
         _send_quietly(conn, ("error", f"{type(exc).__name__}: {exc}"))
@@ -109,20 +136,23 @@ def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
 
 
 @torch.inference_mode()
-def serve_forwards(runner: ModelRunner, conn: Connection) -> None:
-    """Runs each forward rank 0 announces; returns on None or when rank 0's end closes."""
+def serve_forwards(runner: ModelRunner, next_header: Callable[[], BatchHeader | None]) -> None:
+    """Runs each forward `next_header` announces, until it returns None (stop)."""
     tp = runner.model.tp
-    while True:
-        try:
-            header = conn.recv()
-        except EOFError:  # rank 0 is gone
-            return
-        if header is None:
-            return
-        batch, new_pages = receive_batch(BatchHeader(*header), tp, runner.device)
+    while (header := next_header()) is not None:
+        batch, new_pages = receive_batch(header, tp, runner.device)
         if new_pages.numel():
             runner.pool.zero_pages(new_pages)
         runner.forward(batch)
+
+
+def _header_from(conn: Connection) -> BatchHeader | None:
+    """The next header on this rank's pipe; None for stop or once its node's leader is gone."""
+    try:
+        header = conn.recv()
+    except EOFError:
+        return None
+    return None if header is None else BatchHeader(*header)
 
 
 def _send_quietly(conn: Connection, message) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile
+from radixserve.model.quant.gguf_shard import shard_head, shard_weight
 from radixserve.model.quant.kquant import (
     KQUANT_TYPES,
     KQuantLinear,
@@ -153,28 +154,36 @@ def gguf_hf_config(reader, path: Path) -> dict[str, Any]:
 def load_gguf_weights(model: nn.Module, reader, config: ModelConfig, blocks: bool = False) -> None:
     """Puts packed int4/int8 projections into `model` (on the C++ block kernels if `blocks`,
     else the device's default kernels) and loads every fp tensor; with `blocks`, a quantized
-    LM head too."""
+    LM head too. A tensor-parallel shard (`model.layout` of several ranks) gets its part of
+    each, cut from the blocks (gguf_shard.py)."""
     backend = "blocks" if blocks else None
+    layout = model.layout if model.layout.size > 1 else None
     tensors = {t.name: t for t in reader.tensors}
     log_projection_types(tensors, blocks)
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     fp_weights: list[tuple[str, torch.Tensor]] = []
     for i, layer in enumerate(model.layers):
         for path, parts in FUSED_PARTS.items():
-            weights = [layer_weight(tensors, i, part, config, blocks) for part in parts]
+            names = [f"model.layers.{i}.{HF_PARTS[p]}.weight" for p in parts]
+            weights = [
+                shard_weight(layer_weight(tensors, i, part, config, blocks), name, layout)
+                for part, name in zip(parts, names)
+            ]
             what = f"blk.{i}: {', '.join(parts)}"
             module = fused_layer(weights, dtype, device, what, backend)
             if module is None:  # fp in the file: the fp loader fills the fused rows
-                names = [f"model.layers.{i}.{HF_PARTS[p]}.weight" for p in parts]
                 fp_weights += [(n, w.values) for n, w in zip(names, weights)]
             else:
                 owner_name, attr = path.split(".")
                 setattr(getattr(layer, owner_name), attr, module)
-    head = block_lm_head(tensors, dtype, device) if blocks else None
+    head = block_lm_head(tensors, dtype, device, layout) if blocks else None
     if head is not None:  # before the fp weights: an untied head's fp parameter goes
         tensors.pop("output.weight", None)  # not loaded as fp (absent when tied)
         attach_block_head(model, head)
-    model.load_weights([*fp_weights, *fp_tensors(tensors)])
+    fp = fp_tensors(tensors)
+    if layout is not None:  # fp projections are cut already
+        fp = ((name, layout.select(name, tensor)) for name, tensor in fp)
+    model.load_weights([*fp_weights, *fp])
 
 
 def attach_block_head(model: nn.Module, head: nn.Module) -> None:
@@ -185,13 +194,16 @@ def attach_block_head(model: nn.Module, head: nn.Module) -> None:
     model.lm_head = head
 
 
-def block_lm_head(tensors: dict, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+def block_lm_head(
+    tensors: dict, dtype: torch.dtype, device: torch.device, layout=None
+) -> nn.Module | None:
     """The LM head (output.weight, or the tied token_embd.weight) as a layer on the block
-    kernels, if the file stores it as Q4_0 / Q4_1 / Q8_0 or a K-quant; else None (fp head)."""
+    kernels, if the file stores it as Q4_0 / Q4_1 / Q8_0 or a K-quant; else None (fp head).
+    `layout`: a tensor-parallel shard's, which holds its vocab rows only."""
     tensor = tensors.get("output.weight", tensors["token_embd.weight"])
     if tensor.tensor_type.name not in (*AS_IS_TYPES, *KQUANT_TYPES):
         return None
-    weight = decode_block_weight(tensor, kquants=True)
+    weight = shard_head(decode_block_weight(tensor, kquants=True), layout)
     return fused_layer([weight], dtype, device, tensor.name, "blocks")
 
 

@@ -94,10 +94,15 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         # [out, groups] ("blocks")
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
-        """Symmetric per-output-channel quantization: scale = max|w| / 127."""
+    def from_float(
+        cls, linear: nn.Linear, absmax: torch.Tensor | None = None
+    ) -> Int8WeightOnlyLinear:
+        """Symmetric per-output-channel quantization: scale = max|w| / 127; `absmax`: each
+        row's max|w| over the whole row, where `linear` holds a part of its columns (a
+        row-parallel shard; default: its own)."""
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+        absmax = weight.abs().amax(dim=1) if absmax is None else absmax.float()
+        scales = absmax.clamp(min=1e-8) / 127
         qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(qweight, scales.to(linear.weight.dtype), bias_of(linear))
 

@@ -66,6 +66,7 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", *PACKED_METHODS)
 INT_KERNEL_METHODS = ("int8", "int4", "gguf", *PACKED_METHODS)  # int8 / int4 layers
 NOT_REQUANTIZED = ("none", "gguf", *PACKED_METHODS)  # no quantize-on-load for these
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # input columns split under TP
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both matrix dims divisible by 16
 
 
@@ -268,12 +269,18 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
     if method in NOT_REQUANTIZED:
         return
     make = _quantizer(method, load_config.quantization_group_size)
+    tp = getattr(model, "tp", None)
     before = weight_bytes(model)
     for layer in model.layers:
         for path in PROJECTIONS:
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
-            setattr(owner, attr, make(getattr(owner, attr)))
+            linear = getattr(owner, attr)
+            if tp is not None and tp.size > 1 and path in ROW_PARALLEL:
+                quantized = _quantize_row_shard(linear, method, load_config, tp)
+            else:
+                quantized = make(linear)
+            setattr(owner, attr, quantized)
     if load_config.quantize_lm_head:
         model.lm_head = make(lm_head_linear(model))
     logger.info(
@@ -310,6 +317,27 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
         swapped = make_fp_layers_batch_invariant(model)
         if not deterministic:
             logger.info("--cpu-dense-kernel %s: %d fp layers on the packed kernel", kernel, swapped)
+
+
+def _quantize_row_shard(linear: nn.Linear, method: str, load_config: LoadConfig, tp) -> nn.Module:
+    """A row-parallel shard (a slice of the input columns), quantized as its slice of the
+    whole layer would be at tp 1: int8 with each row's scale over every rank's columns
+    (max of the ranks' max), int4 with the group size of the whole input, whose groups
+    then fall whole inside each rank's slice."""
+    if method == "int8":
+        absmax = tp.all_reduce_max(linear.weight.detach().abs().amax(dim=1).float())
+        return Int8WeightOnlyLinear.from_float(linear, absmax)
+    if method != "int4":
+        raise QuantizationError(f"--quantization {method} is not sharded over --tp-size")
+    requested = load_config.quantization_group_size
+    group_size = int4_group_size(linear.in_features * tp.size, requested)
+    if group_size is None or linear.in_features % group_size:
+        raise QuantizationError(
+            f"--tp-size {tp.size}: a row-parallel layer's {linear.in_features} input columns "
+            f"per rank hold no whole int4 group of {group_size or requested}; pass a smaller "
+            f"--quantization-group-size (one of {', '.join(map(str, INT4_GROUP_SIZES))})"
+        )
+    return Int4WeightOnlyLinear.from_float(linear, group_size)
 
 
 def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
