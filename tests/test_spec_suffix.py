@@ -9,7 +9,7 @@ import pytest
 
 from conftest import greedy, make_engine, prompt_ids
 from radixserve.config import SchedulerConfig
-from radixserve.engine.speculative import SuffixDrafter
+from radixserve.engine.speculative import SuffixDrafter, suffix_match
 from radixserve.engine.speculative.suffix import SuffixStore
 from radixserve.engine.speculative.suffix_match import SuffixLimits, speculate
 
@@ -68,6 +68,15 @@ def test_the_best_scoring_match_wins_and_own_positions_exclude_the_context():
     assert speculate(own, len(own) - 1, own, _limits()).tokens == [1, 7]
     counted = speculate(own, len(own), own, _limits())  # the end would halve each estimate
     assert counted.tokens == [1, 7] and counted.probs == [0.5, 0.5]
+
+
+def test_a_lookup_counts_the_latest_occurrences_only(monkeypatch):
+    seq = _arr([5, 1, -1, 5, 1, -1, 5, 2, -1, 5, 2, -1])
+    everything = speculate(seq, len(seq), _arr([0, 5]), _limits())
+    assert everything.tokens == [1] and everything.probs == [0.5]  # a tie: the smaller id
+    monkeypatch.setattr(suffix_match, "MAX_OCCURRENCES", 2)
+    latest = speculate(seq, len(seq), _arr([0, 5]), _limits())
+    assert latest.tokens == [2] and latest.probs == [1.0]
 
 
 # ---- the store -----------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class SuffixStore:
 
     def _joined(self, space: _Namespace) -> np.ndarray:
         if space.joined is None:
-            space.order = list(space.seq_ids)
+            space.order = sorted(space.seq_ids)  # oldest first: the latest occurrences last
             parts = [self._outputs[i][1] for i in space.order]
             lengths = np.array([len(p) + 1 for p in parts], dtype=np.int64)
             space.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) + 1

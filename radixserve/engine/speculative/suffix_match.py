@@ -18,18 +18,26 @@ floor(max_spec_factor * m) tokens (and the tree's depth: m + drafted <= D), stop
 token whose cumulative probability falls below min_token_prob, and keep the draft with the
 highest score (the sum of its tokens' cumulative probabilities; ties: the longer match).
 A sequence that ends right after a match counts in the denominator (the pattern was
-followed by nothing), as a tree's node count does. Negative values in `seq` separate
+followed by nothing), as a tree's node count does. The frequencies are counted over the
+latest MAX_OCCURRENCES occurrences of the context's last token (a bound on a lookup's work;
+a tree counts all). Negative values in `seq` separate
 sequences: no match or draft crosses them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 _EPSILON = 1e-6  # floor(m * factor) as arctic-inference rounds it: 0.1 * 30 counts as 3
 _BINCOUNT_MIN = 256  # larger occurrence sets are counted with bincount, smaller with unique
+_PYTHON_MAX = 32  # and sets this small in plain Python
+# 4096: the work of one lookup stays about a millisecond however often the last token
+# occurs (a separator or a newline in thousands of stored outputs)
+MAX_OCCURRENCES = 4096
+"""Most occurrences of the context's last token a lookup considers: the latest ones."""
 
 
 @dataclass(frozen=True)
@@ -72,15 +80,14 @@ def speculate(
     max_match = len(context) - 1
     if max_match < 1 or num_positions < 1:
         return NO_DRAFT
-    ends = np.flatnonzero(seq[:num_positions] == context[-1])
+    ends = np.flatnonzero(seq[:num_positions] == context[-1])[-MAX_OCCURRENCES:]
     if ends.size == 0:
         return NO_DRAFT
     lengths = match_lengths(seq, ends, context, max_match)
+    bounds = np.unique(lengths).tolist()  # match lengths in (low, high] share occurrences
     best = NO_DRAFT
-    low = 0  # match lengths in (low, high] share one set of occurrences
-    for high in np.unique(lengths).tolist():
+    for low, high in reversed(list(zip([0, *bounds[:-1]], bounds))):  # longest first
         best = _best_in_range(seq, ends[lengths >= high], low, high, limits, best)
-        low = high
     return best
 
 
@@ -110,16 +117,17 @@ def _best_in_range(
     limits: SuffixLimits,
     best: SuffixDraft,
 ) -> SuffixDraft:
-    """The best of `best` and the drafts for match lengths low + 1 .. high, which all walk
-    from the same occurrences `ends` (only their length limits differ)."""
+    """The best of `best` (from longer matches: it wins a tie) and the drafts for match
+    lengths high .. low + 1, which all walk from the same occurrences `ends` (only their
+    length limits differ). Skipped when even all-certain tokens could not beat `best`."""
     num = max(limits.num_tokens(m) for m in range(low + 1, high + 1))
-    if num == 0:
+    if num <= best.score:
         return best
     path = walk(seq, ends, num, limits.min_token_prob)
     cumulative = np.cumsum([0.0, *path.probs])
-    for m in range(low + 1, high + 1):
+    for m in range(high, low, -1):
         keep = min(limits.num_tokens(m), len(path.tokens))
-        if keep and cumulative[keep] >= best.score:
+        if keep and cumulative[keep] > best.score:
             best = SuffixDraft(
                 path.tokens[:keep], path.probs[:keep], float(cumulative[keep]), m, path.ends
             )
@@ -132,7 +140,9 @@ def walk(seq: np.ndarray, ends: np.ndarray, num: int, min_token_prob: float) -> 
     tokens: list[int] = []
     probs: list[float] = []
     prob = 1.0
-    for _ in range(num):
+    while len(tokens) < num:
+        if ends.size == 1:  # one occurrence: what follows it, at the same probability
+            return _single(seq, int(ends[0]), num, prob, min_token_prob, tokens, probs)
         following = ends + 1
         following = following[following < len(seq)]
         nxt = seq[following]
@@ -149,12 +159,37 @@ def walk(seq: np.ndarray, ends: np.ndarray, num: int, min_token_prob: float) -> 
     return SuffixDraft(tokens, probs, float(sum(probs)), 0, ends)
 
 
+def _single(
+    seq: np.ndarray,
+    end: int,
+    num: int,
+    prob: float,
+    min_token_prob: float,
+    tokens: list[int],
+    probs: list[float],
+) -> SuffixDraft:
+    """`walk`'s rest from a single occurrence ending at `end` (up to a separator)."""
+    if prob >= min_token_prob:
+        rest = seq[end + 1 : end + 1 + num - len(tokens)].tolist()
+        for token in rest:
+            if token < 0:
+                break
+            tokens.append(token)
+            probs.append(prob)
+            end += 1
+    return SuffixDraft(tokens, probs, float(sum(probs)), 0, np.array([end]))
+
+
 def _most_frequent(values: np.ndarray) -> tuple[int, int]:
     """The most frequent value of a non-negative array and its count."""
     if values.size >= _BINCOUNT_MIN:
         counts = np.bincount(values)
         token = int(counts.argmax())
         return token, int(counts[token])
+    if values.size <= _PYTHON_MAX:  # numpy's per-call cost dominates small arrays
+        counted = Counter(values.tolist())
+        token = min(counted, key=lambda t: (-counted[t], t))
+        return token, counted[token]
     unique, counts = np.unique(values, return_counts=True)
     index = int(counts.argmax())
     return int(unique[index]), int(counts[index])
