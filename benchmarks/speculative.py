@@ -157,6 +157,7 @@ def mode_flags(mode: str, args) -> dict:
         "suffix": {
             "speculative_algorithm": "SUFFIX",
             "speculative_num_draft_tokens": args.suffix_num_draft_tokens or args.num_draft_tokens,
+            "speculative_adaptive_threshold": args.suffix_adaptive_threshold,
         },
         "self": {"speculative_algorithm": "SELF", "speculative_self_layers": args.self_layers},
         "standalone": {
@@ -271,6 +272,12 @@ def main() -> None:
         "--suffix-num-draft-tokens", type=int, default=None, help="default: --num-draft-tokens"
     )
     parser.add_argument("--agent-inputs", type=int, default=8, help="agent_repeat: requests")
+    parser.add_argument(
+        "--suffix-adaptive-threshold",
+        type=float,
+        default=1.0,
+        help="SUFFIX's --speculative-adaptive-threshold (0: drafts wherever the trees match)",
+    )
     parser.add_argument("--self-layers", type=int, default=6, help="SELF: layers that draft")
     parser.add_argument("--draft-model", default=None, help="STANDALONE; default: the target")
     parser.add_argument("--quantization", default=None, help="none: the fp32 model")
