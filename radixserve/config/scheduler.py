@@ -108,8 +108,9 @@ class SchedulerConfig:
     speculative_suffix_max_cached_requests: int = 10000
     """SUFFIX: most finished requests whose outputs the shared tree holds (all namespaces
     together); past it the least recently used go; 0: no shared tree, own sequence only."""
-    # 1M tokens: a lookup scans a namespace's outputs once (about a millisecond for 1M int64)
-    speculative_suffix_max_cached_tokens: int = 1_000_000
+    # 262144 (about 2000 outputs of 128 tokens): a lookup scans its namespace's outputs once,
+    # a fraction of a millisecond at this size (benchmarks/suffix_lookup.py)
+    speculative_suffix_max_cached_tokens: int = 262_144
     """SUFFIX (ours): most output tokens the shared tree holds; past it the least recently
     used outputs go, whole."""
 

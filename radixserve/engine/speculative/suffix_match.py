@@ -34,9 +34,9 @@ import numpy as np
 _EPSILON = 1e-6  # floor(m * factor) as arctic-inference rounds it: 0.1 * 30 counts as 3
 _BINCOUNT_MIN = 256  # larger occurrence sets are counted with bincount, smaller with unique
 _PYTHON_MAX = 32  # and sets this small in plain Python
-# 4096: the work of one lookup stays about a millisecond however often the last token
+# 1024: the work of one lookup stays a few milliseconds however often the last token
 # occurs (a separator or a newline in thousands of stored outputs)
-MAX_OCCURRENCES = 4096
+MAX_OCCURRENCES = 1024
 """Most occurrences of the context's last token a lookup considers: the latest ones."""
 
 
@@ -84,11 +84,21 @@ def speculate(
     if ends.size == 0:
         return NO_DRAFT
     lengths = match_lengths(seq, ends, context, max_match)
-    bounds = np.unique(lengths).tolist()  # match lengths in (low, high] share occurrences
+    highs = np.unique(lengths).tolist()  # match lengths in (low, high] share occurrences
+    ranges = list(zip([0, *highs[:-1]], highs))
+    # the ranges that may draft most first (a longer match first among equals), so that
+    # fewer walks are needed: a range whose token bound cannot beat the best is skipped
+    ranges.sort(key=lambda r: (_range_bound(r, limits), r[1]), reverse=True)
     best = NO_DRAFT
-    for low, high in reversed(list(zip([0, *bounds[:-1]], bounds))):  # longest first
+    for low, high in ranges:
         best = _best_in_range(seq, ends[lengths >= high], low, high, limits, best)
     return best
+
+
+def _range_bound(bounds: tuple[int, int], limits: SuffixLimits) -> int:
+    """Most tokens any match length in (low, high] may draft."""
+    low, high = bounds
+    return max(limits.num_tokens(m) for m in range(low + 1, high + 1))
 
 
 def match_lengths(
@@ -117,21 +127,25 @@ def _best_in_range(
     limits: SuffixLimits,
     best: SuffixDraft,
 ) -> SuffixDraft:
-    """The best of `best` (from longer matches: it wins a tie) and the drafts for match
-    lengths high .. low + 1, which all walk from the same occurrences `ends` (only their
-    length limits differ). Skipped when even all-certain tokens could not beat `best`."""
-    num = max(limits.num_tokens(m) for m in range(low + 1, high + 1))
-    if num <= best.score:
+    """The best of `best` and the drafts for match lengths low + 1 .. high, which all walk
+    from the same occurrences `ends` (only their length limits differ); on equal scores
+    the longer match wins. Skipped when even all-certain tokens could not beat `best`."""
+    num = _range_bound((low, high), limits)
+    if not _may_beat(num, high, best):
         return best
     path = walk(seq, ends, num, limits.min_token_prob)
     cumulative = np.cumsum([0.0, *path.probs])
-    for m in range(high, low, -1):
+    for m in range(low + 1, high + 1):
         keep = min(limits.num_tokens(m), len(path.tokens))
-        if keep and cumulative[keep] > best.score:
+        if keep and _may_beat(float(cumulative[keep]), m, best):
             best = SuffixDraft(
                 path.tokens[:keep], path.probs[:keep], float(cumulative[keep]), m, path.ends
             )
     return best
+
+
+def _may_beat(score: float, match_len: int, best: SuffixDraft) -> bool:
+    return score > best.score or (score == best.score and match_len > best.match_len)
 
 
 def walk(seq: np.ndarray, ends: np.ndarray, num: int, min_token_prob: float) -> SuffixDraft:
