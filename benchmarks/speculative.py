@@ -5,20 +5,26 @@ Workloads (chat-templated): `tool_echo`, agents asked to copy their tool's JSON 
 first round of radixserve_bench's `tool-echo` workload); `json_extract`, a JSON record
 extracted from a document in the prompt; `free_chat`, open-ended answers (little to look
 up); `json_schema`, the same documents extracted under a JSON schema with many fixed keys
-(constrained decoding: jump-forward appends the keys unsampled). Modes: `off`, `ngram`,
+(constrained decoding: jump-forward appends the keys unsampled); `agent_repeat`, workload
+(e) of issue #28: repeated agent tasks, one instruction (a shipping agent's fixed plan)
+run for many orders, one wave of --batch-size requests after another, so outputs repeat
+across requests and later waves draft from earlier ones. Modes: `off`, `ngram`, `suffix`,
 `self` (the target's first --self-layers layers draft), `standalone` (a draft model;
 default: the target itself, an acceptance ceiling that shows the drafting cost, since no
 smaller model with SmolLM2's tokenizer ships offline), `no_jump` (no speculation and
 --disable-jump-forward: against `off` it shows what jump-forward does).
 
 Each run first prefills its prompts into the cache (max_new_tokens 0), then times the
-batch's generation, so tok/s is decode speed (completion tokens / wall time). Modes run
-interleaved, `--repeats` times, the median is reported; NGRAM starts each run with an empty
-n-gram store. Greedy outputs are compared with `off` (the `identical` column); `forwards` counts the
-engine's forward steps; constrained outputs are checked against their schema (`valid`).
+batch's generation (agent_repeat: its waves, in order), so tok/s is decode speed
+(completion tokens / wall time). Modes run interleaved, `--repeats` times, the median is
+reported; NGRAM and SUFFIX start each run with an empty store (agent_repeat's first wave is
+cold, the later ones learn from those before). Greedy outputs are compared with `off` (the
+`identical` column); `forwards` counts the engine's forward steps; constrained outputs are
+checked against their schema (`valid`).
 
-Run:  python benchmarks/speculative.py [--modes off,ngram,self,standalone]
+Run:  python benchmarks/speculative.py [--modes off,ngram,suffix,self,standalone]
       [--batch-sizes 1,8] [--max-new-tokens 128] [--repeats 2] [--threads 1]
+      [--agent-inputs 8] [--suffix-num-draft-tokens K]
 Prints a table and writes all numbers to `--out` (JSON).
 """
 
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,8 +40,9 @@ import jsonschema
 import torch
 
 from radixserve import Engine
-from radixserve.engine.speculative import NgramDrafter, create_drafter
+from radixserve.engine.speculative import NgramDrafter, SuffixDrafter, create_drafter
 from radixserve.model.source import default_model_path
+from radixserve.native.machine import describe_cpu
 from radixserve_bench.workloads import default_tokenizer, make_workload
 
 TOPICS = [
@@ -106,12 +112,39 @@ def json_schema_messages(num: int) -> list[list[dict]]:
     ]
 
 
+AGENT_INSTRUCTION = (
+    "You are a shipping agent. For each order, reply with a plan in exactly this format:\n"
+    "Step 1: Check the order in the database.\nStep 2: Print the shipping label.\n"
+    "Step 3: Pack the item in a box.\nStep 4: Send the box to the customer.\n"
+    "Step 5: Email the customer the tracking number.\nThen write: Done."
+)
+ITEMS = [
+    "a blue kettle", "two desk lamps", "a winter coat", "a coffee grinder", "three novels",
+    "a bicycle helmet", "a yoga mat", "a pair of boots",
+]  # fmt: skip
+
+
+def agent_repeat_messages(num: int) -> list[list[dict]]:
+    """One instruction for `num` orders (workload (e): repeated agent tasks)."""
+    orders = [(item, person[0]) for item, person in zip(ITEMS * 4, PEOPLE * 4)][:num]
+    return [
+        [
+            {"role": "system", "content": AGENT_INSTRUCTION},
+            {"role": "user", "content": f"Order: {item} for {name}."},
+        ]
+        for item, name in orders
+    ]
+
+
 WORKLOADS = {
     "tool_echo": tool_echo_messages,
     "json_extract": json_extract_messages,
     "free_chat": free_chat_messages,
     "json_schema": json_schema_messages,
+    "agent_repeat": agent_repeat_messages,
 }
+WAVES = {"agent_repeat"}
+"""Workloads that run --agent-inputs requests in waves of the batch size, not one batch."""
 CONSTRAINTS = {"json_schema": {"json_schema": RECORD}}
 """Sampling parameters a workload adds (its constraint)."""
 
@@ -121,6 +154,11 @@ def mode_flags(mode: str, args) -> dict:
     return {
         "off": {},
         "ngram": {"speculative_algorithm": "NGRAM"},
+        "suffix": {
+            "speculative_algorithm": "SUFFIX",
+            "speculative_num_draft_tokens": args.suffix_num_draft_tokens or args.num_draft_tokens,
+            "speculative_adaptive_threshold": args.suffix_adaptive_threshold,
+        },
         "self": {"speculative_algorithm": "SELF", "speculative_self_layers": args.self_layers},
         "standalone": {
             "speculative_algorithm": "STANDALONE",
@@ -130,16 +168,17 @@ def mode_flags(mode: str, args) -> dict:
     }[mode]
 
 
-def timed_run(engine: Engine, prompts: list[str], max_new_tokens: int, extra: dict) -> dict:
-    """Prefills `prompts` into the cache, then times their greedy generation as one batch
-    (`extra`: the workload's constraint)."""
-    if isinstance(engine.scheduler.drafter, NgramDrafter):  # an empty store for every run
+def timed_run(engine: Engine, waves: list[list[str]], max_new_tokens: int, extra: dict) -> dict:
+    """Prefills the prompts of all `waves` into the cache, then times their greedy
+    generation, one wave (a batch) after another (`extra`: the workload's constraint)."""
+    if isinstance(engine.scheduler.drafter, (NgramDrafter, SuffixDrafter)):  # an empty store
         engine.scheduler.drafter = create_drafter(engine.scheduler.config)
+    prompts = [p for wave in waves for p in wave]
     engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 0})
     params = {"temperature": 0, "max_new_tokens": max_new_tokens} | extra
     forwards = engine.get_stats()["forward_steps"]
     start = time.perf_counter()
-    outputs = engine.generate(prompt=prompts, sampling_params=params)
+    outputs = [o for wave in waves for o in engine.generate(prompt=wave, sampling_params=params)]
     wall = time.perf_counter() - start
     metas = [o["meta_info"] for o in outputs]
     tokens = sum(m["completion_tokens"] for m in metas)
@@ -168,14 +207,15 @@ def all_valid(outputs: list[dict], schema: dict | None) -> bool | None:
 
 
 def run_workload(engines: dict, template, name: str, batch_size: int, args) -> list[dict]:
-    prompts = [
-        template(m, tokenize=False, add_generation_prompt=True) for m in WORKLOADS[name](batch_size)
-    ]
+    num = args.agent_inputs if name in WAVES else batch_size
+    messages = WORKLOADS[name](num)
+    prompts = [template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    waves = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     runs = {mode: [] for mode in engines}
     for _ in range(args.repeats):
         for mode, engine in engines.items():
             extra = CONSTRAINTS.get(name, {})
-            runs[mode].append(timed_run(engine, prompts, args.max_new_tokens, extra))
+            runs[mode].append(timed_run(engine, waves, args.max_new_tokens, extra))
     base = statistics.median(r["tok_s"] for r in runs["off"]) if "off" in runs else None
     rows = []
     for mode, mode_runs in runs.items():
@@ -221,13 +261,23 @@ def print_rows(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--modes", default="off,ngram,self,standalone")
+    parser.add_argument("--modes", default="off,ngram,suffix,self,standalone")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument(
+        "--suffix-num-draft-tokens", type=int, default=None, help="default: --num-draft-tokens"
+    )
+    parser.add_argument("--agent-inputs", type=int, default=8, help="agent_repeat: requests")
+    parser.add_argument(
+        "--suffix-adaptive-threshold",
+        type=float,
+        default=1.0,
+        help="SUFFIX's --speculative-adaptive-threshold (0: drafts wherever the trees match)",
+    )
     parser.add_argument("--self-layers", type=int, default=6, help="SELF: layers that draft")
     parser.add_argument("--draft-model", default=None, help="STANDALONE; default: the target")
     parser.add_argument("--quantization", default=None, help="none: the fp32 model")
@@ -251,7 +301,8 @@ def main() -> None:
     print_rows(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    info = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__}
+    info = {"machine": describe_cpu(), "torch": torch.__version__}
+    print(f"CPU: {info['machine']}")
     out.write_text(json.dumps({"args": vars(args), "info": info, "rows": rows}, indent=2))
     for engine in engines.values():
         engine.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE")  # SGLang's names (SELF: ours)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE", "SUFFIX")  # SGLang's (SELF: ours)
 DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE")
 PIN_POLICIES = ("hard", "last")
 
@@ -70,7 +70,8 @@ class SchedulerConfig:
     """Speculative decoding, drafts verified in the running batch: NGRAM (looked up in the
     request's own prompt + output and in an n-gram store of recent requests), SELF (the
     target's first --speculative-self-layers layers), STANDALONE (a smaller model,
-    --speculative-draft-model-path); default: off."""
+    --speculative-draft-model-path), SUFFIX (suffix trees over the request's own prompt +
+    output and over the outputs of recent requests, --speculative-suffix-*); default: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request per step (K: the request computes K + 1)."""
     speculative_num_steps: int | None = None
@@ -96,6 +97,22 @@ class SchedulerConfig:
     speculative_ngram_capacity: int = 100_000
     """NGRAM: most n-grams indexed in the store shared by requests; past it, the sequences
     least recently added or drafted from go."""
+    speculative_suffix_max_tree_depth: int = 24
+    """SUFFIX: depth of the suffix trees: the longest match plus draft, in tokens."""
+    speculative_suffix_max_spec_factor: float = 1.0
+    """SUFFIX: a match of m tokens drafts at most max_spec_factor * m tokens (and at most
+    --speculative-num-draft-tokens)."""
+    speculative_suffix_min_token_prob: float = 0.1
+    """SUFFIX: a draft stops before a token whose estimated probability (the product of
+    the empirical frequencies along the path) is below this."""
+    speculative_suffix_max_cached_requests: int = 10000
+    """SUFFIX: most finished requests whose outputs the shared tree holds (all namespaces
+    together); past it the least recently used go; 0: no shared tree, own sequence only."""
+    # 262144 (about 2000 outputs of 128 tokens): a lookup scans its namespace's outputs once,
+    # a fraction of a millisecond at this size (benchmarks/suffix_lookup.py)
+    speculative_suffix_max_cached_tokens: int = 262_144
+    """SUFFIX (ours): most output tokens the shared tree holds; past it the least recently
+    used outputs go, whole."""
 
     def verify(self) -> None:
         policies = ("lpm", "dfs-weight", "fcfs")
@@ -135,7 +152,8 @@ class SchedulerConfig:
             return
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
-                f"speculative_algorithm must be NGRAM, SELF, STANDALONE or unset; got {algorithm!r}"
+                "speculative_algorithm must be NGRAM, SELF, STANDALONE, SUFFIX or unset; "
+                f"got {algorithm!r}"
             )
         self.speculative_algorithm = algorithm.upper()
         for name in (
@@ -161,7 +179,29 @@ class SchedulerConfig:
         limit = self.speculative_disable_by_batch_size
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1; got {limit}")
+        self._verify_suffix()
         self._verify_draft_model()
+
+    def _verify_suffix(self) -> None:
+        """The SUFFIX flags' ranges (SGLang / vLLM's; a negative request bound, arctic's
+        "unbounded", is refused: the store must stay bounded)."""
+        for name, low in (
+            ("speculative_suffix_max_tree_depth", 2),
+            ("speculative_suffix_max_cached_requests", 0),
+            ("speculative_suffix_max_cached_tokens", 1),
+        ):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}; got {getattr(self, name)}")
+        if not self.speculative_suffix_max_spec_factor > 0:
+            raise ValueError(
+                "speculative_suffix_max_spec_factor must be > 0; "
+                f"got {self.speculative_suffix_max_spec_factor}"
+            )
+        if not 0.0 <= self.speculative_suffix_min_token_prob <= 1.0:
+            raise ValueError(
+                "speculative_suffix_min_token_prob must be in [0, 1]; "
+                f"got {self.speculative_suffix_min_token_prob}"
+            )
 
     def _verify_draft_model(self) -> None:
         """The flags of SELF / STANDALONE: each only with the algorithm that reads it."""

@@ -1,7 +1,8 @@
 """Speculative decoding: a `Drafter` proposes tokens, the running batch verifies them in
 one forward (K + 1 extend tokens per speculating request), the `Verifier` keeps a prefix.
 
-    scheduler decode phase      drafter.propose(req) -> K tokens   (ngram.py: NGRAM)
+    scheduler decode phase      drafter.propose(req) -> K tokens   (ngram.py: NGRAM,
+                                                                    suffix.py: SUFFIX)
     batch_builder               [last token, d1 .. dK] over the request's cached prefix
     model forward               logits at the K + 1 rows (LogitsOutput.verify)
     verifier                    accepted drafts + the target's token (lossless rule)
@@ -19,6 +20,7 @@ from radixserve.engine.speculative.model_drafter import (
 )
 from radixserve.engine.speculative.ngram import NgramDrafter
 from radixserve.engine.speculative.speculator import Speculator
+from radixserve.engine.speculative.suffix import SuffixDrafter
 from radixserve.engine.speculative.verifier import Verified, Verifier
 from radixserve.model.runner import ModelRunner
 
@@ -28,6 +30,7 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "Speculator",
+    "SuffixDrafter",
     "Verified",
     "Verifier",
     "create_drafter",
@@ -54,6 +57,15 @@ def create_drafter(
             config.speculative_ngram_min_match_window_size,
             config.speculative_ngram_max_match_window_size,
             config.speculative_ngram_capacity,
+        )
+    if algorithm == "SUFFIX":
+        return SuffixDrafter(
+            config.speculative_num_draft_tokens,
+            config.speculative_suffix_max_tree_depth,
+            config.speculative_suffix_max_spec_factor,
+            config.speculative_suffix_min_token_prob,
+            config.speculative_suffix_max_cached_requests,
+            config.speculative_suffix_max_cached_tokens,
         )
     if target is None:
         raise ValueError(f"speculative_algorithm {algorithm} needs the target model's runner")

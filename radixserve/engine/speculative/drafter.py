@@ -4,9 +4,11 @@ a request's sequence may continue with; the target model verifies them in the ru
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.engine.request import Req
@@ -46,3 +48,25 @@ class Drafter(ABC):
     def release(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Frees what the drafter holds for a request that left the batch (finished,
         aborted or retracted); nothing by default."""
+
+
+class SequenceArrays:
+    """Each request's `seq_ids()` as an int64 array, kept between steps so that only the
+    output tokens added since the last call are converted (lookup drafters read it)."""
+
+    def __init__(self):
+        self._arrays: weakref.WeakKeyDictionary[Req, np.ndarray] = weakref.WeakKeyDictionary()
+
+    def get(self, req: Req) -> np.ndarray:
+        seq = self._arrays.get(req)
+        if seq is None:
+            seq = np.asarray(req.input_ids, dtype=np.int64)
+        num_output = len(seq) - len(req.input_ids)
+        if num_output < len(req.output_ids):
+            added = np.asarray(req.output_ids[num_output:], dtype=np.int64)
+            seq = np.concatenate([seq, added])
+        self._arrays[req] = seq
+        return seq
+
+    def forget(self, req: Req) -> None:
+        self._arrays.pop(req, None)

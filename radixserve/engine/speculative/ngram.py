@@ -8,12 +8,10 @@ a vocabulary (agents calling the same tools) help each other.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from radixserve.engine.request import Req
-from radixserve.engine.speculative.drafter import Drafter
+from radixserve.engine.speculative.drafter import Drafter, SequenceArrays
 
 STORE_INDEX_TOKENS = 1024
 """Most tokens at the end of a finished request that the store indexes (its work per
@@ -142,27 +140,13 @@ class NgramDrafter(Drafter):
         self.num_draft_tokens = num_draft_tokens
         self.min_window, self.max_window = min_window, max_window
         self.store = NgramStore(capacity, min_window, max_window, num_draft_tokens)
-        # each request's sequence as an array, extended by the tokens added since last time
-        self._arrays: weakref.WeakKeyDictionary[Req, np.ndarray] = weakref.WeakKeyDictionary()
+        self._arrays = SequenceArrays()
 
     def propose(self, req: Req) -> list[int]:
-        seq = self._array(req)
+        seq = self._arrays.get(req)
         own = match_suffix(seq, self.min_window, self.max_window, self.num_draft_tokens)
         return own or self.store.lookup(req.namespace, seq[-self.max_window :].tolist())
 
     def on_finished(self, req: Req) -> None:
         self.store.add(req.namespace, req.seq_ids())
-        self._arrays.pop(req, None)
-
-    def _array(self, req: Req) -> np.ndarray:
-        """`req.seq_ids()` as an int64 array; only new output tokens are converted."""
-        seq = self._arrays.get(req)
-        if seq is None:
-            seq = np.asarray(req.input_ids, dtype=np.int64)
-        num_output = len(seq) - len(req.input_ids)
-        if num_output < len(req.output_ids):
-            added = np.asarray(req.output_ids[num_output:], dtype=np.int64)
-            seq = self._arrays[req] = np.concatenate([seq, added])
-        else:
-            self._arrays[req] = seq
-        return seq
+        self._arrays.forget(req)
