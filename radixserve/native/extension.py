@@ -14,9 +14,9 @@ family; each has its Python wrapper beside its caller (simd.h: the matmuls' shar
 
 The SIMD flags follow the level torch itself detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
-CPU or torch it was not built for. On the AVX512 level, `-mavx512vnni` is added where /proc/cpuinfo lists `avx512_vnni`
-(machine.py): the int8-activation kernels' integer dot (`int_dot_level()` says which).
-`ATEN_CPU_CAPABILITY=avx2` or `=default` (torch's own
+CPU or torch it was not built for. On the AVX512 level, `-mavx512vnni` is added where
+/proc/cpuinfo lists `avx512_vnni` (machine.py): the int8-activation kernels' integer dot
+(`int_dot_level()` says which). `ATEN_CPU_CAPABILITY=avx2` or `=default` (torch's own
 switch) lowers that level for torch's kernels and ours alike: AVX2 + FMA intrinsics, or
 portable loops (`simd_level()` says which one a build has). Without a compiler (or when the
 build fails) `load_cpu_ops` raises `CpuExtensionUnavailable` with the reason; callers then

@@ -2,11 +2,11 @@
 computes its quantized matmuls: each activation row is quantized once per call to q8 blocks
 and every weight block meets its activation block in one integer dot product.
 
-    weights (the loader's bytes)       activations, per row          per block
-    Q4_0 / Q4_1  int4 + (d, m) per 32  q8 of 32: d_x, codes, d_x*sum  d d_x * sum(q q_x) + m * d_x sum
-    Q8_0         int8 + d per 32       q8 of 32                       d d_x * sum(q q_x)
-    Q4_K / Q5_K  super-blocks of 256   q8_K of 256 + sums per 16      scales and mins per 32
-    Q6_K         super-blocks of 256   q8_K of 256 + sums per 16      int8 scale per 16
+    weights (loader's bytes)   activations, per row       per block
+    Q4_0 / Q4_1  int4, (d, m)   q8 of 32: d_x, codes, sum  d d_x * sum(q q_x) + m * d_x sum(q_x)
+    Q8_0         int8, d        q8 of 32                   d d_x * sum(q q_x)
+    Q4_K / Q5_K  256-blocks     q8_K of 256, sums per 16   6-bit scales and mins per 32
+    Q6_K         256-blocks     q8_K of 256, sums per 16   int8 scale per 16
 
 Activation codes: d = max|x| / 127 per block, q = round-half-even(x / d) as x * (1 / d)
 (`quantize_activations` is the same arithmetic in torch, for tests). Integer sums are exact
@@ -46,7 +46,9 @@ def load_q8_ops() -> None:
         return x.new_empty(x.shape[0], blocks.shape[0])
 
 
-def int4_block_matmul_q8(x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+def int4_block_matmul_q8(
+    x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor
+) -> torch.Tensor:
     """[M, K] fp32 / bf16 @ int4 blocks.T with int8 activations -> [M, N] in x's dtype."""
     return torch.ops.radixserve_cpu.int4_block_mm_q8(x.contiguous(), qs, scale_min)
 
