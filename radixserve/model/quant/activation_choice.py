@@ -9,13 +9,14 @@ dequantizes and runs one dense matmul instead (`--cpu-quant-activation`).
 
 `auto` times one real layer of each distinct (format, out, in) of the model: both kernels at
 DECODE_ROWS (a decode step alone and a batch of 16; int8 where its time per row averaged over
-the two is no more than fp32's), then the chosen kernel and the layer's dense path
-(dequantize + one matmul in its dense dtype, or the shared fp weight of a tied head) at
-PREFILL_ROWS. Kernel time is linear in rows and dense time an intercept plus a slope, so the
-two cross at one row count: the layer's `dequant_min_rows` (None where the kernel costs no
-more per row than the dense matmul; never below MIN_KERNEL_ROWS). The answers are cached per
-machine (CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so
-every process takes the same paths and a process never changes them.
+the two is at most INT8_WIN of fp32's: a near tie stays fp32 rather than follow noise), then
+the chosen kernel and the layer's dense path (dequantize + one matmul in its dense dtype, or
+the shared fp weight of a tied head) at PREFILL_ROWS. Kernel time is linear in rows and dense
+time an intercept plus a slope, so the two cross at one row count: the layer's
+`dequant_min_rows` (None where the kernel costs no more per row than the dense matmul; never
+below MIN_KERNEL_ROWS). The answers are cached per machine (CPU, SIMD levels, torch, threads,
+shapes) by dense_choice.py's table machinery, so every process takes the same paths and a
+process never changes them.
 
 Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
 kernels), `auto` takes fp32 (exact to the dequantized weights, no timing-dependent path);
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 CPU_QUANT_ACTIVATIONS = ("auto", "fp32", "int8")
 DECODE_ROWS = (1, 16)
 PREFILL_ROWS = (64, 256)
+INT8_WIN = 0.9  # int8 must take at most this fraction of fp32's time per row (noise margin)
 MIN_KERNEL_ROWS = 16  # decode batches up to this size stay on the kernels whatever the fit says
 PROBE_REPEATS = 3
 PROBE_VERSION = 1  # part of the cache key: a change to how the probe measures re-measures
@@ -135,7 +137,7 @@ def probe_layer(layer: QuantizedLinear) -> dict:
         times = best_times(*(partial(_kernel, layer, xs[m], int8) for m in DECODE_ROWS),
                            repeats=PROBE_REPEATS)  # fmt: skip
         per_row[int8] = sum(t / m for t, m in zip(times, DECODE_ROWS)) / len(DECODE_ROWS)
-    int8 = per_row[True] <= per_row[False]
+    int8 = per_row[True] <= INT8_WIN * per_row[False]
     calls: list[Callable[[], torch.Tensor]] = []
     for m in PREFILL_ROWS:
         calls += [partial(_kernel, layer, xs[m], int8), partial(layer._dense_matmul, xs[m])]
