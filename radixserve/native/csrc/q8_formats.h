@@ -44,7 +44,7 @@ struct Q8Acts {
 // Per row of a tile: the two lane sets of the dots (even / odd block), the offsets' lanes
 // (Int4) and the min terms (K-quants, one scalar chain).
 struct RowAcc {
-  Floats lanes[2];
+  Dual lanes;
   Pairs offsets;
   float scalar;
 };
@@ -88,14 +88,35 @@ struct Int4Rows {
       p[r] = pmul(sm, load_pairs(a.pairs + 2 * ((r0 + r) * a.num_blocks + b0), 2 * count));
       acc[r].offsets = padd(acc[r].offsets, p[r]);
     }
-#pragma GCC unroll 8
-    for (int k = 0; k < count; ++k) {
-      const Bytes w = nibbles16(qs + (wb0 + k) * 16);
+    int k = 0;
+#if defined(RADIXSERVE_Q8_ZMM)
+    __m512 wide[R];
+    for (int64_t r = 0; r < R; ++r)
+      wide[r] = _mm512_insertf32x8(_mm512_castps256_ps512(p[r].lo), p[r].hi, 1);
+#pragma GCC unroll 4
+    for (; k + 2 <= count; k += 2) {
+      const __m512i w = dual_nibbles(qs + (wb0 + k) * 16);
       for (int64_t r = 0; r < R; ++r) {
-        const Bytes x = load_bytes(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
-        Floats& lanes = acc[r].lanes[k & 1];
-        lanes = ffma(lane16(p[r], 2 * k), to_floats(dot_us(izero(), w, x)), lanes);
+        const __m512i x = _mm512_loadu_si512(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
+        acc[r].lanes = dual_fma(acc[r].lanes, wide[r], 2 * k, 2, dual_dot_us(w, x));
       }
+    }
+#else
+#pragma GCC unroll 4
+    for (; k + 2 <= count; k += 2) {
+      one<R, 0>(wb0, b0, k, a, r0, p, acc);
+      one<R, 1>(wb0, b0, k + 1, a, r0, p, acc);
+    }
+#endif
+    if (k < count) one<R, 0>(wb0, b0, k, a, r0, p, acc);
+  }
+  template <int64_t R, int S>
+  void one(int64_t wb0, int64_t b0, int k, const Q8Acts& a, int64_t r0, const Pairs* p,
+           RowAcc* acc) const {
+    const Bytes w = nibbles16(qs + (wb0 + k) * 16);
+    for (int64_t r = 0; r < R; ++r) {
+      const Bytes x = load_bytes(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
+      acc[r].lanes = dfma<S>(acc[r].lanes, lane16(p[r], 2 * k), dot_us(izero(), w, x));
     }
   }
 };
@@ -116,14 +137,33 @@ struct Int8Rows {
     Floats p[R];
     for (int64_t r = 0; r < R; ++r)
       p[r] = fmul(d, load_floats(a.d + (r0 + r) * a.num_blocks + b0, count));
-#pragma GCC unroll 8
-    for (int k = 0; k < count; ++k) {
-      const Bytes w = load_bytes(qs + (wb0 + k) * kBlock);
+    int k = 0;
+#if defined(RADIXSERVE_Q8_ZMM)
+#pragma GCC unroll 4
+    for (; k + 2 <= count; k += 2) {
+      const __m512i w = _mm512_loadu_si512(qs + (wb0 + k) * kBlock);
       for (int64_t r = 0; r < R; ++r) {
-        const Bytes x = load_bytes(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
-        Floats& lanes = acc[r].lanes[k & 1];
-        lanes = ffma(lane8(p[r], k), to_floats(dot_ss(izero(), w, x)), lanes);
+        const __m512i x = _mm512_loadu_si512(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
+        const __m512 wide = _mm512_castps256_ps512(p[r]);
+        acc[r].lanes = dual_fma(acc[r].lanes, wide, k, 1, dual_dot_ss(w, x));
       }
+    }
+#else
+#pragma GCC unroll 4
+    for (; k + 2 <= count; k += 2) {
+      one<R, 0>(wb0, b0, k, a, r0, p, acc);
+      one<R, 1>(wb0, b0, k + 1, a, r0, p, acc);
+    }
+#endif
+    if (k < count) one<R, 0>(wb0, b0, k, a, r0, p, acc);
+  }
+  template <int64_t R, int S>
+  void one(int64_t wb0, int64_t b0, int k, const Q8Acts& a, int64_t r0, const Floats* p,
+           RowAcc* acc) const {
+    const Bytes w = load_bytes(qs + (wb0 + k) * kBlock);
+    for (int64_t r = 0; r < R; ++r) {
+      const Bytes x = load_bytes(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
+      acc[r].lanes = dfma<S>(acc[r].lanes, lane8(p[r], k), dot_ss(izero(), w, x));
     }
   }
 };
@@ -182,8 +222,7 @@ struct K4Rows : SuperBlockGroups<K4Rows<kBytes, Codes>> {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t ab = (r0 + r) * a.num_blocks + b;
       const int32_t msum = wdot(mins, load_words(a.bsums + ab * 16));
-      Floats& lanes = acc[r].lanes[S];
-      lanes = ffma(fset1(prod(d, a.d[ab])), to_floats(iadd(isum[r][0], isum[r][1])), lanes);
+      acc[r].lanes = dfma<S>(acc[r].lanes, fset1(prod(d, a.d[ab])), iadd(isum[r][0], isum[r][1]));
       acc[r].scalar = std::fma(-prod(dmin, a.d[ab]), static_cast<float>(msum), acc[r].scalar);
     }
   }
@@ -217,8 +256,7 @@ struct Q6KRows : SuperBlockGroups<Q6KRows> {
       const int64_t ab = (r0 + r) * a.num_blocks + b;
       const int32_t msum = wdot(scales, load_words(a.bsums + ab * 16));
       const float dd = prod(d, a.d[ab]);
-      Floats& lanes = acc[r].lanes[S];
-      lanes = ffma(fset1(dd), to_floats(iadd(isum[r][0], isum[r][1])), lanes);
+      acc[r].lanes = dfma<S>(acc[r].lanes, fset1(dd), iadd(isum[r][0], isum[r][1]));
       acc[r].scalar = std::fma(-dd, static_cast<float>(32 * msum), acc[r].scalar);
     }
   }

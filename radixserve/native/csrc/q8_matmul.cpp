@@ -87,13 +87,13 @@ template <int64_t R, typename F>
 void dot_rows(const F& f, int64_t n, const Q8Acts& a, int64_t r0, float* out, int64_t N) {
   constexpr int kStep = F::kBlocksPerGroup;
   RowAcc acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = RowAcc{{fzero(), fzero()}, pzero(), 0.f};
+  for (int64_t r = 0; r < R; ++r) acc[r] = RowAcc{dzero(), pzero(), 0.f};
   int64_t b = 0;
   for (; b + kStep <= a.num_blocks; b += kStep) f.template group<R>(n, b, kStep, a, r0, acc);
   if (b < a.num_blocks)
     f.template group<R>(n, b, static_cast<int>(a.num_blocks - b), a, r0, acc);
   for (int64_t r = 0; r < R; ++r) {
-    const float dots = fsum(fadd(acc[r].lanes[0], acc[r].lanes[1]));
+    const float dots = dsum(acc[r].lanes);
     out[(r0 + r) * N + n] = (dots + odd_sum(acc[r].offsets)) + acc[r].scalar;
   }
 }

@@ -260,6 +260,64 @@ inline Floats lane16(const Pairs& p, int i) { return fset1(p.v[i]); }
 inline void store_pairs(const Pairs& p, float* out) { std::memcpy(out, p.v, sizeof(p.v)); }
 #endif
 
+// The two lane sets of a row's dots (even blocks, odd blocks). With AVX-512 one 512-bit
+// register (set 0 in lanes 0-7, set 1 in lanes 8-15), so that two blocks take one integer dot
+// and one fma (q8_formats.h); else two 8-lane vectors. The same lanes, the same ops.
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
+#define RADIXSERVE_Q8_ZMM 1
+using Dual = __m512;
+inline Dual dzero() { return _mm512_setzero_ps(); }
+template <int S>
+inline Dual dfma(Dual acc, Floats scale, Ints dot) {  // set S += scale * dot
+  const __m512 a = S == 0 ? _mm512_castps256_ps512(scale)
+                          : _mm512_insertf32x8(_mm512_setzero_ps(), scale, 1);
+  const __m512 b = S == 0 ? _mm512_castps256_ps512(to_floats(dot))
+                          : _mm512_insertf32x8(_mm512_setzero_ps(), to_floats(dot), 1);
+  return _mm512_mask3_fmadd_ps(a, b, acc, S == 0 ? 0x00FF : 0xFF00);
+}
+inline float dsum(Dual d) {
+  return fsum(_mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1)));
+}
+// Two blocks' codes at once: 64 bytes, block k in bytes 0-31, block k + 1 in 32-63.
+inline __m512i dual_dot_us(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+inline __m512i dual_dot_ss(__m512i w, __m512i x) {
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  const __m512i signed_x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+  return dual_dot_us(_mm512_abs_epi8(w), signed_x);
+}
+// 32 bytes = two blocks of GGUF nibbles -> [block k low, high, block k + 1 low, high].
+inline __m512i dual_nibbles(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_and_si256(v, mask)),
+      _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);  // [k lo, k+1 lo, k hi, k+1 hi]
+  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+// acc += [v[i] x 8, v[i + step] x 8] * dot: blocks k and k + 1 of a group in one fma.
+inline Dual dual_fma(Dual acc, __m512 v, int i, int step, __m512i dot) {
+  const __m512i index = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + step), 1);
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(index, v), _mm512_cvtepi32_ps(dot), acc);
+}
+#else
+struct Dual {
+  Floats set[2];
+};
+inline Dual dzero() { return Dual{{fzero(), fzero()}}; }
+template <int S>
+inline Dual dfma(Dual acc, Floats scale, Ints dot) {
+  acc.set[S] = ffma(scale, to_floats(dot), acc.set[S]);
+  return acc;
+}
+inline float dsum(Dual d) { return fsum(fadd(d.set[0], d.set[1])); }
+#endif
+
 // The odd lanes of `p` (the offsets of its 8 blocks), summed in one fixed order.
 inline float odd_sum(const Pairs& p) {
   float v[16];
