@@ -14,9 +14,10 @@ the chosen kernel and the layer's dense path (dequantize + one matmul in its den
 the shared fp weight of a tied head) at PREFILL_ROWS. Kernel time is linear in rows and dense
 time an intercept plus a slope, so the two cross at one row count: the layer's
 `dequant_min_rows` (None where the kernel costs no more per row than the dense matmul; never
-below MIN_KERNEL_ROWS). The answers are cached per machine (CPU, SIMD levels, torch, threads,
-shapes) by dense_choice.py's table machinery, so every process takes the same paths and a
-process never changes them.
+below MIN_KERNEL_ROWS). Times are the process's CPU time (every thread's; time descheduled on
+a shared machine does not count), best of PROBE_REPEATS. The answers are cached per machine
+(CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so every
+process takes the same paths and a process never changes them.
 
 Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
 kernels), `auto` takes fp32 (exact to the dequantized weights, no timing-dependent path);
@@ -30,6 +31,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -51,7 +53,7 @@ PREFILL_ROWS = (64, 256)
 INT8_WIN = 0.9  # int8 must take at most this fraction of fp32's time per row (noise margin)
 MIN_KERNEL_ROWS = 16  # decode batches up to this size stay on the kernels whatever the fit says
 PROBE_REPEATS = 3
-PROBE_VERSION = 1  # part of the cache key: a change to how the probe measures re-measures
+PROBE_VERSION = 2  # part of the cache key: a change to how the probe measures re-measures
 TABLE = "quant_activation_choice.json"
 
 
@@ -134,14 +136,14 @@ def probe_layer(layer: QuantizedLinear) -> dict:
     xs = {m: torch.randn(m, layer.in_features, generator=gen) for m in rows}
     per_row = {}
     for int8 in (False, True):
-        times = best_times(*(partial(_kernel, layer, xs[m], int8) for m in DECODE_ROWS),
-                           repeats=PROBE_REPEATS)  # fmt: skip
+        calls = (partial(_kernel, layer, xs[m], int8) for m in DECODE_ROWS)
+        times = best_times(*calls, repeats=PROBE_REPEATS, clock=time.process_time)
         per_row[int8] = sum(t / m for t, m in zip(times, DECODE_ROWS)) / len(DECODE_ROWS)
     int8 = per_row[True] <= INT8_WIN * per_row[False]
     calls: list[Callable[[], torch.Tensor]] = []
     for m in PREFILL_ROWS:
         calls += [partial(_kernel, layer, xs[m], int8), partial(layer._dense_matmul, xs[m])]
-    times = best_times(*calls, repeats=PROBE_REPEATS)
+    times = best_times(*calls, repeats=PROBE_REPEATS, clock=time.process_time)
     kernel_s, dense_s = times[0::2], times[1::2]
     return {
         "int8": int8,

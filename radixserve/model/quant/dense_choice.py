@@ -156,15 +156,19 @@ def probe(shapes: Counter[tuple[int, int]], dtype: torch.dtype) -> dict:
     return {"packed": packed, "rows": list(PROBE_ROWS), "ours_over_torch": ratios}
 
 
-def best_times(*calls: Callable[[], torch.Tensor], repeats: int = PROBE_REPEATS) -> list[float]:
-    """The fastest of `repeats` runs of each call, the calls taking turns (a busy moment of a
-    shared machine slows them alike rather than one of them)."""
+def best_times(
+    *calls: Callable[[], torch.Tensor],
+    repeats: int = PROBE_REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """The fastest of `repeats` runs of each call by `clock`, the calls taking turns (a busy
+    moment of a shared machine slows them alike rather than one of them)."""
     for call in calls:
         call()  # warm-up: first-touch pages, thread pool start
     best = [float("inf")] * len(calls)
     for _ in range(repeats):
         for i, call in enumerate(calls):
-            start = time.perf_counter()
+            start = clock()
             call()
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], clock() - start)
     return best
