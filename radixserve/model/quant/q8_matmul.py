@@ -11,9 +11,10 @@ and every weight block meets its activation block in one integer dot product.
 Activation codes: d = max|x| / 127 per block, q = round-half-even(x / d) as x * (1 / d)
 (`quantize_activations` is the same arithmetic in torch, for tests). Integer sums are exact
 and the fp32 ones run in a fixed order per row on every SIMD level (AVX512-VNNI, AVX2,
-portable: the same bits), so a row's result does not depend on the other rows of the call.
-Against the fp32 path the difference is the activations' rounding, ~0.3% of a dot's size.
-Which path a layer takes: activation_choice.py.
+portable: the same bits; with AVX-512 two blocks share one 512-bit dot and fma, the two
+8-lane sets of the other levels side by side), so a row's result does not depend on the
+other rows of the call. Against the fp32 path the difference is the activations' rounding,
+~0.3% of a dot's size. Which path a layer takes: activation_choice.py.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@
 //   dot_scaled(acc, u, s, scale)   lane j += scale(j) * sum_{i<4} u[4j+i] * s[4j+i],
 //                         scale(j) one int per 16 codes (lanes 0-3, lanes 4-7)
 //
-// AVX512-VNNI (`vpdpbusd`) where the build has -mavx512vnni, AVX2 (`vpmaddubsw` +
-// `vpmaddwd`), else plain loops; with AVX-512 two blocks share one 512-bit dot and fma
-// (`Dual`: the two 8-lane sets side by side). Every sum is exact on every level (our codes
+// AVX512-VNNI (`vpdpbusd` on 256-bit lanes) where the build has -mavx512vnni, AVX2
+// (`vpmaddubsw` + `vpmaddwd`), else plain loops. Every sum is exact on every level (our codes
 // keep vpmaddubsw's int16 pair sums below 2^15), and the fp32 arithmetic is the same ops in
 // the same lane order (one rounding per fma, std::fma in the loops), so a matmul gives the
 // same bits on every level: the tests compare them.
