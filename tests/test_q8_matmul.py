@@ -145,10 +145,10 @@ def test_auto_measures_once_per_machine_and_applies_the_table(cpu_ops, monkeypat
 
 
 def test_dense_crossover_follows_the_fitted_lines():
-    # kernel 1 ms per row; dense 20 ms + 0.5 ms per row: equal at 40 rows
-    assert activation_choice.dense_crossover([64e-3, 256e-3], [52e-3, 148e-3], (64, 256)) == 40
+    # kernel 1 ms per row; dense 100 ms + 0.5 ms per row: equal at 200 rows
+    assert activation_choice.dense_crossover([64e-3, 256e-3], [132e-3, 228e-3], (64, 256)) == 200
     # dense at least as costly per row as the kernel: never
     assert activation_choice.dense_crossover([64e-3, 256e-3], [80e-3, 400e-3], (64, 256)) is None
-    # dense cheaper from the start: still not below the decode batches
+    # dense cheaper from the start: still not below a prefill chunk (decodes, short extends)
     floor = activation_choice.MIN_KERNEL_ROWS
     assert activation_choice.dense_crossover([64e-3, 256e-3], [1e-3, 2e-3], (64, 256)) == floor

@@ -21,8 +21,10 @@ process takes the same paths and a process never changes them.
 
 Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
 kernels), `auto` takes fp32 (exact to the dequantized weights, no timing-dependent path);
-`int8` there puts every row count on the int8 kernel. Models whose largest block layer is
-small (tests' tiny models) are not measured: fp32, as before this flag.
+`int8` there puts every row count on the int8 kernel. Models whose largest block projection
+(the LM head aside) is under MIN_PROBED_WEIGHTS (the default SmolLM2-135M, tests' tiny
+models) are not measured: fp32 and the fixed thresholds, as before this flag (at that size
+the two kernels are within noise of each other, measured: the choice would follow noise).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from torch import nn
 
 from radixserve.disk_cache import cache_root
 from radixserve.model.quant import QuantizationError
-from radixserve.model.quant.base_linear import QuantizedLinear
+from radixserve.model.quant.base_linear import DEQUANT_MIN_ROWS, QuantizedLinear
 from radixserve.model.quant.dense_choice import MIN_PROBED_WEIGHTS, best_times, cached_measurement
 from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
@@ -51,7 +53,9 @@ CPU_QUANT_ACTIVATIONS = ("auto", "fp32", "int8")
 DECODE_ROWS = (1, 16)
 PREFILL_ROWS = (64, 256)
 INT8_WIN = 0.9  # int8 must take at most this fraction of fp32's time per row (noise margin)
-MIN_KERNEL_ROWS = 16  # decode batches up to this size stay on the kernels whatever the fit says
+MIN_KERNEL_ROWS = DEQUANT_MIN_ROWS
+"""Batches below this (decode, verify, short extends) stay on the row-invariant kernels
+whatever the fit says: a short extend then rounds as a decode does, as before this flag."""
 PROBE_REPEATS = 3
 PROBE_VERSION = 2  # part of the cache key: a change to how the probe measures re-measures
 TABLE = "quant_activation_choice.json"
@@ -91,7 +95,9 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
         for layer in layers:
             layer.int8_activations = True
         return
-    if max(layer.out_features * layer.in_features for layer in layers) < MIN_PROBED_WEIGHTS:
+    head = getattr(model, "lm_head", None)
+    projections = [layer.out_features * layer.in_features for layer in layers if layer is not head]
+    if max(projections, default=0) < MIN_PROBED_WEIGHTS:
         return
     kinds = {layer_kind(layer): layer for layer in layers}  # one representative per kind
     path = cache_root() / TABLE
@@ -104,7 +110,8 @@ def apply_choice(layers: list[QuantizedLinear], kinds: dict[str, dict]) -> None:
         entry = kinds[layer_kind(layer)]
         layer.int8_activations = bool(entry["int8"])
         if layer.dequant_min_rows is not None:
-            layer.dequant_min_rows = entry["dense_min_rows"]
+            rows = entry["dense_min_rows"]  # floored again: a table of an older floor
+            layer.dequant_min_rows = None if rows is None else max(MIN_KERNEL_ROWS, rows)
     chosen = {
         kind: ("int8" if e["int8"] else "fp32", e["dense_min_rows"]) for kind, e in kinds.items()
     }
