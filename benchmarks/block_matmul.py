@@ -1,8 +1,11 @@
-"""Per-linear cost of GGUF-block matmuls on CPU: torch's int kernels vs the C++ block kernels.
+"""Per-linear cost of GGUF-block matmuls on CPU: torch's int kernels vs the C++ block kernels
+with fp32 activations (block_matmul.cpp) and with int8 activations (q8_matmul.cpp).
 
-SmolLM2-135M's shapes (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576 as Q4_1;
-the tied LM head 576->49152 as the dense fp32 matrix torch's path multiplies by, and as Q8_0
-blocks), at M = 1, 4, 8, 16 rows. As in a decode step, each layer kind has `--layers`
+`--shapes smollm2` (default): SmolLM2-135M's (qkv 576->960, o 576->576, gate_up 576->3072,
+down 1536->576 as Q4_1; the tied LM head 576->49152 as the dense fp32 matrix torch's path
+multiplies by, and as Q8_0 blocks); `--shapes llama-1b`: Llama-3.2-1B's (qkv 2048->3072,
+o 2048->2048, gate_up 2048->16384, down 8192->2048 as Q4_0, head 2048->49152), at
+M = 1, 4, 8, 16 rows. As in a decode step, each layer kind has `--layers`
 distinct copies (30: one per transformer layer), called one after the other, so the weights
 stream from memory instead of sitting in cache. Per call: microseconds (the thread's CPU
 time with --threads 1, else wall time; median of `--repeats` passes) and GB/s = bytes of
@@ -25,14 +28,20 @@ import torch
 
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
-HEAD = (576, 49152)
+SHAPE_SETS = {
+    "smollm2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)},
+    "llama-1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384),
+                 "down": (8192, 2048)},
+}  # fmt: skip
+HEADS = {"smollm2": (576, 49152), "llama-1b": (2048, 49152)}
+BACKENDS = ("torch", "blocks", "int8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,4,8,16", help="activation rows M, comma-separated")
     p.add_argument("--layers", type=int, default=30, help="distinct copies of each projection")
+    p.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="smollm2")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench_results/block_matmul.json"))
@@ -56,6 +65,24 @@ def int4_layers(k: int, n: int, count: int, backend: str) -> list[Int4WeightOnly
 def head_q8(k: int, n: int) -> Int8WeightOnlyLinear:
     qs = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     return Int8WeightOnlyLinear(qs, torch.rand(n, k // 32) * 0.01, group_size=32, backend="blocks")
+
+
+def with_int8_activations(layers: list) -> list:
+    """The same block layers' kernel with int8 activations (a flag: no copy of the weights
+    would do, so these are the very layers, called with the flag set around the call)."""
+    return [Int8Activations(layer) for layer in layers]
+
+
+class Int8Activations:
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        self.layer.int8_activations = True
+        try:
+            return self.layer(x)
+        finally:
+            self.layer.int8_activations = False
 
 
 def weight_bytes(layer: torch.nn.Module) -> int:
@@ -97,26 +124,44 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
     results = []
-    print(f"threads={args.threads} layers={args.layers}   us per call (GB/s of weights read)")
-    print(f"{'layer':>8}{'K->N':>12}{'M':>4}{'torch':>20}{'blocks':>20}{'speedup':>9}")
+    from radixserve.native.extension import load_cpu_ops
+    from radixserve.native.machine import describe_cpu
+
+    ops = load_cpu_ops()
+    machine = f"{describe_cpu()}; build {ops.simd_level()}, int dot {ops.int_dot_level()}"
+    print(f"{machine}; threads={args.threads} layers={args.layers}")
+    print("us per call (GB/s of weights read); speedups over torch's int kernels")
+    columns = "".join(f"{c:>20}" for c in ("torch", "blocks fp32", "blocks int8"))
+    print(f"{'layer':>8}{'K->N':>12}{'M':>4}{columns}{'fp32 x':>8}{'int8 x':>8}")
     with torch.inference_mode():
-        for name, (k, n) in SHAPES.items():
+        for name, (k, n) in SHAPE_SETS[args.shapes].items():
             torch_layers = int4_layers(k, n, args.layers, "torch")
             block_layers = int4_layers(k, n, args.layers, "blocks")
             cases = {
                 "torch": (call, torch_layers, torch.bfloat16),
                 "blocks": (call, block_layers, torch.float32),
+                "int8": (call, with_int8_activations(block_layers), torch.float32),
             }
-            byts = {"torch": weight_bytes(torch_layers[0]), "blocks": weight_bytes(block_layers[0])}
+            block_bytes = weight_bytes(block_layers[0])
+            byts = {
+                "torch": weight_bytes(torch_layers[0]),
+                "blocks": block_bytes,
+                "int8": block_bytes,
+            }
             results += report(name, k, n, rows, cases, byts, args.repeats)
-        k, n = HEAD
+        k, n = HEADS[args.shapes]
         fp32 = torch.randn(n, k)
         q8 = head_q8(k, n)
-        cases = {"torch": (dense, [fp32], torch.float32), "blocks": (call, [q8], torch.float32)}
-        byts = {"torch": fp32.numel() * 4, "blocks": weight_bytes(q8)}
+        cases = {
+            "torch": (dense, [fp32], torch.float32),
+            "blocks": (call, [q8], torch.float32),
+            "int8": (call, with_int8_activations([q8]), torch.float32),
+        }
+        byts = {"torch": fp32.numel() * 4, "blocks": weight_bytes(q8), "int8": weight_bytes(q8)}
         results += report("head", k, n, rows, cases, byts, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"threads": args.threads, "rows": results}, indent=2) + "\n")
+    record = {"machine": machine, "threads": args.threads, "rows": results}
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
@@ -125,10 +170,9 @@ def report(name, k, n, rows, cases, byts, repeats) -> list[dict]:
     out = []
     for m in rows:
         sec = measure(cases, m, repeats, k)
-        cells = "".join(
-            f"{sec[c] * 1e6:>11.1f} ({byts[c] / sec[c] / 1e9:>5.1f})" for c in ("torch", "blocks")
-        )
-        print(f"{name:>8}{f'{k}->{n}':>12}{m:>4}{cells}{sec['torch'] / sec['blocks']:>8.2f}x")
+        cells = "".join(f"{sec[c] * 1e6:>12.1f} ({byts[c] / sec[c] / 1e9:>5.1f})" for c in BACKENDS)
+        ratios = f"{sec['torch'] / sec['blocks']:>7.2f}x{sec['torch'] / sec['int8']:>7.2f}x"
+        print(f"{name:>8}{f'{k}->{n}':>12}{m:>4}{cells}{ratios}")
         us = {f"{c}_us": sec[c] * 1e6 for c in sec}
         gbs = {f"{c}_gb_s": byts[c] / sec[c] / 1e9 for c in sec}
         out.append({"layer": name, "k": k, "n": n, "m": m, **us, **gbs, "bytes": byts})

@@ -46,6 +46,9 @@ BLOCK_MATMUL_OPS = (  # our C++ matmuls (GGUF blocks, K-quants, the packed dense
     "radixserve_cpu::int4_block_mm",
     "radixserve_cpu::int8_block_mm",
     "radixserve_cpu::kquant_mm",
+    "radixserve_cpu::int4_block_mm_q8",  # the same blocks with int8 activations
+    "radixserve_cpu::int8_block_mm_q8",
+    "radixserve_cpu::kquant_mm_q8",
     "radixserve_cpu::dense_mm",
 )
 ATTENTION_OPS = ("radixserve_cpu::paged_", "scaled_dot_product", "_flash_attention")
@@ -68,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-quant-kernels",
         default="auto",
         help="comma-separated --cpu-quant-kernel values run side by side (e.g. torch,auto)",
+    )
+    p.add_argument(
+        "--cpu-quant-activations",
+        default="auto",
+        help="comma-separated --cpu-quant-activation values run side by side (e.g. fp32,int8)",
     )
     p.add_argument(
         "--cpu-dense-kernels",
@@ -112,13 +120,14 @@ class Timers:
 
 
 def build_core(
-    args: argparse.Namespace, batch: int, compiled: bool, kernel: str, dense: str
+    args: argparse.Namespace, batch: int, compiled: bool, kernel: str, dense: str, acts: str
 ) -> EngineCore:
     load = LoadConfig(
         model=args.model,
         quantization=args.quantization,
         device="cpu",
         cpu_quant_kernel=kernel,
+        cpu_quant_activation=acts,
         cpu_dense_kernel=dense,
     )
     tokens = batch * (args.context + 4 * args.steps + 64) + 1024
@@ -232,17 +241,18 @@ def main(argv: list[str] | None = None) -> None:
     print("ms per decode step")
     choices = {"off": [False], "on": [True], "both": [False, True]}
     runs = [
-        (c, f, k, d)
+        (c, f, k, d, a)
         for c in choices[args.torch_compile]
         for f in choices[args.layer_ops]
         for k in args.cpu_quant_kernels.split(",")
         for d in args.cpu_dense_kernels.split(",")
+        for a in args.cpu_quant_activations.split(",")
     ]
-    header = f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}"
+    header = f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}{'acts':>6}"
     print(header + "".join(f"{c:>16}" for c in COLUMNS))
     for batch in [int(b) for b in args.batches.split(",")]:
-        for compiled, layer_ops, kernel, dense in runs:
-            core = build_core(args, batch, compiled, kernel, dense)
+        for compiled, layer_ops, kernel, dense, acts in runs:
+            core = build_core(args, batch, compiled, kernel, dense, acts)
             if not layer_ops:
                 core.runner.model.use_cpu_layer_ops(None)
             add_requests(core, batch, args)
@@ -253,11 +263,12 @@ def main(argv: list[str] | None = None) -> None:
             row = {"batch": batch, "compiled": compiled, "layer_ops": layer_ops}
             row["cpu_quant_kernel"] = kernel
             row["cpu_dense_kernel"] = dense
+            row["cpu_quant_activation"] = acts
             row |= breakdown(plain, prof)
             row["compile_s"] = compile_seconds(core)
             rows.append(row)
             cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-            prefix = f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{dense:>7}"
+            prefix = f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{dense:>7}{acts:>6}"
             print(prefix + cells, flush=True)
             for op in prof.get("top_ops", []):
                 row.setdefault("top_ops", []).append(op)

@@ -1,9 +1,11 @@
-"""GGUF K-quant matmuls on CPU (native/csrc/kquant_matmul.cpp) against torch's F.linear on the
-dequantized fp32 weight, at a Llama-3.2-1B shape.
+"""GGUF K-quant matmuls on CPU, fp32 activations (native/csrc/kquant_matmul.cpp) and int8
+activations (q8_matmul.cpp), against torch's F.linear on the dequantized fp32 weight, at a
+Llama-3.2-1B shape.
 
-Shapes (K -> N): attention 2048 -> 2048 and MLP 2048 -> 8192 in Q4_K and Q6_K (a Q4_K_M
-file's two projection types), and the LM head 2048 -> 128256 in Q6_K (what llama-quantize
-writes for it), at M = 1, 4, 16 rows. As in a decode step, each case has as many distinct
+Shapes (K -> N): attention 2048 -> 2048, MLP 2048 -> 8192 and 8192 -> 2048 in Q4_K and Q6_K
+(a Q4_K_M file's two projection types), and the LM head 2048 -> 49152 in Q6_K (what
+llama-quantize writes for realistic_gguf.py's files, SmolLM2's vocabulary), at M = 1, 4, 16.
+As in a decode step, each case has as many distinct
 copies of its weight as fill `--stream-mb` (default 600 MB: past this machine's L3, so weights
 stream from memory; the bigger fp32 copies need fewer), called one after the other. Per call:
 microseconds (thread CPU time with --threads 1, else wall time; median of `--repeats` passes,
@@ -38,8 +40,13 @@ CASES = [  # (name, K, N, GGUF type)
     ("mlp", 2048, 8192, "Q4_K"),
     ("attn", 2048, 2048, "Q6_K"),
     ("mlp", 2048, 8192, "Q6_K"),
-    ("head", 2048, 128256, "Q6_K"),
+    ("down", 8192, 2048, "Q4_K"),
+    ("down", 8192, 2048, "Q6_K"),
+    ("head", 2048, 49152, "Q6_K"),
 ]
+
+
+CASE_NAMES = ("torch", "kquant", "int8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,11 +92,18 @@ def run_case(k: int, n: int, type_name: str, rows: list[int], args) -> list[dict
         KQuantLinear(kquant_blocks(n, k, type_name, rng), type_name)
         for _ in range(copies_for(block_bytes, args.stream_mb))
     ]
-    for layer in layers:
+    int8 = [KQuantLinear(layer.blocks, type_name) for layer in layers]  # the same bytes
+    for layer in layers + int8:
         layer.dequant_min_rows = None  # the kernel at every M (decode)
+    for layer in int8:
+        layer.int8_activations = True
     fp32 = [torch.randn(n, k) for _ in range(copies_for(n * k * 4, args.stream_mb))]
-    cases = {"torch": (dense, fp32, torch.float32), "kquant": (call, layers, torch.float32)}
-    byts = {"torch": n * k * 4, "kquant": block_bytes}
+    cases = {
+        "torch": (dense, fp32, torch.float32),
+        "kquant": (call, layers, torch.float32),
+        "int8": (call, int8, torch.float32),
+    }
+    byts = {"torch": n * k * 4, "kquant": block_bytes, "int8": block_bytes}
     results = []
     for m in rows:
         sec = measure(cases, m, args.repeats, k)
@@ -103,22 +117,24 @@ def main(argv: list[str] | None = None) -> None:
     ops = load_cpu_ops()
     rows = [int(m) for m in args.rows.split(",")]
     picked = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
-    machine = f"{describe_cpu()}; kernel build: {ops.simd_level()}; threads={args.threads}"
+    build = f"{ops.simd_level()}, int dot {ops.int_dot_level()}"
+    machine = f"{describe_cpu()}; kernel build: {build}; threads={args.threads}"
     print(machine)
-    print("us per call (GB/s of weight read)")
+    print("us per call (GB/s of weight read); speedups over torch fp32")
     header = f"{'layer':>6}{'K->N':>13}{'type':>6}{'M':>4}"
-    print(f"{header}{'torch fp32':>22}{'kquant':>22}{'speedup':>9}")
+    columns = f"{'torch fp32':>22}{'kquant fp32':>22}{'kquant int8':>22}"
+    print(f"{header}{columns}{'fp32 x':>8}{'int8 x':>8}")
     out = []
     with torch.inference_mode():
         for name, k, n, type_name in picked:
             for r in run_case(k, n, type_name, rows, args):
-                (t_us, t_gb), (q_us, q_gb) = r["torch"], r["kquant"]
-                cells = f"{t_us:>14.1f} ({t_gb:>5.1f}){q_us:>14.1f} ({q_gb:>5.1f})"
+                (t_us, _), (q_us, _), (i_us, _) = r["torch"], r["kquant"], r["int8"]
+                cells = "".join(f"{r[c][0]:>14.1f} ({r[c][1]:>5.1f})" for c in CASE_NAMES)
                 label = f"{name:>6}{f'{k}->{n}':>13}{type_name:>6}{r['m']:>4}"
-                print(f"{label}{cells}{t_us / q_us:>8.2f}x")
+                print(f"{label}{cells}{t_us / q_us:>7.2f}x{t_us / i_us:>7.2f}x")
                 keys = {"layer": name, "k": k, "n": n, "type": type_name, "m": r["m"]}
-                times = {"torch_us": t_us, "torch_gb_s": t_gb, "kquant_us": q_us}
-                out.append(keys | times | {"kquant_gb_s": q_gb})
+                times = {f"{c}_us": r[c][0] for c in CASE_NAMES}
+                out.append(keys | times | {f"{c}_gb_s": r[c][1] for c in CASE_NAMES})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "rows": out}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -5,7 +5,8 @@ level torch picks, and our extension's build flags follow it, so a child process
 builds and runs the AVX2 or the portable code of every kernel of ours. There the kernel and
 deterministic-inference tests run again, and the batch-invariant dense matmul must give the
 same bits as this process's (best) path: its arithmetic is one fixed FMA chain per output
-on every path."""
+on every path, and so must the int8-activation matmuls (q8_matmul.py: exact integer dots,
+the same fp32 ops in the same lane order on VNNI, AVX2 and portable)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ KERNEL_TESTS = [
     "tests/test_batch_invariance.py",
     "tests/test_block_matmul.py",
     "tests/test_kquant_matmul.py",
+    "tests/test_q8_matmul.py",
     "tests/test_cpu_layer_ops.py",
     "tests/test_cpu_paged_decode.py",
     "tests/test_deterministic_attention.py",
@@ -37,11 +39,14 @@ _DENSE_OUTPUTS = """
 import sys, torch
 from radixserve.model.quant.batch_invariant import dense_matmul
 from radixserve.native.extension import load_cpu_ops
-cases = torch.load(sys.argv[1])
+cases, q8_cases = torch.load(sys.argv[1])
 ops = load_cpu_ops()
 outs = [dense_matmul(x, packed, n) for x, packed, n in cases]
-torch.save({"simd": ops.simd_level(), "outs": outs}, sys.argv[2])
+q8_outs = [getattr(ops, op)(*args) for op, args in q8_cases]
+torch.save({"simd": ops.simd_level(), "int_dot": ops.int_dot_level(), "outs": outs,
+            "q8_outs": q8_outs}, sys.argv[2])
 """
+INT_DOT_LEVELS = {"avx2": "avx2", "default": "portable"}
 
 
 def _child_env(capability: str) -> dict[str, str]:
@@ -51,6 +56,28 @@ def _child_env(capability: str) -> dict[str, str]:
 def _skip_without(capability: str) -> None:
     if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
+
+
+def _q8_cases() -> list[tuple[str, tuple]]:
+    """(op name, arguments) of the int8-activation matmuls: every format, block tails."""
+    from test_kquant_matmul import random_blocks
+
+    from radixserve.model.quant.block_matmul import pack_int4_blocks
+    from radixserve.model.quant.kquant import KQUANT_TYPES
+
+    gen = torch.Generator().manual_seed(11)
+    n, k = 37, 352  # 11 blocks of 32: a group of 8 and a tail of 3
+    x = torch.randn(5, k, generator=gen)
+    codes = pack_int4_blocks(torch.randint(0, 16, (n, k), generator=gen))
+    scale_min = torch.randn(n, k // 32, 2, generator=gen) * 0.05
+    qs = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.randn(n, k // 32, generator=gen) * 0.01
+    cases = [("int4_block_mm_q8", (x, codes, scale_min)), ("int8_block_mm_q8", (x, qs, scales))]
+    xk = torch.randn(6, 768, generator=gen)  # 3 super-blocks: a pair and a tail
+    for name, (qtype, _) in KQUANT_TYPES.items():
+        blocks = torch.from_numpy(random_blocks(n, 768, name, seed=qtype))
+        cases.append(("kquant_mm_q8", (xk, blocks, qtype)))
+    return cases
 
 
 def _cases() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -88,10 +115,10 @@ def test_kernel_and_deterministic_tests_pass_on_the_lower_path(cpu_ops, capabili
 
 
 @pytest.mark.parametrize("capability", list(LEVELS))
-def test_dense_matmul_gives_the_same_bits_on_every_path(cpu_ops, capability, tmp_path):
+def test_dense_and_q8_matmuls_give_the_same_bits_on_every_path(cpu_ops, capability, tmp_path):
     _skip_without(capability)
-    cases = _cases()
-    torch.save(cases, tmp_path / "cases.pt")
+    cases, q8_cases = _cases(), _q8_cases()
+    torch.save((cases, q8_cases), tmp_path / "cases.pt")
     command = [
         sys.executable,
         "-c",
@@ -108,3 +135,6 @@ def test_dense_matmul_gives_the_same_bits_on_every_path(cpu_ops, capability, tmp
     assert cpu_ops.simd_level() != LEVELS[capability]  # this process: a different path
     for (x, packed, n), out in zip(cases, child["outs"]):
         assert torch.equal(dense_matmul(x, packed, n), out), (tuple(x.shape), x.dtype, n)
+    assert child["int_dot"] == INT_DOT_LEVELS[capability]
+    for (op, args), out in zip(q8_cases, child["q8_outs"]):
+        assert torch.equal(getattr(cpu_ops, op)(*args), out), (op, cpu_ops.int_dot_level())

@@ -44,6 +44,13 @@ class LoadConfig:
     """gguf on CPU: auto (the C++ block kernels where they build with AVX2 / AVX512: the
     Q4_0 / Q4_1 / Q8_0 projections as fp32 matmuls over GGUF-style blocks, and a quantized LM
     head kept as its blocks, not a dense fp copy; else torch's int kernels) | blocks | torch."""
+    cpu_quant_activation: str = "auto"
+    """gguf layers on the CPU block kernels: auto (per layer shape, fp32 or int8 activations,
+    whichever a one-off measurement, cached per machine, finds faster at decode; and from how
+    many rows a prefill chunk dequantizes and runs one dense matmul, by the same measurement;
+    fp32 under --enable-deterministic-inference) | fp32 (today's: fp32 FMAs on the dequantized
+    blocks) | int8 (activations quantized to int8 blocks per row, integer dot products, as
+    llama.cpp does: AVX512-VNNI / AVX2 / portable; ~0.3% of a dot's size from fp32)."""
     cpu_dense_kernel: str = "auto"
     """fp projections and LM head on CPU: auto (our packed C++ dense matmul where a one-off
     measurement, cached per machine, finds it clearly faster than torch's BLAS at one row and

@@ -10,10 +10,13 @@ family; each has its Python wrapper beside its caller (simd.h: the matmuls' shar
     block_matmul.cpp                    GGUF-block matmuls        model/quant/block_matmul.py
     dense_matmul.cpp                    batch-invariant matmul    model/quant/batch_invariant.py
     kquant_matmul.cpp (kquant_*.h)      GGUF K-quant matmuls      model/quant/kquant.py
+    q8_matmul.cpp (q8_*.h)              int8-activation matmuls   model/quant/q8_matmul.py
 
 The SIMD flags follow the level torch itself detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
-CPU or torch it was not built for. `ATEN_CPU_CAPABILITY=avx2` or `=default` (torch's own
+CPU or torch it was not built for. On the AVX512 level, `-mavx512vnni` is added where
+/proc/cpuinfo lists `avx512_vnni` (machine.py): the int8-activation kernels' integer dot
+(`int_dot_level()` says which). `ATEN_CPU_CAPABILITY=avx2` or `=default` (torch's own
 switch) lowers that level for torch's kernels and ours alike: AVX2 + FMA intrinsics, or
 portable loops (`simd_level()` says which one a build has). Without a compiler (or when the
 build fails) `load_cpu_ops` raises `CpuExtensionUnavailable` with the reason; callers then
@@ -44,8 +47,16 @@ SOURCES = [
     CSRC / "block_matmul.cpp",
     CSRC / "dense_matmul.cpp",
     CSRC / "kquant_matmul.cpp",
+    CSRC / "q8_matmul.cpp",
 ]
-HEADERS = [CSRC / "common.h", CSRC / "simd.h", CSRC / "kquant_blocks.h", CSRC / "kquant_simd.h"]
+HEADERS = [
+    CSRC / "common.h",
+    CSRC / "simd.h",
+    CSRC / "kquant_blocks.h",
+    CSRC / "kquant_simd.h",
+    CSRC / "q8_simd.h",
+    CSRC / "q8_formats.h",
+]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the
 # same instruction sets torch's own kernels of that level use. Other levels: portable code.
@@ -64,9 +75,15 @@ _failure: CpuExtensionUnavailable | None = None
 
 
 def compiler_flags() -> list[str]:
-    """-O3, OpenMP (at::parallel_for) and the SIMD flags of this CPU's level."""
+    """-O3, OpenMP (at::parallel_for) and the SIMD flags of this CPU's level (with AVX512:
+    VNNI where the CPU has it). The flags are part of the build key."""
+    from radixserve.native.machine import cpu_flags
+
     level = torch.backends.cpu.get_cpu_capability()
-    return ["-O3", "-fopenmp", *_ARCH_FLAGS.get(level, [])]
+    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(level, [])]
+    if level == "AVX512" and "avx512_vnni" in cpu_flags():
+        flags.append("-mavx512vnni")
+    return flags
 
 
 def build_key(flags: list[str]) -> str:

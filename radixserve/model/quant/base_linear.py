@@ -26,7 +26,9 @@ class QuantizedLinear(nn.Module):
     dense matmul; None keeps them on the kernels (--enable-deterministic-inference).
     `dense_dtype`: that matmul's dtype (None: the input's); the block kernels' layers, which
     compute in fp32 on any input, get the int layers' dtype here (bf16 on CPU by default: a
-    prefill chunk's matmul is several times faster in bf16)."""
+    prefill chunk's matmul is several times faster in bf16).
+    `int8_activations`: the GGUF block layers' kernel quantizes activations to int8 blocks and
+    uses integer dots (q8_matmul.py) instead of fp32 FMAs; set by activation_choice.py."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -34,6 +36,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.dequant_min_rows: int | None = DEQUANT_MIN_ROWS
         self.dense_dtype: torch.dtype | None = None
+        self.int8_activations = False
         self._shared_dense: torch.Tensor | None = None
 
     def share_dense_weight(self, weight: torch.Tensor, min_rows: int) -> None:

@@ -10,6 +10,9 @@ depend on how many rows share the call (--enable-deterministic-inference may use
             byte j = element j | element j + 16
     int8    qs [N, K] int8                      scales [N, K / 32] fp32: w = q * d
 
+With int8 activations (q8_matmul.py, chosen by activation_choice.py) the same blocks meet
+activations quantized to int8 blocks in integer dots, as llama.cpp computes them.
+
 Chosen at load time (`--cpu-quant-kernel`, `resolve_cpu_quant_kernel`): only where the
 extension builds with AVX2 or AVX512 intrinsics; its portable build is correct but slower
 than torch's kernels, which then stay.
@@ -22,6 +25,8 @@ import logging
 from typing import Any
 
 import torch
+
+from radixserve.model.quant import q8_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +83,24 @@ def unpack_int4_blocks(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, half * 2)
 
 
-def int4_block_matmul(x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-    """[M, K] fp32 / bf16 @ int4 blocks.T -> [M, N] in x's dtype (fp32 arithmetic). The ops
-    are called through torch.ops (what torch.compile traces); `load_block_ops` comes first."""
+def int4_block_matmul(
+    x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor, int8_activations: bool = False
+) -> torch.Tensor:
+    """[M, K] fp32 / bf16 @ int4 blocks.T -> [M, N] in x's dtype (fp32 arithmetic; with
+    int8_activations, q8_matmul.py's integer dots). The ops are called through torch.ops (what
+    torch.compile traces); `load_block_ops` comes first."""
+    if int8_activations:
+        return q8_matmul.int4_block_matmul_q8(x, qs, scale_min)
     return torch.ops.radixserve_cpu.int4_block_mm(x.contiguous(), qs, scale_min)
 
 
-def int8_block_matmul(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[M, K] fp32 / bf16 @ int8 blocks.T -> [M, N] in x's dtype (fp32 arithmetic)."""
+def int8_block_matmul(
+    x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, int8_activations: bool = False
+) -> torch.Tensor:
+    """[M, K] fp32 / bf16 @ int8 blocks.T -> [M, N] in x's dtype (fp32 arithmetic, or with
+    int8_activations integer dots)."""
+    if int8_activations:
+        return q8_matmul.int8_block_matmul_q8(x, qs, scales)
     return torch.ops.radixserve_cpu.int8_block_mm(x.contiguous(), qs, scales)
 
 
@@ -96,6 +111,7 @@ def load_block_ops() -> None:
     from radixserve.native.extension import load_cpu_ops
 
     load_cpu_ops()
+    q8_matmul.load_q8_ops()
 
     @torch.library.register_fake("radixserve_cpu::int4_block_mm")
     def _int4_fake(x, qs, scale_min):

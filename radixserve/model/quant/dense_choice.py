@@ -106,27 +106,34 @@ def probe_key(shapes: Counter[tuple[int, int]], dtype: torch.dtype) -> str:
 def cached_choice(key: str, measure: Callable[[], dict], path: Path | None = None) -> bool:
     """The cached answer for `key`, measuring (under a file lock) and storing it when absent."""
     path = path or cache_root() / "dense_choice.json"
+    return bool(cached_measurement(key, measure, path, required="packed")["packed"])
+
+
+def cached_measurement(key: str, measure: Callable[[], dict], path: Path, required: str) -> dict:
+    """The measurement stored under `key` in the JSON table at `path`, measured (under a file
+    lock, so that two processes never measure at once) and stored when absent; entries
+    without the `required` field are dropped as unreadable. Shared by the kernel choices."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        table = _read_table(path)
+        table = _read_table(path, required)
         if key not in table:
             table[key] = measure()
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(table, indent=1))
             tmp.replace(path)
-            logger.info("dense kernel choice measured: %s", table[key])
-    return bool(table[key]["packed"])
+            logger.info("kernel choice measured (%s): %s", path.name, table[key])
+    return table[key]
 
 
-def _read_table(path: Path) -> dict:
+def _read_table(path: Path, required: str) -> dict:
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(table, dict):
         return {}
-    return {k: v for k, v in table.items() if isinstance(v, dict) and "packed" in v}
+    return {k: v for k, v in table.items() if isinstance(v, dict) and required in v}
 
 
 def probe(shapes: Counter[tuple[int, int]], dtype: torch.dtype) -> dict:
@@ -139,7 +146,7 @@ def probe(shapes: Counter[tuple[int, int]], dtype: torch.dtype) -> dict:
         packed = pack_dense_weight(weight)
         for i, rows in enumerate(PROBE_ROWS):
             x = torch.randn(rows, k, generator=gen).to(dtype)
-            torch_s, ours_s = _best_times(
+            torch_s, ours_s = best_times(
                 partial(F.linear, x, weight), partial(dense_matmul, x, packed, n)
             )
             seconds["torch"][i] += count * torch_s
@@ -149,15 +156,19 @@ def probe(shapes: Counter[tuple[int, int]], dtype: torch.dtype) -> dict:
     return {"packed": packed, "rows": list(PROBE_ROWS), "ours_over_torch": ratios}
 
 
-def _best_times(*calls: Callable[[], torch.Tensor]) -> list[float]:
-    """The fastest of PROBE_REPEATS runs of each call, the calls taking turns (a busy moment
-    of a shared machine slows them alike rather than one of them)."""
+def best_times(
+    *calls: Callable[[], torch.Tensor],
+    repeats: int = PROBE_REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """The fastest of `repeats` runs of each call by `clock`, the calls taking turns (a busy
+    moment of a shared machine slows them alike rather than one of them)."""
     for call in calls:
         call()  # warm-up: first-touch pages, thread pool start
     best = [float("inf")] * len(calls)
-    for _ in range(PROBE_REPEATS):
+    for _ in range(repeats):
         for i, call in enumerate(calls):
-            start = time.perf_counter()
+            start = clock()
             call()
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], clock() - start)
     return best

@@ -11,6 +11,7 @@ A weight row is K / 256 super-blocks of 256 weights, the GGUF bytes as they are:
 Each unit is dequantized to fp32 once, exactly as the gguf package's numpy reference does,
 and multiplied into the activation rows with fp32 FMAs in a fixed order: the dequantized
 matmul up to fp32 summation order, each row's result the same whatever rows share the call.
+With int8 activations (activation_choice.py) the kernel is q8_matmul.py's integer dots instead.
 `KQuantLinear` is the layer; from `dequant_min_rows` rows on (a prefill chunk) it dequantizes
 (also in C++) and runs one dense matmul, like the other block layers.
 """
@@ -21,6 +22,7 @@ import functools
 
 import torch
 
+from radixserve.model.quant import q8_matmul
 from radixserve.model.quant.linear import QuantizedLinear
 
 SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
@@ -34,6 +36,7 @@ def load_kquant_ops() -> None:
     from radixserve.native.extension import load_cpu_ops
 
     load_cpu_ops()
+    q8_matmul.load_q8_ops()
 
     @torch.library.register_fake("radixserve_cpu::kquant_mm")
     def _mm_fake(x, blocks, qtype):
@@ -91,6 +94,8 @@ class KQuantLinear(QuantizedLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._dequantizes(x):
             return self._dense_matmul(x)
+        if self.int8_activations:
+            return q8_matmul.kquant_matmul_q8(x, self._buffers["blocks"], self.qtype)
         return kquant_matmul(x, self._buffers["blocks"], self.qtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

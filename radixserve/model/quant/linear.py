@@ -117,7 +117,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "blocks" and not self._dequantizes(x):
-            return block_matmul.int8_block_matmul(x, self.qweight, self.scales)
+            int8_acts = self.int8_activations
+            return block_matmul.int8_block_matmul(x, self.qweight, self.scales, int8_acts)
         if self.backend == "triton":
             return _quant_kernels().int8_matmul(x, self.qweight, self.scales, self.group_size)
         if self._dequantizes(x):
@@ -217,7 +218,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             kernels = _quant_kernels()
             return kernels.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size)
         if self.backend == "blocks" and not self._dequantizes(x):
-            return block_matmul.int4_block_matmul(x, self.qs, self.scale_min)
+            return block_matmul.int4_block_matmul(x, self.qs, self.scale_min, self.int8_activations)
         if self._dequantizes(x) and (self.backend == "blocks" or packing_format() is not None):
             return self._dense_matmul(x)
         return self._cpu_kernel_matmul(x)

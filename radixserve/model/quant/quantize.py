@@ -45,6 +45,10 @@ from torch import nn
 from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant import linear as quant_linear
+from radixserve.model.quant.activation_choice import (
+    check_cpu_quant_activation,
+    configure_block_activations,
+)
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
 from radixserve.model.quant.block_matmul import CPU_QUANT_KERNELS, block_kernels
 from radixserve.model.quant.dense_choice import check_cpu_dense_kernel, use_packed_dense
@@ -135,6 +139,7 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
             f"--cpu-quant-kernel must be one of {allowed}; got {load_config.cpu_quant_kernel!r}"
         )
     check_cpu_dense_kernel(load_config.cpu_dense_kernel)
+    check_cpu_quant_activation(load_config.cpu_quant_activation)
     device = load_config.torch_device()
     if device.type == "cpu" and method in INT_KERNEL_METHODS and not _on_block_kernels(load_config):
         _warn_if_slow_dtype(method, load_config.quant_compute_dtype())
@@ -312,6 +317,7 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
                 module.dequant_min_rows = None
     if load_config.torch_device().type != "cpu":
         return
+    configure_block_activations(model, load_config.cpu_quant_activation, deterministic)
     kernel = load_config.cpu_dense_kernel
     if deterministic or use_packed_dense(model, kernel, load_config.torch_dtype()):
         swapped = make_fp_layers_batch_invariant(model)

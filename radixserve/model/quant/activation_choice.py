@@ -1,0 +1,184 @@
+"""Which activations the GGUF block layers' CPU kernels take, and from how many rows a layer
+dequantizes and runs one dense matmul instead (`--cpu-quant-activation`).
+
+    fp32  each 32-weight unit dequantized to fp32, fp32 FMAs (block_matmul.cpp,
+          kquant_matmul.cpp): exact to the dequantized weights
+    int8  activations quantized per row to q8 blocks, integer dots (q8_matmul.cpp), as
+          llama.cpp computes them: ~0.3% of a dot's size away from fp32
+    auto  per layer shape, whichever measures faster here, once per machine
+
+`auto` times one real layer of each distinct (format, out, in) of the model: both kernels at
+DECODE_ROWS (a decode step alone and a batch of 16; int8 where its time per row averaged over
+the two is at most INT8_WIN of fp32's: a near tie stays fp32 rather than follow noise), then
+the chosen kernel and the layer's dense path (dequantize + one matmul in its dense dtype, or
+the shared fp weight of a tied head) at PREFILL_ROWS. Kernel time is linear in rows and dense
+time an intercept plus a slope, so the two cross at one row count: the layer's
+`dequant_min_rows` (None where the kernel costs no more per row than the dense matmul; never
+below MIN_KERNEL_ROWS). Times are the process's CPU time (every thread's; time descheduled on
+a shared machine does not count), best of PROBE_REPEATS. The answers are cached per machine
+(CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so every
+process takes the same paths and a process never changes them.
+
+Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
+kernels), `auto` takes fp32 (exact to the dequantized weights, no timing-dependent path);
+`int8` there puts every row count on the int8 kernel. Models whose largest block projection
+(the LM head aside) is under MIN_PROBED_WEIGHTS (the default SmolLM2-135M, tests' tiny
+models) are not measured: fp32 and the fixed thresholds, as before this flag (at that size
+the two kernels are within noise of each other, measured: the choice would follow noise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from radixserve.disk_cache import cache_root
+from radixserve.model.quant import QuantizationError
+from radixserve.model.quant.base_linear import DEQUANT_MIN_ROWS, QuantizedLinear
+from radixserve.model.quant.dense_choice import MIN_PROBED_WEIGHTS, best_times, cached_measurement
+from radixserve.model.quant.kquant import KQuantLinear
+from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+logger = logging.getLogger(__name__)
+
+CPU_QUANT_ACTIVATIONS = ("auto", "fp32", "int8")
+DECODE_ROWS = (1, 16)
+PREFILL_ROWS = (64, 256)
+INT8_WIN = 0.9  # int8 must take at most this fraction of fp32's time per row (noise margin)
+MIN_KERNEL_ROWS = DEQUANT_MIN_ROWS
+"""Batches below this (decode, verify, short extends) stay on the row-invariant kernels
+whatever the fit says: a short extend then rounds as a decode does, as before this flag."""
+PROBE_REPEATS = 3
+PROBE_VERSION = 2  # part of the cache key: a change to how the probe measures re-measures
+TABLE = "quant_activation_choice.json"
+
+
+def check_cpu_quant_activation(choice: str) -> None:
+    if choice not in CPU_QUANT_ACTIVATIONS:
+        allowed = ", ".join(CPU_QUANT_ACTIVATIONS)
+        raise QuantizationError(f"--cpu-quant-activation must be one of {allowed}; got {choice!r}")
+
+
+def block_layers(model: nn.Module) -> list[QuantizedLinear]:
+    """The layers on the GGUF block kernels (K-quants, and int4 / int8 with backend blocks)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, KQuantLinear)
+        or (isinstance(m, (Int4WeightOnlyLinear, Int8WeightOnlyLinear)) and m.backend == "blocks")
+    ]
+
+
+def layer_kind(layer: QuantizedLinear) -> str:
+    """E.g. 'Q6_K 49152x2048 tied': format, out x in, and whether its dense path is shared."""
+    fmt = getattr(layer, "type_name", None) or type(layer).__name__.removesuffix("WeightOnlyLinear")
+    tied = " tied" if layer._shared_dense is not None else ""
+    return f"{fmt} {layer.out_features}x{layer.in_features}{tied}"
+
+
+def configure_block_activations(model: nn.Module, choice: str, deterministic: bool) -> None:
+    """--cpu-quant-activation -> every block layer's `int8_activations` (and, measured,
+    `dequant_min_rows`)."""
+    check_cpu_quant_activation(choice)
+    layers = block_layers(model)
+    if not layers or choice == "fp32" or (choice == "auto" and deterministic):
+        return
+    if choice == "int8":
+        for layer in layers:
+            layer.int8_activations = True
+        return
+    head = getattr(model, "lm_head", None)
+    projections = [layer.out_features * layer.in_features for layer in layers if layer is not head]
+    if max(projections, default=0) < MIN_PROBED_WEIGHTS:
+        return
+    kinds = {layer_kind(layer): layer for layer in layers}  # one representative per kind
+    path = cache_root() / TABLE
+    table = cached_measurement(probe_key(kinds), partial(probe, kinds), path, required="kinds")
+    apply_choice(layers, table["kinds"])
+
+
+def apply_choice(layers: list[QuantizedLinear], kinds: dict[str, dict]) -> None:
+    for layer in layers:
+        entry = kinds[layer_kind(layer)]
+        layer.int8_activations = bool(entry["int8"])
+        if layer.dequant_min_rows is not None:
+            rows = entry["dense_min_rows"]  # floored again: a table of an older floor
+            layer.dequant_min_rows = None if rows is None else max(MIN_KERNEL_ROWS, rows)
+    chosen = {
+        kind: ("int8" if e["int8"] else "fp32", e["dense_min_rows"]) for kind, e in kinds.items()
+    }
+    logger.info("--cpu-quant-activation auto: (activations, dense from rows) %s", chosen)
+
+
+def probe_key(kinds: dict[str, QuantizedLinear]) -> str:
+    """What the measurement depends on: machine, build, torch, threads and the layer kinds."""
+    from radixserve.native.extension import load_cpu_ops
+    from radixserve.native.machine import describe_cpu
+
+    ops = load_cpu_ops()
+    dense = sorted({str(layer.dense_dtype) for layer in kinds.values()})
+    text = json.dumps(
+        [PROBE_VERSION, describe_cpu(), ops.int_dot_level(), torch.__version__,
+         torch.get_num_threads(), dense, sorted(kinds)]
+    )  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def probe(kinds: dict[str, QuantizedLinear]) -> dict:
+    """Per kind: whether int8 wins at decode, and from which rows dense wins (None: never)."""
+    return {"kinds": {kind: probe_layer(layer) for kind, layer in kinds.items()}}
+
+
+def probe_layer(layer: QuantizedLinear) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    rows = (*DECODE_ROWS, *PREFILL_ROWS)
+    xs = {m: torch.randn(m, layer.in_features, generator=gen) for m in rows}
+    per_row = {}
+    for int8 in (False, True):
+        calls = (partial(_kernel, layer, xs[m], int8) for m in DECODE_ROWS)
+        times = best_times(*calls, repeats=PROBE_REPEATS, clock=time.process_time)
+        per_row[int8] = sum(t / m for t, m in zip(times, DECODE_ROWS)) / len(DECODE_ROWS)
+    int8 = per_row[True] <= INT8_WIN * per_row[False]
+    calls: list[Callable[[], torch.Tensor]] = []
+    for m in PREFILL_ROWS:
+        calls += [partial(_kernel, layer, xs[m], int8), partial(layer._dense_matmul, xs[m])]
+    times = best_times(*calls, repeats=PROBE_REPEATS, clock=time.process_time)
+    kernel_s, dense_s = times[0::2], times[1::2]
+    return {
+        "int8": int8,
+        "dense_min_rows": dense_crossover(kernel_s, dense_s, PREFILL_ROWS),
+        "decode_s_per_row": {"fp32": per_row[False], "int8": per_row[True]},
+        "prefill_s": {"rows": list(PREFILL_ROWS), "kernel": kernel_s, "dense": dense_s},
+    }
+
+
+def dense_crossover(
+    kernel_s: list[float], dense_s: list[float], rows: tuple[int, int]
+) -> int | None:
+    """The row count from which dense (intercept + slope * rows) beats the kernel (linear in
+    rows: its time at the larger probe per row); None if the kernel's per-row cost is no more
+    than the dense slope."""
+    (m0, m1), per_row = rows, kernel_s[1] / rows[1]
+    slope = (dense_s[1] - dense_s[0]) / (m1 - m0)
+    if per_row <= slope:
+        return None
+    intercept = dense_s[0] - slope * m0
+    return max(MIN_KERNEL_ROWS, math.ceil(intercept / (per_row - slope)))
+
+
+def _kernel(layer: QuantizedLinear, x: torch.Tensor, int8: bool) -> torch.Tensor:
+    """The layer's kernel (never its dense path) with fp32 or int8 activations."""
+    saved = layer.int8_activations, layer.dequant_min_rows
+    layer.int8_activations, layer.dequant_min_rows = int8, None
+    try:
+        return layer._matmul(x)
+    finally:
+        layer.int8_activations, layer.dequant_min_rows = saved

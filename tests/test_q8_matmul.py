@@ -1,0 +1,154 @@
+"""The int8-activation block matmuls (q8_matmul.py): activations quantized as the torch
+reference does bit for bit, every format against the matmul of those quantized activations
+(1e-5 of the dot's size) and against the fp32 one (within the activations' rounding), each row
+the same bits alone or in any batch; and --cpu-quant-activation's choice (activation_choice.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kquant_matmul import random_blocks, reference_weight
+
+from radixserve.model.quant import QuantizationError, activation_choice
+from radixserve.model.quant.block_matmul import pack_int4_blocks
+from radixserve.model.quant.kquant import KQUANT_TYPES, KQuantLinear
+from radixserve.model.quant.q8_matmul import (
+    Q8_BLOCK,
+    Q8K_BLOCK,
+    int4_block_matmul_q8,
+    int8_block_matmul_q8,
+    kquant_matmul_q8,
+    quantize_activations,
+)
+
+ROWS = (1, 2, 5, 7)
+FORMATS = ["int4", "int8", *KQUANT_TYPES]
+
+
+def case(fmt: str, n: int, k: int, seed: int):
+    """(matmul with int8 activations, fp32 weight it stands for, activation block)."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == "int4":
+        codes = torch.randint(0, 16, (n, k), generator=gen)
+        scale_min = torch.randn(n, k // 32, 2, generator=gen) * 0.05
+        weight = (codes.view(n, k // 32, 32) * scale_min[..., :1] + scale_min[..., 1:]).reshape(
+            n, k
+        )
+        qs = pack_int4_blocks(codes)
+        return (lambda x: int4_block_matmul_q8(x, qs, scale_min)), weight, Q8_BLOCK
+    if fmt == "int8":
+        qs = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = torch.randn(n, k // 32, generator=gen) * 0.01
+        weight = (qs.view(n, k // 32, 32) * scales[..., None]).reshape(n, k)
+        return (lambda x: int8_block_matmul_q8(x, qs, scales)), weight, Q8_BLOCK
+    blocks = random_blocks(n, k, fmt, seed)
+    qtype = KQUANT_TYPES[fmt][0]
+    tensor = torch.from_numpy(blocks)
+    return (lambda x: kquant_matmul_q8(x, tensor, qtype)), reference_weight(blocks, fmt), Q8K_BLOCK
+
+
+def dequantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    codes, d = quantize_activations(x, block)
+    m, k = x.shape
+    return (codes.view(m, k // block, block).double() * d[..., None].double()).reshape(m, k)
+
+
+@pytest.mark.parametrize("block", [Q8_BLOCK, Q8K_BLOCK])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_quantizes_activations_as_the_torch_reference(cpu_ops, block, dtype):
+    x = (torch.randn(5, 512) * torch.logspace(-3, 2, 512)).to(dtype)
+    x[1, :block] = 0  # an all-zero block: scale 0, codes 0
+    codes, d = torch.ops.radixserve_cpu.q8_quantize(x, block)
+    ref_codes, ref_d = quantize_activations(x, block)
+    assert torch.equal(codes, ref_codes) and torch.equal(d, ref_d)
+    assert d[1, 0] == 0 and codes.abs().max() == 127
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(37, 768), (5, 1280)])
+def test_int8_path_is_the_matmul_of_the_quantized_activations(cpu_ops, fmt, n, k):
+    matmul, weight, block = case(fmt, n, k, seed=n + k)
+    x = torch.randn(max(ROWS), k)
+    out = matmul(x).double()
+    xq = dequantized_activations(x, block)
+    expected = xq @ weight.double().t()
+    magnitude = xq.abs() @ weight.double().abs().t()
+    assert ((out - expected).abs() <= 1e-5 * magnitude).all()
+    # against fp32 activations: at most half a step of each activation block, times |w|
+    _, d = quantize_activations(x, block)
+    half_step = d.double().repeat_interleave(block, dim=1) / 2
+    bound = half_step @ weight.double().abs().t() + 1e-5 * magnitude
+    assert ((out - x.double() @ weight.double().t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_row_gives_the_same_bits_alone_or_in_any_batch(cpu_ops, fmt):
+    k = 1024  # 40 rows of 1024 int8 codes pass L1: the kernel takes them tile by tile
+    matmul, _, _ = case(fmt, 21, k, seed=3)
+    x = torch.randn(40, k)
+    alone = torch.cat([matmul(x[i : i + 1]) for i in range(len(x))])
+    for m in (*ROWS, 40):
+        assert torch.equal(matmul(x[:m]), alone[:m]), m
+    assert matmul(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_bad_inputs_name_the_parameter(cpu_ops):
+    blocks = torch.from_numpy(random_blocks(4, 256, "Q4_K", 0))
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256"):
+        kquant_matmul_q8(torch.randn(1, 128), blocks, 12)
+    with pytest.raises(RuntimeError, match="is not Q4_K"):
+        kquant_matmul_q8(torch.randn(1, 256), blocks, 3)
+    with pytest.raises(RuntimeError, match="qs must be a contiguous uint8"):
+        int4_block_matmul_q8(torch.randn(1, 64), torch.zeros(4, 16, dtype=torch.uint8),
+                             torch.zeros(4, 2, 2))  # fmt: skip
+
+
+def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.nn.Module:
+    blocks = torch.from_numpy(random_blocks(n, k, type_name, 1))
+    return torch.nn.Sequential(KQuantLinear(blocks, type_name), KQuantLinear(blocks, type_name))
+
+
+def test_flag_values_set_every_block_layer(cpu_ops):
+    model = _kquant_model()
+    activation_choice.configure_block_activations(model, "int8", deterministic=False)
+    assert all(layer.int8_activations for layer in model)
+    x = torch.randn(3, 512)
+    assert torch.equal(model[0](x), kquant_matmul_q8(x, model[0].blocks, 12))
+    model = _kquant_model()
+    activation_choice.configure_block_activations(model, "auto", deterministic=False)
+    assert not any(layer.int8_activations for layer in model)  # tiny: not measured, fp32
+    with pytest.raises(QuantizationError, match="--cpu-quant-activation must be one of auto"):
+        activation_choice.configure_block_activations(model, "int4", deterministic=False)
+
+
+def test_auto_measures_once_per_machine_and_applies_the_table(cpu_ops, monkeypatch, tmp_path):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(activation_choice, "MIN_PROBED_WEIGHTS", 0)
+    monkeypatch.setattr(activation_choice, "PROBE_REPEATS", 1)
+    calls = []
+    real_probe = activation_choice.probe
+    monkeypatch.setattr(
+        activation_choice, "probe", lambda kinds: calls.append(1) or real_probe(kinds)
+    )
+    model = _kquant_model()
+    activation_choice.configure_block_activations(model, "auto", deterministic=False)
+    again = _kquant_model()
+    activation_choice.configure_block_activations(again, "auto", deterministic=False)
+    assert len(calls) == 1 and (tmp_path / activation_choice.TABLE).exists()
+    assert [layer.int8_activations for layer in again] == [
+        layer.int8_activations for layer in model
+    ]
+    assert again[0].dequant_min_rows == model[0].dequant_min_rows
+    flagged = _kquant_model()
+    activation_choice.configure_block_activations(flagged, "auto", deterministic=True)
+    assert not any(layer.int8_activations for layer in flagged)  # deterministic auto: fp32
+
+
+def test_dense_crossover_follows_the_fitted_lines():
+    # kernel 1 ms per row; dense 100 ms + 0.5 ms per row: equal at 200 rows
+    assert activation_choice.dense_crossover([64e-3, 256e-3], [132e-3, 228e-3], (64, 256)) == 200
+    # dense at least as costly per row as the kernel: never
+    assert activation_choice.dense_crossover([64e-3, 256e-3], [80e-3, 400e-3], (64, 256)) is None
+    # dense cheaper from the start: still not below a prefill chunk (decodes, short extends)
+    floor = activation_choice.MIN_KERNEL_ROWS
+    assert activation_choice.dense_crossover([64e-3, 256e-3], [1e-3, 2e-3], (64, 256)) == floor
