@@ -75,6 +75,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     load_config = resolve_quantization(load_config, hf_config)
     refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
+    refuse_quantized_experts(load_config.quantization, config)
     check_quantization(load_config, config)
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
@@ -147,6 +148,15 @@ def refuse_sharded_quantization(method: str, tp_size: int) -> None:
         raise QuantizationError(
             f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
             "weights are not sharded); use --quantization none or --tp-size 1"
+        )
+
+
+def refuse_quantized_experts(method: str, config: ModelConfig) -> None:
+    """Experts are stacked fp tensors: no quantized layout holds them yet."""
+    if config.moe is not None and method not in ("none", "auto"):
+        raise QuantizationError(
+            f"--quantization {method} is not supported for the mixture-of-experts "
+            f"{config.architecture} yet; use --quantization none"
         )
 
 
