@@ -19,12 +19,19 @@ from conftest import (
     make_runner,
     prompt_ids,
 )
-from radixserve.config import LoadConfig, ModelConfig
+from radixserve.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig
 from radixserve.config.model import MoEConfig, UnsupportedModelError
 from radixserve.distributed.group import TPGroup
 from radixserve.model.llama import hf_weight_shapes
 from radixserve.model.loader import load_model, read_hf_config
-from radixserve.model.moe import Routing, SparseMoeBlock, dense_experts, grouped_experts, route
+from radixserve.model.moe import (
+    Routing,
+    SparseMoeBlock,
+    check_ep_size,
+    dense_experts,
+    grouped_experts,
+    route,
+)
 from radixserve.model.quant import QuantizationError
 from radixserve.model.source import builtin_config
 
@@ -137,7 +144,15 @@ def test_grouped_and_dense_experts_equal_the_per_token_definition():
     routing = route(torch.randn(11, 5, generator=gen), top_k=3, norm_topk_prob=False)
     reference = _naive_moe(x, w13, w2, routing)
     torch.testing.assert_close(grouped_experts(x, w13, w2, routing), reference)
-    torch.testing.assert_close(dense_experts(x, w13, w2, routing), reference)
+    torch.testing.assert_close(dense_experts(x, w13, w2, routing, 5), reference)
+    halves = [  # expert parallelism: two ranks' parts, experts 0-1 and 2-4, sum to the whole
+        grouped_experts(x, w13[:2], w2[:2], routing)
+        + grouped_experts(x, w13[2:], w2[2:], routing, first_expert=2),
+        dense_experts(x, w13[:2], w2[:2], routing, 5)
+        + dense_experts(x, w13[2:], w2[2:], routing, 5, first_expert=2),
+    ]
+    for parts in halves:
+        torch.testing.assert_close(parts, reference)
 
 
 def test_route_renormalizes_only_when_asked():
@@ -163,9 +178,9 @@ def test_builtin_configs_have_the_public_shapes():
 def test_refused_options_name_their_flag(moe_models):
     with pytest.raises(QuantizationError, match="--quantization int8"):
         load_model(LoadConfig(model=moe_models["mixtral"], device="cpu", quantization="int8"))
-    moe = MoEConfig(4, 2, 32, True, (0,))
-    with pytest.raises(ValueError, match="--tp-size 2"):
-        SparseMoeBlock(64, moe, TPGroup(rank=0, size=2))
+    moe = MoEConfig(6, 2, 32, True, (0,))
+    with pytest.raises(ValueError, match="--ep-size 4 does not divide 6 experts"):
+        SparseMoeBlock(64, moe, TPGroup(rank=0, size=4))
     bad = builtin_config("mixtral-8x7b") | {"num_experts_per_tok": 9}
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok"):
         ModelConfig.from_hf_dict(bad)
@@ -179,3 +194,35 @@ def test_dummy_weights_fill_every_expert(moe_models, arch):
     tokens = greedy_generate(first, PROMPTS[-1:], max_new_tokens=4)
     again = make_runner(moe_models[arch], load_format="dummy")
     assert greedy_generate(again, PROMPTS[-1:], max_new_tokens=4) == tokens
+
+
+def test_expert_parallel_two_ranks_give_the_tokens_of_one(moe_models, expected):
+    """--tp-size 2 --ep-size 2 (gloo): attention and the dense layer split by heads and
+    columns, the experts three per rank, the shared expert on rank 0; tokens as one rank's."""
+    from radixserve.model.tp_runner import TPModelRunner
+
+    runner = TPModelRunner.create(
+        LoadConfig(model=moe_models["qwen2_moe"], device="cpu"),
+        CacheConfig(page_size=16, max_total_tokens=1024),
+        ParallelConfig(tp_size=2, ep_size=2),
+    )
+    try:
+        assert runner.model.layers[1].mlp.w13.shape[0] == 3  # rank 0's half of 6 experts
+        tokens = greedy_generate(runner, PROMPTS, max_new_tokens=NUM_TOKENS)
+    finally:
+        runner.close()
+    assert tokens == expected["qwen2_moe"]
+
+
+def test_expert_parallel_sizes_are_checked_at_start(moe_models):
+    from radixserve.model.tp_runner import TPModelRunner
+
+    with pytest.raises(ValueError, match="--ep-size must be 1 or --tp-size"):
+        ParallelConfig(tp_size=2, ep_size=3).verify()
+    config = ModelConfig.from_hf_dict(read_hf_config(Path(moe_models["qwen2_moe"])))
+    with pytest.raises(ValueError, match="needs --ep-size 2"):
+        check_ep_size(config, tp_size=2, ep_size=1)
+    load = LoadConfig(model=moe_models["qwen2_moe"], device="cpu")
+    cache = CacheConfig(page_size=16, max_total_tokens=1024)
+    with pytest.raises(ValueError, match="--ep-size 4 does not divide the model's 6 experts"):
+        TPModelRunner.create(load, cache, ParallelConfig(tp_size=4, ep_size=4))  # no rank spawned

@@ -30,7 +30,7 @@ from radixserve.model.layers import (
     VocabParallelEmbedding,
 )
 from radixserve.model.moe import SparseMoeBlock
-from radixserve.model.moe_weights import map_moe_name, moe_mlp_shapes, moe_num_parts
+from radixserve.model.moe_weights import SKIP, map_moe_name, moe_mlp_shapes, moe_num_parts
 from radixserve.model.quant.linear import UnquantizedLinear
 from radixserve.model.tp_shard import ShardLayout
 
@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         parts_loaded = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.config)
+            target = _map_hf_name(hf_name, self.layout)
             if target is None:
                 continue
             name, rows = target
@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             parts_loaded[name] += 1
-        parts = {n: _num_parts(n, self.config) for n in params}
+        parts = {n: _num_parts(n, self.layout) for n in params}
         missing = sorted(n for n, count in parts_loaded.items() if count < parts[n])
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -259,24 +259,25 @@ _FUSED = {
 }
 
 
-def _num_parts(param_name: str, config: ModelConfig) -> int:
+def _num_parts(param_name: str, layout: ShardLayout) -> int:
     """How many HF tensors fill this parameter."""
-    if (experts := moe_num_parts(param_name, config)) is not None:
+    if (experts := moe_num_parts(param_name, layout)) is not None:
         return experts
     if ".qkv_proj." in param_name:
         return 3
     return 2 if ".gate_up_proj." in param_name else 1
 
 
-def _map_hf_name(hf_name: str, config: ModelConfig):
+def _map_hf_name(hf_name: str, layout: ShardLayout):
     """HF tensor name -> (our parameter name, row selector or None); None means skip it."""
+    config = layout.config
     if "rotary_emb" in hf_name:
         return None
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return None
     name = hf_name.removeprefix("model.")
-    if config.moe is not None and (moe := map_moe_name(name, config)) is not None:
-        return moe
+    if config.moe is not None and (moe := map_moe_name(name, layout)) is not None:
+        return None if moe is SKIP else moe
     for hf_part, (ours, rows) in _FUSED.items():
         if f".{hf_part}." in name:
             layer = int(name.split(".")[1])

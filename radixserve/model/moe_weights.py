@@ -9,6 +9,8 @@
     mlp.shared_expert_gate.weight       [1, hidden]           mlp.shared_expert_gate
 
 Mixtral's `block_sparse_moe.experts.e.{w1,w3,w2}` are the same gate / up / down tensors.
+Under expert parallelism a rank keeps its own experts' tensors (at local index e - first)
+and skips the others' (`SKIP`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import re
 from collections.abc import Callable
 
 from radixserve.config import ModelConfig
+from radixserve.model.tp_shard import ShardLayout
 
 RowSelector = Callable[..., object]  # model -> the index of the parameter the tensor fills
+SKIP = ("", None)  # another expert-parallel rank's expert: not loaded here
 
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -37,15 +41,20 @@ def _mixtral_proj(match: re.Match) -> str:
     return f".experts.{match[1]}.{_MIXTRAL_PROJ[match[2]]}."
 
 
-def map_moe_name(name: str, config: ModelConfig) -> tuple[str, RowSelector | None] | None:
-    """An MoE tensor's (parameter name, row selector); None: not an MoE tensor."""
+def map_moe_name(name: str, layout: ShardLayout) -> tuple[str, RowSelector | None] | None:
+    """An MoE tensor's (parameter name, row selector), `SKIP` for another rank's expert;
+    None: not an MoE tensor."""
+    config = layout.config
     name = canonical_moe_name(name)
     for router in ("gate", "shared_expert_gate"):
         if name.endswith(f".mlp.{router}.weight"):
             return name.removesuffix(".weight"), None
     inter = config.moe.intermediate_size if config.moe else 0
     if match := _EXPERT.fullmatch(name):
-        layer, expert, proj = int(match[1]), int(match[2]), match[3]
+        layer, proj = int(match[1]), match[3]
+        expert = int(match[2]) - layout.rank * _local_experts(layout)
+        if not 0 <= expert < _local_experts(layout):
+            return SKIP
         if proj == "down_proj":
             return f"layers.{layer}.mlp.w2", lambda model: expert
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, None)
@@ -58,14 +67,18 @@ def map_moe_name(name: str, config: ModelConfig) -> tuple[str, RowSelector | Non
     return None
 
 
-def moe_num_parts(param_name: str, config: ModelConfig) -> int | None:
-    """How many HF tensors fill an MoE parameter; None: not one."""
-    if config.moe is None:
+def _local_experts(layout: ShardLayout) -> int:
+    return layout.config.moe.num_experts // layout.size
+
+
+def moe_num_parts(param_name: str, layout: ShardLayout) -> int | None:
+    """How many HF tensors fill an MoE parameter of this rank; None: not one."""
+    if layout.config.moe is None:
         return None
     if param_name.endswith(".mlp.w13"):
-        return 2 * config.moe.num_experts
+        return 2 * _local_experts(layout)
     if param_name.endswith(".mlp.w2"):
-        return config.moe.num_experts
+        return _local_experts(layout)
     return None
 
 
