@@ -110,6 +110,20 @@ def test_engine_cold_warm_and_chunked_match_transformers(moe_models, expected, a
         engine.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"speculative_algorithm": "NGRAM"},
+        {"speculative_algorithm": "SELF", "speculative_self_layers": 1},  # the sparse layer
+    ],
+)
+def test_speculative_decoding_keeps_the_greedy_tokens(moe_models, expected, spec):
+    with make_engine(moe_models["qwen3_moe"], **spec) as engine:
+        out = engine.generate(input_ids=PROMPTS, sampling_params=greedy(NUM_TOKENS))
+        assert [o["output_ids"] for o in out] == expected["qwen3_moe"]
+        engine.check_integrity()
+
+
 def test_tiny_pool_retracts_and_still_matches_a_large_pool(moe_models):
     """Qwen2-MoE: a dense layer, a sparse one with its shared expert."""
     prompts, params = [prompt_ids(i, 24) for i in range(16)], greedy(100)
@@ -178,6 +192,12 @@ def test_builtin_configs_have_the_public_shapes():
 def test_refused_options_name_their_flag(moe_models):
     with pytest.raises(QuantizationError, match="--quantization int8"):
         load_model(LoadConfig(model=moe_models["mixtral"], device="cpu", quantization="int8"))
+    with pytest.raises(ValueError, match="--enable-deterministic-inference"):
+        load_model(
+            LoadConfig(
+                model=moe_models["mixtral"], device="cpu", enable_deterministic_inference=True
+            )
+        )
     moe = MoEConfig(6, 2, 32, True, (0,))
     with pytest.raises(ValueError, match="--ep-size 4 does not divide 6 experts"):
         SparseMoeBlock(64, moe, TPGroup(rank=0, size=4))
