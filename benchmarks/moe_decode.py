@@ -7,6 +7,10 @@ between them is what routing, grouping and reading more expert weights cost. Wei
 random (`--load-format dummy`, seeded), so routing spreads tokens over the experts much
 as a trained router's load balancing does.
 
+Attention and the LM head run on the layers `--cpu-dense-kernel` picks (our packed kernel
+where a once-per-machine probe finds it faster); the experts always on torch's matmul, so
+`--cpu-dense-kernel torch` compares like with like.
+
 A decode step: after an untimed prefill of `--context-len` tokens per request, one forward
 of one new token per request (forward_micro.py's `rs_decode`: median of `--steps` steps).
 
@@ -42,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     p.add_argument("--context-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8, help="timed decode steps (median)")
+    p.add_argument(
+        "--cpu-dense-kernel",
+        default="auto",
+        help="the dense model's fp layers: auto | torch | packed (experts run torch's matmul)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("bench_results/moe_decode.json"))
     return p.parse_args(argv)
@@ -81,7 +90,13 @@ def make_runner(folder: Path, hf_config: dict, args: argparse.Namespace) -> Mode
     (folder / "config.json").write_text(json.dumps(hf_config))
     pages = max(args.batches) * (-(-(args.context_len + args.steps + 2) // 16))
     return ModelRunner.create(
-        LoadConfig(model=str(folder), load_format="dummy", device="cpu", dtype=args.dtype),
+        LoadConfig(
+            model=str(folder),
+            load_format="dummy",
+            device="cpu",
+            dtype=args.dtype,
+            cpu_dense_kernel=args.cpu_dense_kernel,
+        ),
         CacheConfig(page_size=16, max_total_tokens=(pages + 1) * 16),
     )
 
@@ -116,17 +131,19 @@ def main(argv: list[str] | None = None) -> None:
         for name, config in hf_configs(args).items():
             runner = make_runner(Path(tmp) / name, config, args)
             total, active = parameter_counts(runner.config)
-            results[name] = {"params": total, "active": active, "step_s": measure(runner, args)}
+            kernel = type(runner.model.layers[0].self_attn.qkv_proj).__name__
+            results[name] = {"params": total, "active": active, "linear": kernel}
+            results[name]["step_s"] = measure(runner, args)
             del runner
     cpu = describe_cpu()
     threads = torch.get_num_threads()
     print(f"# MoE decode vs dense of equal active parameters ({cpu}, {args.dtype}, {threads} thr)")
     print(f"# {args.experts} experts, top-{args.top_k}, {args.moe_inter} columns each")
-    print("| model | params | active | batch | step ms | tokens/s |")
-    print("|---|---|---|---|---|---|")
+    print("| model | params | active | fp layers | batch | step ms | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         for batch, s in r["step_s"].items():
-            sizes = f"{r['params'] / 1e6:.0f}M | {r['active'] / 1e6:.0f}M"
+            sizes = f"{r['params'] / 1e6:.0f}M | {r['active'] / 1e6:.0f}M | {r['linear']}"
             print(f"| {name} | {sizes} | {batch} | {s * 1e3:.2f} | {batch / s:.0f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items()}
