@@ -46,8 +46,7 @@ class MoEConfig:
         top_k = cfg.get("num_experts_per_tok") or 0
         if not 0 < top_k <= num_experts:
             raise UnsupportedModelError(
-                f"{arch} needs 0 < num_experts_per_tok <= num_experts; "
-                f"got {top_k} of {num_experts}"
+                f"{arch} needs 0 < num_experts_per_tok <= num_experts; got {top_k} of {num_experts}"
             )
         if arch == "MixtralForCausalLM":
             inter, norm, sparse = cfg["intermediate_size"], True, range(cfg["num_hidden_layers"])
@@ -55,9 +54,7 @@ class MoEConfig:
             inter, norm = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
             dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
             sparse = [
-                i
-                for i in range(cfg["num_hidden_layers"])
-                if i not in dense and (i + 1) % step == 0
+                i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
             ]
         shared = cfg.get("shared_expert_intermediate_size", 0) if arch.startswith("Qwen2") else 0
         return cls(num_experts, top_k, inter, norm, tuple(sparse), shared or 0)
