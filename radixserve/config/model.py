@@ -1,4 +1,7 @@
-"""ModelConfig: one Llama-family model's shapes and options, read from an HF `config.json`."""
+"""ModelConfig: one Llama-family model's shapes and options, read from an HF `config.json`.
+
+Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) are the same decoder with some MLPs
+replaced by a routed set of experts; `MoEConfig` carries their shapes and routing options."""
 
 from __future__ import annotations
 
@@ -12,12 +15,49 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class UnsupportedModelError(ValueError):
     """The model's architecture or one of its options is not implemented here."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed experts of a mixture-of-experts model (transformers' names in comments)."""
+
+    num_experts: int  # num_experts (Qwen) / num_local_experts (Mixtral)
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # moe_intermediate_size (Qwen) / intermediate_size (Mixtral)
+    norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1 (Mixtral: always)
+    sparse_layers: tuple[int, ...]  # decoder layers whose MLP is routed; the others are dense
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+
+    @classmethod
+    def from_hf_dict(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig:
+        """Reads the routing options of `arch`; layers follow transformers' sparse-layer rule:
+        not in `mlp_only_layers` and (layer + 1) a multiple of `decoder_sparse_step`."""
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        top_k = cfg.get("num_experts_per_tok") or 0
+        if not 0 < top_k <= num_experts:
+            raise UnsupportedModelError(
+                f"{arch} needs 0 < num_experts_per_tok <= num_experts; got {top_k} of {num_experts}"
+            )
+        if arch == "MixtralForCausalLM":
+            inter, norm, sparse = cfg["intermediate_size"], True, range(cfg["num_hidden_layers"])
+        else:
+            inter, norm = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
+            dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
+            sparse = [
+                i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+            ]
+        shared = cfg.get("shared_expert_intermediate_size", 0) if arch.startswith("Qwen2") else 0
+        return cls(num_experts, top_k, inter, norm, tuple(sparse), shared or 0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +84,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # None: a dense model
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -56,7 +97,9 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias, o_bias = {
             "Qwen2ForCausalLM": (True, False),
+            "Qwen2MoeForCausalLM": (bool(cfg.get("qkv_bias", True)), False),
             "MistralForCausalLM": (False, False),
+            "MixtralForCausalLM": (False, False),
         }.get(arch, (attention_bias, attention_bias))
         return cls(
             architecture=arch,
@@ -75,12 +118,17 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+            moe=MoEConfig.from_hf_dict(arch, cfg) if arch in MOE_ARCHITECTURES else None,
             hf_config=cfg,
         )
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """True where decoder layer `layer`'s MLP is a routed mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token occupies across all layers."""
@@ -113,7 +161,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return cfg.get("sliding_window")
     if cfg.get("use_sliding_window"):
         raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported")

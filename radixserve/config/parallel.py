@@ -18,6 +18,11 @@ class ParallelConfig:
     tp_size: int = 1
     """Tensor-parallel ranks (processes, one device each); rank 0 runs the scheduler and the
     radix cache, every rank holds 1/tp of the attention heads, MLP and vocabulary."""
+    ep_size: int = 1
+    """Expert-parallel ranks of a mixture-of-experts model (SGLang's name): its experts split
+    evenly over the tensor-parallel ranks, each rank running its own on every token, one
+    all-reduce summing them. 1 or --tp-size; a MoE model under --tp-size N > 1 needs
+    --ep-size N (experts are not split by column), and N must divide its experts."""
     dist_backend: str = "auto"
     """auto (nccl on CUDA, gloo on CPU) | nccl | gloo: the torch.distributed backend of
     --tp-size > 1."""
@@ -43,6 +48,10 @@ class ParallelConfig:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1; got {self.tp_size}")
         self._verify_nodes()
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"--ep-size must be 1 or --tp-size ({self.tp_size}); got {self.ep_size}"
+            )
         if self.dist_backend not in DIST_BACKENDS:
             allowed = ", ".join(DIST_BACKENDS)
             raise ValueError(f"--dist-backend must be one of {allowed}; got {self.dist_backend!r}")

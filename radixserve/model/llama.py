@@ -1,9 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3), written for a paged KV pool.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3; their MoE siblings Qwen2-MoE, Qwen3-MoE
+and Mixtral), written for a paged KV pool.
 
-One class covers all four; ModelConfig carries the differences: qkv bias (Qwen2), per-head
+One class covers them all; ModelConfig carries the differences: qkv bias (Qwen2), per-head
 q/k RMSNorm before RoPE (Qwen3), sliding window (Mistral, applied by the attention backend),
-tied embeddings. q/k/v and gate/up are fused into single matmuls; `load_weights` maps the
-HF checkpoint names onto the fused parameters. Under tensor parallelism (`tp`, `layout`) each
+tied embeddings, routed experts in place of some MLPs (model/moe.py). q/k/v and gate/up are
+fused into single matmuls; `load_weights` maps the HF checkpoint names onto the fused
+parameters (experts: model/moe_weights.py). Under tensor parallelism (`tp`, `layout`) each
 rank builds only its shard (model/tp_shard.py) and the loader hands it only its part of each
 checkpoint tensor; one all-reduce follows o_proj and one down_proj.
 """
@@ -27,6 +29,8 @@ from radixserve.model.layers import (
     RotaryEmbedding,
     VocabParallelEmbedding,
 )
+from radixserve.model.moe import SparseMoeBlock
+from radixserve.model.moe_weights import SKIP, map_moe_name, moe_mlp_shapes, moe_num_parts
 from radixserve.model.quant.linear import UnquantizedLinear
 from radixserve.model.tp_shard import ShardLayout
 
@@ -91,7 +95,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, layout, tp)
-        self.mlp = GatedMLP(config.hidden_size, layout.intermediate_size, config.mlp_bias, tp)
+        if config.is_sparse_layer(layer):
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, tp)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, layout.intermediate_size, config.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -154,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         """Eager CPU forwards run norms, SiLU * mul and RoPE + the K/V write as fused C++ ops
         (model/cpu_layer_ops.py); None: the torch reference everywhere."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
+            if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention, SparseMoeBlock)):
                 module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         parts_loaded = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.config)
+            target = _map_hf_name(hf_name, self.layout)
             if target is None:
                 continue
             name, rows = target
@@ -190,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             parts_loaded[name] += 1
-        missing = sorted(n for n, count in parts_loaded.items() if count < _num_parts(n))
+        parts = {n: _num_parts(n, self.layout) for n in params}
+        missing = sorted(n for n, count in parts_loaded.items() if count < parts[n])
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(
@@ -200,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a full HF checkpoint of `config`, in checkpoint order, with its shape."""
-    hidden, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    hidden, hd = config.hidden_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
     layer = {"input_layernorm.weight": (hidden,)}
     for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
@@ -213,19 +221,32 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.o_bias:
         layer["self_attn.o_proj.bias"] = (hidden,)
     layer["post_attention_layernorm.weight"] = (hidden,)
+    return _checkpoint_shapes(config, layer)
+
+
+def _checkpoint_shapes(config: ModelConfig, layer: dict) -> dict[str, tuple[int, ...]]:
+    """The whole checkpoint: embeddings, each layer's `layer` tensors plus its MLP, the head."""
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    dense = _dense_mlp_shapes(config)
+    for i in range(config.num_layers):
+        mlp = moe_mlp_shapes(config) if config.is_sparse_layer(i) else dense
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in (layer | mlp).items()}
+    shapes["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def _dense_mlp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    layer = {}
     for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden))):
         layer[f"mlp.{proj}.weight"] = shape
     layer["mlp.down_proj.weight"] = (hidden, inter)
     if config.mlp_bias:
         layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)}
         layer["mlp.down_proj.bias"] = (hidden,)
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
-    for i in range(config.num_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+    return layer
 
 
 # HF name part -> (our fused parameter part, rows of it that the HF tensor fills)
@@ -238,20 +259,25 @@ _FUSED = {
 }
 
 
-def _num_parts(param_name: str) -> int:
+def _num_parts(param_name: str, layout: ShardLayout) -> int:
     """How many HF tensors fill this parameter."""
+    if (experts := moe_num_parts(param_name, layout)) is not None:
+        return experts
     if ".qkv_proj." in param_name:
         return 3
     return 2 if ".gate_up_proj." in param_name else 1
 
 
-def _map_hf_name(hf_name: str, config: ModelConfig):
+def _map_hf_name(hf_name: str, layout: ShardLayout):
     """HF tensor name -> (our parameter name, row selector or None); None means skip it."""
+    config = layout.config
     if "rotary_emb" in hf_name:
         return None
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return None
     name = hf_name.removeprefix("model.")
+    if config.moe is not None and (moe := map_moe_name(name, layout)) is not None:
+        return None if moe is SKIP else moe
     for hf_part, (ours, rows) in _FUSED.items():
         if f".{hf_part}." in name:
             layer = int(name.split(".")[1])

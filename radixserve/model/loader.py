@@ -75,6 +75,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     load_config = resolve_quantization(load_config, hf_config)
     refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
+    refuse_moe_options(load_config, config)
     check_quantization(load_config, ShardLayout(config, tp.rank, tp.size).local_config())
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
@@ -155,6 +156,24 @@ def refuse_sharded_quantization(method: str, tp_size: int) -> None:
         raise QuantizationError(
             f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
             "weights are not sharded); use --quantization none, int8, int4 or gguf, or --tp-size 1"
+        )
+
+
+def refuse_moe_options(load_config: LoadConfig, config: ModelConfig) -> None:
+    """Experts are stacked fp tensors run by torch's matmuls: no quantized layout holds them
+    yet, and their rounding may depend on how many rows an expert gets (not batch-invariant)."""
+    if config.moe is None:
+        return
+    method = load_config.quantization
+    if method not in ("none", "auto"):
+        raise QuantizationError(
+            f"--quantization {method} is not supported for the mixture-of-experts "
+            f"{config.architecture} yet; use --quantization none"
+        )
+    if load_config.enable_deterministic_inference:
+        raise ValueError(
+            f"--enable-deterministic-inference is not supported for the mixture-of-experts "
+            f"{config.architecture} yet (its experts' matmuls are not batch-invariant)"
         )
 
 

@@ -26,6 +26,7 @@ from radixserve.distributed.rendezvous import listen_for_ranks
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
+from radixserve.model.moe import check_ep_size
 from radixserve.model.runner import LogitsOutput, ModelRunner
 from radixserve.model.tp_batch import header_tensor, pack_batch
 from radixserve.model.tp_local import (
@@ -70,7 +71,9 @@ class TPModelRunner:
         # by every rank's loader
         refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
         parallel_config.torch_backend(load_config.torch_device())  # nccl off CUDA: refused
-        check_tp_size(peek_model_config(load_config), parallel_config.tp_size)
+        model_config = peek_model_config(load_config)
+        check_tp_size(model_config, parallel_config.tp_size)
+        check_ep_size(model_config, parallel_config.tp_size, parallel_config.ep_size)
         # rank 0 listens before any rank starts: the others get the port it got
         listen_socket, init_addr = listen_for_ranks(parallel_config.dist_init_addr)
         spec = RankSpec(

@@ -6,7 +6,9 @@
                                           others hold zeros)
     vocab-parallel (split vocab rows)     embed_tokens (masked lookup + all-reduce), lm_head
                                           (local logits + all-gather)
-    replicated                            norms, q_norm / k_norm
+    replicated                            norms, q_norm / k_norm; MoE routers, experts and
+                                          shared experts are read whole: the model keeps
+                                          its rank's experts (model/moe_weights.py)
 
 Query heads split evenly. KV heads split evenly when there are at least as many as ranks;
 with fewer, each KV head is replicated on tp / num_kv_heads consecutive ranks (as vLLM does),
@@ -76,7 +78,7 @@ class ShardLayout:
 
     def hf_index(self, hf_name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of this rank's part of an HF tensor; None: the whole tensor."""
-        if self.size == 1:
+        if self.size == 1 or ".experts." in hf_name or ".shared_expert." in hf_name:
             return None
         kind = hf_name.rsplit(".", 2)[-2]
         hd = self.config.head_dim

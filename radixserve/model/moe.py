@@ -1,0 +1,166 @@
+"""The mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): route, run experts grouped.
+
+Routing is transformers' exactly: softmax over the router logits in fp32, top-k, the top-k
+probabilities renormalized when `norm_topk_prob` (Mixtral always), cast to the activations'
+dtype. The experts then run grouped, one matmul per expert over the rows routed to it:
+
+    tokens x top_k assignments --sort by expert--> [e0 rows | e1 rows | ... ]   (gather)
+    each expert's run of rows:  down(silu(gate(x)) * up(x))                     (2 matmuls)
+    rows * routing weight --index_add by token--> out [num_tokens, hidden]      (scatter-add)
+
+That path reads the per-expert row counts on the host, which a CUDA graph capture or a
+torch.compile trace cannot; those run every expert over every row instead (`dense_experts`,
+weights zero where a token was not routed): the same result, sync-free, for small batches.
+Qwen2-MoE adds a shared expert whose output is scaled by sigmoid(shared_expert_gate(x)).
+
+Expert parallelism (`--ep-size N`, N = --tp-size): rank r holds experts [r * E/N, (r+1) * E/N)
+and the whole router; every rank sees every token (attention's all-reduce replicated them),
+routes all of them, runs only the rows routed to its experts, and one all-reduce sums the
+ranks' parts. The shared expert is held whole and added by rank 0 alone, before that sum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.config.model import ModelConfig, MoEConfig
+from radixserve.distributed.group import TPGroup
+from radixserve.model.cpu_layer_ops import CpuLayerOps
+from radixserve.model.layers import GatedMLP
+
+
+class Routing(NamedTuple):
+    """Each token's experts and their weights (activation dtype): [num_tokens, top_k] each."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+    """[num_tokens, num_experts] logits -> the top-k experts of each token, as transformers."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights.to(router_logits.dtype), experts)
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [local_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [local_experts, hidden, inter]
+    routing: Routing,
+    silu_mul=None,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Sum over each token's experts among the local ones (`first_expert` onwards, as many as
+    `w13` holds) of weight * expert(x): rows sorted by expert, one gate_up and one down
+    matmul per expert that received rows."""
+    top_k, num_local = routing.experts.shape[1], w13.shape[0]
+    flat = routing.experts.reshape(-1) - first_expert  # [num_tokens * top_k], local ids
+    flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # others sort last
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_local)[:num_local].tolist()
+    order = order[: sum(counts)]  # the rows routed to local experts, grouped
+    token_of_row = order // top_k
+    rows = x[token_of_row]  # [num_tokens * top_k, hidden], grouped by expert
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            out_rows[start:end] = _expert(rows[start:end], w13[expert], w2[expert], silu_mul)
+            start = end
+    out_rows *= routing.weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of_row, out_rows)
+
+
+def dense_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    num_experts: int,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """`grouped_experts` without host syncs (graph capture, tracing): every local expert over
+    every row, each output weighted by the token's weight for it (zero if not routed)."""
+    full = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
+    full.scatter_(1, routing.experts, routing.weights)  # [num_tokens, num_experts]
+    full = full[:, first_expert : first_expert + w13.shape[0]]
+    gate_up = torch.matmul(x.unsqueeze(0), w13.transpose(1, 2))  # [experts, tokens, 2 * inter]
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2))  # [experts, tokens, hidden]
+    return (out * full.t().unsqueeze(-1)).sum(dim=0)
+
+
+def _expert(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, silu_mul) -> torch.Tensor:
+    gate_up = rows @ w13.t()
+    if silu_mul is not None:
+        return silu_mul(gate_up) @ w2.t()
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.t()
+
+
+def _cannot_sync(x: torch.Tensor) -> bool:
+    """Inside a CUDA graph capture or a torch.compile trace (no host reads allowed)."""
+    if torch.compiler.is_compiling():
+        return True
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def check_ep_size(config: ModelConfig, tp_size: int, ep_size: int) -> None:
+    """Raises, naming the flag, unless a MoE model's experts split evenly over `ep_size`
+    ranks and, under tensor parallelism, `ep_size` is the TP size (no column split yet)."""
+    if config.moe is None:
+        return
+    if tp_size > 1 and ep_size != tp_size:
+        raise ValueError(
+            f"{config.architecture} under --tp-size {tp_size} needs --ep-size {tp_size} "
+            f"(its experts are split by expert over the ranks); got --ep-size {ep_size}"
+        )
+    if config.moe.num_experts % ep_size:
+        raise ValueError(
+            f"--ep-size {ep_size} does not divide the model's {config.moe.num_experts} experts"
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """A routed MLP: `gate` (the router), this rank's experts stacked as `w13` / `w2`, and
+    Qwen2-MoE's optional shared expert (held whole, run by rank 0)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup):
+        super().__init__()
+        if moe.num_experts % tp.size:
+            raise ValueError(f"--ep-size {tp.size} does not divide {moe.num_experts} experts")
+        self.moe, self.tp = moe, tp
+        local, inter = moe.num_experts // tp.size, moe.intermediate_size
+        self.first_expert = tp.rank * local
+        self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden_size))  # the router
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, inter))
+        if moe.shared_expert_intermediate_size:
+            shared = moe.shared_expert_intermediate_size
+            self.shared_expert = GatedMLP(hidden_size, shared, False, TPGroup.single())
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden_size))
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.ops: CpuLayerOps | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, hidden]."""
+        routing = route(F.linear(x, self.gate), self.moe.top_k, self.moe.norm_topk_prob)
+        first, num_experts = self.first_expert, self.moe.num_experts
+        if _cannot_sync(x):
+            out = dense_experts(x, self.w13, self.w2, routing, num_experts, first)
+        else:
+            silu_mul = None if self.ops is None else self.ops.silu_mul
+            out = grouped_experts(x, self.w13, self.w2, routing, silu_mul, first)
+        if self.shared_expert is not None and self.tp.rank == 0:
+            shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate))
+            out = out + shared_gate * self.shared_expert(x)
+        return self.tp.all_reduce(out)
