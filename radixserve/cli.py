@@ -15,6 +15,7 @@ from radixserve.config import (
     FleetConfig,
     HiCacheConfig,
     LoadConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(gen, SchedulerConfig, "scheduler")
     add_dataclass_args(gen, HiCacheConfig, "hierarchical cache")
     add_dataclass_args(gen, ParallelConfig, "parallelism")
+    add_dataclass_args(gen, LoraConfig, "LoRA adapters")
     srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
     add_server_args(srv)
     add_dataclass_args(srv, ParallelConfig, "parallelism")
@@ -67,13 +69,14 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     add_dataclass_args(parser, CacheConfig, "KV cache")
     add_dataclass_args(parser, SchedulerConfig, "scheduler")
     add_dataclass_args(parser, HiCacheConfig, "hierarchical cache")
+    add_dataclass_args(parser, LoraConfig, "LoRA adapters")
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:
     if getattr(args, "model_arg", None) is not None:  # `serve MODEL` / `fleet MODEL`
         args.model = args.model_arg
     groups = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, DisaggregationConfig)
-    groups += (HiCacheConfig,)
+    groups += (HiCacheConfig, LoraConfig)
     return {  # `fleet` has no ParallelConfig flags: its workers are one process each
         name: getattr(args, name)
         for cls in groups

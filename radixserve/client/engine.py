@@ -42,6 +42,7 @@ class Engine:
             self.runner.pool.capacity_tokens,
             enable_priority=self.scheduler.config.enable_priority_scheduling,
             disaggregation_mode=handoff.mode if (handoff := self.scheduler.handoff) else None,
+            lora_names=() if self.runner.lora is None else tuple(self.runner.lora.slots),
         )
         self.client = InProcessClient(self.core)
         self._loop = LoopThread()
@@ -66,6 +67,7 @@ class Engine:
         priority: int | None = None,
         session_id: str | None = None,
         retention: dict | None = None,
+        lora_path: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
         specs, batched = self._build(_generate_args(locals()))
@@ -91,6 +93,7 @@ class Engine:
         priority: int | None = None,
         session_id: str | None = None,
         retention: dict | None = None,
+        lora_path: str | list[str] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
         specs, batched = self._build(_generate_args(locals()))

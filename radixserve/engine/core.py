@@ -19,6 +19,7 @@ from radixserve.config import (
     HiCacheConfig,
     KVEventsConfig,
     LoadConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -26,6 +27,7 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.lora import load_lora_weights
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.tp_runner import TPModelRunner
@@ -53,6 +55,7 @@ class EngineCore:
         parallel_config: ParallelConfig | None = None,
         disaggregation_config: DisaggregationConfig | None = None,
         hicache_config: HiCacheConfig | None = None,
+        lora_config: LoraConfig | None = None,
     ) -> EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
@@ -77,9 +80,12 @@ class EngineCore:
                 f"--speculative-algorithm {algorithm} drafts with a model, which is not sharded "
                 f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
             )
+        lora_config = lora_config or LoraConfig()
+        _check_lora(lora_config, scheduler_config, parallel_config, hicache_config)
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         publisher = None
         try:
+            _attach_lora(loaded, runner, lora_config)
             publisher = _start_publisher(kv_events)
             configs = (load_config, cache_config, scheduler_config, disaggregation_config)
             return cls._assemble(loaded, runner, *configs, hicache_config, publisher)
@@ -204,6 +210,41 @@ class EngineCore:
             **scheduler.stats.as_dict(),
             **(self.kv_publisher.stats() if self.kv_publisher else {}),
         }
+
+
+def _check_lora(
+    lora: LoraConfig,
+    scheduler: SchedulerConfig,
+    parallel: ParallelConfig,
+    hicache: HiCacheConfig,
+) -> None:
+    """Refuses, before the model loads, what LoRA serving does not cover yet."""
+    lora.verify()
+    if not lora.enabled:
+        return
+    if parallel.tp_size > 1:
+        raise ValueError(f"--enable-lora is not sharded over --tp-size {parallel.tp_size} yet")
+    if scheduler.speculative_algorithm is not None:
+        raise ValueError(
+            f"--enable-lora does not work with --speculative-algorithm "
+            f"{scheduler.speculative_algorithm} yet (drafts would ignore the adapter)"
+        )
+    if hicache.enable_hierarchical_cache:
+        raise ValueError(
+            "--enable-lora does not work with --enable-hierarchical-cache yet (a tier on disk "
+            "does not record which adapter weights its KV came from)"
+        )
+
+
+def _attach_lora(loaded: LoadedModel, runner: ModelRunner, lora: LoraConfig) -> None:
+    """Loads --lora-paths into the runner and the model (nothing without --enable-lora)."""
+    if not lora.enabled:
+        return
+    weights = load_lora_weights(
+        loaded.config, lora.adapter_paths(), lora.max_lora_rank, loaded.dtype, runner.device
+    )
+    runner.lora = weights
+    loaded.model.use_lora(weights)
 
 
 def _create_cache(

@@ -75,7 +75,9 @@ class Scheduler:
             use_priority=config.enable_priority_scheduling,
             pins_give_way=config.pin_policy == "last",
         )
-        self.batches = BatchBuilder(self.page_size, runner.device)
+        lora = getattr(runner, "lora", None)  # stand-in runners (the simulator) have none
+        lora_slots = None if lora is None else lora.slots
+        self.batches = BatchBuilder(self.page_size, runner.device, lora_slots)
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
         self.last_step_progressed = True  # see step()
         self.ratio = NewTokenRatio(config.schedule_conservativeness)

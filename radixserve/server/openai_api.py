@@ -78,7 +78,11 @@ async def list_models(request: web.Request) -> web.Response:
         "root": state.model_path,
         "max_model_len": state.client.info["context_length"],
     }
-    return web.json_response({"object": "list", "data": [card]})
+    adapters = [  # SGLang lists its LoRA adapters as models whose parent is the base
+        card | {"id": name, "root": name, "parent": state.served_model_name}
+        for name in sorted(state.builder.lora_names)
+    ]
+    return web.json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -92,9 +96,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
     parsed = parse_request(await read_json(request), chat, state.tool_parser)
-    check_model_name(state, parsed.model)
+    lora_path = check_model_name(state, parsed.model)
     ids = await state.off_loop(prompt_ids, state, parsed)
-    stream = state.open(build_specs(state, parsed, ids))
+    stream = state.open(build_specs(state, parsed, ids, lora_path))
     trackers = choice_trackers(state, parsed, ids, stream.results)
     shape = ResponseShape(parsed, state.served_model_name)
     if parsed.stream:
@@ -132,14 +136,19 @@ async def detokenize(request: web.Request) -> web.Response:
 # ---- requests ----------------------------------------------------------------------------
 
 
-def check_model_name(state: ServerState, model: str | None) -> None:
-    """A request may name the served model or none; any other name is a 404."""
+def check_model_name(state: ServerState, model: str | None) -> str | None:
+    """A request may name the served model, a LoRA adapter of it (returned: the adapter the
+    request runs with) or none; any other name is a 404."""
+    if model in state.builder.lora_names:
+        return model
     if model is not None and model != state.served_model_name:
         raise BadRequest(
-            f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
+            f"model {model!r} does not exist; this server serves {state.served_model_name!r}"
+            + "".join(f", {name!r}" for name in sorted(state.builder.lora_names)),
             param="model",
             status=404,
         )
+    return None
 
 
 def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
@@ -155,7 +164,7 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
 
 
 def build_specs(
-    state: ServerState, parsed: OpenAIRequest, ids: list[list[int]]
+    state: ServerState, parsed: OpenAIRequest, ids: list[list[int]], lora_path: str | None = None
 ) -> list[RequestSpec]:
     """n requests per prompt, in choice order (prompt p, sample i -> index p*n + i)."""
     logprobs = parsed.logprobs is not None
@@ -166,6 +175,7 @@ def build_specs(
         logprob_start_len=0 if parsed.echo and logprobs else None,
         top_logprobs_num=parsed.logprobs,
         cache_salt=parsed.cache_salt,
+        lora_path=lora_path,
         **parsed.options,
     )
     try:
