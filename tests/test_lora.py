@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import peft
 import pytest
 import requests
 import torch
@@ -29,8 +30,6 @@ from conftest import (
 from radixserve.config import LoraConfig, ModelConfig
 from radixserve.model.lora import load_lora_weights
 from radixserve.model.lora_adapter import LoraAdapterError
-
-peft = pytest.importorskip("peft")
 
 NUM_NEW = 8
 ADAPTERS = {  # name -> (target modules, r, lora_alpha, use_rslora)
