@@ -87,7 +87,7 @@ def references(lora_models):
 def lora_engine(lora_models):
     base_folder, folders = lora_models
     paths = [f"{name}={folder}" for name, folder in folders.items()]
-    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=2)
+    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=3)
     yield engine
     engine.shutdown()
 
@@ -144,6 +144,36 @@ def test_cache_salt_with_nul_is_refused(lora_engine):
         lora_engine.generate(input_ids=prompt_ids(3), cache_salt="lora\x00a1")
 
 
+def test_load_and_unload_while_serving(lora_engine, lora_models, references):
+    """A third adapter loaded at run time serves at once; unloaded, it is refused; loaded
+    again from another folder, it never meets the KV of its first load."""
+    _, folders = lora_models
+    prompts, out = references
+    assert lora_engine.flush_cache()
+
+    def run(name):
+        result = lora_engine.generate(input_ids=prompts[0], sampling_params=greedy(NUM_NEW),
+                                      lora_path=name)  # fmt: skip
+        return result["output_ids"], result["meta_info"]["cached_tokens"]
+
+    assert run("a1") == (out["a1"][0], 0)
+    loaded = lora_engine.load_lora_adapter("a3", str(folders["a1"]))
+    assert loaded == {"a1": str(folders["a1"]), "a2": str(folders["a2"]), "a3": str(folders["a1"])}
+    assert run("a3") == (out["a1"][0], 0)  # a1's weights, but not a1's KV
+    with pytest.raises(ValueError, match="3 adapters are loaded"):
+        lora_engine.load_lora_adapter("a4", str(folders["a1"]))
+    lora_engine.unload_lora_adapter("a3")
+    with pytest.raises(ValueError, match="lora_path 'a3' is not a loaded LoRA adapter"):
+        run("a3")
+    with pytest.raises(ValueError, match="lora_name 'a3' is not loaded"):
+        lora_engine.unload_lora_adapter("a3")
+    lora_engine.load_lora_adapter("a3", str(folders["a2"]))
+    assert run("a3") == (out["a2"][0], 0)  # the first a3's KV is unreachable
+    assert run("a3")[1] > 0
+    lora_engine.unload_lora_adapter("a3")
+    lora_engine.core.check_integrity()
+
+
 # ---- start-up refusals, naming the flag -----------------------------------------------------
 
 
@@ -162,7 +192,7 @@ def test_rank_beyond_the_limit_is_refused(lora_models):
     _, folders = lora_models
     with pytest.raises(LoraAdapterError, match="'a2': rank 8 exceeds --max-lora-rank 4"):
         _load(folders, "a2", max_rank=4)
-    assert _load(folders, "a1", max_rank=4).slots == {"a1": 0}
+    assert _load(folders, "a1", max_rank=4).ids == {"a1": 0}
 
 
 def test_adapter_of_another_base_is_refused(lora_models):
@@ -222,6 +252,31 @@ def test_http_lora_path_and_model(lora_server, references):
     assert reply.json()["choices"][0]["text"] == tokens["text"]
     models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
+
+
+def test_http_load_and_unload(lora_server, lora_models, references):
+    _, folders = lora_models
+    prompts, out = references
+    url = lora_server.url
+    body = {"lora_name": "a3", "lora_path": str(folders["a2"])}
+    reply = requests.post(f"{url}/load_lora_adapter", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["success"]
+    assert reply.json()["loaded_adapters"]["a3"] == str(folders["a2"])
+    gen = {"input_ids": prompts[0], "sampling_params": greedy(NUM_NEW), "lora_path": "a3"}
+    assert (
+        requests.post(f"{url}/generate", json=gen, timeout=60).json()["output_ids"] == out["a2"][0]
+    )
+    reply = requests.post(f"{url}/unload_lora_adapter", json={"lora_name": "a3"}, timeout=60)
+    assert reply.status_code == 200 and "a3" not in reply.json()["loaded_adapters"]
+    assert requests.post(f"{url}/generate", json=gen, timeout=60).status_code == 400
+    reply = requests.post(f"{url}/unload_lora_adapter", json={"lora_name": "a3"}, timeout=60)
+    assert reply.status_code == 400 and not reply.json()["success"]
+    assert "not loaded" in reply.json()["error_message"]
+    bad = {"lora_name": "a4", "lora_path": str(folders["a1"] / "missing")}
+    reply = requests.post(f"{url}/load_lora_adapter", json=bad, timeout=60)
+    assert reply.status_code == 400 and "not found" in reply.json()["error_message"]
+    reply = requests.post(f"{url}/load_lora_adapter", json={"lora_name": "a4"}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "lora_path"
 
 
 def test_http_unknown_adapter(lora_server):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -85,7 +85,7 @@ class RequestBuilder:
         max_outputs: int | None = None,
         enable_priority: bool = False,
         disaggregation_mode: str | None = None,
-        lora_names: Collection[str] = (),
+        lora_adapters: Mapping[str, int] | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -94,7 +94,9 @@ class RequestBuilder:
         self.max_outputs = max_outputs
         self.enable_priority = enable_priority
         self.disaggregation_mode = disaggregation_mode
-        self.lora_names = set(lora_names)  # the adapters the engine serves (--lora-paths)
+        # LoRA adapter name -> load id, of those the engine serves (--lora-paths, and
+        # /load_lora_adapter: whoever loads or unloads one updates this map)
+        self.lora_adapters: dict[str, int] = dict(lora_adapters or {})
         self._rng = random.Random()
 
     def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
@@ -118,31 +120,32 @@ class RequestBuilder:
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
             if boot is not None and params.n != 1:
                 raise ValueError("bootstrap_room pairs one prefill with one decode: n must be 1")
-            namespace = self.cache_namespace(salt, lora)
+            lora_id = None if lora is None else self.lora_adapters[lora]
+            namespace = self.cache_namespace(salt, lora_id)
             outputs = [
                 self.new_spec(ids, params, rid, namespace, logprob, i) for i in range(params.n)
             ]
-            specs += [replace(spec, bootstrap=boot, lora_name=lora) for spec in outputs]
+            specs += [replace(spec, bootstrap=boot, lora_id=lora_id) for spec in outputs]
         return self.with_retention(specs, args), batched
 
     def check_lora(self, name: Any) -> str | None:
         """The adapter `lora_path` names (None: the base model), refused unless served."""
         if name is None:
             return None
-        if not isinstance(name, str) or name not in self.lora_names:
-            served = ", ".join(sorted(self.lora_names)) or "none (start with --lora-paths)"
+        if not isinstance(name, str) or name not in self.lora_adapters:
+            served = ", ".join(sorted(self.lora_adapters)) or "none (start with --lora-paths)"
             raise ValueError(f"lora_path {name!r} is not a loaded LoRA adapter; served: {served}")
         return name
 
-    def cache_namespace(self, salt: str | None, lora: str | None) -> str | None:
-        """The radix tree namespace: the salt, and for an adapter's request the adapter too,
-        so its KV never serves the base, another adapter or another tenant. The join is
-        injective: with LoRA on, salts (like adapter names) may not hold NUL."""
-        if self.lora_names and salt is not None and LORA_NAME_FORBIDDEN in salt:
+    def cache_namespace(self, salt: str | None, lora_id: int | None) -> str | None:
+        """The radix tree namespace: the salt, and for an adapter's request the adapter's
+        load id too, so its KV never serves the base, another adapter (or another load of
+        it) or another tenant. The join is injective: with LoRA on, salts may not hold NUL."""
+        if self.lora_adapters and salt is not None and LORA_NAME_FORBIDDEN in salt:
             raise ValueError("cache_salt must not contain NUL characters")
-        if lora is None:
+        if lora_id is None:
             return salt
-        parts = ["lora", lora] + ([] if salt is None else [salt])
+        parts = ["lora", str(lora_id)] + ([] if salt is None else [salt])
         return LORA_NAME_FORBIDDEN.join(parts)
 
     def _bootstraps(self, args: GenerateArgs, count: int) -> list[Bootstrap | None]:

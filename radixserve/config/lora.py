@@ -64,6 +64,13 @@ def parse_lora_path(entry: str) -> tuple[str, str]:
     if not sep:
         path = entry
         name = os.path.basename(os.path.normpath(entry))
-    if not name or not path or LORA_NAME_FORBIDDEN in name:
+    if not name or not path:
         raise ValueError(f"--lora-paths entry {entry!r} needs a non-empty name and path")
+    check_lora_name(name)
     return name, path
+
+
+def check_lora_name(name: object) -> None:
+    """An adapter name: a non-empty string without NUL."""
+    if not isinstance(name, str) or not name or LORA_NAME_FORBIDDEN in name:
+        raise ValueError(f"lora_name must be a non-empty string without NUL; got {name!r}")

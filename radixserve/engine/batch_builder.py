@@ -32,11 +32,11 @@ class Work:
 
 
 class BatchBuilder:
-    """`lora_slots`: LoRA adapter name -> slot in the model's LoRA weights (model/lora.py),
+    """`lora_slots`: LoRA adapter load id -> slot in the model's LoRA weights (model/lora.py),
     kept current by whoever loads adapters; None without LoRA."""
 
     def __init__(
-        self, page_size: int, device: torch.device, lora_slots: dict[str, int] | None = None
+        self, page_size: int, device: torch.device, lora_slots: dict[int, int] | None = None
     ):
         self.page_size, self.device = page_size, device
         self.lora_slots = lora_slots
@@ -45,16 +45,16 @@ class BatchBuilder:
     def build(self, work: list[Work]) -> ForwardBatch:
         """Each request's new tokens on top of its computed prefix, through its page table."""
         batch = self._build_base(work)
-        if self.lora_slots and any(w.req.lora_name is not None for w in work):
+        if self.lora_slots and any(w.req.lora_id is not None for w in work):
             batch.lora = self._lora_batch(work)
         return batch
 
     def _lora_batch(self, work: list[Work]) -> LoraBatch | None:
         """The batch's tokens grouped by adapter slot, once per step (-1: the base)."""
-        slots = np.array([self.lora_slots.get(w.req.lora_name, -1) for w in work])
-        missing = [w.req.lora_name for w, slot in zip(work, slots) if w.req.lora_name and slot < 0]
-        if missing:
-            raise ValueError(f"lora_path {missing[0]!r} is not loaded")
+        # Intake refuses requests of unloaded adapters, and unload refuses while one of the
+        # adapter's requests is in the engine: every load id here has its slot
+        slots = np.array([-1 if w.req.lora_id is None else self.lora_slots[w.req.lora_id]
+                          for w in work])  # fmt: skip
         counts = np.array([w.num_forward for w in work])
         return LoraBatch.build(np.repeat(slots, counts), self.device)
 
@@ -85,6 +85,12 @@ class BatchBuilder:
             self._page_row_memo[req] = (table, num, row)
             rows.append(row)
         return rows
+
+
+def lora_slots_of(runner) -> dict[int, int] | None:
+    """The runner's LoRA load id -> slot map (None without LoRA, or on a stand-in runner)."""
+    lora = getattr(runner, "lora", None)
+    return None if lora is None else lora.slot_of_id
 
 
 def verify_indices(work: list[Work]) -> list[int]:

@@ -5,7 +5,7 @@ The in-process `Engine` and the server's core process both drive one of these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.hiradix_cache import create_hierarchical_cache
@@ -23,11 +23,13 @@ from radixserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from radixserve.config.lora import check_lora_name
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
-from radixserve.model.lora import load_lora_weights
+from radixserve.model.lora import LoraWeights, load_lora_weights
+from radixserve.model.lora_adapter import LoraAdapter
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.tp_runner import TPModelRunner
@@ -45,6 +47,7 @@ class EngineCore:
     tokenizer: Any
     context_length: int
     kv_publisher: KVEventPublisher | None = None  # --kv-events-config (rank 0 only)
+    lora_config: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def build(
@@ -88,7 +91,9 @@ class EngineCore:
             _attach_lora(loaded, runner, lora_config)
             publisher = _start_publisher(kv_events)
             configs = (load_config, cache_config, scheduler_config, disaggregation_config)
-            return cls._assemble(loaded, runner, *configs, hicache_config, publisher)
+            core = cls._assemble(loaded, runner, *configs, hicache_config, publisher)
+            core.lora_config = lora_config
+            return core
         except BaseException:
             if publisher is not None:
                 publisher.close()
@@ -157,6 +162,37 @@ class EngineCore:
         self.scheduler.pins.clear()
         self.cache.reset()
         return True
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, dict]:
+        """Loads a PEFT folder as adapter `lora_name` while serving (SGLang's route); returns
+        every adapter's load id and folder. Refused past --max-loras-per-batch adapters."""
+        lora = self._lora_weights()
+        limit = self.lora_config.max_loras_per_batch
+        if len(lora.ids) >= limit:
+            raise ValueError(f"lora_name: {limit} adapters are loaded (--max-loras-per-batch)")
+        if lora_name in lora.ids:
+            raise ValueError(f"lora_name {lora_name!r} is already loaded")
+        check_lora_name(lora_name)
+        max_rank = self.lora_config.max_lora_rank
+        lora.add(LoraAdapter.load(lora_name, lora_path, self.loaded.config, max_rank))
+        return {"ids": dict(lora.ids), "paths": dict(lora.paths)}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, dict]:
+        """Unloads adapter `lora_name`; refused while a request of it is in the engine.
+        Its KV stays in the tree under its load id, unreachable, until evicted."""
+        lora = self._lora_weights()
+        if lora_name not in lora.ids:
+            raise ValueError(f"lora_name {lora_name!r} is not loaded")
+        load_id = lora.ids[lora_name]
+        if any(req.lora_id == load_id for req in self.scheduler.all_reqs()):
+            raise ValueError(f"lora_name {lora_name!r} has requests running or queued")
+        lora.remove(lora_name)
+        return {"ids": dict(lora.ids), "paths": dict(lora.paths)}
+
+    def _lora_weights(self) -> LoraWeights:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        return self.runner.lora
 
     def list_pins(self) -> list[dict]:
         """Every retention pin (sessions and pinned prefixes), oldest first."""

@@ -55,7 +55,7 @@ class Req:
     pin: PinRequest | None = None  # retention: pin the sequence when it finishes
     bootstrap: Bootstrap | None = None  # disaggregation: the room its prompt's KV goes by
     request_id: str = ""  # unique within the engine; defaults to rid (direct scheduler users)
-    lora_name: str | None = None  # its LoRA adapter; `namespace` keys its KV apart from others'
+    lora_id: int | None = None  # its LoRA adapter's load id; `namespace` keeps its KV apart
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
 
@@ -107,7 +107,7 @@ class Req:
             session_id=spec.session_id,
             pin=spec.pin,
             bootstrap=spec.bootstrap,
-            lora_name=spec.lora_name,
+            lora_id=spec.lora_id,
         )
 
     @property

@@ -59,30 +59,46 @@ class LoraLayer:
 
 
 class LoraWeights:
-    """Every layer's LoRA projections, and which adapter holds which slot."""
+    """Every layer's LoRA projections, and which adapter holds which slot.
+
+    Each load of an adapter gets a fresh load id, which requests carry (and their cache
+    namespace holds): a request for an adapter since unloaded or reloaded from another
+    folder never runs with, nor shares KV with, weights other than those it was sent for.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.config, self.dtype, self.device = config, dtype, device
         self.layers = [
             LoraLayer(*(LoraProjection() for _ in FUSED_MODULES)) for _ in range(config.num_layers)
         ]
-        self.slots: dict[str, int] = {}  # adapter name -> slot
+        self.ids: dict[str, int] = {}  # adapter name -> its load id
+        self.paths: dict[str, str] = {}  # adapter name -> its folder
+        self.slot_of_id: dict[int, int] = {}  # load id -> slot
+        self._next_id = 0
 
     def add(self, adapter: LoraAdapter) -> int:
-        """Puts the adapter in a free slot (its weights stacked per fused projection)."""
-        if adapter.name in self.slots:
-            raise ValueError(f"lora adapter {adapter.name!r} is already loaded")
-        slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
+        """Puts the adapter in a free slot (its weights stacked per fused projection);
+        returns its load id."""
+        if adapter.name in self.ids:
+            raise ValueError(f"lora_name {adapter.name!r} is already loaded")
+        used = set(self.slot_of_id.values())
+        slot = min(set(range(len(used) + 1)) - used)
         for index, layer in enumerate(self.layers):
             for fused, modules in FUSED_MODULES.items():
                 pair = self._stack(adapter, index, modules)
                 if pair is not None:
                     getattr(layer, fused).weights[slot] = pair
-        self.slots[adapter.name] = slot
-        return slot
+        load_id, self._next_id = self._next_id, self._next_id + 1
+        self.ids[adapter.name], self.paths[adapter.name] = load_id, adapter.path
+        self.slot_of_id[load_id] = slot
+        return load_id
 
     def remove(self, name: str) -> None:
-        slot = self.slots.pop(name)
+        """Frees the adapter's slot; requests still carrying its load id are refused."""
+        if name not in self.ids:
+            raise ValueError(f"lora_name {name!r} is not loaded")
+        slot = self.slot_of_id.pop(self.ids.pop(name))
+        del self.paths[name]
         for layer in self.layers:
             for fused in FUSED_MODULES:
                 getattr(layer, fused).weights.pop(slot, None)

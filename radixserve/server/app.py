@@ -23,6 +23,7 @@ from radixserve.server.auth import auth_middleware
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
+from radixserve.server.lora_api import register_lora_routes
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
@@ -289,6 +290,7 @@ def build_app(state: ServerState) -> web.Application:
     openai_api.register_openai_routes(app)
     register_anthropic_routes(app)
     register_cache_routes(app)
+    register_lora_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

@@ -80,7 +80,7 @@ async def list_models(request: web.Request) -> web.Response:
     }
     adapters = [  # SGLang lists its LoRA adapters as models whose parent is the base
         card | {"id": name, "root": name, "parent": state.served_model_name}
-        for name in sorted(state.builder.lora_names)
+        for name in sorted(state.builder.lora_adapters)
     ]
     return web.json_response({"object": "list", "data": [card, *adapters]})
 
@@ -139,12 +139,12 @@ async def detokenize(request: web.Request) -> web.Response:
 def check_model_name(state: ServerState, model: str | None) -> str | None:
     """A request may name the served model, a LoRA adapter of it (returned: the adapter the
     request runs with) or none; any other name is a 404."""
-    if model in state.builder.lora_names:
+    if model in state.builder.lora_adapters:
         return model
     if model is not None and model != state.served_model_name:
         raise BadRequest(
             f"model {model!r} does not exist; this server serves {state.served_model_name!r}"
-            + "".join(f", {name!r}" for name in sorted(state.builder.lora_names)),
+            + "".join(f", {name!r}" for name in sorted(state.builder.lora_adapters)),
             param="model",
             status=404,
         )
