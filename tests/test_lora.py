@@ -250,6 +250,14 @@ def test_http_lora_path_and_model(lora_server, references):
     assert reply.status_code == 200
     tokens = requests.post(f"{url}/generate", json=body | {"lora_path": "a1"}, timeout=60).json()
     assert reply.json()["choices"][0]["text"] == tokens["text"]
+    messages = [{"role": "user", "content": "Say something long."}]
+    texts = {}
+    for model in ("tiny", "a1"):  # Anthropic's Messages: `model` picks the adapter too
+        body = {"model": model, "max_tokens": NUM_NEW, "temperature": 0, "messages": messages}
+        reply = requests.post(f"{url}/v1/messages", json=body, timeout=60)
+        assert reply.status_code == 200
+        texts[model] = reply.json()["content"][0]["text"]
+    assert texts["tiny"] != texts["a1"]
     models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
 
