@@ -44,6 +44,9 @@ class LoraProjection:
             if pair is None:
                 continue
             a, b = pair
+            if len(lora.segments) == 1 and rows.shape[0] == x.shape[0]:  # every row: no gather
+                out.add_((x @ a.t()) @ b.t())
+                continue
             delta = (x.index_select(0, rows) @ a.t()) @ b.t()
             out.index_add_(0, rows, delta.to(out.dtype))
 
