@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="(default: random)")
     gen.add_argument("--log-level", default="warning", help="(default: warning)")
+    gen.add_argument("--lora-path", default=None, help="run the prompts with this LoRA adapter "
+                     "(a name from --lora-paths; default: the base model)")  # fmt: skip
     add_dataclass_args(gen, LoadConfig, "model")
     gen.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(gen, CacheConfig, "KV cache")
@@ -134,7 +136,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "sampling_seed": args.sampling_seed,
     }
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params, lora_path=args.lora_path)
     gen_s = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs):
         print(f"### {prompt}\n{out['text']}\n")

@@ -174,6 +174,21 @@ def test_load_and_unload_while_serving(lora_engine, lora_models, references):
     lora_engine.core.check_integrity()
 
 
+def test_cli_generate_with_an_adapter(lora_engine, lora_models):
+    import subprocess
+    import sys
+
+    base_folder, folders = lora_models
+    prompt = "The adapter says"
+    command = [sys.executable, "-m", "radixserve.cli", "generate", prompt, "--model",
+               str(base_folder), "--max-new-tokens", str(NUM_NEW), "--max-total-tokens", "4096",
+               "--lora-paths", f"a2={folders['a2']}", "--lora-path", "a2"]  # fmt: skip
+    printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    expected = lora_engine.generate(prompt, greedy(NUM_NEW) | {"ignore_eos": False},
+                                    lora_path="a2")["text"]  # fmt: skip
+    assert f"### {prompt}\n{expected}\n" in printed
+
+
 # ---- start-up refusals, naming the flag -----------------------------------------------------
 
 
