@@ -21,9 +21,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from radixserve.cache.retention import check_pin_name, session_pin_key
-from radixserve.config.lora import LORA_NAME_FORBIDDEN
 from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
-from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
+from radixserve.engine.request import LORA_NAMESPACE_SEP, MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams, is_int64
 
@@ -120,11 +119,9 @@ class RequestBuilder:
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
             if boot is not None and params.n != 1:
                 raise ValueError("bootstrap_room pairs one prefill with one decode: n must be 1")
+            self.check_salt(salt)
             lora_id = None if lora is None else self.lora_adapters[lora]
-            namespace = self.cache_namespace(salt, lora_id)
-            outputs = [
-                self.new_spec(ids, params, rid, namespace, logprob, i) for i in range(params.n)
-            ]
+            outputs = [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
             specs += [replace(spec, bootstrap=boot, lora_id=lora_id) for spec in outputs]
         return self.with_retention(specs, args), batched
 
@@ -137,16 +134,11 @@ class RequestBuilder:
             raise ValueError(f"lora_path {name!r} is not a loaded LoRA adapter; served: {served}")
         return name
 
-    def cache_namespace(self, salt: str | None, lora_id: int | None) -> str | None:
-        """The radix tree namespace: the salt, and for an adapter's request the adapter's
-        load id too, so its KV never serves the base, another adapter (or another load of
-        it) or another tenant. The join is injective: with LoRA on, salts may not hold NUL."""
-        if self.lora_adapters and salt is not None and LORA_NAME_FORBIDDEN in salt:
+    def check_salt(self, salt: str | None) -> None:
+        """With LoRA on, a salt may not hold NUL: the core joins it with the adapter's load id
+        by NUL into the cache namespace (engine/request.py `cache_namespace`)."""
+        if self.lora_adapters and salt is not None and LORA_NAMESPACE_SEP in salt:
             raise ValueError("cache_salt must not contain NUL characters")
-        if lora_id is None:
-            return salt
-        parts = ["lora", str(lora_id)] + ([] if salt is None else [salt])
-        return LORA_NAME_FORBIDDEN.join(parts)
 
     def _bootstraps(self, args: GenerateArgs, count: int) -> list[Bootstrap | None]:
         """Each prompt's bootstrap (host, port, room), checked; all None when not given."""

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 
 LORA_NAME_FORBIDDEN = "\x00"
-"""Adapter names and, with LoRA on, cache salts may not hold NUL: the cache namespace of an
-adapter's requests joins the two with it (client/request_builder.py `cache_namespace`)."""
+"""Adapter names may not hold NUL (nor may cache salts with LoRA on: the core joins a salt
+and an adapter's load id with it, engine/request.py `cache_namespace`)."""
 
 
 @dataclass
