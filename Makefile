@@ -10,7 +10,7 @@ run:
 # Install what tests need, then run the whole suite.
 test:
 	bash scripts/install.sh --test
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=25
 
 lint:
 	.venv/bin/ruff check radixserve radixserve_bench kernels tests benchmarks

@@ -7,6 +7,10 @@ run and over the same KV pool and weights (only the runner's attention backend i
 - roofline ms: bytes the step must read (all weights once + every request's K/V in every
   layer) over the copy bandwidth measured in this run (STREAM's convention: bytes read +
   written per second while copying a 256 MiB buffer);
+- compute ms: the step's operations (gpu/gpu_roofline.py's decode_flops) over the peak rate of the
+  arithmetic it uses (`--arithmetic`, default: the model dtype's: fp32 FMA for fp32 and the
+  GGUF blocks' fp32 path, bf16 dot for bf16), measured in this run (compute_peaks.py);
+- bound ms = max(roofline, compute), and "of bound" = bound / step (goal: >= 1 / 1.5);
 - a `transformers` row: transformers' own decode step of the same config and dtype (its
   LlamaForCausalLM, sdpa, a DynamicCache of `context` random tokens per request, cropped back
   after each step), the step a user of `generate` pays (`--no-hf` leaves it out).
@@ -40,7 +44,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+from compute_peaks import compute_peaks  # noqa: E402
 from forward_micro import median_seconds  # noqa: E402
+from gpu_roofline import decode_flops  # noqa: E402
 
 from radixserve.attention import AttentionBackend  # noqa: E402
 from radixserve.attention.cpu_fused import CpuFusedBackend  # noqa: E402
@@ -64,10 +71,19 @@ class Row:
     step_ms: float
     roofline_ms: float
     read_mib: float
+    compute_ms: float = 0.0  # operations over the arithmetic's measured peak
 
     @property
     def of_roofline(self) -> float:
         return self.roofline_ms / self.step_ms
+
+    @property
+    def bound_ms(self) -> float:
+        return max(self.roofline_ms, self.compute_ms)
+
+    @property
+    def of_bound(self) -> float:
+        return self.bound_ms / self.step_ms
 
 
 @dataclass
@@ -93,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-batches", type=_int_list, default=[1])
     p.add_argument("--extend-contexts", type=_int_list, default=[0, 1024, 4096])
     p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip cases with more KV")
+    p.add_argument("--arithmetic", choices=["auto", "fp32", "bf16", "int8"], default="auto",
+                   help="whose peak bounds the compute (auto: the model dtype's)")  # fmt: skip
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers' own decode step")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_roofline.json"))
@@ -285,14 +303,23 @@ def run_extends(runner, found, args) -> list[ExtendRow]:
     return rows
 
 
-COLUMNS = ("batch", "context", "backend", "attn ms", "step ms", "roofline ms", "of roofline")
+COLUMNS = ("batch", "context", "backend", "attn ms", "step ms", "roofline ms", "of roofline",
+           "compute ms", "bound ms", "of bound")  # fmt: skip
 
 
 def print_row(r: Row) -> None:
     attn = "-" if r.attn_ms is None else f"{r.attn_ms:.2f}"
     times = (attn, f"{r.step_ms:.1f}", f"{r.roofline_ms:.1f}")
-    cells = (r.batch, r.context, r.backend, *times, f"{r.of_roofline:.2f}")
+    bound = (f"{r.compute_ms:.1f}", f"{r.bound_ms:.1f}", f"{r.of_bound:.2f}")
+    cells = (r.batch, r.context, r.backend, *times, f"{r.of_roofline:.2f}", *bound)
     print("".join(f"{c:>13}" for c in cells), flush=True)
+
+
+def arithmetic_of(args: argparse.Namespace) -> str:
+    """The arithmetic whose peak bounds the step: --arithmetic, else the model dtype's."""
+    if args.arithmetic != "auto":
+        return args.arithmetic
+    return "bf16" if args.dtype == "bfloat16" else "fp32"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -309,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     runner = make_runner(args, loaded, load_config, sizes)
     found = backends(runner)
     bandwidth = copy_bandwidth(5)
+    peaks, arithmetic = compute_peaks(), arithmetic_of(args)
+    if arithmetic not in peaks:
+        raise SystemExit(f"--arithmetic {arithmetic}: torch has no such GEMM here")
     meta = {
         "model": args.model,
         "dtype": args.dtype,
@@ -317,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "cpu": describe_cpu(),
         "copy_gb_s": bandwidth / 1e9,
+        "arithmetic": arithmetic,
+        **{f"peak_{name}_gflop_s": rate for name, rate in peaks.items()},
         "weight_mib": weight_bytes(runner) / 2**20,
     }
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in meta.items()))
@@ -327,12 +359,16 @@ def main(argv: list[str] | None = None) -> None:
         case = run_case(runner, found, b, c, args, bandwidth)
         if hf is not None:
             case.append(hf_row(hf, runner, b, c, args, bandwidth))
+        compute_ms = decode_flops(loaded.config, b, c) / (peaks[arithmetic] * 1e9) * 1e3
         for row in case:
+            row.compute_ms = compute_ms
             rows.append(row)
             print_row(row)
     extend_rows = run_extends(runner, found, args) if "cpu_fused" in found else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    data = {**meta, "rows": [asdict(r) | {"of_roofline": r.of_roofline} for r in rows]}
+    extra = [{"of_roofline": r.of_roofline, "bound_ms": r.bound_ms, "of_bound": r.of_bound}
+             for r in rows]  # fmt: skip
+    data = {**meta, "rows": [asdict(r) | e for r, e in zip(rows, extra)]}
     data["extend_rows"] = [asdict(r) for r in extend_rows]
     args.out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {args.out}")

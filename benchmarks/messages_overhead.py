@@ -1,16 +1,18 @@
-"""Latency of a request through Anthropic's /v1/messages vs /v1/chat/completions.
+"""Latency of a request through Anthropic's /v1/messages and OpenAI's /v1/responses vs
+/v1/chat/completions.
 
-The same conversation (one user turn), the same `max_tokens`, greedy, `ignore_eos` so both
+The same conversation (one user turn), the same `max_tokens`, greedy, `ignore_eos` so all
 generate exactly that many tokens; plain and streamed (time to the last byte). Rounds are
-interleaved and alternate which API goes first, so drift on a shared machine hits both
-alike; each API's median over `--rounds` is reported with the overhead of Messages in %.
-Both prompts render through the same chat template, so both are served from the radix
-cache after the warm-up: the difference is the API layer.
+interleaved and rotate which API goes first, so drift on a shared machine hits all alike;
+each API's median over `--rounds` is reported with its overhead over chat completions in %.
+All prompts render through the same chat template, so all are served from the radix cache
+after the warm-up: the difference is the API layer (Responses stores every response, as its
+`store` default is).
 
 On a busy machine the end-to-end medians swing by more than the layer costs, so the script
 also times, in process and in thread CPU time, what differs between the two paths before
 the engine sees a request: checking the body, rendering the chat template, tokenizing
-(`--layer-rounds` interleaved batches of 50, medians); that difference over the chat
+(`--layer-rounds` interleaved batches of 50, medians); each difference over the chat
 completions end-to-end median is the overhead a quiet machine would show.
 
 Run:  python benchmarks/messages_overhead.py [--model PATH] [--tokens 32 --rounds 9]
@@ -34,7 +36,8 @@ from radixserve.native.machine import describe_cpu
 from radixserve_bench.systems import ManagedServer, free_port
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-APIS = ("chat", "messages")
+APIS = ("chat", "messages", "responses")
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,16 +56,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def request_body(api: str, model: str, tokens: int, stream: bool) -> tuple[str, dict]:
-    """The path and body of one request: the same conversation and sampling for both APIs."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
-    return ("/v1/chat/completions" if api == "chat" else "/v1/messages"), body
+    """The path and body of one request: the same conversation and sampling for every API."""
+    body = {"model": model, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if api == "responses":
+        body |= {"input": [{"role": "user", "content": PROMPT}], "max_output_tokens": tokens}
+    else:
+        body |= {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens}
+    return PATHS[api], body
 
 
 def timed_request(conn: http.client.HTTPConnection, path: str, body: dict) -> float:
@@ -79,7 +79,7 @@ def timed_request(conn: http.client.HTTPConnection, path: str, body: dict) -> fl
 
 
 def measure(url: str, model: str, args: argparse.Namespace, stream: bool) -> dict[str, list]:
-    """Per-API latencies over interleaved rounds, each round's order alternating."""
+    """Per-API latencies over interleaved rounds, each round's order rotated by one."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
     bodies = {api: request_body(api, model, args.tokens, stream) for api in APIS}
@@ -88,7 +88,8 @@ def measure(url: str, model: str, args: argparse.Namespace, stream: bool) -> dic
             timed_request(conn, *bodies[api])
     times: dict[str, list] = {api: [] for api in APIS}
     for round_index in range(args.rounds):
-        order = APIS if round_index % 2 == 0 else APIS[::-1]
+        shift = round_index % len(APIS)
+        order = APIS[shift:] + APIS[:shift]
         for api in order:
             times[api].append(timed_request(conn, *bodies[api]))
     conn.close()
@@ -103,14 +104,18 @@ def served_model(url: str) -> str:
 
 
 def report(results: dict[str, dict[str, list]]) -> list[dict]:
+    """One row per mode: each API's median, and the others' overhead over chat in %."""
     rows = []
-    print(f"{'mode':<8} {'chat ms':>9} {'messages ms':>12} {'overhead':>9}")
+    others = APIS[1:]
+    head = "".join(f" {api + ' ms':>13}" for api in APIS)
+    print(f"{'mode':<8}{head}" + "".join(f" {api + ' +%':>12}" for api in others))
     for mode, times in results.items():
-        chat, messages = statistics.median(times["chat"]), statistics.median(times["messages"])
-        overhead = (messages / chat - 1) * 100
-        print(f"{mode:<8} {chat * 1e3:>9.1f} {messages * 1e3:>12.1f} {overhead:>8.2f}%")
-        rows.append({"mode": mode, "chat_median_s": chat, "messages_median_s": messages,
-                     "overhead_pct": overhead, "times": times})  # fmt: skip
+        medians = {api: statistics.median(times[api]) for api in APIS}
+        overhead = {api: (medians[api] / medians["chat"] - 1) * 100 for api in others}
+        cells = "".join(f" {medians[api] * 1e3:>13.1f}" for api in APIS)
+        print(f"{mode:<8}{cells}" + "".join(f" {overhead[api]:>11.2f}%" for api in others))
+        row = {"mode": mode, "times": times, "overhead_pct": overhead}
+        rows.append(row | {f"{api}_median_s": medians[api] for api in APIS})
     return rows
 
 
@@ -121,13 +126,19 @@ def layer_costs(tokens: int, rounds: int, batch: int = 50) -> dict[str, float]:
     from radixserve.server.anthropic_protocol import parse_messages_request
     from radixserve.server.openai_api import prompt_ids
     from radixserve.server.openai_protocol import parse_request
+    from radixserve.server.responses_api import render_prompt as render_responses
+    from radixserve.server.responses_protocol import parse_responses_request
+    from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
-    state = SimpleNamespace(tokenizer=open_tokenizer(None, 49152, "default"))
-    chat_body = request_body("chat", "m", tokens, False)[1]
-    messages_body = request_body("messages", "m", tokens, False)[1]
+    tokenizer = open_tokenizer(None, 49152, "default")
+    state = SimpleNamespace(tokenizer=tokenizer, tool_parser=DEFAULT_TOOL_PARSER)
+    bodies = {api: request_body(api, "m", tokens, False)[1] for api in APIS}
     paths = {
-        "chat": lambda: prompt_ids(state, parse_request(chat_body, chat=True)),
-        "messages": lambda: render_prompt(state, parse_messages_request(messages_body), True),
+        "chat": lambda: prompt_ids(state, parse_request(bodies["chat"], chat=True)),
+        "messages": lambda: render_prompt(state, parse_messages_request(bodies["messages"]), True),
+        "responses": lambda: render_responses(
+            state, parse_responses_request(bodies["responses"]), []
+        ),
     }
     times: dict[str, list[float]] = {api: [] for api in APIS}
     for _ in range(rounds):
@@ -144,15 +155,12 @@ def run(url: str, args: argparse.Namespace) -> list[dict]:
     results = {mode: measure(url, model, args, mode == "stream") for mode in ("plain", "stream")}
     rows = report(results)
     layer = layer_costs(args.tokens, args.layer_rounds)
-    extra = layer["messages"] - layer["chat"]
     chat_e2e = rows[0]["chat_median_s"]
-    print(
-        f"layer (CPU ms/request): chat {layer['chat'] * 1e3:.3f}, messages "
-        f"{layer['messages'] * 1e3:.3f}; difference {extra * 1e3:+.3f} ms = "
-        f"{extra / chat_e2e * 100:+.3f}% of the chat median"
-    )
-    rows.append({"mode": "layer", "cpu_s_per_request": layer,
-                 "overhead_pct_of_chat_median": extra / chat_e2e * 100})  # fmt: skip
+    extra = {api: (layer[api] - layer["chat"]) / chat_e2e * 100 for api in APIS[1:]}
+    costs = ", ".join(f"{api} {layer[api] * 1e3:.3f}" for api in APIS)
+    differences = ", ".join(f"{api} {pct:+.4f}%" for api, pct in extra.items())
+    print(f"layer (CPU ms/request): {costs}; over the chat median: {differences}")
+    rows.append({"mode": "layer", "cpu_s_per_request": layer, "overhead_pct_of_chat_median": extra})
     return rows
 
 

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sglang-router (extra: [fleet])",
     )
     add_dataclass_args(fleet, FleetConfig, "fleet")
-    add_server_args(fleet, exclude=("port",))  # workers' ports: --worker-base-port
+    # workers' ports: --worker-base-port; the fleet registers its workers with its own router
+    add_server_args(fleet, exclude=("port", "router_url", "advertise_url"))
     pd_title = "prefill/decode disaggregation (with --prefill-workers / --decode-workers)"
     add_dataclass_args(fleet, DisaggregationConfig, pd_title, exclude=("disaggregation_mode",))
     # listed for --help only: main hands everything after `bench` to radixserve_bench

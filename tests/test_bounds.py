@@ -26,9 +26,16 @@ from radixserve.cache.retention import (
 from radixserve.config import SchedulerConfig, ServerConfig
 from radixserve.engine import scheduler as scheduler_module
 from radixserve.sampling.grammar import GrammarBackend
+from radixserve.server import auth
 from radixserve.server.app import build_app
+from radixserve.server.auth import KEY_THROTTLE_KEY, is_loopback
 from radixserve.server.dashboard import FORM, LOGIN_PATH, THROTTLE_KEY
-from radixserve.server.limits import LOGIN_MAX_BODY_BYTES, LOGIN_MAX_FAILURES, LoginThrottle
+from radixserve.server.limits import (
+    API_KEY_MAX_FAILURES,
+    LOGIN_MAX_BODY_BYTES,
+    LOGIN_MAX_FAILURES,
+    LoginThrottle,
+)
 from radixserve.server.ttl_cache import TtlCache
 
 TOKENS = [1, 2, 3, 4]
@@ -160,6 +167,30 @@ def test_dashboard_login_reads_a_small_form_and_throttles_wrong_keys():
     asyncio.run(go())
 
 
+def test_wrong_api_keys_are_throttled_per_address_before_any_comparison(monkeypatch):
+    app = build_app(SimpleNamespace(config=ServerConfig(api_key="sekret")))
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.7")
+    monkeypatch.setattr(auth, "is_loopback", lambda address: False)  # as if from afar
+
+    async def status(client, headers: dict) -> tuple[int, dict]:
+        resp = await client.get("/v1/models", headers=headers)
+        return resp.status, resp.headers
+
+    async def go():
+        async with TestClient(TestServer(app)) as client:
+            wrong = [{"Authorization": f"Bearer guess-{i}"} for i in range(API_KEY_MAX_FAILURES)]
+            wrong[1] = {"x-api-key": "guess-x"}  # Anthropic's header counts as well
+            for headers in wrong:
+                assert (await status(client, headers))[0] == 401
+            code, headers = await status(client, {"Authorization": "Bearer sekret"})
+            assert code == 429 and int(headers["Retry-After"]) >= 59  # the right key: too
+            assert (await status(client, {}))[0] == 401  # no key: nothing to guess with
+            app[KEY_THROTTLE_KEY].clock = lambda: 1e9  # the window has passed
+            assert (await status(client, {"Authorization": "Bearer sekret"}))[0] != 401
+
+    asyncio.run(go())
+
+
 def test_ttl_cache_makes_one_call_per_key_and_ttl_however_many_ask():
     clock = FakeClock()
     cache = TtlCache(ttl_s=1.0, max_entries=2, clock=clock)
@@ -188,3 +219,41 @@ def test_ttl_cache_makes_one_call_per_key_and_ttl_however_many_ask():
 
     asyncio.run(go())
     assert cache.num_fetches == 13
+
+
+def insert_in(cache: RadixCache, allocator: PageAllocator, tokens: list[int], namespace) -> None:
+    pages = allocator.allocate(len(tokens)).tolist()
+    allocator.free(pages[: cache.insert(tokens, pages, namespace)])
+
+
+def test_a_tenant_alone_fills_the_pin_cap_and_others_take_back_their_share():
+    cache, table = pin_table(max_pins=10)
+    for namespace in "AB":
+        insert_in(cache, cache.allocator, TOKENS, namespace)
+    for i in range(10):
+        assert table.pin(prefix_pin_key(f"a{i}"), TOKENS, namespace="A") is not None
+    assert table.is_full("A") and not table.is_full("B")
+    for i in range(20):  # B displaces A's oldest prefix pins until the counts are level
+        table.pin(prefix_pin_key(f"b{i}"), TOKENS, namespace="B")
+    by_namespace = [pin["namespace"] for pin in table.describe()]
+    assert by_namespace.count("A") == 5 and by_namespace.count("B") == 5
+    assert names(table)[:5] == [f"a{i}" for i in range(5, 10)]  # A's newest stayed
+    assert table.num_refused == 15 and table.is_full("A") and table.is_full("B")
+    table.clear()
+    assert cache.num_pinned_pages() == 0
+
+
+def test_the_page_bound_ends_the_pins_of_the_namespace_pinning_most():
+    allocator = PageAllocator(32)
+    cache = RadixCache(allocator, 1)
+    prompts = {"A": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [30, 31]], "B": [[20, 21, 22]]}
+    for namespace, all_ids in prompts.items():
+        for ids in all_ids:
+            insert_in(cache, allocator, ids, namespace)
+    table = PinTable(cache, 13, max_pins=16)
+    table.pin(prefix_pin_key("b"), prompts["B"][0], namespace="B")  # the oldest pin
+    for i, ids in enumerate(prompts["A"]):  # a1: 3 + 6 + 6 pages > 13, A pins the most
+        table.pin(prefix_pin_key(f"a{i}"), ids, namespace="A")
+    assert names(table) == ["b", "a1", "a2"]  # B's older pin stayed, A's oldest went
+    assert cache.num_pinned_pages() == 11 and table.num_degraded == 1
+    table.clear()

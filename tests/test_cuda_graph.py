@@ -197,4 +197,4 @@ def test_graph_memory_estimate_is_kept_out_of_the_kv_budget():
     small = estimate_graph_memory(config, capture_batch_sizes(16), torch.bfloat16)
     assert small < estimate
     cpu = torch.device("cpu")
-    assert kv_budget_bytes(CacheConfig(), cpu, reserve_bytes=estimate) == 4 << 30
+    assert kv_budget_bytes(CacheConfig(cpu_kv_cache_gb=4.0), cpu, reserve_bytes=estimate) == 4 << 30

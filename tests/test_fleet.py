@@ -365,6 +365,9 @@ def test_pd_fleet_behind_the_real_router(tiny_chat_model, server):
         _, single = run(post(server.url + "/generate", body))
         assert routed["output_ids"] == single["output_ids"]  # same greedy tokens as one worker
         assert routed["meta_info"]["cached_tokens"] == 32  # the prompt's KV came from prefill
+        for url in fleet.worker_urls:  # a keyless router's clients send no key: user routes
+            assert run(get(url + "/v1/models"))[0] == 200  # open as the router's, no more:
+            assert run(post(url + "/flush_cache", {}, headers=JSON))[0] == 401  # admin: keyed
         assert_listening_on_loopback_only(fleet.proc.pid)  # the bootstrap port included
     finally:
         assert fleet.stop() == 0, "".join(fleet.log[-30:])

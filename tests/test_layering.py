@@ -11,6 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 ABOVE = {
+    "reasoning": ("engine", "client", "server", "frontend_lang", "sampling", "model", "cache"),
     "client": ("server", "frontend_lang"),
     "engine": ("client", "server", "frontend_lang"),
     "cache": ("engine", "client", "server", "frontend_lang"),

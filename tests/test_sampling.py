@@ -71,7 +71,9 @@ SGLANG_DEFAULTS = dict(
 )
 
 
-EXTENSIONS = {"speculative": True}  # ours, not SGLang's: a request may opt out of speculation
+# Ours, not SGLang's: a request may opt out of speculation; a reasoning parser defers the
+# constraint to the end of the reasoning and may bound the reasoning.
+EXTENSIONS = {"speculative": True, "reasoning_end": None, "max_reasoning_tokens": None}
 
 
 def test_defaults_match_sglang():

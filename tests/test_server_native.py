@@ -408,6 +408,7 @@ KNOWN_ROUTES = {
     "/check_integrity", "/dashboard", "/dashboard/stats", "/dashboard/login", "/dashboard/{name}",
     "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
     "/v1/messages", "/v1/messages/count_tokens", "/load_lora_adapter", "/unload_lora_adapter",
+    "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
 
@@ -424,7 +425,7 @@ def test_keys_guard_every_route_but_health_and_metrics(keyed_server):
     every route."""
     routes = app_routes()
     assert {path for _, path in routes} == KNOWN_ROUTES | OPEN_ROUTES
-    assert {method for method, _ in routes} == {"GET", "HEAD", "POST"}
+    assert {method for method, _ in routes} == {"GET", "HEAD", "POST", "DELETE"}
     proc = keyed_server
 
     async def status(session, method: str, path: str, authorization: str | None) -> int:

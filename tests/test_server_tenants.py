@@ -5,10 +5,12 @@ are their namespace's; admin routes need the admin key; no route shows a key or 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from pathlib import Path
 
+import aiohttp
 from test_server_native import get, post, run
 
 from conftest import ADMIN_API_KEY, API_KEY, prompt_ids
@@ -75,6 +77,57 @@ def test_pins_of_one_tenant_cannot_replace_or_unpin_anothers(keyed_server):
     assert len(tools) == 1 and tools[0]["namespace"] != b_pin["pin"]["namespace"]  # A's
     assert SALT_A not in json.dumps(listed)
     assert unpin(SALT_A) == 200
+
+
+def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server):
+    """Tenant B may use A's running rid for its own request, and aborting that rid as B
+    (salt in the header or none) leaves A's request running; A's abort ends it."""
+    url = keyed_server.url
+    long_run = {"temperature": 0, "max_new_tokens": 1900, "ignore_eos": True}
+
+    async def abort(session, body: dict, headers: dict) -> None:
+        async with session.post(url + "/abort_request", json=body, headers=headers) as resp:
+            assert resp.status == 200
+
+    async def scenario() -> tuple[list[dict], int]:
+        async with aiohttp.ClientSession() as session:
+            body = {"input_ids": A_IDS, "rid": "job-1", "cache_salt": SALT_A, "stream": True}
+            async with session.post(
+                url + "/generate", json=body | {"sampling_params": long_run}, headers=USER
+            ) as stream:
+                assert stream.status == 200
+                events = [await _next_event(stream)]
+                b_body = {"input_ids": B_IDS, "rid": "job-1", "sampling_params": GREEDY}
+                async with session.post(
+                    url + "/generate", json=b_body | {"cache_salt": SALT_B}, headers=USER
+                ) as b_reply:
+                    b_status = b_reply.status
+                await abort(session, {"rid": "job-1"}, as_tenant(SALT_B))
+                await abort(session, {"rid": "job-1"}, USER)  # the default namespace
+                for _ in range(8):  # several steps after both aborts: A still decodes
+                    events.append(await _next_event(stream))
+                assert events[-1]["meta_info"]["finish_reason"] is None
+                await abort(session, {"rid": "job-1", "cache_salt": SALT_A}, USER)
+                while (event := await _next_event(stream)) is not None:
+                    events.append(event)
+        return events, b_status
+
+    events, b_status = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    assert b_status == 200
+    final = events[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "abort"
+    assert final["completion_tokens"] < long_run["max_new_tokens"]
+
+
+async def _next_event(stream: aiohttp.ClientResponse) -> dict | None:
+    """The next SSE data event of a /generate stream; None at [DONE] or its end."""
+    async for line in stream.content:
+        line = line.decode().strip()
+        if line == "data: [DONE]":
+            return None
+        if line.startswith("data: "):
+            return json.loads(line[len("data: ") :])
+    return None
 
 
 def test_admin_routes_open_to_the_admin_key_only(keyed_server):

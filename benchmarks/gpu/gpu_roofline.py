@@ -10,6 +10,9 @@ last token of each request:
 
     t_prefill >= flops / bf16 matmul rate
 
+A decode step's FLOPs (`decode_flops`) bound it too once the batch is large enough (the CPU's
+benchmarks/decode_roofline.py takes the max of both bounds).
+
 `copy bandwidth` counts the bytes a device-to-device copy reads plus those it writes.
 """
 
@@ -54,3 +57,12 @@ def prefill_flops(
     attention = 4 * config.num_layers * config.num_heads * config.head_dim * pairs
     lm_head = 2 * len(extend_lens) * config.vocab_size * config.hidden_size
     return linear + attention + lm_head
+
+
+def decode_flops(config: ModelConfig, batch: int, context: int) -> float:
+    """FLOPs of one decode step, one new token per request: every matmul and the LM head per
+    row, attention (QK^T and PV) over each request's `context` cached tokens and its own."""
+    lm_head = config.vocab_size * config.hidden_size
+    linear = config.num_layers * layer_linear_params(config) + lm_head
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * (context + 1)
+    return batch * (2 * linear + attention)

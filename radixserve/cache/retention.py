@@ -9,10 +9,17 @@ by each turn, ended when the next turn is admitted: that request then locks what
 replace nor end another's.
 
     pin ends when:  its TTL passes (`expire`) | it is replaced or unpinned by name
-                    | the bound needs room: pinned pages > max_pinned_pages, oldest first
-                    | the count needs room: a new pin past max_pins ends the oldest session
-                      pin; with none to end (all are prefix pins) the new pin is refused
+                    | the bound needs room: pinned pages > max_pinned_pages, the oldest pin
+                      of the namespace pinning the most tokens first
+                    | the count needs room: a new pin past max_pins ends a session pin (the
+                      oldest of the namespace with the most pins that has any); with none
+                      (all are prefix pins) it ends the oldest prefix pin of the namespace
+                      with the most pins if that one holds 2+ more than the new pin's
+                      namespace, else the new pin is refused (`pin_room`)
                     | nothing else can progress (`release_oldest`: admission would deadlock)
+
+So tenants share the bounds fairly: one namespace may fill them while alone, but each other
+namespace that pins takes its places back until the counts are level.
 
 A pin that ends only stops protecting: its pages go back to plain LRU, nothing is freed.
 Eviction reads the node's pin count (`is_evictable` in tree_node.py), so a second KV tier
@@ -22,6 +29,7 @@ can later demote pinned pages instead of keeping them, without changing this tab
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +58,24 @@ def session_pin_key(session_id: str) -> str:
 
 def prefix_pin_key(name: str) -> str:
     return PREFIX_PREFIX + name
+
+
+def pin_room(
+    pins: Sequence[tuple[str | None, bool]], namespace: str | None, max_pins: int
+) -> tuple[bool, int | None]:
+    """Whether a new pin in `namespace` may be made beside `pins` ((namespace, is_session),
+    oldest first), and the index of the pin it ends to make room (None: none needs to end)."""
+    if len(pins) < max_pins:
+        return True, None
+    counts = Counter(ns for ns, _ in pins)
+    with_sessions = {ns for ns, is_session in pins if is_session}
+    if with_sessions:
+        heaviest = max(with_sessions, key=lambda ns: counts[ns])
+        return True, next(i for i, (ns, s) in enumerate(pins) if s and ns == heaviest)
+    heaviest = max(counts, key=lambda ns: counts[ns])
+    if counts[namespace] < counts[heaviest] - 1:
+        return True, next(i for i, (ns, _) in enumerate(pins) if ns == heaviest)
+    return False, None
 
 
 @dataclass
@@ -122,7 +148,7 @@ class PinTable:
         match = self.cache.match_prefix(token_ids, namespace, max_tokens=len(token_ids))
         if match.num_tokens == 0 or not self.cache.shares_prefixes:
             return None
-        if not self._make_room():
+        if not self._make_room(namespace):
             self.num_refused += 1
             return None
         now = self.clock()
@@ -162,24 +188,33 @@ class PinTable:
         self.num_degraded += 1
         return True
 
-    def is_full(self) -> bool:
-        """Whether a new pin would be refused: max_pins live and none a session's."""
-        return len(self._pins) >= self.max_pins and self._num_sessions == 0
+    def is_full(self, namespace: str | None = None) -> bool:
+        """Whether a new pin in `namespace` would be refused (`pin_room`)."""
+        return not pin_room(self._kinds(), namespace, self.max_pins)[0]
 
-    def _make_room(self) -> bool:
-        """Below max_pins, ending the oldest session pin if need be; False: cannot."""
-        if len(self._pins) < self.max_pins:
-            return True
-        if self._num_sessions == 0:
-            return False
-        oldest = next(p for p in self._pins.values() if p.key.startswith(SESSION_PREFIX))
-        self.unpin(oldest.key, oldest.namespace)
-        self.num_degraded += 1
-        return True
+    def _kinds(self) -> list[tuple[str | None, bool]]:
+        return [(p.namespace, p.key.startswith(SESSION_PREFIX)) for p in self._pins.values()]
+
+    def _make_room(self, namespace: str | None) -> bool:
+        """Below max_pins, ending one pin if `pin_room` says so; False: refused."""
+        room, victim = pin_room(self._kinds(), namespace, self.max_pins)
+        if victim is not None:
+            pin = list(self._pins.values())[victim]
+            self.unpin(pin.key, pin.namespace)
+            self.num_degraded += 1
+        return room
 
     def _enforce_bound(self) -> None:
-        while self.cache.num_pinned_pages() > self.max_pinned_pages and self.release_oldest():
-            pass
+        """Past max_pinned_pages: ends the oldest pin of the namespace pinning the most
+        tokens, until within it."""
+        while self._pins and self.cache.num_pinned_pages() > self.max_pinned_pages:
+            tokens: Counter = Counter()
+            for pin in self._pins.values():
+                tokens[pin.namespace] += pin.num_tokens
+            heaviest = max(tokens, key=lambda ns: tokens[ns])
+            pin = next(p for p in self._pins.values() if p.namespace == heaviest)
+            self.unpin(pin.key, pin.namespace)
+            self.num_degraded += 1
 
     def clear(self) -> None:
         for namespace, key in list(self._pins):

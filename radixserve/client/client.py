@@ -94,7 +94,9 @@ class EngineClient(ABC):
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the registry is read by the core's delivering thread
         self._streams: dict[str, tuple[OutputStream, int]] = {}  # request_id -> (stream, index)
-        self._rids: dict[str, str] = {}  # rid -> request_id of the running request
+        # (namespace, rid) -> request_id of the running request: a rid is unique within its
+        # tenant's namespace only, so one tenant can neither block nor abort another's rids
+        self._rids: dict[tuple[str | None, str], str] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self.dead_reason: str | None = None
@@ -131,7 +133,7 @@ class EngineClient(ABC):
             self._check_submit(specs, max_active)
             for index, spec in enumerate(specs):
                 self._streams[spec.request_id] = (stream, index)
-                self._rids[spec.rid] = spec.request_id
+                self._rids[(spec.namespace, spec.rid)] = spec.request_id
         try:
             self._send(AddRequests(specs))
         except BaseException:  # never sent: nothing will finish them, so unregister them now
@@ -144,10 +146,10 @@ class EngineClient(ABC):
             raise EngineDeadError(self.dead_reason)
         if max_active is not None and len(self._streams) + len(specs) > max_active:
             raise EngineBusyError("too many queued requests; retry later")
-        rids = [spec.rid for spec in specs]
-        for rid in rids:
-            if rid in self._rids or rids.count(rid) > 1:
-                raise ValueError(f"rid {rid!r} is already in use by a running request")
+        keys = [(spec.namespace, spec.rid) for spec in specs]
+        for key in keys:
+            if key in self._rids or keys.count(key) > 1:
+                raise ValueError(f"rid {key[1]!r} is already in use by a running request")
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         """One request's deltas; closing the iterator early aborts the request."""
@@ -159,11 +161,16 @@ class EngineClient(ABC):
         if request_ids and not self.dead:
             self._send(AbortRequests(list(request_ids)))
 
-    def abort_rid(self, rid: str) -> int:
+    def abort_rid(self, rid: str, namespaces: list[str | None] | None = None) -> int:
         """Aborts the running request with this rid, or with rids `rid-0, rid-1, ...` (n > 1
-        samples); returns how many."""
+        samples), in `namespaces` only (None: in every namespace); returns how many."""
         with self._lock:
-            ids = [self._rids[r] for r in self._rids if r == rid or _is_sample_of(r, rid)]
+            ids = [
+                request_id
+                for (namespace, r), request_id in self._rids.items()
+                if (r == rid or _is_sample_of(r, rid))
+                and (namespaces is None or namespace in namespaces)
+            ]
         self.abort(ids)
         return len(ids)
 
@@ -173,7 +180,8 @@ class EngineClient(ABC):
             for request_id in request_ids:
                 entry = self._streams.pop(request_id, None)
                 if entry is not None:
-                    self._rids.pop(entry[0].specs[entry[1]].rid, None)
+                    spec = entry[0].specs[entry[1]]
+                    self._rids.pop((spec.namespace, spec.rid), None)
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -224,7 +232,8 @@ class EngineClient(ABC):
                 stream, index = entry
                 if output.finish_reason is not None:
                     del self._streams[output.request_id]
-                    self._rids.pop(stream.specs[index].rid, None)
+                    spec = stream.specs[index]
+                    self._rids.pop((spec.namespace, spec.rid), None)
                 batches[stream.loop].append((stream.queue, (index, output)))
         for loop, items in batches.items():
             _call_on(loop, _put_all, items)

@@ -10,6 +10,10 @@ import torch
 from radixserve.config.kv_events import KVEventsConfig
 from radixserve.config.load import TORCH_DTYPES
 
+CPU_KV_MEMORY_FRACTION = 0.4
+"""Of the memory available after the weights load: the CPU KV pool's default share (the rest
+stays for activations, the tokenizer, the page cache and the machine's other processes)."""
+
 
 @dataclass
 class CacheConfig:
@@ -21,8 +25,10 @@ class CacheConfig:
     """KV pool capacity in tokens; default: sized from the memory budget."""
     mem_fraction_static: float = 0.85
     """On CUDA: fraction of GPU memory for weights + KV pool (+ CUDA graphs, estimated)."""
-    cpu_kv_cache_gb: float = 4.0
-    """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given."""
+    cpu_kv_cache_gb: float | None = None
+    """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given; default:
+    CPU_KV_MEMORY_FRACTION of the memory available once the weights are loaded (within the
+    cgroup's limit), shared by the TP ranks, logged (as --mem-fraction-static on CUDA)."""
     attention_backend: str = "auto"
     """auto (triton on CUDA, cpu_fused on CPU, torch_native if it cannot build) | torch_native
     (reference, any device) | cpu_fused (C++ paged decode, CPU; built on first use) | triton |
@@ -51,6 +57,8 @@ class CacheConfig:
     "include_token_ids": false sends hashes only. Default: off."""
 
     def __post_init__(self) -> None:
+        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
+            raise ValueError(f"--cpu-kv-cache-gb must be > 0; got {self.cpu_kv_cache_gb}")
         if self.torch_compile_max_bs < 1:
             raise ValueError(
                 f"--torch-compile-max-bs must be >= 1; got {self.torch_compile_max_bs}"

@@ -29,7 +29,8 @@ class ParallelConfig:
     every node reaches, on a network only the ranks share."""
     dist_timeout: float = 300.0
     """Seconds a collective (or the rendezvous) may wait for the other ranks before the engine
-    stops with an error; a rank that exits is noticed sooner."""
+    stops with an error, and the start-up bound: a rank not ready by then fails the start,
+    named with its last output; a rank that exits is noticed sooner."""
 
     def verify(self) -> None:
         if self.tp_size < 1:

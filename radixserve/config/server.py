@@ -41,6 +41,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     """Tool-call format: qwen25 (alias hermes), llama3 (llama3_json), mistral, pythonic,
     deepseekv3 (deepseek_v3), qwen3_coder; default: the chat template's, else qwen25."""
+    reasoning_parser: str | None = None
+    """Reasoning format, split out of chat outputs (`reasoning_content`, Messages' thinking
+    blocks): deepseek-r1 (also qwen3-thinking), qwen3, gpt-oss; default: none."""
     # 5: uvicorn's default, so SGLang's and vLLM's servers close idle connections as soon.
     timeout_keep_alive: float = 5.0
     """Seconds a connection may wait for a request's headers to complete: idle between
@@ -48,8 +51,27 @@ class ServerConfig:
     http_read_timeout: float = 60.0
     """Seconds a request's body may take to arrive in full; a client that stalls mid-body
     gets 408 and its connection is closed."""
+    responses_store_max_entries: int = 10000
+    """Most responses `/v1/responses` keeps (`store: true`) for GET, DELETE and
+    `previous_response_id`; the oldest go first."""
+    responses_store_max_mb: float = 64.0
+    """Largest total size of the stored responses, in MiB (their JSON, each with its chain's
+    history); the oldest go first."""
+    responses_store_ttl: float = 3600.0
+    """Seconds a stored response is kept."""
     disable_dashboard: bool = False
     """Do not serve the live dashboard at /dashboard (behind the admin key when one is set)."""
+    router_url: str | None = None
+    """A running sglang-router (http://host:port) this worker joins by itself once healthy
+    (its POST /workers, with this worker's key; PD mode: its --disaggregation-mode and
+    bootstrap port), re-joins when the router forgets it, and leaves first on SIGTERM. The
+    router's own key, if it differs from --api-key: $RADIXSERVE_ROUTER_API_KEY."""
+    advertise_url: str | None = None
+    """The URL the router reaches this worker at (with --router-url); default
+    http://<--host>:<--port>."""
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM lets running requests finish (new ones get 503, /health 503) before
+    it aborts the rest and exits 0."""
 
     def allowed_host_names(self) -> frozenset[str]:
         """--allowed-hosts as lower-case names."""
@@ -59,6 +81,21 @@ class ServerConfig:
     def verify(self) -> None:
         """Raises ValueError naming the first field out of range (a timeout of 0 would be
         none at all)."""
-        for name in ("max_body_mb", "timeout_keep_alive", "http_read_timeout"):
+        positive = (
+            "max_body_mb",
+            "timeout_keep_alive",
+            "http_read_timeout",
+            "drain_timeout",
+            "responses_store_max_entries",
+            "responses_store_max_mb",
+            "responses_store_ttl",
+        )
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        for name in ("router_url", "advertise_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name} must be an http(s):// URL; got {url!r}")
+        if self.advertise_url is not None and self.router_url is None:
+            raise ValueError("advertise_url is what --router-url is told; give --router-url too")

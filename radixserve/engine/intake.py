@@ -80,6 +80,8 @@ class Intake:
 
     def _enqueue(self, req: Req, waiting: list[Req]) -> None:
         if req.params.grammar is None:
+            if req.params.needs_matcher:  # a reasoning budget alone: nothing to compile
+                req.grammar = self._grammar().matcher(None, req.params)
             waiting.append(req)
         else:  # waits off the queue so that compiling never stalls the batch
             req.grammar_future = self._grammar().compile_async(*req.params.grammar)
@@ -97,7 +99,7 @@ class Intake:
             try:
                 if error is not None:
                     raise error
-                req.grammar = self._grammar().matcher(req.grammar_future.result())
+                req.grammar = self._grammar().matcher(req.grammar_future.result(), req.params)
                 self._jumps.after_token(req, None)  # a forced opening is prefilled with the prompt
                 (outputs if req.finished else waiting).append(req)
             except Exception as exc:

@@ -8,8 +8,10 @@ without a command line, which `ps` shows to every user of the machine.
     data-parallel: each worker is registered through the router's POST /workers with its key,
               so a router without a key still opens the keyed workers
     PD:       sglang-router 0.3 forwards the client's Authorization to PD workers: they get
-              the router's key, or none behind a keyless router (then loopback and
-              server/request_guard.py are what guard them)
+              the router's key; behind a keyless router no user key (its clients send none)
+              but an admin key drawn for this run ($RADIXSERVE_ADMIN_API_KEY), so a worker's
+              user routes are as open as the router's and no more: its admin routes and
+              dashboard need a key only the fleet holds
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.config import API_KEY_ENV, FleetConfig, ServerConfig
+from radixserve.config import ADMIN_API_KEY_ENV, API_KEY_ENV, FleetConfig, ServerConfig
 from radixserve.disagg.auth import write_secret_file
 from radixserve.fleet.router_main import ROUTER_API_KEY_ENV
 
@@ -38,20 +40,26 @@ WORKER_KEY_BYTES = 32
 
 @dataclass(frozen=True)
 class FleetKeys:
-    """The key clients give the router (None: open), and the one the router gives workers."""
+    """The key clients give the router (None: open), the one the router gives workers, and
+    the workers' admin key when it differs (a keyless PD fleet's, drawn for the run)."""
 
     router: str | None
     workers: str | None
+    workers_admin: str | None = None
 
     def worker_env(self) -> dict[str, str]:
-        return {} if self.workers is None else {API_KEY_ENV: self.workers}
+        env = {} if self.workers is None else {API_KEY_ENV: self.workers}
+        if self.workers_admin is not None:
+            env[ADMIN_API_KEY_ENV] = self.workers_admin
+        return env
 
     def router_env(self) -> dict[str, str]:
         return {} if self.router is None else {ROUTER_API_KEY_ENV: self.router}
 
 
 def fleet_keys(server: ServerConfig, pd_disaggregation: bool) -> FleetKeys:
-    """The router's key is --api-key; workers share it, or get a fresh one (data-parallel)."""
+    """The router's key is --api-key; workers share it, or get a fresh one (data-parallel),
+    or a fresh admin key only (PD: the router forwards its clients' keyless requests)."""
     if server.admin_api_key is not None:
         raise ValueError(
             "--admin-api-key is not a fleet flag: the router holds one key (--api-key) and "
@@ -59,8 +67,8 @@ def fleet_keys(server: ServerConfig, pd_disaggregation: bool) -> FleetKeys:
         )
     if server.api_key is not None:
         return FleetKeys(server.api_key, server.api_key)
-    drawn = None if pd_disaggregation else secrets.token_urlsafe(WORKER_KEY_BYTES)
-    return FleetKeys(None, drawn)
+    drawn = secrets.token_urlsafe(WORKER_KEY_BYTES)
+    return FleetKeys(None, None, drawn) if pd_disaggregation else FleetKeys(None, drawn)
 
 
 def register_workers(router_url: str, worker_urls: list[str], keys: FleetKeys) -> bool:

@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,19 +48,23 @@ from radixserve.config import (
     ServerConfig,
     split_engine_kwargs,
 )
+from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
 from radixserve.fleet.router import PDWorkers, require_router, router_command
+from radixserve.native.machine import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 WORKER_HOST = "127.0.0.1"
 POLL_S = 0.5
-STOP_TIMEOUT_S = 45.0
-"""Per process, after SIGTERM: a worker drains for up to 30 s (server/launch.py), then exits."""
+STOP_MARGIN_S = 15.0
+"""After SIGTERM a worker drains for up to --drain-timeout (server/drain.py), then exits;
+a child still running this much later is killed."""
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+GiB = 1 << 30
 SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key", "api_key_file", "admin_api_key",
-                         "admin_api_key_file")  # fmt: skip
+                         "admin_api_key_file", "router_url", "advertise_url")  # fmt: skip
 """Set by the fleet itself: workers listen on loopback; their key comes in the environment
-(fleet/auth.py)."""
+(fleet/auth.py); the fleet registers them with its router."""
 
 
 @dataclass
@@ -200,6 +205,7 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
     """Runs the fleet until SIGTERM / SIGINT (0) or until it cannot serve any more (1)."""
     require_router()
     keys = fleet_keys(server, config.pd_disaggregation)
+    engine_args = split_cpu_kv_memory(config.num_workers, engine_args)
     with pd_secret_file(config, engine_args) as engine_args:
         workers, router = fleet_children(config, server, engine_args, keys)
         stop = install_stop_signals()
@@ -209,7 +215,40 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
             print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
             return supervise(workers, router, stop)
         finally:
-            stop_all([router, *workers])
+            stop_all([router, *workers], server.drain_timeout + STOP_MARGIN_S)
+
+
+def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[str, Any]:
+    """CPU workers whose pool size nobody chose share the default (CPU_KV_MEMORY_FRACTION of
+    the memory available) between them: `--cpu-kv-cache-gb` per worker, logged; else as
+    given. Each worker alone would take the fraction of what it saw at its start."""
+    if engine_args.get("max_total_tokens") or engine_args.get("cpu_kv_cache_gb"):
+        return engine_args
+    if split_engine_kwargs(None, engine_args)[0].torch_device().type != "cpu":
+        return engine_args
+    available = available_memory_bytes()
+    if available is None:
+        return engine_args
+    weights = num_workers * model_file_bytes(engine_args["model"])
+    share = max(available - weights, 0) * CPU_KV_MEMORY_FRACTION / num_workers / GiB
+    logger.info(
+        "KV pool per worker: %.2f GiB (%.0f%% of %.1f GiB available, less %d copies of the "
+        "weights, / %d workers; --cpu-kv-cache-gb to choose)",
+        share, 100 * CPU_KV_MEMORY_FRACTION, available / GiB, num_workers, num_workers,
+    )  # fmt: skip
+    return engine_args | {"cpu_kv_cache_gb": max(round(share, 2), 0.01)}
+
+
+def model_file_bytes(model: str) -> int:
+    """Bytes of a model's weight files (a GGUF file, or a folder's safetensors / bin /
+    gguf); 0 for a name that is not on disk (a built-in config)."""
+    path = Path(model)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    files = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
+    return sum(p.stat().st_size for p in files)
 
 
 def fleet_children(
@@ -347,17 +386,19 @@ def supervise(workers: list[Child], router: Child, stop: threading.Event) -> int
     return 0
 
 
-def stop_all(children: list[Child]) -> None:
+def stop_all(
+    children: list[Child], timeout_s: float = ServerConfig.drain_timeout + STOP_MARGIN_S
+) -> None:
     """SIGTERM to every child at once (workers drain in parallel), then waits; kills any that
-    outlive STOP_TIMEOUT_S."""
+    outlive `timeout_s`."""
     running = [c for c in children if c.alive]
     for child in running:
         child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for child in running:
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.error("%s did not stop in %.0f s; killing it", child.name, STOP_TIMEOUT_S)
+            logger.error("%s did not stop in %.0f s; killing it", child.name, timeout_s)
             child.proc.kill()
             child.proc.wait()

@@ -15,6 +15,7 @@ from radixserve.frontend_lang.api import (
     gen_string,
     get_server_info,
     select,
+    separate_reasoning,
     system,
     system_begin,
     system_end,
@@ -49,7 +50,6 @@ from radixserve.frontend_lang.unsupported import (
     ServerArgs,
     VertexAI,
     image,
-    separate_reasoning,
     video,
 )
 

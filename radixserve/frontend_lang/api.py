@@ -7,10 +7,20 @@ from typing import Any
 from radixserve.client.engine import Engine
 from radixserve.frontend_lang.backends import Backend
 from radixserve.frontend_lang.choices import ChoicesSamplingMethod, token_length_normalized
-from radixserve.frontend_lang.ir import Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, to_expr
+from radixserve.frontend_lang.ir import (
+    Expr,
+    ExprList,
+    Gen,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SeparateReasoning,
+    to_expr,
+)
 from radixserve.frontend_lang.program import resolve_backend
 from radixserve.frontend_lang.sampling import GenParams, resolve_dtype
 from radixserve.frontend_lang.select import check_choices
+from radixserve.reasoning import reasoning_parser_names
 
 
 def gen(
@@ -179,3 +189,17 @@ def flush_cache(backend: Backend | Engine | None = None) -> bool:
 
 def get_server_info(backend: Backend | Engine | None = None) -> dict[str, Any]:
     return resolve_backend(backend).get_server_info()
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> Expr:
+    """SGLang's `separate_reasoning(gen("x"), model_type="deepseek-r1")`: after `expr` runs,
+    `s["x"]` is its content and `s["x_reasoning_content"]` its reasoning, split in
+    `model_type`'s format (the `--reasoning-parser` names); the state's text keeps the
+    content."""
+    if model_type is None or model_type not in reasoning_parser_names():
+        raise ValueError(
+            f"separate_reasoning: model_type must be one of {', '.join(reasoning_parser_names())}"
+            f"; got {model_type!r}"
+        )
+    inner = None if expr is None else to_expr(expr)
+    return ExprList([*([inner] if inner is not None else []), SeparateReasoning(inner, model_type)])

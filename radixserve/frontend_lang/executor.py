@@ -20,6 +20,7 @@ from radixserve.frontend_lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     Text,
     VarScopeBegin,
     VarScopeEnd,
@@ -27,6 +28,7 @@ from radixserve.frontend_lang.ir import (
 from radixserve.frontend_lang.sampling import GenParams, convert_value
 from radixserve.frontend_lang.select import select_choice
 from radixserve.frontend_lang.worker import SerialWorker
+from radixserve.reasoning import split_reasoning
 
 
 def _detokenize_options() -> dict[str, bool]:
@@ -67,6 +69,7 @@ class Executor:
             VarScopeBegin: lambda e: self.var_scopes.__setitem__(e.name, len(self.text)),
             VarScopeEnd: self._var_scope_end,
             ExprList: lambda e: [self.execute(item) for item in e.items],
+            SeparateReasoning: self._separate_reasoning,
         }
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -190,6 +193,20 @@ class Executor:
         self.messages.append({"role": role, "content": content})
         self.cur_role = None
 
+    def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        """Each variable `expr` generated -> its content (also in the text, where the raw
+        output ends it) and `<name>_reasoning_content`."""
+        for name in _generated_names(expr.expr):
+            raw = self.variables.get(name)
+            if not isinstance(raw, str):
+                continue
+            split = split_reasoning(raw, expr.model_type)
+            with self.changed:
+                if raw and self.text.endswith(raw):
+                    self.text = self.text[: len(self.text) - len(raw)] + split.content
+                self.set_var(name, split.content)
+                self.set_var(f"{name}_reasoning_content", split.reasoning)
+
     def _var_scope_end(self, expr: VarScopeEnd) -> None:
         if expr.name not in self.var_scopes:
             raise ValueError(f"var_scope {expr.name!r} ends but never began")
@@ -219,6 +236,15 @@ STREAMED_LIST_KEYS = (
     "input_top_logprobs",
     "output_top_logprobs",
 )
+
+
+def _generated_names(expr: Expr | None) -> list[str]:
+    """The variables that gens and selects in `expr` store."""
+    if isinstance(expr, (Gen, Select)):
+        return [expr.name] if expr.name is not None else []
+    if isinstance(expr, ExprList):
+        return [name for item in expr.items for name in _generated_names(item)]
+    return []
 
 
 def merge_stream_meta(metas: list[dict]) -> dict:

@@ -70,6 +70,15 @@ class VarScopeEnd(Expr):
 
 
 @dataclass
+class SeparateReasoning(Expr):
+    """Splits the variables that `expr`'s gens and selects stored into their content (kept
+    under the name, and in the text) and reasoning (`<name>_reasoning_content`)."""
+
+    expr: Expr | None
+    model_type: str
+
+
+@dataclass
 class ExprList(Expr):
     """Expressions executed in order."""
 

@@ -22,13 +22,6 @@ def video(path: str, num_frames: int) -> Any:
     raise NotImplementedError(f"video: {TEXT_ONLY}")
 
 
-def separate_reasoning(expr: Any = None, model_type: str | None = None) -> Any:
-    raise NotImplementedError(
-        "separate_reasoning: radixserve has no reasoning parser; split the generated "
-        "variable's text yourself (e.g. at '</think>')"
-    )
-
-
 def Runtime(*args: Any, **kwargs: Any) -> Any:
     raise NotImplementedError(
         "Runtime: radixserve does not launch a server from Python; run `radixserve serve "

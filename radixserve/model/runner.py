@@ -23,6 +23,7 @@ from radixserve.attention import (
 )
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
+from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_compile import CompiledDecodeRunner, compile_unavailable_reason
 from radixserve.model.cpu_layer_ops import LAYER_OPS_DTYPES, load_cpu_layer_ops
@@ -36,10 +37,13 @@ from radixserve.model.cuda_graph import (
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.lora import LoraWeights
+from radixserve.native.machine import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+CPU_KV_FALLBACK_GB = 4.0  # where the available memory cannot be read (not Linux)
+CPU_KV_MIN_BYTES = 64 << 20
 
 
 class LogitsOutput(NamedTuple):
@@ -83,7 +87,9 @@ class ModelRunner:
         if graphs:
             sizes = capture_batch_sizes(cache_config.cuda_graph_max_bs)
             reserve = estimate_graph_memory(local, sizes, dtype)
-        budget = kv_budget_bytes(cache_config, device, reserve_bytes=reserve)
+        budget = kv_budget_bytes(
+            cache_config, device, reserve_bytes=reserve, num_ranks=loaded.model.tp.size
+        )
         if budget is not None:
             budget = loaded.model.tp.min_int(budget, device)
         kv_dtype = kv_cache_dtype(cache_config, dtype, device)
@@ -196,11 +202,12 @@ def _free_memory(device: torch.device) -> int:
 
 
 def kv_budget_bytes(
-    cache_config: CacheConfig, device: torch.device, reserve_bytes: int = 0
+    cache_config: CacheConfig, device: torch.device, reserve_bytes: int = 0, num_ranks: int = 1
 ) -> int | None:
     """Memory for the KV pool: on CUDA what mem_fraction_static leaves after the weights and
-    `reserve_bytes` (decode graphs), on CPU cpu_kv_cache_gb; None when max_total_tokens
-    sizes the pool instead."""
+    `reserve_bytes` (decode graphs); on CPU cpu_kv_cache_gb, else CPU_KV_MEMORY_FRACTION of
+    the memory available now (after the weights), split between `num_ranks` TP ranks; None
+    when max_total_tokens sizes the pool instead."""
     if cache_config.max_total_tokens is not None:
         return None
     if device.type == "cuda":
@@ -214,4 +221,22 @@ def kv_budget_bytes(
                 f"{reserve_bytes / GiB:.1f} GiB kept for CUDA graphs)"
             )
         return budget
-    return int(cache_config.cpu_kv_cache_gb * GiB)
+    if cache_config.cpu_kv_cache_gb is not None:
+        return int(cache_config.cpu_kv_cache_gb * GiB)
+    available = available_memory_bytes()
+    if available is None:
+        logger.info("KV pool: %.1f GiB (available memory unknown here)", CPU_KV_FALLBACK_GB)
+        return int(CPU_KV_FALLBACK_GB * GiB)
+    budget = int(available * CPU_KV_MEMORY_FRACTION / num_ranks)
+    if budget < CPU_KV_MIN_BYTES:
+        raise ValueError(
+            f"only {available / GiB:.2f} GiB of memory is available after loading the weights: "
+            "too little for a KV pool; give --cpu-kv-cache-gb or --max-total-tokens"
+        )
+    logger.info(
+        "KV pool: %.1f GiB = %.0f%% of the %.1f GiB available%s (--cpu-kv-cache-gb or "
+        "--max-total-tokens to choose)",
+        budget / GiB, 100 * CPU_KV_MEMORY_FRACTION, available / GiB,
+        f", / {num_ranks} TP ranks" if num_ranks > 1 else "",
+    )  # fmt: skip
+    return budget

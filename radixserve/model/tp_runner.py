@@ -14,11 +14,9 @@ rank) leaves the ranks out of step: it raises RankFailedError, which stops the e
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -31,18 +29,20 @@ from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
 from radixserve.model.runner import LogitsOutput, ModelRunner
 from radixserve.model.tp_batch import pack_batch
+from radixserve.model.tp_process import RankProcess
 from radixserve.model.tp_shard import check_tp_size
-from radixserve.model.tp_worker import RankSpec, build_rank, run_tp_worker
+from radixserve.model.tp_worker import RankSpec, build_rank
 
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 10.0  # a worker told to stop that has not exited by then is terminated
+FAILED_START_JOIN_S = 2.0  # the same after a failed start (a silent rank reads nothing)
 
 
 @dataclass
 class _Worker:
     rank: int
-    process: BaseProcess
+    process: RankProcess
     conn: Connection
     error: str | None = None  # what it reported before it died, if anything
 
@@ -55,6 +55,14 @@ class _Worker:
         except (EOFError, OSError):
             pass
         return self.error
+
+    def describe_exit(self) -> str:
+        """`rank r exited (code c): <its error>`, then its last output, if any."""
+        text = f"rank {self.rank} exited (code {self.process.exitcode})"
+        if self.poll_error():
+            text += f": {self.error}"
+        output = self.process.last_output()
+        return text + (f"; its last output:\n{output}" if output else "")
 
 
 @dataclass
@@ -96,18 +104,21 @@ class TPModelRunner:
             num_threads=torch.get_num_threads(),
             log_level=logging.getLogger().level,
         )
+        deadline = time.monotonic() + parallel_config.dist_timeout
+        workers: list[_Worker] = []
         try:
-            workers = [_spawn(rank, spec) for rank in range(1, parallel_config.tp_size)]
-        except BaseException:
-            listen_socket.close()
-            raise
-        try:
+            for rank in range(1, parallel_config.tp_size):
+                workers.append(_spawn(rank, spec))
+            _wait_for(workers, "hello", deadline)  # alive, imported, device set
             loaded, local = build_rank(0, spec, listen_socket)
-            _wait_ready(workers, parallel_config.dist_timeout)
+            _wait_for(workers, "ready", deadline)
         except BaseException as exc:
             listen_socket.close()  # a no-op once the store took it
-            _stop(workers)
-            reasons = [f"rank {w.rank}: {w.poll_error()}" for w in workers if w.poll_error()]
+            failed = [w for w in workers if w.poll_error() or not w.process.is_alive()]
+            _stop(workers, FAILED_START_JOIN_S)
+            if isinstance(exc, RankFailedError):
+                raise
+            reasons = [w.describe_exit() for w in failed]
             if reasons:
                 message = "tensor-parallel start failed: " + "; ".join(reasons)
                 raise RankFailedError(message) from exc
@@ -179,10 +190,7 @@ class TPModelRunner:
         parts = []
         for w in self.workers:
             if not w.process.is_alive():
-                error = w.poll_error()
-                parts.append(f"rank {w.rank} exited (code {w.process.exitcode})")
-                if error:
-                    parts[-1] += f": {error}"
+                parts.append(w.describe_exit())
         if exc is not None:
             parts.append(f"rank 0: {type(exc).__name__}: {exc}")
         return "tensor-parallel step failed; " + "; ".join(parts)
@@ -192,36 +200,43 @@ _NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 
 def _spawn(rank: int, spec: RankSpec) -> _Worker:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=run_tp_worker, args=(rank, spec, child), name=f"radixserve-tp{rank}", daemon=True
-    )
-    process.start()
-    child.close()
-    return _Worker(rank=rank, process=process, conn=parent)
+    process = RankProcess(rank)
+    process.conn.send(spec)
+    return _Worker(rank=rank, process=process, conn=process.conn)
 
 
-def _wait_ready(workers: list[_Worker], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_for(workers: list[_Worker], kind: str, deadline: float) -> None:
+    """Waits until every rank has sent `kind` ("hello", "ready"); RankFailedError naming the
+    first rank that reports an error, exits or is still silent at `deadline`."""
     for w in workers:
         while not w.conn.poll(0.1):
-            if not w.process.is_alive() or time.monotonic() > deadline:
-                raise RankFailedError(f"tensor-parallel rank {w.rank} did not start")
-        kind, message = w.conn.recv()
-        if kind != "ready":
+            if not w.process.is_alive():
+                w.process.join(1.0)
+                raise RankFailedError(f"tensor-parallel start failed: {w.describe_exit()}")
+            if time.monotonic() > deadline:
+                output = w.process.last_output() or "(none)"
+                raise RankFailedError(
+                    f"tensor-parallel start failed: rank {w.rank} did not report {kind} within "
+                    f"--dist-timeout; its last output:\n{output}"
+                )
+        try:
+            got, message = w.conn.recv()
+        except (EOFError, OSError):
+            got, message = "error", "its channel closed"
+        if got != kind:
             w.error = message
-            raise RankFailedError(f"tensor-parallel rank {w.rank} failed to start: {message}")
+            w.process.join(JOIN_TIMEOUT_S)
+            raise RankFailedError(f"tensor-parallel start failed: {w.describe_exit()}")
 
 
-def _stop(workers: list[_Worker]) -> None:
+def _stop(workers: list[_Worker], join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
     for w in workers:
         try:
             w.conn.send(None)
         except OSError:
             pass
     for w in workers:
-        w.process.join(JOIN_TIMEOUT_S)
+        w.process.join(join_timeout_s)
         if w.process.is_alive():
             logger.warning("tensor-parallel rank %d did not stop; terminating it", w.rank)
             w.process.terminate()

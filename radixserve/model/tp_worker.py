@@ -1,8 +1,12 @@
 """One tensor-parallel rank: join the group, load this rank's shard, run the forwards rank 0
 sends. Rank 0 builds its own shard with the same `build_rank`; ranks > 0 run `run_tp_worker`
-in a spawned process.
+in their own process, `python -m radixserve.model.tp_worker` (model/tp_process.py).
 
     rank 0 (scheduler, radix cache)             rank r > 0 (run_tp_worker)
+      pipe: RankSpec  ---------------------->     imports done, device checked
+      pipe: ("hello", None) <----------------     (rank 0 joins the group after every hello)
+      rendezvous, load shards, size the pool together
+      pipe: ("ready", None) | ("error", msg) <-
       pipe: BatchHeader  ------------------->     wakes (idle ranks wait here, no timeout)
       broadcast(payload) <==================>     receive_batch
       ModelRunner.forward: all-reduces, logits all-gather (collectives time out)
@@ -11,10 +15,12 @@ in a spawned process.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -77,11 +83,16 @@ def build_rank(
 
 
 def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
-    """Process entry of rank > 0: reports ("ready", None) or ("error", message), then serves."""
+    """Rank > 0: reports ("hello", None) once its device is set, then ("ready", None) or
+    ("error", message), then serves."""
     logging.basicConfig(level=spec.log_level, format=f"%(levelname)s tp{rank}: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(spec.num_threads)
     try:
+        device = rank_load_config(spec.load_config, rank).torch_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a missing device fails here, before the group
+        conn.send(("hello", None))
         _, runner = build_rank(rank, spec)
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -119,3 +130,22 @@ def _send_quietly(conn: Connection, message) -> None:
         conn.send(message)
     except OSError:
         pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m radixserve.model.tp_worker --rank R --fd FD`: FD is this rank's end of the
+    socket pair rank 0 made (model/tp_process.py); the RankSpec arrives on it first."""
+    parser = argparse.ArgumentParser(prog="python -m radixserve.model.tp_worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    conn = Connection(args.fd)
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):  # rank 0 went away before it sent anything
+        sys.exit(1)
+    run_tp_worker(args.rank, spec, conn)
+
+
+if __name__ == "__main__":
+    main()

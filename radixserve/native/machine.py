@@ -1,7 +1,8 @@
 """What CPU this is, for logs and benchmark tables: its model name, its feature flags, and a
 one-line summary of the SIMD features our kernels and torch's care about (AVX-512, its BF16 /
 VNNI extensions, AMX, AVX2) with the level torch picked (`ATEN_CPU_CAPABILITY` may lower it;
-our kernels' build follows it)."""
+our kernels' build follows it); and how much memory this process may still use (the CPU KV
+pool's default size)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import re
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: memory.max, memory.current
 FEATURES = {  # /proc/cpuinfo flag -> the name tables use
     "avx512f": "AVX-512",
     "avx512_bf16": "BF16",
@@ -46,3 +49,24 @@ def describe_cpu() -> str:
 
     level = torch.backends.cpu.get_cpu_capability()
     return f"{cpu_model()} ({', '.join(present)}; torch level {level})"
+
+
+def available_memory_bytes(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int | None:
+    """Memory this process may still take: the kernel's MemAvailable, within what the cgroup's
+    limit leaves (memory.max - memory.current, cgroup v2: containers); None where neither
+    can be read."""
+    found = []
+    match = re.search(r"^MemAvailable:\s+(\d+) kB", _read(meminfo) or "", re.MULTILINE)
+    if match:
+        found.append(int(match.group(1)) * 1024)
+    limit, current = _read(cgroup / "memory.max"), _read(cgroup / "memory.current")
+    if limit and current and limit.strip().isdigit() and current.strip().isdigit():
+        found.append(max(int(limit) - int(current), 0))
+    return min(found) if found else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.reasoning_grammar import ReasoningMatcher
+
 # xgrammar (0.2.9) writes the characters of a length-bounded JSON string (maxLength,
 # minLength) as the first class, which lets raw control characters in; JSON forbids them
 # unescaped, and its unbounded strings already use the second.
@@ -77,6 +80,7 @@ class GrammarBackend:
             raise ValueError(f"max_entries must be >= 1; got {max_entries}")
         xgr = _xgr()
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
@@ -122,8 +126,14 @@ class GrammarBackend:
         except Exception as exc:
             raise ValueError(f"{kind} is invalid: {exc}") from exc
 
-    def matcher(self, compiled) -> Any:
-        return _xgr().GrammarMatcher(compiled)
+    def matcher(self, compiled, params: SamplingParams | None = None) -> Any:
+        """A request's matcher of `compiled` (None: no constraint); with `params.reasoning_end`
+        it applies after the reasoning (sampling/reasoning_grammar.py)."""
+        inner = None if compiled is None else _xgr().GrammarMatcher(compiled)
+        if params is None or params.reasoning_end is None:
+            return inner
+        end, budget = params.reasoning_end, params.max_reasoning_tokens
+        return ReasoningMatcher(inner, self.tokenizer, end, budget)
 
     def mask_draft_rows(self, logits: torch.Tensor, matcher: Any, draft: list[int]) -> None:
         """Masks, in place, speculative decoding's verify rows of one request: row j with

@@ -70,6 +70,12 @@ class SamplingParams:
     """Constrain the output to JSON valid for this schema (a JSON string or an object)."""
     ebnf: str | None = None
     """Constrain the output to this EBNF grammar (GBNF dialect, start rule `root`)."""
+    reasoning_end: str | None = None
+    """The text that ends the output's reasoning (a reasoning parser's end marker): the
+    constraint (regex, json_schema, ebnf) applies only after it; before it, output is free."""
+    max_reasoning_tokens: int | None = None
+    """Most reasoning tokens: reasoning that reaches it is ended by forcing `reasoning_end`
+    (requires it); None: unbounded."""
     speculative: bool = True
     """Let the engine speculate for this request when it runs with --speculative-algorithm;
     false: decode one token per step (the output is the same either way)."""
@@ -103,6 +109,11 @@ class SamplingParams:
         """`stop` as a list of non-empty strings (`stop` itself is left as given)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    @property
+    def needs_matcher(self) -> bool:
+        """Whether decoding is steered: a constraint, or a reasoning budget to enforce."""
+        return self.grammar is not None or self.max_reasoning_tokens is not None
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -145,6 +156,7 @@ class SamplingParams:
         _check_bool("speculative", self.speculative)
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        _check_reasoning(self)
 
 
 def _is_int(value: object) -> bool:
@@ -188,6 +200,16 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
     in_range = (lambda v: 0 <= v) if vocab_size is None else (lambda v: 0 <= v < vocab_size)
     if not isinstance(ids, (list, tuple, set)) or not all(_is_int(v) and in_range(v) for v in ids):
         raise ValueError(f"stop_token_ids must be {allowed}; got {ids!r}")
+
+
+def _check_reasoning(params: SamplingParams) -> None:
+    end, budget = params.reasoning_end, params.max_reasoning_tokens
+    if end is not None and (not isinstance(end, str) or not end):
+        raise ValueError(f"reasoning_end must be a non-empty string or null; got {end!r}")
+    if budget is not None:
+        _check_int("max_reasoning_tokens", budget, "an integer >= 0", lambda v: v >= 0)
+        if end is None:
+            raise ValueError("max_reasoning_tokens requires reasoning_end")
 
 
 def _check_grammar(params: SamplingParams) -> None:

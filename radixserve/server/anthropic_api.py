@@ -3,10 +3,10 @@ POST /v1/messages/count_tokens, as the `anthropic` SDK sends them.
 
 A Messages body is checked and turned into chat messages (anthropic_protocol.py), rendered by
 the same chat template as chat completions (chat_prompt.py), run as one request, and its
-output read by the same trackers (openai_api.py: settled text, tool calls found by
-tool_calls.py); anthropic_response.py shapes the result. The `x-api-key` header carries the
-API key as well as `Authorization: Bearer` (app.py); `anthropic-version` is accepted, and
-its value does not change the answer.
+output read by the same trackers (openai_api.py: reasoning split off by `--reasoning-parser`,
+settled text, tool calls found by tool_calls.py); anthropic_response.py shapes the result.
+The `x-api-key` header carries the API key as well as `Authorization: Bearer` (app.py);
+`anthropic-version` is accepted, and its value does not change the answer.
 
 Errors on these paths are Anthropic's `{"type": "error", "error": {"type", "message"}}`
 with the same HTTP status as elsewhere (400 naming the field, 401, 404 model, 413, 503);
@@ -42,6 +42,7 @@ from radixserve.server.anthropic_response import (
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import ChoiceTracker, ToolCallTracker, check_model_name
+from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
@@ -114,6 +115,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     parsed = parse_messages_request(await read_json(request), tool_parser=state.tool_parser)
     lora_path = check_model_name(state, parsed.model)  # a LoRA adapter's name runs it
+    if parsed.thinking_given and parsed.reasoning.thinking and state.reasoning_format is None:
+        raise BadRequest(
+            "thinking requires a server started with --reasoning-parser", param="thinking"
+        )
+    parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
     prompt = await state.off_loop(render_prompt, state, parsed, True)
     stream = state.open(build_specs(state, parsed, prompt.ids, lora_path))
     [result] = stream.results
@@ -200,11 +206,12 @@ def _anthropic_names(message: str) -> str:
 
 
 def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult) -> ChoiceTracker:
+    reasoning = choice_reasoning_parser(state.reasoning_format, parsed.reasoning)
     if parsed.offered_tools:
         names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
         parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
-        return ToolCallTracker(result, state.tokenizer, parser)
-    return ChoiceTracker(result, state.tokenizer)
+        return ToolCallTracker(result, state.tokenizer, parser, reasoning)
+    return ChoiceTracker(result, state.tokenizer, reasoning=reasoning)
 
 
 def _stop_or_raise(result: RequestResult, finish: str | None) -> tuple[str, str | None]:

@@ -5,6 +5,7 @@ chat-completions message list that chat_prompt.py renders (one template path for
     user text blocks                      -> {"role": "user", "content": text}
     user tool_result blocks               -> {"role": "tool", "tool_call_id", "content"}
     assistant text + tool_use blocks      -> {"role": "assistant", "content", "tool_calls"}
+    assistant thinking blocks             -> left out (earlier reasoning is not replayed)
 
 Text blocks of one turn are joined with "\n" (as chat completions joins text parts); a
 tool_result's content may be a string or text blocks, and `is_error: true` prefixes it with
@@ -30,13 +31,18 @@ BLOCK_KEYS = {
     "text": {"type", "text", "cache_control", "citations"},
     "tool_use": {"type", "id", "name", "input", "cache_control", "caller"},  # caller: metadata
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+    "thinking": {"type", "thinking", "signature", "cache_control"},
+    "redacted_thinking": {"type", "data", "cache_control"},
 }
-ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+ROLE_BLOCKS = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+}
+THINKING_BLOCKS = ("thinking", "redacted_thinking")
+"""An earlier turn's reasoning: accepted and left out of the prompt, as Anthropic does."""
 UNSUPPORTED_BLOCKS = {
     "image",
     "document",
-    "thinking",
-    "redacted_thinking",
     "search_result",
     "server_tool_use",
     "web_search_tool_result",
@@ -129,6 +135,8 @@ def _add_blocks(role: str, blocks: list, where: str, conversation: Conversation)
             conversation.messages.append(_tool_result(block, f"{where}[{j}]"))
         elif block["type"] == "tool_use":
             turn.calls.append(_tool_use(block, f"{where}[{j}]"))
+        elif block["type"] in THINKING_BLOCKS:
+            pass
         else:
             turn.texts.append(block["text"])
         if block.get("cache_control") is not None:

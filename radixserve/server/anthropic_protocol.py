@@ -11,9 +11,15 @@ Field by field:
   `disable_parallel_tool_use: true` keeps the first call only.
 - `cache_control` on the request marks its last block (as Anthropic's top-level one does).
 - `metadata` (`user_id`) is accepted and not used; `service_tier` "auto" / "standard_only"
-  and `thinking` `{"type": "disabled"}` are accepted as the no-ops they are here.
+  is accepted as the no-op it is here.
+- `thinking`: `{"type": "disabled"}` turns thinking off (`enable_thinking: false` for the
+  template, unless chat_template_kwargs says otherwise); `{"type": "enabled",
+  "budget_tokens": n}` (n < max_tokens; Anthropic's minimum of 1024 is not enforced) turns
+  it on and ends longer reasoning at n tokens; needs `--reasoning-parser` (checked by the
+  route). Reasoning comes back as `thinking` blocks (server/reasoning.py).
 - `chat_template_kwargs` as on chat completions (a `chat_template` of its own is a 400), and
-  the extras `ignore_eos` and `seed` (SamplingParams' `sampling_seed`).
+  the extras `ignore_eos`, `seed` (SamplingParams' `sampling_seed`) and the output
+  constraints `regex` / `json_schema` / `ebnf` (one at most, none with a forced tool call).
 A field this server does not know is a 400 naming it, unless null.
 """
 
@@ -30,7 +36,12 @@ from radixserve.server.anthropic_messages import (
 )
 from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
-from radixserve.server.response_format import forced_call_constraint
+from radixserve.server.reasoning import ReasoningOptions, thinking_of
+from radixserve.server.response_format import (
+    CONSTRAINT_FIELDS,
+    Constraint,
+    forced_call_constraint,
+)
 from radixserve.server.tool_calls import NAME_PATTERN, ToolChoice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
@@ -40,6 +51,7 @@ EXTRA_SAMPLING_FIELDS = {"ignore_eos": "ignore_eos", "seed": "sampling_seed"}
 """radixserve's extras (as on chat completions) -> SamplingParams' names."""
 COUNT_FIELDS = {
     "model", "messages", "system", "tools", "tool_choice", "cache_control", "chat_template_kwargs",
+    "thinking",
 }  # fmt: skip
 MESSAGES_FIELDS = COUNT_FIELDS | {
     "max_tokens",
@@ -50,10 +62,10 @@ MESSAGES_FIELDS = COUNT_FIELDS | {
     "top_k",
     "metadata",
     *EXTRA_SAMPLING_FIELDS,
+    *CONSTRAINT_FIELDS,
 }
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "standard_only"),
-    "thinking": ({"type": "disabled"},),
 }
 """Fields accepted only at values that change nothing here."""
 TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control"}
@@ -80,6 +92,8 @@ class MessagesRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     breakpoint_messages: list[dict[str, Any]] | None = None  # up to the last cache_control
+    reasoning: ReasoningOptions = ReasoningOptions()
+    thinking_given: bool = False  # the body asked for thinking (enabled or disabled)
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -105,14 +119,20 @@ def parse_messages_request(
     if body.get("cache_control") is not None:
         conversation.mark()  # a top-level marker: on the last block, i.e. the whole prompt
     choice, single = check_tool_choice(body.get("tool_choice"), tools)
+    thinking, budget = check_thinking(body.get("thinking"), body.get("max_tokens"))
+    kwargs = _template_kwargs(body, conversation)
+    if thinking is not None:
+        kwargs = {"enable_thinking": thinking} | kwargs
     parsed = MessagesRequest(
         model=model,
         messages=conversation.messages,
         tools=tools,
         tool_choice=choice,
         single_tool_use=single,
-        template_kwargs=_template_kwargs(body, conversation),
+        template_kwargs=kwargs,
         breakpoint_messages=conversation.breakpoint,
+        reasoning=ReasoningOptions(thinking=thinking_of(kwargs), budget=budget),
+        thinking_given=thinking is not None,
     )
     if not count_only:
         parsed.stream = _check_bool(body, "stream")
@@ -146,6 +166,28 @@ def _template_kwargs(body: dict, conversation: Conversation) -> dict[str, Any]:
     if ends_with_assistant_text(conversation):
         kwargs = kwargs | {"add_generation_prompt": False, "continue_final_message": True}
     return kwargs
+
+
+def check_thinking(value: Any, max_tokens: Any) -> tuple[bool | None, int | None]:
+    """`thinking` -> (thinking on, budget in tokens); (None, None) when absent."""
+    if value is None:
+        return None, None
+    if value == {"type": "disabled"}:
+        return False, None
+    budget = value.get("budget_tokens") if isinstance(value, dict) else None
+    shaped = isinstance(value, dict) and value.get("type") == "enabled" and len(value) == 2
+    if not shaped or not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise BadRequest(
+            "thinking must be {'type': 'disabled'} or {'type': 'enabled', 'budget_tokens': "
+            f"int >= 1}}; got {value!r}"[:200],
+            param="thinking",
+        )
+    if isinstance(max_tokens, int) and budget >= max_tokens:
+        raise BadRequest(
+            f"thinking.budget_tokens must be less than max_tokens ({max_tokens}); got {budget}",
+            param="thinking.budget_tokens",
+        )
+    return True, budget
 
 
 def check_metadata(value: Any) -> None:
@@ -190,9 +232,15 @@ def sampling_dict(
                 param="stop_sequences",
             )
         sampling["stop"] = stops
-    constraint = forced_call_constraint(tools, choice, tool_parser)
-    if constraint is not None:
-        sampling[constraint.kind] = constraint.spec
+    given = [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
+    given.append(forced_call_constraint(tools, choice, tool_parser))
+    given = [constraint for constraint in given if constraint is not None]
+    if len(given) > 1:
+        first, second = given[0].param, given[1].param
+        raise BadRequest(
+            f"{second} cannot be combined with {first}: one constraint at most", param=second
+        )
+    sampling |= {c.kind: c.spec for c in given}
     return sampling
 
 

@@ -1,12 +1,13 @@
 """Anthropic's response shapes for /v1/messages: the message body, its usage and stop reason,
 the stream's events, and the error body.
 
-Content. A choice's deltas (openai_api.py's trackers: settled text, complete tool calls)
-become content blocks in order: text goes into the open text block (one is opened when text
-follows a call), each call is a `tool_use` block. A message with no block gets one empty text
-block, so `content[0]` always exists. Streamed, a tool_use block is `content_block_start`
-with `input: {}`, one `input_json_delta` carrying the whole arguments JSON, then
-`content_block_stop` (the parser yields whole calls).
+Content. A choice's deltas (openai_api.py's trackers: reasoning, settled text, tool calls)
+become content blocks in order: reasoning goes into a `thinking` block (with a reasoning
+parser on; `thinking_delta` events, an empty `signature`), text into the open text block
+(one is opened when text follows another block), each call is a `tool_use` block. A message
+with no block gets one empty text block, so `content[0]` always exists. Streamed, a tool_use
+block is `content_block_start` with `input: {}`, an `input_json_delta` per argument fragment
+as the tool parser reads it (concatenated: the arguments JSON), then `content_block_stop`.
 
 Usage, as Anthropic counts it (the three input counts add up to the prompt):
 - `cache_read_input_tokens`: prompt tokens served from the radix cache;
@@ -24,6 +25,7 @@ from typing import Any
 
 from radixserve.client.result import RequestResult
 from radixserve.server.openai_response import Delta
+from radixserve.server.tool_calls import ToolCall, ToolCallDelta
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -124,54 +126,98 @@ class ContentBlocks:
     def __init__(self, single_tool_use: bool = False):
         self.blocks: list[dict[str, Any]] = []
         self.single_tool_use = single_tool_use
-        self.text_open = False
-        self.num_calls = 0
+        self.open_kind: str | None = None  # the open block's type
+        self.open_call: int | None = None  # the call index of an open tool_use block
+        self.streamed: dict[int, tuple[int, str]] = {}  # call index -> (block, JSON sent)
 
     def add(self, delta: Delta) -> list[Event]:
-        events = self._add_text(delta.text) if delta.text else []
-        for call in delta.tool_calls:
-            if self.single_tool_use and self.num_calls:
-                break
-            events += self._close_text()
-            events += self._add_call(call.id, call.name, call.arguments)
-        return events
+        events = self._add_run("thinking", delta.reasoning) if delta.reasoning else []
+        deltas = [d for d in delta.tool_call_deltas if self._wanted(d.index)]
+        calls = [c for c in delta.tool_calls if self._wanted(c.index)]
+        current = self.open_call
+        if current is not None:  # what ends the open call comes before any new text
+            events += self._add_calls([d for d in deltas if d.index == current],
+                                      [c for c in calls if c.index == current])  # fmt: skip
+            deltas = [d for d in deltas if d.index != current]
+            calls = [c for c in calls if c.index != current]
+        events += self._add_run("text", delta.text) if delta.text else []
+        return events + self._add_calls(deltas, calls)
 
     def close(self) -> list[Event]:
         """Ends the open block; a message without any gets one empty text block."""
         if not self.blocks:
-            return self._add_text("") + self._close_text()
-        return self._close_text()
+            return self._add_run("text", "") + self._close()
+        return self._close()
 
-    def _add_text(self, text: str) -> list[Event]:
-        events: list[Event] = []
-        if not self.text_open:
-            self.blocks.append({"type": "text", "text": ""})
-            self.text_open = True
-            events.append(_block_start(len(self.blocks) - 1, {"type": "text", "text": ""}))
-        self.blocks[-1]["text"] += text
-        if text:
-            delta = {"type": "text_delta", "text": text}
-            events.append(_block_delta(len(self.blocks) - 1, delta))
+    def _wanted(self, call_index: int) -> bool:
+        return not (self.single_tool_use and call_index > 0)
+
+    def _add_calls(self, deltas: list[ToolCallDelta], calls: list[ToolCall]) -> list[Event]:
+        events = [event for d in deltas for event in self._add_fragment(d)]
+        for call in calls:
+            if call.index in self.streamed:
+                events += self._end_streamed(call)
+            else:
+                events += self._add_call(call.id, call.name, call.arguments)
         return events
 
-    def _close_text(self) -> list[Event]:
-        if not self.text_open:
+    def _open(self, block: dict[str, Any]) -> list[Event]:
+        events = self._close()
+        self.blocks.append(block)
+        self.open_kind = block["type"]
+        return [*events, _block_start(len(self.blocks) - 1, dict(block))]
+
+    def _close(self) -> list[Event]:
+        if self.open_kind is None:
             return []
-        self.text_open = False
+        self.open_kind, self.open_call = None, None
         return [_block_stop(len(self.blocks) - 1)]
 
+    def _add_run(self, kind: str, text: str) -> list[Event]:
+        """Text or thinking, appended to the open block of that kind (opened if needed)."""
+        events: list[Event] = []
+        if self.open_kind != kind:
+            block = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+            events += self._open(block)
+        self.blocks[-1][kind] += text
+        if text:
+            events.append(_block_delta(len(self.blocks) - 1, {"type": f"{kind}_delta", kind: text}))
+        return events
+
+    def _add_fragment(self, fragment: ToolCallDelta) -> list[Event]:
+        """A streamed call: its first fragment opens a tool_use block, each one after it is
+        an input_json_delta."""
+        events: list[Event] = []
+        if fragment.id is not None:
+            block_id = "toolu_" + fragment.id.removeprefix("call_")
+            events += self._open({"type": "tool_use", "id": block_id, "name": fragment.name,
+                                  "input": {}})  # fmt: skip
+            self.open_call = fragment.index
+            self.streamed[fragment.index] = (len(self.blocks) - 1, "")
+        return events + self._send_json(fragment.index, fragment.arguments)
+
+    def _send_json(self, call_index: int, text: str) -> list[Event]:
+        index, sent = self.streamed[call_index]
+        if not text or self.open_call != call_index:
+            return []
+        self.streamed[call_index] = (index, sent + text)
+        return [_block_delta(index, {"type": "input_json_delta", "partial_json": text})]
+
+    def _end_streamed(self, call: ToolCall) -> list[Event]:
+        index, sent = self.streamed[call.index]
+        rest = call.arguments[len(sent) :] if call.arguments.startswith(sent) else ""
+        events = self._send_json(call.index, rest)
+        self.blocks[index]["input"] = json.loads(call.arguments)
+        return events + (self._close() if self.open_call == call.index else [])
+
     def _add_call(self, call_id: str, name: str, arguments: str) -> list[Event]:
-        self.num_calls += 1
+        """A whole call (not streamed): its block with the whole arguments in one delta."""
         block_id = "toolu_" + call_id.removeprefix("call_")
-        block = {"type": "tool_use", "id": block_id, "name": name}
-        self.blocks.append(block | {"input": json.loads(arguments)})
+        events = self._open({"type": "tool_use", "id": block_id, "name": name, "input": {}})
+        self.blocks[-1]["input"] = json.loads(arguments)
         index = len(self.blocks) - 1
         delta = {"type": "input_json_delta", "partial_json": arguments}
-        return [
-            _block_start(index, block | {"input": {}}),
-            _block_delta(index, delta),
-            _block_stop(index),
-        ]
+        return [*events, _block_delta(index, delta), *self._close()]
 
 
 def _block_start(index: int, block: dict[str, Any]) -> Event:

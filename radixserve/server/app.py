@@ -19,14 +19,17 @@ from radixserve.client.result import ResultStream
 from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
 from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
-from radixserve.server.auth import auth_middleware
+from radixserve.server.auth import auth_middleware, install_key_throttle
 from radixserve.server.cache_api import register_cache_routes
+from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.lora_api import register_lora_routes
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
+from radixserve.server.responses_api import register_responses_routes
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
+from radixserve.server.tenants import namespaces_shown
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +131,17 @@ def _sse(body: Any) -> bytes:
 
 
 async def abort_request(request: web.Request) -> web.Response:
+    """Aborts the request `rid` of the caller's namespace: the body's `cache_salt` (as the
+    request was sent with), else X-Cache-Salt, else the default one (admin: every one)."""
     body = await read_json(request)
-    rid = body.get("rid") if isinstance(body, dict) else None
+    body = body if isinstance(body, dict) else {}
+    rid, salt = body.get("rid"), body.get("cache_salt")
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string", param="rid")
-    state_of(request).client.abort_rid(rid)
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("cache_salt must be a string", param="cache_salt")
+    namespaces = [salt] if salt is not None else namespaces_shown(request)
+    state_of(request).client.abort_rid(rid, namespaces)
     return web.json_response({"success": True})
 
 
@@ -264,9 +273,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
+    drain = Drain()  # inside anthropic_error_middleware: its 503 in each API's error shape
     app = web.Application(
         middlewares=[
             anthropic_error_middleware,
+            drain.middleware,
             error_middleware,
             auth_middleware,
             browser_guard_middleware,
@@ -275,6 +286,8 @@ def build_app(state: ServerState) -> web.Application:
         client_max_size=max_body_bytes(state.config),
     )
     app[STATE_KEY] = state
+    install_key_throttle(app)
+    app[DRAIN_KEY] = drain
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/flush_cache", flush_cache)  # it changes state: never on a GET
@@ -289,6 +302,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/check_integrity", check_integrity)
     openai_api.register_openai_routes(app)
     register_anthropic_routes(app)
+    register_responses_routes(app)
     register_cache_routes(app)
     register_lora_routes(app)
     if not state.config.disable_dashboard:

@@ -8,6 +8,11 @@
     both                --api-key                  user     yes
     admin key only      no key                     user     no
     --api-key set       nothing that matches       401
+    any                 a key, from a non-loopback 429 (before any comparison)
+                        address with API_KEY_MAX_
+                        FAILURES wrong ones lately
+Loopback callers are not throttled: behind the fleet's router (or a local proxy) every client
+shares one loopback address, and one client's wrong keys would lock all of them out.
 
 Admin routes (ADMIN_PATHS, the dashboard) answer a user 403 (401 when it sent no key).
 /cache/tree and /cache/sessions answer a user about its own namespace only (tenants.py).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import ipaddress
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -25,6 +31,7 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.server import dashboard
 from radixserve.server.errors import error_response
+from radixserve.server.limits import API_KEY_MAX_FAILURES, LoginThrottle
 from radixserve.server.state import state_of
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -48,6 +55,7 @@ class Caller:
 
 
 CALLER_KEY = web.RequestKey("caller", Caller)
+KEY_THROTTLE_KEY = web.AppKey("api_key_throttle", LoginThrottle)
 
 
 def caller_of(request: web.Request) -> Caller:
@@ -63,6 +71,14 @@ def is_admin(request: web.Request) -> bool:
 async def auth_middleware(request: web.Request, handler):
     if request.path in OPEN_PATHS:
         return await handler(request)
+    address = request.remote or ""
+    throttle = None if is_loopback(address) else request.app.get(KEY_THROTTLE_KEY)
+    presented = _presents_a_key(request)
+    if presented and throttle is not None and (wait_s := throttle.retry_after(address)):
+        message = f"too many wrong API keys from this address; retry in {wait_s} s"
+        response = error_response(429, message, param="Authorization")
+        response.headers["Retry-After"] = str(wait_s)
+        return response
     caller = await identify(request, state_of(request).config)
     if caller is not None and (caller.role is Role.ADMIN or not needs_admin(request.path)):
         request[CALLER_KEY] = caller
@@ -72,7 +88,27 @@ async def auth_middleware(request: web.Request, handler):
         return error_response(403, message, param="Authorization")
     if (login_form := dashboard.unauthorized(request)) is not None:
         return login_form
+    if presented and throttle is not None:
+        throttle.record_failure(address)
     return error_response(401, "missing or invalid API key", param="Authorization")
+
+
+def install_key_throttle(app: web.Application) -> None:
+    """Counts wrong API keys per client address (the auth middleware reads it)."""
+    app[KEY_THROTTLE_KEY] = LoginThrottle(max_failures=API_KEY_MAX_FAILURES)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a peer address is on this machine (127.0.0.0/8, ::1); not an IP (a unix
+    socket's empty address): False."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _presents_a_key(request: web.Request) -> bool:
+    return "Authorization" in request.headers or "x-api-key" in request.headers
 
 
 def needs_admin(path: str) -> bool:

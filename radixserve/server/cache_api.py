@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.cache.retention import check_pin_name, prefix_pin_key, session_pin_key
+from radixserve.cache.retention import check_pin_name, pin_room, prefix_pin_key, session_pin_key
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.engine.protocol import PinRequest
 from radixserve.server.errors import BadRequest, error_response
@@ -56,14 +56,19 @@ async def pin_prefix(request: web.Request) -> web.Response:
 
 
 async def _check_room_for_pin(state: ServerState, name: str, namespace: str | None) -> None:
-    """429 naming `name` when --max-pins pins are live, none of them a session's (those give
-    way to a new pin) nor `name` itself: the core would refuse the pin."""
+    """429 naming `name` when --max-pins pins are live and none may give way to it
+    (retention.pin_room: no session pin, and this namespace holds its share) nor is `name`
+    itself: the core would refuse the pin."""
     stats = await state.client.stats()
     pins = await state.client.list_pins()
-    if len(pins) < stats["max_pins"] or any(p["kind"] == "session" for p in pins):
+    kinds = [(p["namespace"], p["kind"] == "session") for p in pins]
+    if pin_room(kinds, namespace, stats["max_pins"])[0]:
         return
     if _find_pin(pins, "prefix", name, namespace) is None:
-        message = f"{len(pins)} prefixes are pinned, the most allowed (--max-pins); unpin one"
+        message = (
+            f"{len(pins)} prefixes are pinned, the most allowed (--max-pins), and this "
+            "namespace holds its share of them; unpin one"
+        )
         raise BadRequest(message, param="name", status=429)
 
 

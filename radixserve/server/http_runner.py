@@ -33,10 +33,14 @@ async def serve_app(
     drain: Callable[[], Awaitable],
     stop: asyncio.Event | None = None,
     limits: dict[str, Any] | None = None,
+    on_start: Callable[[], None] | None = None,
+    listen_while_draining: bool = False,
 ) -> None:
-    """Serves `app`, printing "`name` ready at URL" once it listens; on a signal (or when
-    `stop` is set) stops taking connections, awaits `drain()` (in-flight requests finish or
-    are aborted), then cleans up. `limits`: the connections' bounds (limits.runner_options)."""
+    """Serves `app`, printing "`name` ready at URL" once it listens (then calls `on_start`);
+    on a signal (or when `stop` is set) stops taking connections, awaits `drain()` (in-flight
+    requests finish or are aborted), then cleans up. `limits`: the connections' bounds
+    (limits.runner_options). `listen_while_draining`: the listener closes after `drain()`
+    instead of before (the app answers new requests itself meanwhile: server/drain.py)."""
     loop = asyncio.get_running_loop()
     logging.getLogger("aiohttp.server").addFilter(HTTP2_PROBE_FILTER)  # once: filters are a set
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **(limits or {}))
@@ -47,7 +51,12 @@ async def serve_app(
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if on_start is not None:
+        on_start()
     await stop.wait()
-    await site.stop()
+    if not listen_while_draining:
+        await site.stop()
     await drain()
+    if listen_while_draining:
+        await site.stop()
     await runner.cleanup()

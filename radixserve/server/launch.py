@@ -1,4 +1,5 @@
-"""`radixserve serve`: start the engine core process, then the HTTP server; stop on SIGTERM."""
+"""`radixserve serve`: start the engine core process, then the HTTP server (joining
+--router-url once it listens); on SIGTERM leave the router and drain (server/drain.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from typing import Any
 from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
+from radixserve.fleet.register import RouterMembership, WorkerRegistration
 from radixserve.model.tokenizer import open_tokenizer
+from radixserve.reasoning import reasoning_format
 from radixserve.server.app import ServerState, build_app
+from radixserve.server.drain import DRAIN_KEY
 from radixserve.server.http_runner import serve_app
 from radixserve.server.limits import runner_options
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.tool_parsers import resolve_tool_parser, tool_format
 
 logger = logging.getLogger(__name__)
-DRAIN_TIMEOUT_S = 30.0
 DEAD_CORE_EXIT_S = 1.0
 """After the engine core dies, the server answers 503 for this long, then exits non-zero so
 that a supervisor restarts it (in-flight requests have been failed already)."""
@@ -30,11 +33,13 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    if config.tool_call_parser is not None:  # a bad name fails before the model loads
-        try:
+    try:  # a bad name fails before the model loads
+        if config.tool_call_parser is not None:
             tool_format(config.tool_call_parser)
-        except ValueError as exc:
-            raise SystemExit(f"radixserve serve: {exc}") from None
+        if config.reasoning_parser is not None:
+            reasoning_format(config.reasoning_parser)
+    except ValueError as exc:
+        raise SystemExit(f"radixserve serve: {exc}") from None
     client = MultiprocessClient(engine_args, config.log_level)
     info = client.start()
     try:
@@ -69,6 +74,9 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
         max_running_requests=max_running,
         metrics=ServerMetrics(),
         tool_parser=_tool_parser(config, tokenizer),
+        reasoning_format=(
+            None if config.reasoning_parser is None else reasoning_format(config.reasoning_parser)
+        ),
     )
 
 
@@ -87,28 +95,34 @@ async def _serve(client: MultiprocessClient, info, engine_args, config: ServerCo
     state = make_state(client, info, engine_args, config)
     stop = asyncio.Event()
     client.on_dead.append(lambda reason: _exit_soon(loop, stop, reason))
+    app = build_app(state)
+    membership = _membership(config, engine_args)
+    leave = membership.leave if membership else None
     await serve_app(
-        build_app(state),
+        app,
         config.host,
         config.port,
         "radixserve",
-        lambda: _drain(client),
+        lambda: app[DRAIN_KEY].run(client, config.drain_timeout, leave),
         stop,
         limits=runner_options(config),
+        on_start=membership.start if membership else None,
+        listen_while_draining=True,
     )
     return DEAD_CORE_EXIT_CODE if client.dead else 0
+
+
+def _membership(config: ServerConfig, engine_args: dict[str, Any]) -> RouterMembership | None:
+    """This worker's place in --router-url's fleet, or None without one."""
+    if config.router_url is None:
+        return None
+    disaggregation = split_engine_kwargs(None, engine_args)[4]
+    registration = WorkerRegistration.from_config(
+        config, disaggregation.mode, disaggregation.disaggregation_bootstrap_port
+    )
+    return RouterMembership(registration)
 
 
 def _exit_soon(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, reason: str) -> None:
     logger.error("%s; exiting in %.0f s", reason, DEAD_CORE_EXIT_S)
     loop.call_later(DEAD_CORE_EXIT_S, stop.set)
-
-
-async def _drain(client: MultiprocessClient) -> None:
-    """Lets in-flight requests finish for a while, then aborts the rest."""
-    deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
-    while client.num_active and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    client.abort(client.active_request_ids())
-    while client.num_active and client.alive:
-        await asyncio.sleep(0.05)

@@ -9,6 +9,8 @@ dashboard login attempts.
           (408, then the connection closes after LINGERING_TIME_S)
     dashboard login: a form of at most LOGIN_MAX_BODY_BYTES with a Content-Length; an address
           with LOGIN_MAX_FAILURES wrong keys in LOGIN_WINDOW_S gets 429 until the oldest ages out
+    API keys: an address with API_KEY_MAX_FAILURES wrong keys in LOGIN_WINDOW_S gets 429 for
+          any request carrying a key, before it is compared (auth.py)
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ LOGIN_MAX_BODY_BYTES = 4096  # a form with one key field
 LOGIN_MAX_FAILURES = 5
 LOGIN_WINDOW_S = 60.0
 LOGIN_MAX_ADDRESSES = 4096  # addresses whose recent failures are remembered, oldest dropped
+API_KEY_MAX_FAILURES = 30
+"""Wrong API keys (Authorization / x-api-key) an address may send per LOGIN_WINDOW_S before
+its requests with a key get 429: far too few to guess a key, enough that one misconfigured
+client behind a shared address (a router) does not lock the others out at once."""
 
 
 def runner_options(config: ServerConfig) -> dict[str, Any]:

@@ -13,6 +13,8 @@ Choices where OpenAI and vLLM leave room:
 - With tools (and tool_choice not "none"), a chat choice's text is split into content and
   tool calls in the `--tool-call-parser` format (tool_parsers/), streamed as argument
   fragments; a choice that made a call and stopped ends in "tool_calls".
+- With `--reasoning-parser`, a chat choice's reasoning is split out first (server/reasoning.py)
+  into `reasoning_content`, streamed too; tool calls are read from the content only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from radixserve.client.client import EngineDeadError
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
+from radixserve.reasoning import StreamingReasoningParser
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
@@ -51,6 +54,7 @@ from radixserve.server.openai_response import (
     TokenLogprob,
     usage,
 )
+from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
@@ -97,6 +101,9 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
     parsed = parse_request(await read_json(request), chat, state.tool_parser)
     lora_path = check_model_name(state, parsed.model)
+    if chat:
+        parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning,
+                                             parsed.sampling)  # fmt: skip
     ids = await state.off_loop(prompt_ids, state, parsed)
     stream = state.open(build_specs(state, parsed, ids, lora_path))
     trackers = choice_trackers(state, parsed, ids, stream.results)
@@ -199,18 +206,23 @@ def choice_trackers(
     ids: list[list[int]],
     results: list[RequestResult],
 ) -> list[ChoiceTracker]:
-    """One tracker per choice; with `echo`, each starts with its prompt's text; with tools
-    offered, each splits its text into content and tool calls."""
+    """One tracker per choice; with `echo`, each starts with its prompt's text; with a
+    reasoning parser, each splits off the reasoning; with tools offered, each splits the
+    rest into content and tool calls."""
+    fmt = state.reasoning_format if parsed.chat else None
+    readers = [choice_reasoning_parser(fmt, parsed.reasoning) for _ in results]
     if parsed.offered_tools:
         names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
-        parsers = [
-            ToolCallParser(names, state.tool_parser, schemas, parsed.stream) for _ in results
-        ]
-        return [ToolCallTracker(r, state.tokenizer, p) for r, p in zip(results, parsers)]
+        return [
+            ToolCallTracker(r, state.tokenizer, ToolCallParser(names, state.tool_parser, schemas,
+                                                               parsed.stream), reader)
+            for r, reader in zip(results, readers)
+        ]  # fmt: skip
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
-    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n]) for i, r in enumerate(results)]
+    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n], readers[i])
+            for i, r in enumerate(results)]  # fmt: skip
 
 
 def tokenize_body(tokenizer, body: dict) -> list[int]:
@@ -287,10 +299,18 @@ async def _send_deltas(
 
 
 class ChoiceTracker:
-    """Turns one request's cumulative result into OpenAI deltas: new text, logprobs, finish."""
+    """Turns one request's cumulative result into OpenAI deltas: new text, logprobs, finish;
+    with a `reasoning` parser, the text is split into reasoning and content."""
 
-    def __init__(self, result: RequestResult, tokenizer, echo_text: str = ""):
+    def __init__(
+        self,
+        result: RequestResult,
+        tokenizer,
+        echo_text: str = "",
+        reasoning: StreamingReasoningParser | None = None,
+    ):
         self.result = result
+        self.reasoning = reasoning
         self.tokenizer = tokenizer
         self.pending_text = echo_text  # sent with the first delta
         start = result.spec.logprob_start_len
@@ -308,9 +328,13 @@ class ChoiceTracker:
         logprobs = self._new_logprobs() if self.result.spec.wants_logprobs else []
         finish = finish_reason(self.result)
         self.finished = finish is not None
-        if not text and not logprobs and finish is None:
+        reasoning = None
+        if self.reasoning is not None:
+            split = self.reasoning.feed(text, final=self.finished)
+            text, reasoning = split.content, split.reasoning
+        if not text and not reasoning and not logprobs and finish is None:
             return None
-        return Delta(text, logprobs, finish)
+        return Delta(text, logprobs, finish, reasoning=reasoning)
 
     def _new_text(self) -> str:
         text = self.result.text()
@@ -342,8 +366,14 @@ class ToolCallTracker(ChoiceTracker):
     default format's streaming parser): its deltas carry content, the calls completed and
     the call fragments streamed."""
 
-    def __init__(self, result: RequestResult, tokenizer, parser: ToolCallParser | list[str]):
-        super().__init__(result, tokenizer)
+    def __init__(
+        self,
+        result: RequestResult,
+        tokenizer,
+        parser: ToolCallParser | list[str],
+        reasoning: StreamingReasoningParser | None = None,
+    ):
+        super().__init__(result, tokenizer, reasoning=reasoning)
         self.parser = ToolCallParser(parser) if isinstance(parser, list) else parser
 
     def next_delta(self) -> Delta | None:
@@ -354,9 +384,11 @@ class ToolCallTracker(ChoiceTracker):
         finish = delta.finish_reason
         if finish == "stop" and self.parser.num_calls:
             finish = "tool_calls"
-        if not (parsed.content or parsed.calls or parsed.deltas or delta.logprobs or finish):
+        reasoning = delta.reasoning
+        if not (parsed.content or parsed.calls or parsed.deltas or delta.logprobs or finish
+                or reasoning):  # fmt: skip
             return None
-        return Delta(parsed.content, delta.logprobs, finish, parsed.calls, parsed.deltas)
+        return Delta(parsed.content, delta.logprobs, finish, parsed.calls, parsed.deltas, reasoning)
 
 
 def _floor(logprob: float) -> float:

@@ -18,6 +18,7 @@ from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.errors import BadRequest
+from radixserve.server.reasoning import ReasoningOptions, thinking_of
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import ToolChoice, check_tool_choice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
@@ -40,7 +41,8 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-    "parallel_tool_calls", "tools", "tool_choice",
+    "parallel_tool_calls", "tools", "tool_choice", "separate_reasoning", "stream_reasoning",
+    "max_reasoning_tokens",
 }  # fmt: skip
 TOKENIZE_FIELDS = {
     "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -49,7 +51,7 @@ TOKENIZE_FIELDS = {
 
 # Fields this server does not implement: accepted only at their no-op value. Besides OpenAI's,
 # the SGLang extensions that sglang-router writes into every body it forwards, at its defaults
-# (it re-serializes requests; without a reasoning parser, separating reasoning is a no-op).
+# (it re-serializes requests; on completions, separating reasoning is a no-op).
 NO_OP_VALUES: dict[str, Any] = {
     "best_of": 1, "logit_bias": {}, "suffix": "",
     "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
@@ -81,6 +83,7 @@ class OpenAIRequest:
     max_tokens_name: str = "max_tokens"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice("none")
+    reasoning: ReasoningOptions = ReasoningOptions()
 
     @property
     def n(self) -> int:
@@ -147,6 +150,12 @@ def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
         parsed.max_tokens_name = "max_completion_tokens"
     parsed.tools = check_tools(body.get("tools"))
     parsed.tool_choice = check_tool_choice(body.get("tool_choice"), parsed.tools)
+    parsed.reasoning = ReasoningOptions(
+        separate=check_bool(body, "separate_reasoning", True),
+        stream=check_bool(body, "stream_reasoning", True),
+        thinking=thinking_of(parsed.template_kwargs),
+        budget=check_top_count(body, "max_reasoning_tokens", limit=None),
+    )
 
 
 def sampling_dict(body: dict) -> dict[str, Any]:
@@ -214,15 +223,16 @@ def check_temperature(body: dict) -> None:
         )
 
 
-def check_top_count(body: dict, name: str) -> int | None:
-    """A logprobs count in [0, MAX_LOGPROBS], or None when absent."""
+def check_top_count(body: dict, name: str, limit: int | None = MAX_LOGPROBS) -> int | None:
+    """A count in [0, limit] (a logprobs count by default; None: no upper bound), or None
+    when absent."""
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(
-            f"{name} must be an integer in [0, {MAX_LOGPROBS}]; got {value!r}", param=name
-        )
+    top = 2**31 if limit is None else limit
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+        allowed = f"in [0, {limit}]" if limit is not None else ">= 0"
+        raise bad_request(f"{name} must be an integer {allowed}; got {value!r}", param=name)
     return value
 
 

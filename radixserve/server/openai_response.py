@@ -27,14 +27,16 @@ class TokenLogprob(NamedTuple):
 
 @dataclass
 class Delta:
-    """What one choice gained since the last response or chunk: text, the tool calls that
-    completed, and the tool-call fragments a stream sends."""
+    """What one choice gained since the last response or chunk: text (the content, when a
+    reasoning parser split it), the tool calls that completed, the tool-call fragments a
+    stream sends, and reasoning (None: no parser separates it)."""
 
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 class ResponseShape:
@@ -75,6 +77,8 @@ class ResponseShape:
             choice["text"] = delta.text
         elif chunk:
             choice["delta"] = {"content": delta.text} if delta.text else {}
+            if delta.reasoning:
+                choice["delta"]["reasoning_content"] = delta.reasoning
             if delta.tool_call_deltas:
                 choice["delta"]["tool_calls"] = [c.to_openai() for c in delta.tool_call_deltas]
         else:
@@ -90,11 +94,15 @@ class ResponseShape:
 
 
 def chat_message(delta: Delta) -> dict[str, Any]:
-    """A whole chat choice's message; with tool calls, empty content is null (as OpenAI)."""
-    if not delta.tool_calls:
-        return {"role": "assistant", "content": delta.text}
-    calls = [call.to_openai() for call in delta.tool_calls]
-    return {"role": "assistant", "content": delta.text or None, "tool_calls": calls}
+    """A whole chat choice's message; with tool calls, empty content is null (as OpenAI);
+    separated reasoning is `reasoning_content` (null when there was none)."""
+    message: dict[str, Any] = {"role": "assistant", "content": delta.text}
+    if delta.reasoning is not None:
+        message["reasoning_content"] = delta.reasoning or None
+    if delta.tool_calls:
+        message["content"] = delta.text or None
+        message["tool_calls"] = [call.to_openai() for call in delta.tool_calls]
+    return message
 
 
 def completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:

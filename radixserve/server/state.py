@@ -16,6 +16,7 @@ from radixserve.client.request_builder import RequestBuilder
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import ServerConfig
 from radixserve.engine.protocol import RequestSpec
+from radixserve.reasoning import ReasoningFormat
 from radixserve.server.errors import BadRequest
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
@@ -37,6 +38,8 @@ class ServerState:
     metrics: ServerMetrics
     tool_parser: str = DEFAULT_TOOL_PARSER
     """The tool-call format (tool_parsers/): `--tool-call-parser`, or the chat template's."""
+    reasoning_format: ReasoningFormat | None = None
+    """`--reasoning-parser`'s format (radixserve/reasoning/); None: outputs are not split."""
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "radixserve-tokenize")
     )

@@ -1,0 +1,362 @@
+"""OpenAI's Responses API: POST /v1/responses (plain and streamed), GET and DELETE
+/v1/responses/{id}, GET /v1/responses/{id}/input_items, as the `openai` SDK and the OpenAI
+Agents SDK send them.
+
+A body is checked (responses_protocol.py); with `previous_response_id` the stored chain's
+items (responses_store.py, the caller's own only) come before this turn's input; the items
+become chat messages (responses_items.py) rendered by the same chat template, tools prompt
+and tool-call parser as chat completions (chat_prompt.py); one request runs, its output read
+by the same trackers (openai_api.py); responses_output.py shapes the Response object and the
+stream's events. A completed or incomplete response is stored unless `store: false`.
+
+Errors are OpenAI's shape (errors.py) with the field in `param`: 400 for bad input, 404 for a
+response id (or `previous_response_id`) the caller has not stored, 503 for an aborted
+request; a stream that fails once started ends with `response.failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.client.client import EngineDeadError
+from radixserve.client.request_builder import GenerateArgs
+from radixserve.client.result import RequestResult, ResultStream
+from radixserve.engine.protocol import RequestSpec
+from radixserve.server.chat_prompt import render_chat
+from radixserve.server.errors import BadRequest
+from radixserve.server.openai_api import (
+    ChoiceTracker,
+    ToolCallTracker,
+    check_model_name,
+    with_default_max_tokens,
+)
+from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
+from radixserve.server.responses_items import chat_messages
+from radixserve.server.responses_output import (
+    Event,
+    OutputItems,
+    ResponseShape,
+    error_event,
+    status_of,
+    usage,
+)
+from radixserve.server.responses_protocol import ResponsesRequest, parse_responses_request
+from radixserve.server.responses_store import Owner, ResponseStore, StoredResponse, owner_of
+from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
+from radixserve.server.tenants import SALT_HEADER
+from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
+
+logger = logging.getLogger(__name__)
+
+STORE_KEY = web.AppKey("responses_store", ResponseStore)
+CORE_NAMES = {
+    "max_new_tokens": "max_output_tokens",
+    "sampling_seed": "seed",
+    "input_ids": "prompt token ids",
+}
+"""SamplingParams' names in core validation messages, as a Responses body calls them."""
+MAX_LIST_LIMIT = 100
+DEFAULT_LIST_LIMIT = 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def register_responses_routes(app: web.Application) -> None:
+    """The routes, and the store they share (bounded by the server's config)."""
+    app[STORE_KEY] = ResponseStore.from_config(app[STATE_KEY].config)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+
+
+# ---- one response in flight --------------------------------------------------------------
+
+
+@dataclass
+class ResponseRun:
+    """One Responses request in flight: what its Response object is built from."""
+
+    parsed: ResponsesRequest
+    owner: Owner
+    history: list[dict[str, Any]]  # the chain's items before this turn's input
+    tracker: ChoiceTracker
+    shape: ResponseShape
+    items: OutputItems
+    count_tokens: Callable[[str], list[int]]  # the reasoning's tokens, for its usage
+
+    @property
+    def result(self) -> RequestResult:
+        return self.tracker.result
+
+    def final(self, finish: str) -> dict[str, Any]:
+        """The finished Response object; an aborted request raises (503 unless it says)."""
+        reason = self.result.finish_reason
+        if finish == "abort" or reason is None or reason.is_abort:
+            message = reason.message if reason is not None else None
+            status = reason.status_code if reason is not None else None
+            raise BadRequest(
+                f"request aborted: {message or 'no reason given'}", status=status or 503
+            )
+        status, incomplete = status_of(finish)
+        reasoning = self.items.reasoning_text
+        num_reasoning = len(self.count_tokens(reasoning)) if reasoning else 0
+        used = usage(self.result, num_reasoning)
+        return self.shape.response(status, self.items.items, used, incomplete)
+
+    def failed(self, message: str) -> dict[str, Any]:
+        return self.shape.response("failed", self.items.items, error=error_event(message))
+
+    def save(self, store: ResponseStore, response: dict[str, Any]) -> None:
+        if not self.parsed.store:
+            return
+        inputs = self.parsed.input_items
+        history = [*self.history, *inputs, *self.items.items]
+        store.put(self.owner, StoredResponse(response, inputs, history))
+
+
+def store_of(request: web.Request) -> ResponseStore:
+    return request.app[STORE_KEY]
+
+
+# ---- handlers ----------------------------------------------------------------------------
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    state, store = state_of(request), store_of(request)
+    body = await read_json(request)
+    parsed = parse_responses_request(body, state.tool_parser, request.headers.get(SALT_HEADER))
+    check_model_name(state, parsed.model)
+    owner = owner_of(request, parsed.cache_salt)
+    history = previous_history(store, owner, parsed.previous_response_id)
+    ids = await state.off_loop(render_prompt, state, parsed, history)
+    parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
+    stream = state.open(build_specs(state, parsed, ids))
+    [result] = stream.results
+    run = ResponseRun(
+        parsed=parsed,
+        owner=owner,
+        history=history,
+        tracker=_tracker(state, parsed, result),
+        shape=ResponseShape(state.served_model_name, parsed.echo()),
+        items=OutputItems(single_call=not parsed.parallel_tool_calls),
+        count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
+    )
+    if parsed.stream:
+        return await stream_response(request, state, run, stream)
+    await state.run(stream)
+    delta = run.tracker.next_delta()  # the whole output: the request has finished
+    if delta is not None:
+        run.items.add(delta)
+    run.items.close()
+    response = run.final(delta.finish_reason if delta is not None else "abort")
+    run.save(store, response)
+    return web.json_response(response)
+
+
+async def retrieve_response(request: web.Request) -> web.Response:
+    _check_query(request, set())
+    return web.json_response(_stored(request).response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    owner = owner_of(request, request.headers.get(SALT_HEADER))
+    if not store_of(request).delete(owner, response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """A stored response's input items, paged by `after` (an item id) and `limit`."""
+    _check_query(request, {"after", "limit", "order", "include"})
+    items = _stored(request).input_items
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order must be 'asc' or 'desc'; got {order!r}", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise BadRequest(f"after names no input item of this response: {after!r}", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    limit = _list_limit(query.get("limit"))
+    page = ordered[:limit]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > limit,
+        }
+    )
+
+
+def _check_query(request: web.Request, known: set[str]) -> None:
+    for key, value in request.query.items():
+        if key not in known and not (key == "include" and not value):
+            raise BadRequest(f"query parameter {key} is not supported by this server", key)
+
+
+def _list_limit(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_LIST_LIMIT
+    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST_LIMIT:
+        raise BadRequest(
+            f"limit must be an integer in [1, {MAX_LIST_LIMIT}]; got {value!r}", "limit"
+        )
+    return int(value)
+
+
+def _stored(request: web.Request) -> StoredResponse:
+    """The caller's stored response named in the path (the namespace from X-Cache-Salt)."""
+    response_id = request.match_info["response_id"]
+    owner = owner_of(request, request.headers.get(SALT_HEADER))
+    record = store_of(request).get(owner, response_id)
+    if record is None:
+        raise _not_found(response_id)
+    return record
+
+
+def _not_found(response_id: str, param: str = "response_id") -> BadRequest:
+    noun = "Previous response" if param == "previous_response_id" else "Response"
+    return BadRequest(f"{noun} with id {response_id!r} not found.", param=param, status=404)
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+def previous_history(
+    store: ResponseStore, owner: Owner, response_id: str | None
+) -> list[dict[str, Any]]:
+    """The items a chained request continues (none without `previous_response_id`)."""
+    if response_id is None:
+        return []
+    record = store.get(owner, response_id)
+    if record is None:
+        raise _not_found(response_id, param="previous_response_id")
+    return record.history
+
+
+def render_prompt(
+    state: ServerState, parsed: ResponsesRequest, history: list[dict[str, Any]]
+) -> list[int]:
+    """The prompt's token ids: instructions, the chain's items, this turn's input."""
+    system = [{"role": "system", "content": parsed.instructions}] if parsed.instructions else []
+    messages = system + chat_messages([*history, *parsed.input_items])
+    if not messages:
+        raise BadRequest("input has no message, call or call output to answer", param="input")
+    text = render_chat(
+        state.tokenizer,
+        messages,
+        parsed.template_kwargs,
+        parsed.offered_tools,
+        tool_parser=state.tool_parser,
+    )
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_specs(state: ServerState, parsed: ResponsesRequest, ids: list[int]) -> list[RequestSpec]:
+    args = GenerateArgs(
+        input_ids=[ids],
+        sampling_params=[with_default_max_tokens(state, parsed.sampling, len(ids))],
+        cache_salt=parsed.cache_salt,
+        **parsed.options,
+    )
+    try:
+        return state.builder.build(args)[0]
+    except ValueError as exc:
+        raise BadRequest(_responses_names(str(exc))) from exc
+
+
+def _responses_names(message: str) -> str:
+    pattern = r"\b(" + "|".join(CORE_NAMES) + r")\b"
+    return re.sub(pattern, lambda match: CORE_NAMES[match.group(1)], message)
+
+
+def _tracker(state: ServerState, parsed: ResponsesRequest, result: RequestResult) -> ChoiceTracker:
+    """The choice's reader: reasoning split off first (with --reasoning-parser), then tool
+    calls read from the content (with tools offered)."""
+    reader = choice_reasoning_parser(state.reasoning_format, parsed.reasoning)
+    if parsed.offered_tools:
+        names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
+        parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
+        return ToolCallTracker(result, state.tokenizer, parser, reader)
+    return ChoiceTracker(result, state.tokenizer, reasoning=reader)
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+
+async def stream_response(
+    request: web.Request, state: ServerState, run: ResponseRun, stream: ResultStream
+) -> web.StreamResponse:
+    """The SDK's event sequence (responses_output.py), ending in response.completed,
+    response.incomplete or response.failed."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+
+    async def send(event: Event) -> None:
+        numbered = run.shape.event(event)
+        await response.write(
+            f"event: {numbered['type']}\ndata: {json.dumps(numbered)}\n\n".encode()
+        )
+
+    started = run.shape.response("in_progress", [])
+    await send({"type": "response.created", "response": started})
+    await send({"type": "response.in_progress", "response": started})
+    finish = await _send_items(state, run, stream, send)
+    if finish is None:
+        return response  # response.failed was sent
+    for event in run.items.close():
+        await send(event)
+    try:
+        final = run.final(finish)
+    except BadRequest as exc:
+        await send({"type": "response.failed", "response": run.failed(str(exc))})
+        return response
+    await send({"type": f"response.{final['status']}", "response": final})
+    run.save(store_of(request), final)
+    return response
+
+
+async def _send_items(
+    state: ServerState,
+    run: ResponseRun,
+    stream: ResultStream,
+    send: Callable[[Event], Awaitable[None]],
+) -> str | None:
+    """Streams the output items' events; returns the finish, or None after response.failed
+    (engine gone, internal error)."""
+    finish = None
+    try:
+        async with aclosing(state.iterate(stream)) as updates:
+            async for _ in updates:
+                delta = run.tracker.next_delta()
+                if delta is not None:
+                    finish = delta.finish_reason or finish
+                    for event in run.items.add(delta):
+                        await send(event)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except EngineDeadError as exc:
+        message = f"engine core is not running: {exc}"
+        await send({"type": "response.failed", "response": run.failed(message)})
+        return None
+    except Exception:
+        logger.exception("internal error while streaming %s", run.shape.id)
+        await send({"type": "response.failed", "response": run.failed("internal server error")})
+        return None
+    return finish or "abort"

@@ -1,0 +1,232 @@
+"""The Responses API's items: `input` (a string or a list of items) checked and normalized
+into the items a stored response keeps, and any list of items (a chain's history, then this
+turn's input) converted to the chat-completions message list that chat_prompt.py renders.
+
+    "text" / {"role", "content"} / {"type": "message", ...}  -> a message item
+        role user | system | developer (-> system) | assistant; content a string or
+        parts: input_text, output_text (assistant), each {"type", "text"}
+    {"type": "function_call", "call_id", "name", "arguments"}   -> an assistant tool call
+    {"type": "function_call_output", "call_id", "output"}       -> a `tool` turn
+    {"type": "reasoning", ...}                                   -> kept, not rendered
+
+Messages: an assistant message and the function calls right after it are one assistant turn
+(content + tool_calls); calls without a message before them get an empty one. Past reasoning
+items are not shown to the model, as reasoning models' chat templates drop past thinking.
+Images, files, audio and item references are a 400 naming the item.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from radixserve.server.errors import BadRequest
+
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+"""Message roles and the chat role each becomes."""
+MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
+TEXT_PART_KEYS = {
+    "input_text": {"type", "text"},
+    "output_text": {"type", "text", "annotations", "logprobs"},
+}
+CALL_KEYS = {"type", "call_id", "name", "arguments", "id", "status", "namespace"}
+OUTPUT_KEYS = {"type", "call_id", "output", "id", "status"}
+REASONING_KEYS = {"type", "id", "summary", "content", "encrypted_content", "status"}
+UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "refusal")
+ITEM_ID_PREFIXES = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "reasoning": "rs_",
+}
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def check_input(value: Any) -> list[dict[str, Any]]:
+    """`input` as normalized items (each with an id), as `input_items` lists them."""
+    if isinstance(value, str):
+        return [_message_item("user", [{"type": "input_text", "text": value}])]
+    if not isinstance(value, list) or not value:
+        raise BadRequest(
+            f"input must be a string or a non-empty list of items; got {value!r}"[:160], "input"
+        )
+    return [check_item(item, f"input[{i}]") for i, item in enumerate(value)]
+
+
+def check_item(item: Any, where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise BadRequest(f"{where} must be an item object; got {item!r}"[:160], param=where)
+    kind = item.get("type", "message" if "role" in item else None)
+    checks = {
+        "message": _check_message,
+        "function_call": _check_call,
+        "function_call_output": _check_call_output,
+        "reasoning": _check_reasoning,
+    }
+    if kind not in checks:
+        raise BadRequest(
+            f"{where}.type {kind!r} is not supported by this server; expected one of "
+            f"{sorted(checks)}",
+            param=f"{where}.type",
+        )
+    return checks[kind](item, where)
+
+
+def _check_keys(item: dict[str, Any], known: set[str], where: str) -> None:
+    for key, value in item.items():
+        if key not in known and value is not None:
+            raise BadRequest(f"{where}.{key} is not a known field", param=f"{where}.{key}")
+
+
+def _check_str(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise BadRequest(f"{where}.{key} must be a string; got {value!r}"[:160], f"{where}.{key}")
+    return value
+
+
+def _item_id(item: dict[str, Any], kind: str, where: str) -> str:
+    if item.get("id") is None:
+        return new_id(ITEM_ID_PREFIXES[kind])
+    return _check_str(item, "id", where)
+
+
+# ---- messages ----------------------------------------------------------------------------
+
+
+def _message_item(role: str, content: list[dict[str, Any]], item_id: str | None = None):
+    return {
+        "type": "message",
+        "id": item_id or new_id("msg_"),
+        "role": role,
+        "content": content,
+        "status": "completed",
+    }
+
+
+def _check_message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _check_keys(item, MESSAGE_KEYS, where)
+    role = item.get("role")
+    if role not in ROLES:
+        raise BadRequest(
+            f"{where}.role must be one of {sorted(ROLES)}; got {role!r}", f"{where}.role"
+        )
+    content = item.get("content")
+    part_type = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        parts = [{"type": part_type, "text": content}]
+    elif isinstance(content, list):
+        parts = [_check_part(p, role, f"{where}.content[{j}]") for j, p in enumerate(content)]
+    else:
+        raise BadRequest(
+            f"{where}.content must be a string or a list of content parts; got {content!r}"[:160],
+            param=f"{where}.content",
+        )
+    return _message_item(role, parts, _item_id(item, "message", where))
+
+
+def _check_part(part: Any, role: str, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    allowed = ("input_text", "output_text") if role == "assistant" else ("input_text",)
+    if kind not in allowed:
+        reason = "is not supported by this server" if kind in UNSUPPORTED_PARTS else "is unknown"
+        if kind in TEXT_PART_KEYS:
+            reason = f"is not allowed in a {role} message"
+        message = f"{where}.type {kind!r} {reason}; expected one of {allowed}"
+        raise BadRequest(message[:200], param=f"{where}.type")
+    _check_keys(part, TEXT_PART_KEYS[kind], where)
+    text = _check_str(part, "text", where)
+    if kind == "output_text":
+        return {"type": kind, "text": text, "annotations": []}
+    return {"type": kind, "text": text}
+
+
+# ---- calls, their outputs, reasoning -----------------------------------------------------
+
+
+def _check_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _check_keys(item, CALL_KEYS, where)
+    checked = {k: _check_str(item, k, where) for k in ("call_id", "name", "arguments")}
+    if _json_object(checked["arguments"]) is None:
+        raise BadRequest(
+            f"{where}.arguments must be a JSON object string; got {checked['arguments']!r}"[:160],
+            param=f"{where}.arguments",
+        )
+    item_id = _item_id(item, "function_call", where)
+    return {"type": "function_call", "id": item_id, **checked, "status": "completed"}
+
+
+def _check_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _check_keys(item, OUTPUT_KEYS, where)
+    call_id = _check_str(item, "call_id", where)
+    output = item.get("output")
+    if isinstance(output, list):
+        parts = [_check_part(p, "tool", f"{where}.output[{j}]") for j, p in enumerate(output)]
+        output = "\n".join(part["text"] for part in parts)
+    elif not isinstance(output, str):
+        raise BadRequest(
+            f"{where}.output must be a string or a list of input_text parts; got {output!r}"[:160],
+            param=f"{where}.output",
+        )
+    item_id = _item_id(item, "function_call_output", where)
+    return {
+        "type": "function_call_output",
+        "id": item_id,
+        "call_id": call_id,
+        "output": output,
+        "status": "completed",
+    }
+
+
+def _check_reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _check_keys(item, REASONING_KEYS, where)
+    summary = item.get("summary", [])
+    if not isinstance(summary, list):
+        raise BadRequest(f"{where}.summary must be a list", param=f"{where}.summary")
+    return {"type": "reasoning", "id": _item_id(item, "reasoning", where), "summary": summary}
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text, strict=False)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# ---- items -> chat messages --------------------------------------------------------------
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalized items as chat messages (see the module doc), in order."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            text = "\n".join(part["text"] for part in item["content"])
+            messages.append({"role": ROLES[item["role"]], "content": text})
+        elif kind == "function_call":
+            _add_call(messages, item)
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+    return messages
+
+
+def _add_call(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
+    """A call joins the assistant turn just before it, or opens one."""
+    call = {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": _json_object(item["arguments"])},
+    }
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant":
+        last = {"role": "assistant", "content": ""}
+        messages.append(last)
+    last.setdefault("tool_calls", []).append(call)

@@ -1,0 +1,71 @@
+"""The CPU KV pool's size when nobody chose it: a share of the memory available (within the
+cgroup's limit), split between TP ranks and between a fleet's workers; the flags override."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.config import CacheConfig
+from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
+from radixserve.fleet import launch
+from radixserve.model import runner
+from radixserve.model.runner import GiB, kv_budget_bytes
+from radixserve.native.machine import available_memory_bytes
+
+CPU = torch.device("cpu")
+
+
+def test_available_memory_is_meminfo_within_the_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   10485760 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_memory_bytes(meminfo, cgroup) == 10 * GiB
+    (cgroup / "memory.max").write_text(f"{6 * GiB}\n")
+    (cgroup / "memory.current").write_text(f"{2 * GiB}\n")
+    assert available_memory_bytes(meminfo, cgroup) == 4 * GiB  # the container's limit binds
+    (cgroup / "memory.max").write_text("max\n")  # no limit
+    assert available_memory_bytes(meminfo, cgroup) == 10 * GiB
+    assert available_memory_bytes(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_cpu_pool_defaults_to_a_share_of_available_memory(monkeypatch, caplog):
+    monkeypatch.setattr(runner, "available_memory_bytes", lambda: 10 * GiB)
+    with caplog.at_level(logging.INFO, logger=runner.__name__):
+        budget = kv_budget_bytes(CacheConfig(), CPU)
+    assert budget == int(10 * GiB * CPU_KV_MEMORY_FRACTION)
+    assert "of the 10.0 GiB available" in caplog.text
+    assert kv_budget_bytes(CacheConfig(), CPU, num_ranks=2) == budget // 2
+    assert kv_budget_bytes(CacheConfig(cpu_kv_cache_gb=1.5), CPU) == int(1.5 * GiB)
+    assert kv_budget_bytes(CacheConfig(max_total_tokens=4096), CPU) is None
+    monkeypatch.setattr(runner, "available_memory_bytes", lambda: 32 << 20)
+    with pytest.raises(ValueError, match="--cpu-kv-cache-gb or --max-total-tokens"):
+        kv_budget_bytes(CacheConfig(), CPU)
+    with pytest.raises(ValueError, match="--cpu-kv-cache-gb must be > 0"):
+        CacheConfig(cpu_kv_cache_gb=0)
+
+
+def test_the_engine_sizes_its_pool_from_available_memory(tiny_chat_model, monkeypatch):
+    monkeypatch.setattr(runner, "available_memory_bytes", lambda: 1 * GiB)
+    engine = Engine(tiny_chat_model, page_size=16)
+    try:
+        pool = engine.runner.pool
+        used = pool.k.numel() * pool.k.element_size() * 2
+        assert 0.9 < used / (CPU_KV_MEMORY_FRACTION * GiB) < 1.01  # + a padding page or so
+    finally:
+        engine.shutdown()
+
+
+def test_fleet_workers_share_the_default_pool_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 20 * GiB)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"\0" * 4096)
+    args = launch.split_cpu_kv_memory(4, {"model": str(model), "device": "cpu"})
+    expected = (20 * GiB - 4 * 4096) * CPU_KV_MEMORY_FRACTION / 4 / GiB
+    assert args["cpu_kv_cache_gb"] == pytest.approx(expected, abs=0.01)
+    chosen = {"model": str(model), "device": "cpu", "max_total_tokens": 4096}
+    assert launch.split_cpu_kv_memory(4, chosen) == chosen
