@@ -273,6 +273,14 @@ def test_http_lora_path_and_model(lora_server, references):
         assert reply.status_code == 200
         texts[model] = reply.json()["content"][0]["text"]
     assert texts["tiny"] != texts["a1"]
+    for model in ("tiny", "a1"):  # and the Responses API's
+        body = {"model": model, "input": "Say something long.", "max_output_tokens": NUM_NEW,
+                "temperature": 0, "store": False}  # fmt: skip
+        reply = requests.post(f"{url}/v1/responses", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        texts[model] = [part["text"] for item in reply.json()["output"]
+                        for part in item.get("content", [])]  # fmt: skip
+    assert texts["tiny"] != texts["a1"]
     models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
 

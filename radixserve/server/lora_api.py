@@ -1,4 +1,5 @@
-"""SGLang's LoRA admin routes (admin key when keys are set: auth.py ADMIN_PATHS):
+"""Which model a request names (the served one or a LoRA adapter of it), and SGLang's LoRA
+admin routes (admin key when keys are set: auth.py ADMIN_PATHS):
 
     POST /load_lora_adapter    {"lora_name", "lora_path"}  a PEFT folder, served at once
     POST /unload_lora_adapter  {"lora_name"}               refused while its requests run
@@ -14,6 +15,29 @@ from aiohttp import web
 
 from radixserve.server.errors import BadRequest
 from radixserve.server.state import ServerState, read_json, state_of
+
+
+def check_model_name(state: ServerState, model: str | None) -> str | None:
+    """A request may name the served model, a LoRA adapter of it (returned: the adapter the
+    request runs with) or none; any other name is a 404."""
+    if model in state.builder.lora_adapters:
+        return model
+    if model is not None and model != state.served_model_name:
+        raise BadRequest(
+            f"model {model!r} does not exist; this server serves {state.served_model_name!r}"
+            + "".join(f", {name!r}" for name in sorted(state.builder.lora_adapters)),
+            param="model",
+            status=404,
+        )
+    return None
+
+
+def lora_model_cards(state: ServerState, card: dict) -> list[dict]:
+    """/v1/models' entries of the adapters (SGLang's: a model whose parent is the base)."""
+    return [
+        card | {"id": name, "root": name, "parent": state.served_model_name}
+        for name in sorted(state.builder.lora_adapters)
+    ]
 
 
 def register_lora_routes(app: web.Application) -> None:

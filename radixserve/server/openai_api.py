@@ -36,7 +36,7 @@ from radixserve.engine.protocol import RequestSpec
 from radixserve.reasoning import StreamingReasoningParser
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.errors import BadRequest
+from radixserve.server.lora_api import check_model_name, lora_model_cards
 from radixserve.server.openai_protocol import (
     TOKENIZE_FIELDS,
     OpenAIRequest,
@@ -82,11 +82,7 @@ async def list_models(request: web.Request) -> web.Response:
         "root": state.model_path,
         "max_model_len": state.client.info["context_length"],
     }
-    adapters = [  # SGLang lists its LoRA adapters as models whose parent is the base
-        card | {"id": name, "root": name, "parent": state.served_model_name}
-        for name in sorted(state.builder.lora_adapters)
-    ]
-    return web.json_response({"object": "list", "data": [card, *adapters]})
+    return web.json_response({"object": "list", "data": [card, *lora_model_cards(state, card)]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -141,21 +137,6 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 # ---- requests ----------------------------------------------------------------------------
-
-
-def check_model_name(state: ServerState, model: str | None) -> str | None:
-    """A request may name the served model, a LoRA adapter of it (returned: the adapter the
-    request runs with) or none; any other name is a 404."""
-    if model in state.builder.lora_adapters:
-        return model
-    if model is not None and model != state.served_model_name:
-        raise BadRequest(
-            f"model {model!r} does not exist; this server serves {state.served_model_name!r}"
-            + "".join(f", {name!r}" for name in sorted(state.builder.lora_adapters)),
-            param="model",
-            status=404,
-        )
-    return None
 
 
 def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
