@@ -15,6 +15,7 @@ from radixserve.config import (
     FleetConfig,
     HiCacheConfig,
     LoadConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -33,12 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="(default: random)")
     gen.add_argument("--log-level", default="warning", help="(default: warning)")
+    gen.add_argument("--lora-path", default=None, help="run the prompts with this LoRA adapter "
+                     "(a name from --lora-paths; default: the base model)")  # fmt: skip
     add_dataclass_args(gen, LoadConfig, "model")
     gen.add_argument("--model-path", dest="model", help="alias of --model")
     add_dataclass_args(gen, CacheConfig, "KV cache")
     add_dataclass_args(gen, SchedulerConfig, "scheduler")
     add_dataclass_args(gen, HiCacheConfig, "hierarchical cache")
     add_dataclass_args(gen, ParallelConfig, "parallelism")
+    add_dataclass_args(gen, LoraConfig, "LoRA adapters")
     srv = sub.add_parser("serve", help="serve the native and OpenAI-compatible HTTP APIs")
     add_server_args(srv)
     add_dataclass_args(srv, ParallelConfig, "parallelism")
@@ -68,13 +72,14 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     add_dataclass_args(parser, CacheConfig, "KV cache")
     add_dataclass_args(parser, SchedulerConfig, "scheduler")
     add_dataclass_args(parser, HiCacheConfig, "hierarchical cache")
+    add_dataclass_args(parser, LoraConfig, "LoRA adapters")
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:
     if getattr(args, "model_arg", None) is not None:  # `serve MODEL` / `fleet MODEL`
         args.model = args.model_arg
     groups = (LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, DisaggregationConfig)
-    groups += (HiCacheConfig,)
+    groups += (HiCacheConfig, LoraConfig)
     return {  # `fleet` has no ParallelConfig flags: its workers are one process each
         name: getattr(args, name)
         for cls in groups
@@ -132,7 +137,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "sampling_seed": args.sampling_seed,
     }
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params, lora_path=args.lora_path)
     gen_s = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs):
         print(f"### {prompt}\n{out['text']}\n")

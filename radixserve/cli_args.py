@@ -45,7 +45,9 @@ def add_dataclass_args(
         # argparse %-formats help text: a literal "%" (LoadConfig's "~20% slower") is escaped
         help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
         annotation = str(f.type).replace(" | None", "").strip()
-        if annotation == "bool":
+        if annotation == "list[str]":
+            group.add_argument(flag, nargs="+", default=f.default, help=help_text)
+        elif annotation == "bool":
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
@@ -68,6 +70,8 @@ def dataclass_flags(values: dict[str, Any], cls: type, exclude: tuple[str, ...] 
             continue
         if isinstance(value, bool):
             flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list | tuple):
+            flags += [_flag(f.name), *map(str, value)]
         elif value is not None:
             flags += [_flag(f.name), str(value)]
     return flags

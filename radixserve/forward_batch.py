@@ -20,6 +20,22 @@ import numpy as np
 import torch
 
 
+@dataclass(frozen=True)
+class LoraBatch:
+    """Which tokens use which LoRA adapter slot, grouped once per step (model/lora.py)."""
+
+    segments: tuple[tuple[int, torch.Tensor], ...]  # (slot, token rows [n] int64), slots unique
+
+    @classmethod
+    def build(cls, slot_per_token: np.ndarray, device: torch.device | str) -> LoraBatch | None:
+        """From each token's slot (-1: the base model); None when no token uses an adapter."""
+        slots = np.unique(slot_per_token[slot_per_token >= 0])
+        if not len(slots):
+            return None
+        rows = [np.flatnonzero(slot_per_token == slot) for slot in slots]
+        return cls(tuple((int(s), torch.from_numpy(r).to(device)) for s, r in zip(slots, rows)))
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -32,6 +48,7 @@ class ForwardBatch:
     return_all_logits: bool = False
     verify_indices: torch.Tensor | None = None  # [num_verify_rows] int64: tokens that need logits
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
+    lora: LoraBatch | None = None  # tokens per LoRA adapter; None: all on the base model
 
     @property
     def num_reqs(self) -> int:

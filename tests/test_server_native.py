@@ -407,7 +407,7 @@ KNOWN_ROUTES = {
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
     "/check_integrity", "/dashboard", "/dashboard/stats", "/dashboard/login", "/dashboard/{name}",
     "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
-    "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/messages", "/v1/messages/count_tokens", "/load_lora_adapter", "/unload_lora_adapter",
     "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key

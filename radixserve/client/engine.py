@@ -42,6 +42,7 @@ class Engine:
             self.runner.pool.capacity_tokens,
             enable_priority=self.scheduler.config.enable_priority_scheduling,
             disaggregation_mode=handoff.mode if (handoff := self.scheduler.handoff) else None,
+            lora_adapters=None if self.runner.lora is None else self.runner.lora.ids,
         )
         self.client = InProcessClient(self.core)
         self._loop = LoopThread()
@@ -66,6 +67,7 @@ class Engine:
         priority: int | None = None,
         session_id: str | None = None,
         retention: dict | None = None,
+        lora_path: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
         specs, batched = self._build(_generate_args(locals()))
@@ -91,6 +93,7 @@ class Engine:
         priority: int | None = None,
         session_id: str | None = None,
         retention: dict | None = None,
+        lora_path: str | list[str] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
         specs, batched = self._build(_generate_args(locals()))
@@ -106,6 +109,22 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (False) while requests are queued or running."""
         return self._loop.run(self.client.flush_cache())
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Loads a PEFT adapter folder while serving (SGLang's name); every adapter's folder."""
+        return self._change_lora("load_lora_adapter", lora_name=lora_name, lora_path=lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unloads an adapter (ValueError while requests of it run); the adapters left."""
+        return self._change_lora("unload_lora_adapter", lora_name=lora_name)
+
+    def _change_lora(self, method: str, **args: str) -> dict[str, str]:
+        try:
+            adapters = self._loop.run(self.client.call(method, **args))
+        except RuntimeError as exc:  # the core's refusal, "ValueError: ..."
+            raise ValueError(str(exc).removeprefix("ValueError: ")) from None
+        self.builder.lora_adapters = adapters["ids"]
+        return adapters["paths"]
 
     def get_stats(self) -> dict[str, Any]:
         return self._loop.run(self.client.stats())

@@ -22,7 +22,7 @@ from typing import Any
 
 from radixserve.cache.retention import check_pin_name, session_pin_key
 from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
-from radixserve.engine.request import MAX_LOGPROBS, LogprobRequest
+from radixserve.engine.request import LORA_NAMESPACE_SEP, MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import SamplingParams, is_int64
 
@@ -56,6 +56,7 @@ class GenerateArgs:
     bootstrap_host: str | list[str] | None = None  # disaggregation: the prefill worker's host
     bootstrap_port: int | list[int] | None = None  # ... its bootstrap port
     bootstrap_room: int | list[int] | None = None  # ... the room pairing prefill and decode
+    lora_path: str | list[str] | None = None  # the LoRA adapter's name (--lora-paths); None: base
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> GenerateArgs:
@@ -83,6 +84,7 @@ class RequestBuilder:
         max_outputs: int | None = None,
         enable_priority: bool = False,
         disaggregation_mode: str | None = None,
+        lora_adapters: Mapping[str, int] | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -91,6 +93,9 @@ class RequestBuilder:
         self.max_outputs = max_outputs
         self.enable_priority = enable_priority
         self.disaggregation_mode = disaggregation_mode
+        # LoRA adapter name -> load id, of those the engine serves (--lora-paths, and
+        # /load_lora_adapter: whoever loads or unloads one updates this map)
+        self.lora_adapters: dict[str, int] = dict(lora_adapters or {})
         self._rng = random.Random()
 
     def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
@@ -105,16 +110,35 @@ class RequestBuilder:
         parsed = [self.sampling_params(p) for p in params_list]
         self._check_num_outputs(sum(params.n for params in parsed))
         bootstraps = self._bootstraps(args, count)
+        loras = [self.check_lora(name) for name in _per_prompt(args.lora_path, count, "lora_path")]
         specs = []
-        for ids, params, rid, salt, boot in zip(token_lists, parsed, rids, salts, bootstraps):
+        prompts = zip(token_lists, parsed, rids, salts, bootstraps, loras)
+        for ids, params, rid, salt, boot, lora in prompts:
             self.check_length(ids, params)
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt must be a string; got {salt!r}")
             if boot is not None and params.n != 1:
                 raise ValueError("bootstrap_room pairs one prefill with one decode: n must be 1")
+            self.check_salt(salt)
+            lora_id = None if lora is None else self.lora_adapters[lora]
             outputs = [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
-            specs += [replace(spec, bootstrap=boot) for spec in outputs]
+            specs += [replace(spec, bootstrap=boot, lora_id=lora_id) for spec in outputs]
         return self.with_retention(specs, args), batched
+
+    def check_lora(self, name: Any) -> str | None:
+        """The adapter `lora_path` names (None: the base model), refused unless served."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or name not in self.lora_adapters:
+            served = ", ".join(sorted(self.lora_adapters)) or "none (start with --lora-paths)"
+            raise ValueError(f"lora_path {name!r} is not a loaded LoRA adapter; served: {served}")
+        return name
+
+    def check_salt(self, salt: str | None) -> None:
+        """With LoRA on, a salt may not hold NUL: the core joins it with the adapter's load id
+        by NUL into the cache namespace (engine/request.py `cache_namespace`)."""
+        if self.lora_adapters and salt is not None and LORA_NAMESPACE_SEP in salt:
+            raise ValueError("cache_salt must not contain NUL characters")
 
     def _bootstraps(self, args: GenerateArgs, count: int) -> list[Bootstrap | None]:
         """Each prompt's bootstrap (host, port, room), checked; all None when not given."""

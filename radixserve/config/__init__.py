@@ -8,6 +8,7 @@ text (see cli_args.py); callers import every public name from here.
     scheduler       SchedulerConfig (ordering, admission, batching, speculative decoding)
     parallel        ParallelConfig (tensor parallelism)
     disaggregation  DisaggregationConfig (prefill/decode workers)
+    lora            LoraConfig (multi-LoRA adapters)
     server          ServerConfig (HTTP)
     keys            resolve_keys (API keys from flag, file or environment), redact_secrets
     fleet           FleetConfig (`radixserve fleet`)
@@ -34,6 +35,7 @@ from radixserve.config.keys import (
 )
 from radixserve.config.kv_events import KV_EVENT_PUBLISHERS, KVEventsConfig, offset_endpoint
 from radixserve.config.load import TORCH_DTYPES, LoadConfig
+from radixserve.config.lora import LoraConfig, parse_lora_path
 from radixserve.config.model import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -71,6 +73,7 @@ __all__ = [
     "HiCacheConfig",
     "KVEventsConfig",
     "LoadConfig",
+    "LoraConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
@@ -78,6 +81,7 @@ __all__ = [
     "UnsupportedModelError",
     "is_secret_field",
     "offset_endpoint",
+    "parse_lora_path",
     "redact_secrets",
     "resolve_keys",
     "split_engine_kwargs",

@@ -8,6 +8,7 @@ from typing import Any
 from radixserve.config.cache import CacheConfig, HiCacheConfig
 from radixserve.config.disaggregation import DisaggregationConfig
 from radixserve.config.load import LoadConfig
+from radixserve.config.lora import LoraConfig
 from radixserve.config.parallel import ParallelConfig
 from radixserve.config.scheduler import SchedulerConfig
 
@@ -15,7 +16,13 @@ from radixserve.config.scheduler import SchedulerConfig
 def split_engine_kwargs(
     model_path: str | None, kwargs: dict[str, Any]
 ) -> tuple[
-    LoadConfig, CacheConfig, SchedulerConfig, ParallelConfig, DisaggregationConfig, HiCacheConfig
+    LoadConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    DisaggregationConfig,
+    HiCacheConfig,
+    LoraConfig,
 ]:
     """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses."""
     groups = (
@@ -25,6 +32,7 @@ def split_engine_kwargs(
         ParallelConfig,
         DisaggregationConfig,
         HiCacheConfig,
+        LoraConfig,
     )
     values: dict[type, dict[str, Any]] = {cls: {} for cls in groups}
     if model_path is not None:

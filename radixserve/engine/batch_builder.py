@@ -10,7 +10,7 @@ import torch
 
 from radixserve.engine.logprobs import needs_all_logits
 from radixserve.engine.request import Req
-from radixserve.forward_batch import ForwardBatch
+from radixserve.forward_batch import ForwardBatch, LoraBatch
 
 _NO_ROW = (None, 0, None)
 
@@ -32,12 +32,33 @@ class Work:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int, device: torch.device):
+    """`lora_slots`: LoRA adapter load id -> slot in the model's LoRA weights (model/lora.py),
+    kept current by whoever loads adapters; None without LoRA."""
+
+    def __init__(
+        self, page_size: int, device: torch.device, lora_slots: dict[int, int] | None = None
+    ):
         self.page_size, self.device = page_size, device
+        self.lora_slots = lora_slots
         self._page_row_memo: dict[Req, tuple[list[int], int, np.ndarray]] = {}
 
     def build(self, work: list[Work]) -> ForwardBatch:
         """Each request's new tokens on top of its computed prefix, through its page table."""
+        batch = self._build_base(work)
+        if self.lora_slots and any(w.req.lora_id is not None for w in work):
+            batch.lora = self._lora_batch(work)
+        return batch
+
+    def _lora_batch(self, work: list[Work]) -> LoraBatch | None:
+        """The batch's tokens grouped by adapter slot, once per step (-1: the base)."""
+        # Intake refuses requests of unloaded adapters, and unload refuses while one of the
+        # adapter's requests is in the engine: every load id here has its slot
+        slots = np.array([-1 if w.req.lora_id is None else self.lora_slots[w.req.lora_id]
+                          for w in work])  # fmt: skip
+        counts = np.array([w.num_forward for w in work])
+        return LoraBatch.build(np.repeat(slots, counts), self.device)
+
+    def _build_base(self, work: list[Work]) -> ForwardBatch:
         return ForwardBatch.build(
             [token_slice(w.req, w.req.num_computed, w.num_new) + w.draft for w in work],
             [w.req.num_computed for w in work],
@@ -64,6 +85,12 @@ class BatchBuilder:
             self._page_row_memo[req] = (table, num, row)
             rows.append(row)
         return rows
+
+
+def lora_slots_of(runner) -> dict[int, int] | None:
+    """The runner's LoRA load id -> slot map (None without LoRA, or on a stand-in runner)."""
+    lora = getattr(runner, "lora", None)
+    return None if lora is None else lora.slot_of_id
 
 
 def verify_indices(work: list[Work]) -> list[int]:

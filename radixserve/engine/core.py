@@ -5,7 +5,7 @@ The in-process `Engine` and the server's core process both drive one of these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.hiradix_cache import create_hierarchical_cache
@@ -19,13 +19,17 @@ from radixserve.config import (
     HiCacheConfig,
     KVEventsConfig,
     LoadConfig,
+    LoraConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from radixserve.config.lora import check_lora_name
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculative import create_drafter
 from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.lora import LoraWeights, load_lora_weights
+from radixserve.model.lora_adapter import LoraAdapter
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.tp_runner import TPModelRunner
@@ -43,6 +47,7 @@ class EngineCore:
     tokenizer: Any
     context_length: int
     kv_publisher: KVEventPublisher | None = None  # --kv-events-config (rank 0 only)
+    lora_config: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def build(
@@ -53,6 +58,7 @@ class EngineCore:
         parallel_config: ParallelConfig | None = None,
         disaggregation_config: DisaggregationConfig | None = None,
         hicache_config: HiCacheConfig | None = None,
+        lora_config: LoraConfig | None = None,
     ) -> EngineCore:
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
@@ -77,12 +83,17 @@ class EngineCore:
                 f"--speculative-algorithm {algorithm} drafts with a model, which is not sharded "
                 f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
             )
+        lora_config = lora_config or LoraConfig()
+        _check_lora(lora_config, scheduler_config, parallel_config, hicache_config)
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         publisher = None
         try:
+            _attach_lora(loaded, runner, lora_config)
             publisher = _start_publisher(kv_events)
             configs = (load_config, cache_config, scheduler_config, disaggregation_config)
-            return cls._assemble(loaded, runner, *configs, hicache_config, publisher)
+            core = cls._assemble(loaded, runner, *configs, hicache_config, publisher)
+            core.lora_config = lora_config
+            return core
         except BaseException:
             if publisher is not None:
                 publisher.close()
@@ -152,6 +163,37 @@ class EngineCore:
         self.cache.reset()
         return True
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, dict]:
+        """Loads a PEFT folder as adapter `lora_name` while serving (SGLang's route); returns
+        every adapter's load id and folder. Refused past --max-loras-per-batch adapters."""
+        lora = self._lora_weights()
+        limit = self.lora_config.max_loras_per_batch
+        if len(lora.ids) >= limit:
+            raise ValueError(f"lora_name: {limit} adapters are loaded (--max-loras-per-batch)")
+        if lora_name in lora.ids:
+            raise ValueError(f"lora_name {lora_name!r} is already loaded")
+        check_lora_name(lora_name)
+        max_rank = self.lora_config.max_lora_rank
+        lora.add(LoraAdapter.load(lora_name, lora_path, self.loaded.config, max_rank))
+        return {"ids": dict(lora.ids), "paths": dict(lora.paths)}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, dict]:
+        """Unloads adapter `lora_name`; refused while a request of it is in the engine.
+        Its KV stays in the tree under its load id, unreachable, until evicted."""
+        lora = self._lora_weights()
+        if lora_name not in lora.ids:
+            raise ValueError(f"lora_name {lora_name!r} is not loaded")
+        load_id = lora.ids[lora_name]
+        if any(req.lora_id == load_id for req in self.scheduler.all_reqs()):
+            raise ValueError(f"lora_name {lora_name!r} has requests running or queued")
+        lora.remove(lora_name)
+        return {"ids": dict(lora.ids), "paths": dict(lora.paths)}
+
+    def _lora_weights(self) -> LoraWeights:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        return self.runner.lora
+
     def list_pins(self) -> list[dict]:
         """Every retention pin (sessions and pinned prefixes), oldest first."""
         return self.scheduler.pins.describe()
@@ -204,6 +246,46 @@ class EngineCore:
             **scheduler.stats.as_dict(),
             **(self.kv_publisher.stats() if self.kv_publisher else {}),
         }
+
+
+def _check_lora(
+    lora: LoraConfig,
+    scheduler: SchedulerConfig,
+    parallel: ParallelConfig,
+    hicache: HiCacheConfig,
+) -> None:
+    """Refuses, before the model loads, what LoRA serving does not cover yet."""
+    lora.verify()
+    if not lora.enabled:
+        return
+    if parallel.tp_size > 1:
+        raise ValueError(f"--enable-lora is not sharded over --tp-size {parallel.tp_size} yet")
+    if scheduler.speculative_algorithm is not None:
+        raise ValueError(
+            f"--enable-lora does not work with --speculative-algorithm "
+            f"{scheduler.speculative_algorithm} yet (drafts would ignore the adapter)"
+        )
+    if hicache.enable_hierarchical_cache:
+        raise ValueError(
+            "--enable-lora does not work with --enable-hierarchical-cache yet (a tier on disk "
+            "does not record which adapter weights its KV came from)"
+        )
+
+
+def _attach_lora(loaded: LoadedModel, runner: ModelRunner, lora: LoraConfig) -> None:
+    """Loads --lora-paths into the runner and the model (nothing without --enable-lora)."""
+    if not lora.enabled:
+        return
+    if loaded.config.moe is not None:
+        raise ValueError(
+            "--enable-lora does not cover mixture-of-experts models "
+            f"({loaded.config.architecture}) yet: their experts would ignore the adapters"
+        )
+    weights = load_lora_weights(
+        loaded.config, lora.adapter_paths(), lora.max_lora_rank, loaded.dtype, runner.device
+    )
+    runner.lora = weights
+    loaded.model.use_lora(weights)
 
 
 def _create_cache(

@@ -111,6 +111,8 @@ class CoreLoop:
             "unpin": self.core.unpin,
             "tree_summary": self.core.tree_summary,
             "tree_outline": self.core.tree_outline,
+            "load_lora_adapter": self.core.load_lora_adapter,
+            "unload_lora_adapter": self.core.unload_lora_adapter,
         }
         if call.method not in methods:
             return CallResult(call.call_id, error=f"unknown method {call.method!r}")

@@ -49,6 +49,7 @@ def core_info(core: EngineCore) -> dict[str, Any]:
         "device": str(core.runner.device),
         "dtype": str(pool.dtype).removeprefix("torch."),
         "pid": os.getpid(),
+        "lora_adapters": {} if core.runner.lora is None else dict(core.runner.lora.ids),
     }
 
 

@@ -47,6 +47,7 @@ class Intake:
         self._jumps = jumps
         self._handoff = handoff
         self._grammar = grammar
+        self.lora_slots: dict[int, int] | None = None  # LoRA load ids served (BatchBuilder's)
 
     def reqs(self) -> list[Req]:
         return [*self.inbox, *self.receiving, *self.compiling]
@@ -58,12 +59,18 @@ class Intake:
     def pending_compiles(self) -> list[Future]:
         return [r.grammar_future for r in self.compiling]
 
-    def drain(self, waiting: list[Req], speculating: bool) -> None:
-        """Counts the inbox's requests in and sends each on to `waiting` or a wait."""
+    def drain(self, waiting: list[Req], outputs: list[Req], speculating: bool) -> None:
+        """Counts the inbox's requests in and sends each on to `waiting` or a wait; ends
+        (into `outputs`) those whose LoRA adapter was unloaded on their way here."""
         while self.inbox:
             req = self.inbox.popleft()
             self._stats.num_requests += 1
             self._stats.prompt_tokens += len(req.input_ids)
+            if req.lora_id is not None and req.lora_id not in (self.lora_slots or ()):
+                message = "lora_path: its LoRA adapter was unloaded before the request ran"
+                req.finish(FinishReason.abort(message, status_code=400))
+                outputs.append(req)
+                continue
             if speculating and req.params.speculative:
                 req.spec_counts = SpecCounts()
             if self._handoff is not None and self._handoff.prepare(req):

@@ -118,6 +118,7 @@ class RequestSpec:
     logprob_start_len: int | None = None  # None: no logprobs; -1: output logprobs only
     top_logprobs_num: int = 0
     priority: int = 0  # higher first (SGLang's field); needs --enable-priority-scheduling
+    lora_id: int | None = None  # load id of its LoRA adapter (model/lora.py); None: the base
     session_id: str | None = None  # admitting it ends the session's previous retention pin
     pin: PinRequest | None = None  # retention: pin what it leaves in the cache
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the KV's room

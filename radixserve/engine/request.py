@@ -23,9 +23,23 @@ from radixserve.engine.protocol import (
 )
 from radixserve.sampling.params import SamplingParams
 
+LORA_NAMESPACE_SEP = "\x00"
+"""Joins a LoRA load id and the salt into a cache namespace; salts may not hold it with LoRA
+on (client/request_builder.py), so the join is injective."""
 MAX_LOGPROBS = 20
 """Most top logprobs per token a request may ask for (vLLM's default max_logprobs), on the
 native and the OpenAI API alike."""
+
+
+def cache_namespace(salt: str | None, lora_id: int | None) -> str | None:
+    """The radix tree namespace of a request: its salt, and for an adapter's request the
+    adapter's load id too, so its KV never serves the base, another adapter (or another load
+    of it) or another tenant. Only the tree sees it: the caller side keys a request (rids,
+    pins shown) by the salt alone."""
+    if lora_id is None:
+        return salt
+    parts = ["lora", str(lora_id)] + ([] if salt is None else [salt])
+    return LORA_NAMESPACE_SEP.join(parts)
 
 
 class ReqState(Enum):
@@ -48,13 +62,14 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     seed: int
-    namespace: str | None = None
+    namespace: str | None = None  # the cache namespace (`cache_namespace`)
     logprob: LogprobRequest | None = None
     priority: int = 0  # higher first, with --enable-priority-scheduling
     session_id: str | None = None
     pin: PinRequest | None = None  # retention: pin the sequence when it finishes
     bootstrap: Bootstrap | None = None  # disaggregation: the room its prompt's KV goes by
     request_id: str = ""  # unique within the engine; defaults to rid (direct scheduler users)
+    lora_id: int | None = None  # its LoRA adapter's load id; `namespace` keeps its KV apart
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
 
@@ -100,12 +115,13 @@ class Req:
             input_ids=list(spec.input_ids),
             params=spec.params,
             seed=spec.seed,
-            namespace=spec.namespace,
+            namespace=cache_namespace(spec.namespace, spec.lora_id),
             logprob=logprob,
             priority=spec.priority,
             session_id=spec.session_id,
             pin=spec.pin,
             bootstrap=spec.bootstrap,
+            lora_id=spec.lora_id,
         )
 
     @property

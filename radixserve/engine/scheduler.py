@@ -20,7 +20,7 @@ from radixserve.cache.retention import PinTable
 from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.admission import Admission
-from radixserve.engine.batch_builder import BatchBuilder, Work
+from radixserve.engine.batch_builder import BatchBuilder, Work, lora_slots_of
 from radixserve.engine.commit import Committer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.intake import Intake
@@ -75,7 +75,7 @@ class Scheduler:
             use_priority=config.enable_priority_scheduling,
             pins_give_way=config.pin_policy == "last",
         )
-        self.batches = BatchBuilder(self.page_size, runner.device)
+        self.batches = BatchBuilder(self.page_size, runner.device, lora_slots_of(runner))
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
         self.last_step_progressed = True  # see step()
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -91,6 +91,7 @@ class Scheduler:
         jump_on = not config.disable_jump_forward
         self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
         self.intake = Intake(self.stats, self.pages, self.jumps, self.handoff, lambda: self.grammar)
+        self.intake.lora_slots = self.batches.lora_slots
         self.committer = Committer(
             sampler=self.sampler,
             verifier=self.verifier,
@@ -138,14 +139,14 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> None:
         """Marks the request; it leaves the queue or the batch at the next step."""
-        for req in self._all_reqs():
+        for req in self.all_reqs():
             if req.request_id == request_id:
                 req.abort_requested = True
 
     def abort_all(self, message: str) -> list[Req]:
         """Ends every request at once (a step failed in a way no request can be blamed for);
         their pages go back to the tree or the allocator. Returns them."""
-        reqs = self._all_reqs()
+        reqs = self.all_reqs()
         for req in reqs:
             if req.state is ReqState.RUNNING:
                 self._release(req)
@@ -157,7 +158,7 @@ class Scheduler:
             self.handoff.report_aborted(reqs)
         return reqs
 
-    def _all_reqs(self) -> list[Req]:
+    def all_reqs(self) -> list[Req]:
         return [*self.intake.reqs(), *self.waiting, *self.running]
 
     def has_work(self) -> bool:
@@ -204,7 +205,7 @@ class Scheduler:
         (`pending_compiles()`); a driving loop should wait for one of those, not spin.
         """
         outputs: list[Req] = []
-        self.intake.drain(self.waiting, speculating=self.drafter is not None)
+        self.intake.drain(self.waiting, outputs, speculating=self.drafter is not None)
         compiled = self.intake.collect_compiled(self.waiting, outputs)
         received = self.intake.collect_received(self.waiting, outputs)
         self._handle_aborts(outputs)

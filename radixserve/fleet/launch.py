@@ -43,6 +43,7 @@ from radixserve.config import (
     FleetConfig,
     HiCacheConfig,
     LoadConfig,
+    LoraConfig,
     SchedulerConfig,
     ServerConfig,
     split_engine_kwargs,
@@ -159,6 +160,7 @@ def worker_engine_args(
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:
     classes = (LoadConfig, CacheConfig, SchedulerConfig, HiCacheConfig, DisaggregationConfig)
+    classes += (LoraConfig,)
     return [flag for cls in classes for flag in dataclass_flags(engine_args, cls)]
 
 

@@ -11,7 +11,9 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.distributed.group import TPGroup
+from radixserve.forward_batch import LoraBatch
 from radixserve.model.cpu_layer_ops import CpuLayerOps
+from radixserve.model.lora import LoraLayer
 from radixserve.model.quant.linear import UnquantizedLinear
 
 
@@ -62,15 +64,21 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = UnquantizedLinear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = UnquantizedLinear(intermediate_size, hidden_size, bias=bias)
         self.ops: CpuLayerOps | None = None
+        self.lora: LoraLayer | None = None  # set by LlamaForCausalLM.use_lora
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            self.lora.gate_up.add_to(gate_up, x, lora)
         if self.ops is not None and not torch.compiler.is_compiling():
             act = self.ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj(act))
+        out = self.down_proj(act)
+        if lora is not None:
+            self.lora.down.add_to(out, act, lora)
+        return self.tp.all_reduce(out)
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -29,6 +29,7 @@ from radixserve.model.layers import (
     RotaryEmbedding,
     VocabParallelEmbedding,
 )
+from radixserve.model.lora import LoraLayer, LoraWeights
 from radixserve.model.moe import SparseMoeBlock
 from radixserve.model.moe_weights import SKIP, map_moe_name, moe_mlp_shapes, moe_num_parts
 from radixserve.model.quant.linear import UnquantizedLinear
@@ -56,6 +57,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.eps = config.rms_norm_eps
         self.ops: CpuLayerOps | None = None
+        self.lora: LoraLayer | None = None  # set by use_lora; used when batch.lora is set
 
     def forward(
         self,
@@ -66,6 +68,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if batch.lora is not None:
+            self.lora.qkv.add_to(qkv, hidden, batch.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -78,7 +82,11 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(q, k)
             out = attn.forward(q, k, v, self.layer, batch)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        out = out.reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)
+        if batch.lora is not None:
+            self.lora.o.add_to(projected, out, batch.lora)
+        return self.tp.all_reduce(projected)
 
     def _rope_store(
         self, qkv: torch.Tensor, batch: ForwardBatch, rotary: RotaryAt, attn: AttentionBackend
@@ -118,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, batch, rotary, attn)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, batch.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,6 +171,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention, SparseMoeBlock)):
                 module.ops = ops
+
+    def use_lora(self, weights: LoraWeights | None) -> None:
+        """Serves the adapters of `weights` on the batches whose `lora` names them."""
+        loras = weights.layers if weights is not None else [None] * len(self.layers)
+        for layer, lora in zip(self.layers, loras):
+            layer.self_attn.lora = layer.mlp.lora = lora
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> fp32 logits [n, vocab_size] (each rank's vocab rows, gathered)."""

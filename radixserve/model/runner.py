@@ -36,6 +36,7 @@ from radixserve.model.cuda_graph import (
 )
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
+from radixserve.model.lora import LoraWeights
 from radixserve.native.machine import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ModelRunner:
     attn: AttentionBackend
     decode_graphs: DecodeGraphRunner | None = None
     compiled_decode: CompiledDecodeRunner | None = None
+    lora: LoraWeights | None = None  # --enable-lora: the adapters' weights (model/lora.py)
 
     @classmethod
     def create(
@@ -161,10 +163,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Runs one forward over a mixed extend/decode batch, writing its K/V into the pool."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        captured = batch.lora is None  # LoRA batches run eagerly (no graph holds an adapter)
+        if captured and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.replay(batch)
             return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
-        if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
+        if captured and self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             hidden = self.compiled_decode.run(batch)
             if hidden is not None:
                 return LogitsOutput(last=self.model.compute_logits(hidden), all=None)

@@ -51,6 +51,11 @@ class TPModelRunner:
     _new_pages: list[torch.Tensor] = field(default_factory=list)
     _closed: bool = False
 
+    @property
+    def lora(self) -> None:
+        """No LoRA weights: EngineCore refuses --enable-lora with --tp-size > 1."""
+        return None
+
     @classmethod
     def create(
         cls,

@@ -114,14 +114,14 @@ class MessageRun:
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     parsed = parse_messages_request(await read_json(request), tool_parser=state.tool_parser)
-    check_model_name(state, parsed.model)
+    lora_path = check_model_name(state, parsed.model)  # a LoRA adapter's name runs it
     if parsed.thinking_given and parsed.reasoning.thinking and state.reasoning_format is None:
         raise BadRequest(
             "thinking requires a server started with --reasoning-parser", param="thinking"
         )
     parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
     prompt = await state.off_loop(render_prompt, state, parsed, True)
-    stream = state.open(build_specs(state, parsed, prompt.ids))
+    stream = state.open(build_specs(state, parsed, prompt.ids, lora_path))
     [result] = stream.results
     run = MessageRun(
         parsed=parsed,
@@ -190,8 +190,10 @@ def breakpoint_len(state: ServerState, parsed: MessagesRequest, ids: list[int]) 
     return next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), min(len(ids), len(head)))
 
 
-def build_specs(state: ServerState, parsed: MessagesRequest, ids: list[int]) -> list[RequestSpec]:
-    args = GenerateArgs(input_ids=[ids], sampling_params=[parsed.sampling])
+def build_specs(
+    state: ServerState, parsed: MessagesRequest, ids: list[int], lora_path: str | None = None
+) -> list[RequestSpec]:
+    args = GenerateArgs(input_ids=[ids], sampling_params=[parsed.sampling], lora_path=lora_path)
     try:
         return state.builder.build(args)[0]
     except ValueError as exc:

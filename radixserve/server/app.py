@@ -24,6 +24,7 @@ from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
+from radixserve.server.lora_api import register_lora_routes
 from radixserve.server.openai_protocol import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.responses_api import register_responses_routes
@@ -303,6 +304,7 @@ def build_app(state: ServerState) -> web.Application:
     register_anthropic_routes(app)
     register_responses_routes(app)
     register_cache_routes(app)
+    register_lora_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

@@ -37,7 +37,7 @@ from radixserve.server.state import state_of
 OPEN_PATHS = ("/health", "/metrics")
 """The only paths served without a key: probes and scrapers carry none. Not
 /health_generate: it runs a generation on the GPU."""
-ADMIN_PATHS = ("/flush_cache", "/check_integrity")
+ADMIN_PATHS = ("/flush_cache", "/check_integrity", "/load_lora_adapter", "/unload_lora_adapter")
 """Admin-only besides the dashboard: they act on (or read) every tenant's cache."""
 
 

@@ -60,6 +60,7 @@ def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
         max_outputs=max_running + config.max_queued_requests,
         enable_priority=engine_args.get("enable_priority_scheduling", False),
         disaggregation_mode=split_engine_kwargs(None, engine_args)[4].mode,
+        lora_adapters=info.get("lora_adapters"),
     )
     model_path = engine_args.get("model") or info["model_name"]
     return ServerState(

@@ -36,7 +36,7 @@ from radixserve.engine.protocol import RequestSpec
 from radixserve.reasoning import StreamingReasoningParser
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.errors import BadRequest
+from radixserve.server.lora_api import check_model_name, lora_model_cards
 from radixserve.server.openai_protocol import (
     TOKENIZE_FIELDS,
     OpenAIRequest,
@@ -82,7 +82,7 @@ async def list_models(request: web.Request) -> web.Response:
         "root": state.model_path,
         "max_model_len": state.client.info["context_length"],
     }
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response({"object": "list", "data": [card, *lora_model_cards(state, card)]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -96,12 +96,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
     parsed = parse_request(await read_json(request), chat, state.tool_parser)
-    check_model_name(state, parsed.model)
+    lora_path = check_model_name(state, parsed.model)
     if chat:
         parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning,
                                              parsed.sampling)  # fmt: skip
     ids = await state.off_loop(prompt_ids, state, parsed)
-    stream = state.open(build_specs(state, parsed, ids))
+    stream = state.open(build_specs(state, parsed, ids, lora_path))
     trackers = choice_trackers(state, parsed, ids, stream.results)
     shape = ResponseShape(parsed, state.served_model_name)
     if parsed.stream:
@@ -139,16 +139,6 @@ async def detokenize(request: web.Request) -> web.Response:
 # ---- requests ----------------------------------------------------------------------------
 
 
-def check_model_name(state: ServerState, model: str | None) -> None:
-    """A request may name the served model or none; any other name is a 404."""
-    if model is not None and model != state.served_model_name:
-        raise BadRequest(
-            f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
-            param="model",
-            status=404,
-        )
-
-
 def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
     """Token ids per prompt: the chat template's rendering, or the completion prompts."""
     tokenizer = state.tokenizer
@@ -162,7 +152,7 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
 
 
 def build_specs(
-    state: ServerState, parsed: OpenAIRequest, ids: list[list[int]]
+    state: ServerState, parsed: OpenAIRequest, ids: list[list[int]], lora_path: str | None = None
 ) -> list[RequestSpec]:
     """n requests per prompt, in choice order (prompt p, sample i -> index p*n + i)."""
     logprobs = parsed.logprobs is not None
@@ -173,6 +163,7 @@ def build_specs(
         logprob_start_len=0 if parsed.echo and logprobs else None,
         top_logprobs_num=parsed.logprobs,
         cache_salt=parsed.cache_salt,
+        lora_path=lora_path,
         **parsed.options,
     )
     try:

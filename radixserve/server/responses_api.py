@@ -135,12 +135,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state, store = state_of(request), store_of(request)
     body = await read_json(request)
     parsed = parse_responses_request(body, state.tool_parser, request.headers.get(SALT_HEADER))
-    check_model_name(state, parsed.model)
+    lora_path = check_model_name(state, parsed.model)  # a LoRA adapter's name runs it
     owner = owner_of(request, parsed.cache_salt)
     history = previous_history(store, owner, parsed.previous_response_id)
     ids = await state.off_loop(render_prompt, state, parsed, history)
     parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
-    stream = state.open(build_specs(state, parsed, ids))
+    stream = state.open(build_specs(state, parsed, ids, lora_path))
     [result] = stream.results
     run = ResponseRun(
         parsed=parsed,
@@ -268,11 +268,14 @@ def render_prompt(
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 
-def build_specs(state: ServerState, parsed: ResponsesRequest, ids: list[int]) -> list[RequestSpec]:
+def build_specs(
+    state: ServerState, parsed: ResponsesRequest, ids: list[int], lora_path: str | None = None
+) -> list[RequestSpec]:
     args = GenerateArgs(
         input_ids=[ids],
         sampling_params=[with_default_max_tokens(state, parsed.sampling, len(ids))],
         cache_salt=parsed.cache_salt,
+        lora_path=lora_path,
         **parsed.options,
     )
     try:

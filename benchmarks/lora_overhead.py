@@ -1,0 +1,111 @@
+"""Cost of multi-LoRA serving: the base, one adapter for the whole batch, and `--adapters`
+distinct adapters mixed in one batch, side by side.
+
+Writes random rank-`--rank` PEFT adapters on all seven projections of the model (so no
+download is needed), loads them with --lora-paths, and decodes exactly `--tokens` greedy
+tokens for `--batch` prompts under each setting. Reports the median ms per decode step over
+interleaved repeats and the overhead against the base; prints a table and writes JSON.
+
+Run:  python benchmarks/lora_overhead.py [--batch 8 --adapters 8 --rank 16 --tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from radixserve import Engine
+from radixserve.config import ModelConfig
+from radixserve.model.lora_adapter import LORA_TARGET_MODULES, module_shape
+from radixserve.native.machine import describe_cpu
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="bench_results/lora_overhead.json")
+    return p.parse_args()
+
+
+def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int) -> None:
+    """A PEFT folder with random A and B (std 0.01) on every projection of every layer."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module in LORA_TARGET_MODULES:
+            owner = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{owner}.{module}"
+            fan_in, fan_out = module_shape(config, module)
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                "target_modules": list(LORA_TARGET_MODULES)}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+
+
+def time_decode(engine: Engine, batch: int, tokens: int, loras: list[str | None]) -> float:
+    """Seconds per decode step for `batch` prompts, request i on adapter loras[i]."""
+    prompts = [f"Story {i}: Once upon a time in a small village," for i in range(batch)]
+    params = {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}
+    engine.flush_cache()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, lora_path=loras, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o["output_ids"]) == tokens for o in outputs)
+    return elapsed / tokens
+
+
+def main() -> None:
+    args = parse_args()
+    probe = Engine(args.model, max_total_tokens=4096)
+    config = probe.runner.config
+    probe.shutdown()
+    with tempfile.TemporaryDirectory() as root:
+        names = [f"ad{i}" for i in range(args.adapters)]
+        for i, name in enumerate(names):
+            write_adapter(Path(root) / name, config, args.rank, seed=i)
+        paths = [f"{name}={Path(root) / name}" for name in names]
+        engine = Engine(args.model, max_total_tokens=16384, lora_paths=paths,
+                        max_loras_per_batch=max(8, args.adapters))  # fmt: skip
+        settings = {
+            "base": [None] * args.batch,
+            "one adapter": [names[0]] * args.batch,
+            f"{args.adapters} adapters mixed": [names[i % len(names)] for i in range(args.batch)],
+        }
+        time_decode(engine, args.batch, 2, settings["one adapter"])  # warm up
+        times: dict[str, list[float]] = {label: [] for label in settings}
+        for _ in range(args.repeats):  # interleaved, so that machine noise hits all alike
+            for label, loras in settings.items():
+                times[label].append(time_decode(engine, args.batch, args.tokens, loras))
+        engine.shutdown()
+    base = statistics.median(times["base"])
+    rows = [{"setting": label, "ms_per_step": statistics.median(t) * 1e3,
+             "tokens_per_s": args.batch / statistics.median(t),
+             "overhead_pct": (statistics.median(t) / base - 1) * 100}
+            for label, t in times.items()]  # fmt: skip
+    print(f"CPU: {describe_cpu()}  batch {args.batch}, rank {args.rank}, {args.tokens} tokens")
+    print(f"{'setting':>20} {'ms/step':>9} {'tokens/s':>9} {'overhead':>9}")
+    for r in rows:
+        print(f"{r['setting']:>20} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9.1f} "
+              f"{r['overhead_pct']:8.1f}%")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "cpu": describe_cpu(), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""LoraConfig: which LoRA adapters the engine serves beside its base model (SGLang's flags)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LORA_NAME_FORBIDDEN = "\x00"
+"""Adapter names may not hold NUL (nor may cache salts with LoRA on: the core joins a salt
+and an adapter's load id with it, engine/request.py `cache_namespace`)."""
+
+
+@dataclass
+class LoraConfig:
+    """Multi-LoRA serving: PEFT adapter folders loaded at start, chosen per request."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (SGLang's flag); implied by --lora-paths."""
+    lora_paths: list[str] | None = None
+    """Adapters to load at start, each `name=path` or a bare path (named by its folder):
+    PEFT folders with adapter_config.json and adapter_model.safetensors. A request picks
+    one by name (`lora_path` on /generate, `model` in OpenAI bodies, Engine's `lora_path`)."""
+    max_loras_per_batch: int = 8
+    """Most distinct adapters in one batch (SGLang's default 8). Every adapter stays loaded,
+    so it must be at least the number of --lora-paths."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank accepted; an adapter of higher rank is refused at start.
+    Default: any rank."""
+
+    def verify(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be >= 1; got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1; got {self.max_lora_rank}")
+        if self.lora_paths is not None and not isinstance(self.lora_paths, list | tuple):
+            raise ValueError(f"--lora-paths must be a list of name=path; got {self.lora_paths!r}")
+        num = len(self.adapter_paths())
+        if num > self.max_loras_per_batch:
+            raise ValueError(
+                f"--lora-paths names {num} adapters but --max-loras-per-batch is "
+                f"{self.max_loras_per_batch}: every adapter stays loaded, raise the limit"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    def adapter_paths(self) -> dict[str, str]:
+        """name -> folder of every adapter in --lora-paths, names checked unique."""
+        adapters: dict[str, str] = {}
+        for entry in self.lora_paths or ():
+            name, path = parse_lora_path(entry)
+            if name in adapters:
+                raise ValueError(f"--lora-paths names the adapter {name!r} twice")
+            adapters[name] = path
+        return adapters
+
+
+def parse_lora_path(entry: str) -> tuple[str, str]:
+    """`name=path` -> (name, path); a bare path is named by its last folder."""
+    if not isinstance(entry, str) or not entry:
+        raise ValueError(f"--lora-paths entries must be name=path or a path; got {entry!r}")
+    name, sep, path = entry.partition("=")
+    if not sep:
+        path = entry
+        name = os.path.basename(os.path.normpath(entry))
+    if not name or not path:
+        raise ValueError(f"--lora-paths entry {entry!r} needs a non-empty name and path")
+    check_lora_name(name)
+    return name, path
+
+
+def check_lora_name(name: object) -> None:
+    """An adapter name: a non-empty string without NUL."""
+    if not isinstance(name, str) or not name or LORA_NAME_FORBIDDEN in name:
+        raise ValueError(f"lora_name must be a non-empty string without NUL; got {name!r}")

@@ -1,0 +1,320 @@
+"""Multi-LoRA serving: two PEFT adapters (random non-zero B) on a tiny random Llama.
+
+Each adapter's greedy tokens equal PEFT's own model, the base equals the plain model, a batch
+mixing both adapters and the base gives each its own answer, adapters never share KV, and
+bad adapters or requests are refused naming the flag or field.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import peft
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import (
+    TINY,
+    VOCAB,
+    ServerProcess,
+    greedy,
+    hf_greedy,
+    hf_model,
+    make_core,
+    make_engine,
+    prompt_ids,
+)
+from radixserve.config import LoraConfig, ModelConfig
+from radixserve.model.lora import load_lora_weights
+from radixserve.model.lora_adapter import LoraAdapterError
+
+NUM_NEW = 8
+ADAPTERS = {  # name -> (target modules, r, lora_alpha, use_rslora)
+    "a1": (["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8, False),
+    "a2": (["q_proj", "gate_proj", "up_proj", "down_proj"], 8, 16, True),
+}
+
+
+def _base_config(**overrides) -> LlamaConfig:
+    settings = TINY | {"vocab_size": VOCAB, "max_position_embeddings": 2048}
+    return LlamaConfig(**(settings | overrides))
+
+
+def _save_adapter(base_folder, folder, targets, rank, alpha, rslora, seed) -> None:
+    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0
+    )
+    lora_model = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in lora_model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: make the adapter change the output
+            param.data = torch.randn(param.shape, generator=generator) * 0.3
+    lora_model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def lora_models(tmp_path_factory):
+    """The base folder and one folder per adapter."""
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(_base_config(), dtype=torch.float32)
+    base.save_pretrained(root / "base")
+    folders = {}
+    for seed, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items()):
+        folders[name] = root / name
+        _save_adapter(root / "base", folders[name], targets, rank, alpha, rslora, seed + 1)
+    return root / "base", folders
+
+
+@pytest.fixture(scope="module")
+def references(lora_models):
+    """PEFT's greedy tokens per adapter (None: the plain model) for two prompts."""
+    base_folder, folders = lora_models
+    prompts = [prompt_ids(1, 20), prompt_ids(2, 35)]
+    plain = hf_model(base_folder)
+    out = {None: [hf_greedy(plain, p, NUM_NEW) for p in prompts]}
+    for name, folder in folders.items():
+        model = peft.PeftModel.from_pretrained(hf_model(base_folder), folder).eval()
+        out[name] = [hf_greedy(model, p, NUM_NEW) for p in prompts]
+    return prompts, out
+
+
+@pytest.fixture(scope="module")
+def lora_engine(lora_models):
+    base_folder, folders = lora_models
+    paths = [f"{name}={folder}" for name, folder in folders.items()]
+    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=3)
+    yield engine
+    engine.shutdown()
+
+
+def test_adapters_change_the_output(references):
+    _, out = references
+    assert out[None] != out["a1"] and out[None] != out["a2"] and out["a1"] != out["a2"]
+
+
+def test_mixed_batch_equals_peft(lora_engine, references):
+    """Adapter 1, adapter 2 and the base in one batch, twice over: each PEFT's own tokens."""
+    prompts, out = references
+    names = [None, "a1", "a2"]
+    cases = [(name, i) for i in range(len(prompts)) for name in names]
+    results = lora_engine.generate(
+        input_ids=[prompts[i] for _, i in cases],
+        sampling_params=greedy(NUM_NEW),
+        lora_path=[name for name, _ in cases],
+    )
+    for (name, i), result in zip(cases, results):
+        assert result["output_ids"] == out[name][i], (name, i)
+    lora_engine.core.check_integrity()
+
+
+def test_adapters_never_share_kv(lora_engine, references):
+    prompts, out = references
+    assert lora_engine.flush_cache()
+    prompt = prompts[1]
+
+    def run(name):
+        return lora_engine.generate(input_ids=prompt, sampling_params=greedy(NUM_NEW),
+                                    lora_path=name)  # fmt: skip
+
+    first = run("a1")
+    assert first["meta_info"]["cached_tokens"] == 0
+    other = run("a2")  # same prompt, another adapter: nothing of a1's KV
+    assert other["meta_info"]["cached_tokens"] == 0 and other["output_ids"] == out["a2"][1]
+    base = run(None)
+    assert base["meta_info"]["cached_tokens"] == 0 and base["output_ids"] == out[None][1]
+    again = run("a1")  # its own KV serves it
+    assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == out["a1"][1]
+    lora_engine.core.check_integrity()
+
+
+def test_unknown_adapter_is_refused(lora_engine):
+    with pytest.raises(ValueError, match="lora_path 'nope' is not a loaded LoRA adapter"):
+        lora_engine.generate(input_ids=prompt_ids(3), lora_path="nope")
+    with pytest.raises(ValueError, match="lora_path has 1 entries for 2 prompts"):
+        lora_engine.generate(input_ids=[prompt_ids(3), prompt_ids(4)], lora_path=["a1"])
+
+
+def test_cache_salt_with_nul_is_refused(lora_engine):
+    with pytest.raises(ValueError, match="cache_salt must not contain NUL"):
+        lora_engine.generate(input_ids=prompt_ids(3), cache_salt="lora\x00a1")
+
+
+def test_load_and_unload_while_serving(lora_engine, lora_models, references):
+    """A third adapter loaded at run time serves at once; unloaded, it is refused; loaded
+    again from another folder, it never meets the KV of its first load."""
+    _, folders = lora_models
+    prompts, out = references
+    assert lora_engine.flush_cache()
+
+    def run(name):
+        result = lora_engine.generate(input_ids=prompts[0], sampling_params=greedy(NUM_NEW),
+                                      lora_path=name)  # fmt: skip
+        return result["output_ids"], result["meta_info"]["cached_tokens"]
+
+    assert run("a1") == (out["a1"][0], 0)
+    loaded = lora_engine.load_lora_adapter("a3", str(folders["a1"]))
+    assert loaded == {"a1": str(folders["a1"]), "a2": str(folders["a2"]), "a3": str(folders["a1"])}
+    assert run("a3") == (out["a1"][0], 0)  # a1's weights, but not a1's KV
+    with pytest.raises(ValueError, match="3 adapters are loaded"):
+        lora_engine.load_lora_adapter("a4", str(folders["a1"]))
+    lora_engine.unload_lora_adapter("a3")
+    with pytest.raises(ValueError, match="lora_path 'a3' is not a loaded LoRA adapter"):
+        run("a3")
+    with pytest.raises(ValueError, match="lora_name 'a3' is not loaded"):
+        lora_engine.unload_lora_adapter("a3")
+    lora_engine.load_lora_adapter("a3", str(folders["a2"]))
+    assert run("a3") == (out["a2"][0], 0)  # the first a3's KV is unreachable
+    assert run("a3")[1] > 0
+    lora_engine.unload_lora_adapter("a3")
+    lora_engine.core.check_integrity()
+
+
+def test_cli_generate_with_an_adapter(lora_engine, lora_models):
+    import subprocess
+    import sys
+
+    base_folder, folders = lora_models
+    prompt = "The adapter says"
+    command = [sys.executable, "-m", "radixserve.cli", "generate", prompt, "--model",
+               str(base_folder), "--max-new-tokens", str(NUM_NEW), "--max-total-tokens", "4096",
+               "--lora-paths", f"a2={folders['a2']}", "--lora-path", "a2"]  # fmt: skip
+    printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    expected = lora_engine.generate(prompt, greedy(NUM_NEW) | {"ignore_eos": False},
+                                    lora_path="a2")["text"]  # fmt: skip
+    assert f"### {prompt}\n{expected}\n" in printed
+
+
+# ---- start-up refusals, naming the flag -----------------------------------------------------
+
+
+def _model_config(**overrides) -> ModelConfig:
+    settings = _base_config(**overrides).to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    return ModelConfig.from_hf_dict(settings)
+
+
+def _load(folders, name, config=None, max_rank=None):
+    config = config or _model_config()
+    return load_lora_weights(config, {name: str(folders[name])}, max_rank, torch.float32,
+                             torch.device("cpu"))  # fmt: skip
+
+
+def test_rank_beyond_the_limit_is_refused(lora_models):
+    _, folders = lora_models
+    with pytest.raises(LoraAdapterError, match="'a2': rank 8 exceeds --max-lora-rank 4"):
+        _load(folders, "a2", max_rank=4)
+    assert _load(folders, "a1", max_rank=4).ids == {"a1": 0}
+
+
+def test_adapter_of_another_base_is_refused(lora_models):
+    _, folders = lora_models
+    with pytest.raises(LoraAdapterError, match="--lora-paths adapter 'a1'.*another base model"):
+        _load(folders, "a1", config=_model_config(hidden_size=32))
+
+
+def test_unknown_target_module_is_refused(lora_models, tmp_path):
+    _, folders = lora_models
+    folder = tmp_path / "bad"
+    shutil.copytree(folders["a1"], folder)
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    settings["target_modules"] = ["q_proj", "lm_head"]
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    with pytest.raises(LoraAdapterError, match=r"target modules \['lm_head'\] are not supported"):
+        _load({"bad": folder}, "bad")
+
+
+def test_flag_checks():
+    with pytest.raises(ValueError, match="--max-loras-per-batch is 1"):
+        LoraConfig(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1).verify()
+    with pytest.raises(ValueError, match="names the adapter 'x' twice"):
+        LoraConfig(lora_paths=["x=/a", "/b/x"]).verify()
+    bare = LoraConfig(lora_paths=["/some/where/ad1/"])
+    assert bare.adapter_paths() == {"ad1": "/some/where/ad1/"}
+
+
+def test_engine_start_refuses_a_missing_folder(lora_models, tmp_path):
+    base_folder, _ = lora_models
+    with pytest.raises(LoraAdapterError, match="--lora-paths adapter 'gone'.*not found"):
+        make_core(str(base_folder), lora_paths=[f"gone={tmp_path / 'gone'}"])
+
+
+# ---- HTTP: /generate lora_path, OpenAI model -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_models):
+    base_folder, folders = lora_models
+    paths = [f"{name}={folder}" for name, folder in folders.items()]
+    proc = ServerProcess(str(base_folder), "--served-model-name", "tiny", "--lora-paths", *paths)
+    yield proc
+    assert proc.stop() == 0
+
+
+def test_http_lora_path_and_model(lora_server, references):
+    prompts, out = references
+    url = lora_server.url
+    body = {"input_ids": prompts[0], "sampling_params": greedy(NUM_NEW), "lora_path": "a2"}
+    reply = requests.post(f"{url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["output_ids"] == out["a2"][0]
+    completion = {"model": "a1", "prompt": prompts[0], "max_tokens": NUM_NEW, "temperature": 0}
+    reply = requests.post(f"{url}/v1/completions", json=completion, timeout=60)
+    assert reply.status_code == 200
+    tokens = requests.post(f"{url}/generate", json=body | {"lora_path": "a1"}, timeout=60).json()
+    assert reply.json()["choices"][0]["text"] == tokens["text"]
+    messages = [{"role": "user", "content": "Say something long."}]
+    texts = {}
+    for model in ("tiny", "a1"):  # Anthropic's Messages: `model` picks the adapter too
+        body = {"model": model, "max_tokens": NUM_NEW, "temperature": 0, "messages": messages}
+        reply = requests.post(f"{url}/v1/messages", json=body, timeout=60)
+        assert reply.status_code == 200
+        texts[model] = reply.json()["content"][0]["text"]
+    assert texts["tiny"] != texts["a1"]
+    for model in ("tiny", "a1"):  # and the Responses API's
+        body = {"model": model, "input": "Say something long.", "max_output_tokens": NUM_NEW,
+                "temperature": 0, "store": False}  # fmt: skip
+        reply = requests.post(f"{url}/v1/responses", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        texts[model] = [part["text"] for item in reply.json()["output"]
+                        for part in item.get("content", [])]  # fmt: skip
+    assert texts["tiny"] != texts["a1"]
+    models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
+
+
+def test_http_load_and_unload(lora_server, lora_models, references):
+    _, folders = lora_models
+    prompts, out = references
+    url = lora_server.url
+    body = {"lora_name": "a3", "lora_path": str(folders["a2"])}
+    reply = requests.post(f"{url}/load_lora_adapter", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["success"]
+    assert reply.json()["loaded_adapters"]["a3"] == str(folders["a2"])
+    gen = {"input_ids": prompts[0], "sampling_params": greedy(NUM_NEW), "lora_path": "a3"}
+    assert (
+        requests.post(f"{url}/generate", json=gen, timeout=60).json()["output_ids"] == out["a2"][0]
+    )
+    reply = requests.post(f"{url}/unload_lora_adapter", json={"lora_name": "a3"}, timeout=60)
+    assert reply.status_code == 200 and "a3" not in reply.json()["loaded_adapters"]
+    assert requests.post(f"{url}/generate", json=gen, timeout=60).status_code == 400
+    reply = requests.post(f"{url}/unload_lora_adapter", json={"lora_name": "a3"}, timeout=60)
+    assert reply.status_code == 400 and not reply.json()["success"]
+    assert "not loaded" in reply.json()["error_message"]
+    bad = {"lora_name": "a4", "lora_path": str(folders["a1"] / "missing")}
+    reply = requests.post(f"{url}/load_lora_adapter", json=bad, timeout=60)
+    assert reply.status_code == 400 and "not found" in reply.json()["error_message"]
+    reply = requests.post(f"{url}/load_lora_adapter", json={"lora_name": "a4"}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "lora_path"
+
+
+def test_http_unknown_adapter(lora_server):
+    url = lora_server.url
+    body = {"input_ids": prompt_ids(5), "lora_path": "nope"}
+    reply = requests.post(f"{url}/generate", json=body, timeout=60)
+    assert reply.status_code == 400 and "lora_path" in reply.text
+    completion = {"model": "nope", "prompt": "hi", "max_tokens": 2}
+    reply = requests.post(f"{url}/v1/completions", json=completion, timeout=60)
+    assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
