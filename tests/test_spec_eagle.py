@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
+from conftest import TINY, VOCAB, greedy, hf_model, make_engine, make_runner, prompt_ids
+from radixserve.forward_batch import ForwardBatch
 
 NUM_LAYERS = 4
 HIDDEN = TINY["hidden_size"]
@@ -110,6 +111,23 @@ def models(tmp_path_factory) -> dict[str, str]:
         "echo": _echo_head(root / "echo"),
         "wide": _random_head(root / "wide", hidden=2 * HIDDEN, target_hidden=2 * HIDDEN),
     }
+
+
+@torch.inference_mode()
+def test_runner_captures_the_residual_stream_entering_the_aux_layers(models):
+    """aux layer i = HF's hidden_states[i] (the input of layer i), for SGLang's default
+    capture points (2, L/2, L-3); a runner without aux layers returns none."""
+    runner = make_runner(models["target"])
+    prompt = prompt_ids(0, 12)
+    pages = runner.pool.allocator.allocate(1).tolist()
+    batch = ForwardBatch.build([prompt], [0], [pages], runner.pool.page_size)
+    assert runner.forward(batch).aux_hidden is None
+    runner.aux_layers = (2, 2, 1)
+    aux = runner.forward(batch).aux_hidden  # [12, 3 * hidden]
+    reference = hf_model(models["target"])(torch.tensor([prompt]), output_hidden_states=True)
+    states = reference.hidden_states
+    expected = torch.cat([states[2][0], states[2][0], states[1][0]], dim=-1)
+    torch.testing.assert_close(aux, expected, rtol=1e-4, atol=1e-4)
 
 
 def _eagle(path: str, **extra) -> dict:

@@ -63,15 +63,27 @@ class Eagle3Drafter(Drafter):
     def on_forward(
         self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
     ) -> None:
-        """Keeps the fused hidden states of each request's positions in the forward."""
+        """Keeps the fused hidden states of each speculating request's last positions in
+        the forward (fc runs only on the rows a window can still read)."""
         aux = logits.aux_hidden
         if aux is None:
             return
-        fused = self.head.fuse(aux)  # [num_tokens, hidden]
+        rows: list[int] = []
+        spans: list[tuple[Req, int, int]] = []
         offset = 0
         for req, start, length in zip(reqs, starts, lengths):
-            self._append(req, start, fused[offset : offset + length])
+            keep = min(length, self._kept) if req.params.speculative else 0
+            if keep:
+                rows.extend(range(offset + length - keep, offset + length))
+                spans.append((req, start + length - keep, keep))
             offset += length
+        if not rows:
+            return
+        fused = self.head.fuse(aux[torch.tensor(rows, device=aux.device)])  # [rows, hidden]
+        offset = 0
+        for req, start, keep in spans:
+            self._append(req, start, fused[offset : offset + keep])
+            offset += keep
 
     def propose(self, req: Req) -> list[int]:
         return self.propose_all([req])[0].tokens
