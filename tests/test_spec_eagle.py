@@ -192,6 +192,31 @@ def test_sampled_requests_draft_with_eagle3_reproducibly(models):
     assert first["meta_info"]["spec_draft_token_num"] > 0
 
 
+def test_eagle3_mixed_batch_stops_and_max_new_tokens_are_exact(models):
+    """Greedy requests beside a sampled one in the same batch keep plain decoding's tokens;
+    stop tokens, stop strings and max_new_tokens end them exactly where plain decoding does."""
+    prompt = prompt_ids(3, 40)
+    plain = make_engine(models["target"])
+    spec = make_engine(models["target"], **_eagle(models["echo"]))
+    reference = plain.generate(input_ids=prompt, sampling_params=greedy(40))["output_ids"]
+    stop_text = plain.tokenizer.decode(reference[20:22])
+    sampled = {"temperature": 1.0, "max_new_tokens": 30, "sampling_seed": 3}
+    cases = [
+        greedy(11),
+        greedy(40, stop_token_ids=[reference[17]], ignore_eos=False),
+        greedy(40, stop=[stop_text]),
+    ]
+    expected = plain.generate(input_ids=[prompt] * 3, sampling_params=cases)
+    outputs = spec.generate(
+        input_ids=[prompt] * 3 + [prompt_ids(5, 30)], sampling_params=[*cases, sampled]
+    )
+    for out, want in zip(outputs, expected):
+        assert out["output_ids"] == want["output_ids"] and out["text"] == want["text"]
+        assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert len(outputs[3]["output_ids"]) == 30
+    assert spec.get_stats()["spec_accepted_tokens"] > 0
+
+
 def test_bad_eagle3_heads_and_flags_fail_at_start_naming_the_flag(models):
     with pytest.raises(ValueError, match="speculative_draft_model_path.*hidden states of size"):
         make_engine(models["target"], **_eagle(models["wide"]))
