@@ -59,8 +59,8 @@ def aux_layers_from_config(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
 
 @dataclass
 class HeadStep:
-    """One forward of the head over new columns: fp32 logits over the target vocabulary
-    [B, T, vocab], the pre-norm hidden states [B, T, hidden] and the K/V so far."""
+    """One forward of the head over new columns: fp32 logits over the target vocabulary at
+    the last one [B, vocab], the pre-norm hidden states [B, T, hidden] and the K/V so far."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -150,10 +150,10 @@ class Eagle3Head(nn.Module):
         rotary = self.rotary.at(positions.reshape(-1))
         out, residual, keys, values = self.midlayer(self.embed(tokens), hidden, rotary, cache, mask)
         normed, prenorm = self.norm(out, residual)
-        return HeadStep(self._target_logits(normed), prenorm, keys, values)
+        return HeadStep(self._target_logits(normed[:, -1]), prenorm, keys, values)
 
     def _target_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        draft = (normed @ self.lm_head.weight.t()).float()  # [B, T, draft_vocab]
+        draft = (normed @ self.lm_head.weight.t()).float()  # [B, draft_vocab]
         full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.hot_ids, draft)
 

@@ -134,7 +134,7 @@ class Eagle3Drafter(Drafter):
         step = self.head(hidden, tokens, positions, None, mask)
         picks = []
         for j in range(self.num_draft_tokens):
-            chosen, probs = sampling.pick(step.logits[:, -1], j)
+            chosen, probs = sampling.pick(step.logits, j)
             picks.append((chosen, probs))
             if j + 1 == self.num_draft_tokens:
                 break
@@ -174,4 +174,6 @@ def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle
     dtype = model.embed_tokens.weight.dtype
     head = load_eagle3_head(config.speculative_draft_model_path, model, target.device, dtype)
     target.aux_layers = aux_layers_from_config(head.config.hf_config, target.config.num_layers)
+    # capturing forwards run eagerly: decode graphs / compiled steps would only hold memory
+    target.decode_graphs = target.compiled_decode = None
     return Eagle3Drafter(head, config.speculative_draft_steps)
