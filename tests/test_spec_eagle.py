@@ -163,6 +163,47 @@ def test_eagle3_keeps_greedy_outputs_cold_and_warm(models, expected, head):
     assert spec.flush_cache() and spec.runner.pool.allocator.num_free == initial_free
 
 
+@torch.inference_mode()
+def _reference_chain(head, target, seq: list[int], num_steps: int) -> list[int]:
+    """The chain recomputed from scratch: the HF target's hidden states entering layers
+    (2, 2, 1) (SGLang's default for 4 layers) of the whole sequence, the head over all
+    columns with a causal mask each step (no kept K/V, no padding, no batch)."""
+    states = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    aux = torch.cat([states[2][0], states[2][0], states[1][0]], dim=-1)[:-1]
+    hidden, tokens = head.fuse(aux)[None], torch.tensor([seq[1:]])
+    drafts = []
+    for _ in range(num_steps):
+        width = tokens.shape[1]
+        mask = torch.ones(width, width, dtype=torch.bool).tril()[None, None]
+        step = head(hidden, tokens, torch.arange(width)[None], None, mask)
+        drafts.append(int(step.logits[0].argmax()))
+        hidden = torch.cat([hidden, step.hidden[:, -1:]], dim=1)
+        tokens = torch.cat([tokens, torch.tensor([[drafts[-1]]])], dim=1)
+    return drafts
+
+
+def test_eagle3_drafts_equal_the_head_recomputed_from_scratch(models):
+    """Kept K/V, pending rows cut after rejected drafts, padding of a batch of two: each
+    proposal of a cold run (sequences shorter than the window) is the from-scratch chain."""
+    spec = make_engine(models["target"], **_eagle(models["random"], speculative_num_steps=3))
+    drafter = spec.scheduler.drafter
+    proposals = []
+    propose_all = drafter.propose_all
+
+    def recording(reqs):
+        drafts = propose_all(reqs)
+        proposals.extend((r.seq_ids(), d.tokens) for r, d in zip(reqs, drafts))
+        return drafts
+
+    drafter.propose_all = recording
+    prompts = [prompt_ids(0, 20), prompt_ids(1, 31)]
+    spec.generate(input_ids=prompts, sampling_params=greedy(24))
+    target = hf_model(models["target"])
+    assert len(proposals) > 10 and all(len(d) == 3 for _, d in proposals)
+    for seq, draft in proposals:
+        assert draft == _reference_chain(drafter.head, target, seq, 3)
+
+
 def test_tiny_pool_retracts_requests_drafting_with_eagle3(models):
     prompts = [prompt_ids(i, 24) for i in range(10)]
     plain = make_engine(models["target"])

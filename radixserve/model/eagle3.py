@@ -6,8 +6,8 @@
     norm(mlp, residual) -> (to the head's lm_head over draft_vocab_size, pre-norm sum -> next
     draft step's hidden state); draft id i means target id i + d2t[i].
 
-Attention runs over the head's own window of positions (engine/speculative/eagle.py keeps it)
-with torch SDPA; `forward` returns the new columns' K/V so draft steps extend a local cache.
+Attention runs with torch SDPA over K/V the caller passes in (engine/speculative/eagle.py
+keeps each request's, capped at a window); `forward` returns it with the new columns' K/V.
 """
 
 from __future__ import annotations

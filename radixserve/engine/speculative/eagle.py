@@ -2,17 +2,20 @@
 proposes a chain of num_steps tokens (topk 1) through the Drafter seam.
 
     target forward (any: prefill chunk, decode, verify)   aux hidden of its positions
-        -> on_forward: fc -> fused rows, appended at their positions (a gap restarts)
+        -> on_forward: fc -> fused rows, pending at their positions (a gap restarts)
     propose (sequence x_0 .. x_{n-1}):
-        step 1   columns p = n-1-W .. n-2: (fused_p, embed(x_{p+1})) -> d1 at the last
+        step 1   pending p .. n-2: (fused_p, embed(x_{p+1})) over the kept K/V -> d1
+                 (their K/V is kept: both inputs are committed, so it never changes)
         step j   (pre-norm hidden of step j-1, embed(d_{j-1})) at position n-3+j -> dj
+                 (K/V of the draft steps is scratch)
 
-Rows past n-2 (a verify's rejected drafts) are cut before use, so only committed positions
-are read. Design: the head attends over a window of its last EAGLE3_WINDOW positions,
-recomputed each step with SDPA instead of a paged KV pool of its own: one layer over <= 64
-tokens costs about what 2 target layers of one token do, and there is nothing to page,
-evict, retract or keep consistent with the radix tree (a prefix hit or a retracted request
-simply starts a shorter window). Drafts are lossless either way: the target verifies them.
+    per request   | K/V of positions first .. (<= EAGLE3_WINDOW) | pending fused rows |
+
+Pending rows past n-2 (a verify's rejected drafts) are cut before use. Design: the head's
+K/V lives in small per-request tensors, not a paged pool: one layer of K/V is 1/L of the
+target's per token and is capped at a window, so there is nothing to page, evict or keep
+consistent with the radix tree; a prefix hit or a retracted request simply starts with none
+(the head then sees fewer positions). Drafts are lossless either way: the target verifies.
 """
 
 from __future__ import annotations
@@ -30,25 +33,34 @@ from radixserve.model.eagle3 import Eagle3Head, aux_layers_from_config, load_eag
 from radixserve.model.runner import LogitsOutput, ModelRunner
 
 # 64: EAGLE's heads are trained on full contexts, but what predicts the next few tokens sits
-# in the last few dozen; the cost of the window grows linearly with it.
+# in the last few dozen; the K/V kept per request and the attention grow linearly with it.
 EAGLE3_WINDOW = 64
 
 
 @dataclass
 class EagleState:
-    """A request's fused hidden states of positions first .. first + len(rows) - 1."""
+    """A request's head K/V of positions first .. first + C - 1 ([kv_heads, C, head_dim]
+    each), then its pending fused rows of the positions after them ([num_rows, hidden])."""
 
     first: int
-    rows: torch.Tensor  # [num_rows, hidden]
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    rows: torch.Tensor
+
+    @property
+    def kv_end(self) -> int:
+        """The first position without K/V."""
+        return self.first + (0 if self.keys is None else self.keys.shape[1])
 
 
 @dataclass
-class Window:
-    """What step 1 of a request reads: rows of positions first .. n-2 and the tokens after."""
+class Pending:
+    """What step 1 of a request computes: rows of positions start .. n-2, the tokens after."""
 
-    first: int
+    state: EagleState
+    start: int
     rows: torch.Tensor  # [length, hidden]
-    tokens: list[int]  # x_{first+1} .. x_{n-1}
+    tokens: list[int]  # x_{start+1} .. x_{n-1}
 
 
 class Eagle3Drafter(Drafter):
@@ -56,7 +68,7 @@ class Eagle3Drafter(Drafter):
         self.head = head
         self.num_draft_tokens = num_steps
         self.window = window
-        self._kept = window + num_steps + 1  # rows kept: the window plus a verify's tail
+        self._kept = window + num_steps + 1  # pending rows kept: a window plus a verify's tail
         self._states: weakref.WeakKeyDictionary[Req, EagleState] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
@@ -91,11 +103,11 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def propose_all(self, reqs: list[Req]) -> list[Draft]:
         """A chain for each request whose hidden states reach its last committed token."""
-        windows = {r: w for r in reqs if (w := self._window(r)) is not None}
+        pending = {r: p for r in reqs if (p := self._pending(r)) is not None}
         drafts = {r: Draft([]) for r in reqs}
-        ready = list(windows)
+        ready = list(pending)
         if ready:
-            for req, draft in zip(ready, self._draft(ready, [windows[r] for r in ready])):
+            for req, draft in zip(ready, self._draft(ready, [pending[r] for r in ready])):
                 drafts[req] = draft
         return [drafts[r] for r in reqs]
 
@@ -104,35 +116,32 @@ class Eagle3Drafter(Drafter):
 
     def _append(self, req: Req, start: int, rows: torch.Tensor) -> None:
         state = self._states.get(req)
-        if state is None or not state.first <= start <= state.first + len(state.rows):
-            state = EagleState(start, rows.clone())  # new, or a gap (prefix hit, retraction)
+        if state is None or not state.kv_end <= start <= state.kv_end + len(state.rows):
+            state = EagleState(start, None, None, rows.clone())  # new, or a gap (prefix hit)
         else:
-            state.rows = torch.cat([state.rows[: start - state.first], rows])
-        excess = len(state.rows) - self._kept
-        if excess > 0:
-            state.first, state.rows = state.first + excess, state.rows[excess:]
+            state.rows = torch.cat([state.rows[: start - state.kv_end], rows])
+        if len(state.rows) > self._kept:  # the K/V would be out of the window anyway
+            excess = len(state.rows) - self._kept
+            state = EagleState(start + len(rows) - self._kept, None, None, state.rows[excess:])
         self._states[req] = state
 
-    def _window(self, req: Req) -> Window | None:
+    def _pending(self, req: Req) -> Pending | None:
         state = self._states.get(req)
-        end = req.seq_len - 1  # rows of positions < end are committed; end - 1 is needed
-        if state is None or not state.first < end <= state.first + len(state.rows):
+        end = req.seq_len - 1  # positions < end are committed; end - 1 is the query
+        if state is None or not state.kv_end < end <= state.kv_end + len(state.rows):
             return None
         if end + self.num_draft_tokens > self.head.rotary.max_positions:
             return None
-        first = max(state.first, end - self.window)
-        rows = state.rows[first - state.first : end - state.first]
-        return Window(first, rows, req.seq_ids()[first + 1 : end + 1])
+        start = state.kv_end
+        rows = state.rows[: end - start]
+        return Pending(state, start, rows, req.seq_ids()[start + 1 : end + 1])
 
-    def _draft(self, reqs: list[Req], windows: list[Window]) -> list[Draft]:
-        hidden, tokens, positions, valid = _left_padded(windows, self.head.fc.weight)
-        width = hidden.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool, device=hidden.device).tril()
-        eye = torch.eye(width, dtype=torch.bool, device=hidden.device)
-        mask = (valid[:, None, None, :] & causal) | eye  # padded rows see themselves: no NaN
-        sampling = SamplingRows(reqs, self.head.vocab_size, hidden.device)
-        step = self.head(hidden, tokens, positions, None, mask)
-        picks = []
+    def _draft(self, reqs: list[Req], pending: list[Pending]) -> list[Draft]:
+        inputs = _StepOne.build(pending, self.head.fc.weight)
+        sampling = SamplingRows(reqs, self.head.vocab_size, inputs.hidden.device)
+        step = self.head(inputs.hidden, inputs.tokens, inputs.positions, inputs.cache, inputs.mask)
+        self._keep_kv(pending, step, inputs.num_new)
+        valid, picks = inputs.key_valid, []
         for j in range(self.num_draft_tokens):
             chosen, probs = sampling.pick(step.logits, j)
             picks.append((chosen, probs))
@@ -142,29 +151,86 @@ class Eagle3Drafter(Drafter):
             step = self.head(
                 step.hidden[:, -1:],
                 chosen[:, None],
-                positions[:, -1:] + j + 1,
+                inputs.positions[:, -1:] + j + 1,
                 (step.keys, step.values),
                 valid[:, None, None, :],
             )
         return sampling.drafts(picks)
 
+    def _keep_kv(self, pending: list[Pending], step, num_new: list[int]) -> None:
+        """Step 1's columns of committed positions join each request's kept K/V."""
+        for b, (p, new) in enumerate(zip(pending, num_new)):
+            state = p.state
+            keys, values = step.keys[b, :, -new:], step.values[b, :, -new:]
+            if state.keys is not None:
+                keys, values = (
+                    torch.cat([state.keys, keys], 1),
+                    torch.cat([state.values, values], 1),
+                )
+            excess = max(0, keys.shape[1] - self.window)
+            state.first += excess
+            state.keys, state.values = keys[:, excess:].clone(), values[:, excess:].clone()
+            state.rows = state.rows[:0]  # used; any tail was a rejected draft's
 
-def _left_padded(windows: list[Window], like: torch.Tensor):
-    """Step 1's inputs, windows right-aligned so that draft steps append one column to all:
-    hidden [B, T, hidden], tokens and positions [B, T], valid [B, T] (False: padding)."""
-    width = max(len(w.tokens) for w in windows)
-    batch, device = len(windows), like.device
-    hidden = torch.zeros(batch, width, like.shape[0], dtype=like.dtype, device=device)
-    tokens = torch.zeros(batch, width, dtype=torch.long)
-    positions = torch.zeros(batch, width, dtype=torch.long)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    for b, w in enumerate(windows):
-        pad = width - len(w.tokens)
-        hidden[b, pad:] = w.rows
-        tokens[b, pad:] = torch.tensor(w.tokens)
-        positions[b, pad:] = torch.arange(w.first, w.first + len(w.tokens))
-        valid[b, pad:] = True
-    return hidden, tokens.to(device), positions.to(device), valid.to(device)
+
+@dataclass
+class _StepOne:
+    """Step 1's batch: each request's pending columns right-aligned (so that draft steps
+    append one column to all) after its kept K/V, left-padded: hidden [B, N, hidden],
+    tokens / positions [B, N], cache (keys, values) [B, kv_heads, C, head_dim] or None,
+    mask [B, 1, N, C + N], key_valid [B, C + N] (False: padding)."""
+
+    hidden: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache: tuple[torch.Tensor, torch.Tensor] | None
+    mask: torch.Tensor
+    key_valid: torch.Tensor
+    num_new: list[int]
+
+    @classmethod
+    def build(cls, pending: list[Pending], like: torch.Tensor) -> _StepOne:
+        device, batch = like.device, len(pending)
+        num_new = [len(p.tokens) for p in pending]
+        width = max(num_new)
+        hidden = torch.zeros(batch, width, like.shape[0], dtype=like.dtype, device=device)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        new_valid = torch.zeros(batch, width, dtype=torch.bool)
+        for b, p in enumerate(pending):
+            pad = width - num_new[b]
+            hidden[b, pad:] = p.rows
+            tokens[b, pad:] = torch.tensor(p.tokens)
+            positions[b, pad:] = torch.arange(p.start, p.start + num_new[b])
+            new_valid[b, pad:] = True
+        cache, cache_valid = _padded_cache([p.state for p in pending], like)
+        new_valid = new_valid.to(device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=device)
+        new_mask = (new_valid[:, None, :] & causal) | eye  # padded rows see themselves: no NaN
+        old_mask = cache_valid[:, None, :].expand(batch, width, cache_valid.shape[1])
+        mask = torch.cat([old_mask, new_mask], dim=2)[:, None]
+        key_valid = torch.cat([cache_valid, new_valid], dim=1)
+        return cls(hidden, tokens.to(device), positions.to(device), cache, mask, key_valid, num_new)
+
+
+def _padded_cache(states: list[EagleState], like: torch.Tensor):
+    """The kept K/V of each request, left-padded to the longest: ((keys, values) or None,
+    valid [B, C])."""
+    lengths = [0 if s.keys is None else s.keys.shape[1] for s in states]
+    width, device = max(lengths), like.device
+    valid = torch.zeros(len(states), width, dtype=torch.bool, device=device)
+    if width == 0:
+        return None, valid
+    shape = next(s.keys for s in states if s.keys is not None).shape
+    keys = torch.zeros(len(states), shape[0], width, shape[2], dtype=like.dtype, device=device)
+    values = torch.zeros_like(keys)
+    for b, (state, length) in enumerate(zip(states, lengths)):
+        if length:
+            keys[b, :, width - length :] = state.keys
+            values[b, :, width - length :] = state.values
+            valid[b, width - length :] = True
+    return (keys, values), valid
 
 
 def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle3Drafter:
