@@ -216,8 +216,9 @@ def _target_head_weight(target, draft_vocab: int) -> torch.Tensor:
     """A head without `lm_head` uses the target's (tied: its embedding)."""
     if draft_vocab != target.config.vocab_size:
         raise ValueError(f"{FLAG}: a head without lm_head must have the target's vocabulary")
-    head = target.embed_tokens if target.lm_head is None else target.lm_head
-    return head.weight.detach()
+    if target.lm_head is None:
+        return target.embed_tokens.weight.detach()
+    return target.lm_head.dequantize().detach()  # a quantized target's head, as floats
 
 
 def _copy_weights(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> None:
