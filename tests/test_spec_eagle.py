@@ -235,7 +235,8 @@ def test_sampled_requests_draft_with_eagle3_reproducibly(models):
 
 def test_eagle3_mixed_batch_stops_and_max_new_tokens_are_exact(models):
     """Greedy requests beside a sampled one in the same batch keep plain decoding's tokens;
-    stop tokens, stop strings and max_new_tokens end them exactly where plain decoding does."""
+    stop tokens, stop strings, max_new_tokens and a grammar end and shape them exactly as
+    plain decoding does."""
     prompt = prompt_ids(3, 40)
     plain = make_engine(models["target"])
     spec = make_engine(models["target"], **_eagle(models["echo"]))
@@ -246,15 +247,16 @@ def test_eagle3_mixed_batch_stops_and_max_new_tokens_are_exact(models):
         greedy(11),
         greedy(40, stop_token_ids=[reference[17]], ignore_eos=False),
         greedy(40, stop=[stop_text]),
+        greedy(12, regex="(ab|a)+"),
     ]
-    expected = plain.generate(input_ids=[prompt] * 3, sampling_params=cases)
+    expected = plain.generate(input_ids=[prompt] * 4, sampling_params=cases)
     outputs = spec.generate(
-        input_ids=[prompt] * 3 + [prompt_ids(5, 30)], sampling_params=[*cases, sampled]
+        input_ids=[prompt] * 4 + [prompt_ids(5, 30)], sampling_params=[*cases, sampled]
     )
     for out, want in zip(outputs, expected):
         assert out["output_ids"] == want["output_ids"] and out["text"] == want["text"]
         assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
-    assert len(outputs[3]["output_ids"]) == 30
+    assert len(outputs[4]["output_ids"]) == 30
     assert spec.get_stats()["spec_accepted_tokens"] > 0
 
 
