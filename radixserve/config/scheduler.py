@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE", "SUFFIX")  # SGLang's (SELF: ours)
-DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE")
+# SGLang's names (SELF: ours)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE", "SUFFIX", "EAGLE3")
+DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE", "EAGLE3")
+DRAFT_PATH_ALGORITHMS = ("STANDALONE", "EAGLE3")  # read --speculative-draft-model-path
+EAGLE3_AUTO_NUM_STEPS = 3  # SGLang's auto choice for topk 1: 3 steps, 4 draft tokens w/ root
 PIN_POLICIES = ("hard", "last")
 
 
@@ -71,15 +74,20 @@ class SchedulerConfig:
     request's own prompt + output and in an n-gram store of recent requests), SELF (the
     target's first --speculative-self-layers layers), STANDALONE (a smaller model,
     --speculative-draft-model-path), SUFFIX (suffix trees over the request's own prompt +
-    output and over the outputs of recent requests, --speculative-suffix-*); default: off."""
+    output and over the outputs of recent requests, --speculative-suffix-*), EAGLE3 (an
+    EAGLE-3 head reading the target's hidden states, --speculative-draft-model-path);
+    default: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request per step (K: the request computes K + 1)."""
     speculative_num_steps: int | None = None
-    """SELF / STANDALONE: draft-model forwards per step, one draft token each; default and
-    most: --speculative-num-draft-tokens."""
+    """SELF / STANDALONE / EAGLE3: draft-model forwards per step, one draft token each;
+    default: --speculative-num-draft-tokens (EAGLE3: 3, as SGLang's auto), at most that."""
+    speculative_eagle_topk: int | None = None
+    """EAGLE3: candidates per draft step (tree drafting); only 1, a chain, yet (the default)."""
     speculative_draft_model_path: str | None = None
     """STANDALONE: the draft model (HF folder or GGUF, as --model); it must share the
-    target's tokenizer, checked at start."""
+    target's tokenizer, checked at start. EAGLE3: the head's folder (config.json and
+    safetensors in SGLang's layout, as SpecForge writes them)."""
     speculative_self_layers: int = 2
     """SELF: how many of the target's first layers draft (then its final norm and LM head)."""
     speculative_adaptive_threshold: float = 1.0
@@ -151,10 +159,8 @@ class SchedulerConfig:
         if algorithm is None:
             return
         if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(
-                "speculative_algorithm must be NGRAM, SELF, STANDALONE, SUFFIX or unset; "
-                f"got {algorithm!r}"
-            )
+            names = ", ".join(SPECULATIVE_ALGORITHMS)
+            raise ValueError(f"speculative_algorithm must be {names} or unset; got {algorithm!r}")
         self.speculative_algorithm = algorithm.upper()
         for name in (
             "speculative_num_draft_tokens",
@@ -204,12 +210,12 @@ class SchedulerConfig:
             )
 
     def _verify_draft_model(self) -> None:
-        """The flags of SELF / STANDALONE: each only with the algorithm that reads it."""
+        """The flags of SELF / STANDALONE / EAGLE3: each only with the algorithm that reads it."""
         algorithm = self.speculative_algorithm
         steps = self.speculative_num_steps
         if steps is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
             raise ValueError(
-                "speculative_num_steps needs --speculative-algorithm SELF or STANDALONE"
+                "speculative_num_steps needs --speculative-algorithm SELF, STANDALONE or EAGLE3"
             )
         if steps is not None and not 1 <= steps <= self.speculative_num_draft_tokens:
             raise ValueError(
@@ -217,16 +223,33 @@ class SchedulerConfig:
                 f"({self.speculative_num_draft_tokens}); got {steps}"
             )
         path = self.speculative_draft_model_path
-        if algorithm == "STANDALONE" and path is None:
+        if algorithm in DRAFT_PATH_ALGORITHMS and path is None:
             raise ValueError(
-                "speculative_algorithm STANDALONE needs --speculative-draft-model-path"
+                f"speculative_algorithm {algorithm} needs --speculative-draft-model-path"
             )
-        if algorithm != "STANDALONE" and path is not None:
+        if algorithm not in DRAFT_PATH_ALGORITHMS and path is not None:
             raise ValueError(
-                "speculative_draft_model_path needs --speculative-algorithm STANDALONE"
+                "speculative_draft_model_path needs --speculative-algorithm STANDALONE or EAGLE3"
+            )
+        self._verify_eagle_topk()
+
+    def _verify_eagle_topk(self) -> None:
+        topk = self.speculative_eagle_topk
+        if topk is None:
+            return
+        if self.speculative_algorithm != "EAGLE3":
+            raise ValueError("speculative_eagle_topk needs --speculative-algorithm EAGLE3")
+        if topk != 1:
+            raise ValueError(
+                f"--speculative-eagle-topk {topk}: tree drafting (topk > 1) is not supported "
+                "yet; use 1 (a chain of --speculative-num-steps tokens)"
             )
 
     @property
     def speculative_draft_steps(self) -> int:
-        """Draft tokens per proposal of a draft model (SELF / STANDALONE)."""
-        return self.speculative_num_steps or self.speculative_num_draft_tokens
+        """Draft tokens per proposal of a draft model (SELF / STANDALONE / EAGLE3)."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_algorithm == "EAGLE3":
+            return min(EAGLE3_AUTO_NUM_STEPS, self.speculative_num_draft_tokens)
+        return self.speculative_num_draft_tokens

@@ -360,6 +360,8 @@ class Scheduler:
     def _commit(self, work: list[Work], logits: LogitsOutput, outputs: list[Req]) -> None:
         """Each work's results into its request; finished requests leave the batch, and a
         request whose commit fails ends alone (the batch goes on)."""
+        if self.speculator is not None:
+            self.speculator.on_forward(work, logits)
         tokens = self.committer.sample(work, logits)
         verified = self.committer.verify(work, logits.verify)
         offsets = [0, *itertools.accumulate(w.num_forward for w in work)]

@@ -155,14 +155,30 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_layers(batch, attn, self.layers)
 
     def forward_layers(
-        self, batch: ForwardBatch, attn: AttentionBackend, layers: Iterable[LlamaDecoderLayer]
+        self,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        layers: Iterable[LlamaDecoderLayer],
+        aux_layers: tuple[int, ...] = (),
+        aux: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """`forward` through `layers` (all, or SELF speculation's first ones), then the norm."""
+        """`forward` through `layers` (all, or SELF speculation's first ones), then the norm.
+        EAGLE-3: the residual stream entering each layer index in `aux_layers` (the number of
+        layers: after the last) is appended to `aux` [num_tokens, hidden_size] each."""
         hidden = self.embed_tokens(batch.input_ids)
         rotary = self.rotary.at(batch.positions)
         residual = None
-        for layer in layers:
+        captured: dict[int, torch.Tensor] = {}
+        num_layers = 0
+        for i, layer in enumerate(layers):
+            if i in aux_layers:
+                captured[i] = _residual_stream(hidden, residual)
             hidden, residual = layer(hidden, residual, batch, rotary, attn)
+            num_layers = i + 1
+        if num_layers in aux_layers:
+            captured[num_layers] = _residual_stream(hidden, residual)
+        if aux_layers:
+            aux.extend(captured[i] for i in aux_layers)  # a layer may be named twice
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def use_cpu_layer_ops(self, ops: CpuLayerOps | None) -> None:
@@ -218,6 +234,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint is missing tensors for {len(missing)} parameters: {shown}"
             )
+
+
+def _residual_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The sum the next norm would take (a copy: fused CPU norms write in place)."""
+    return hidden.clone() if residual is None else hidden + residual
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -50,6 +50,7 @@ class LogitsOutput(NamedTuple):
     last: torch.Tensor  # [num_reqs, vocab] fp32: logits at each request's last new token
     all: torch.Tensor | None  # [num_tokens, vocab] fp32 when the batch asked for all positions
     verify: torch.Tensor | None = None  # [num_verify_rows, vocab] fp32 at batch.verify_indices
+    aux_hidden: torch.Tensor | None = None  # [num_tokens, 3 * hidden] when EAGLE-3 captures
 
 
 @dataclass
@@ -61,6 +62,8 @@ class ModelRunner:
     decode_graphs: DecodeGraphRunner | None = None
     compiled_decode: CompiledDecodeRunner | None = None
     lora: LoraWeights | None = None  # --enable-lora: the adapters' weights (model/lora.py)
+    aux_layers: tuple[int, ...] = ()
+    """EAGLE-3: layers whose input hidden states every forward returns (eager only)."""
 
     @classmethod
     def create(
@@ -163,6 +166,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Runs one forward over a mixed extend/decode batch, writing its K/V into the pool."""
+        if self.aux_layers:
+            return self._forward_capturing(batch)
         captured = batch.lora is None  # LoRA batches run eagerly (no graph holds an adapter)
         if captured and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.replay(batch)
@@ -172,13 +177,25 @@ class ModelRunner:
             if hidden is not None:
                 return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
         self.attn.init_forward(batch)
-        hidden = self.model(batch, self.attn)
+        return self._logits(self.model(batch, self.attn), batch)
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> LogitsOutput:
+        """The rows of `hidden` [num_tokens, hidden_size] the batch asks logits of."""
         last = self.model.compute_logits(hidden[batch.last_token_indices()])
         all_logits = self.model.compute_logits(hidden) if batch.return_all_logits else None
         verify = None
         if batch.verify_indices is not None:
             verify = self.model.compute_logits(hidden[batch.verify_indices])
         return LogitsOutput(last=last, all=all_logits, verify=verify)
+
+    def _forward_capturing(self, batch: ForwardBatch) -> LogitsOutput:
+        """The eager forward, plus the hidden states entering `aux_layers` (EAGLE-3)."""
+        self.attn.init_forward(batch)
+        aux: list[torch.Tensor] = []
+        model = self.model
+        hidden = model.forward_layers(batch, self.attn, model.layers, self.aux_layers, aux)
+        out = self._logits(hidden, batch)
+        return out._replace(aux_hidden=torch.cat(aux, dim=-1))
 
 
 def kv_cache_dtype(

@@ -5,6 +5,7 @@ one forward (K + 1 extend tokens per speculating request), the `Verifier` keeps 
                                                                     suffix.py: SUFFIX)
     batch_builder               [last token, d1 .. dK] over the request's cached prefix
     model forward               logits at the K + 1 rows (LogitsOutput.verify)
+                                (EAGLE3: + aux hidden states -> drafter.on_forward)
     verifier                    accepted drafts + the target's token (lossless rule)
     req_pages.trim              frees the rejected tail's emptied pages
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.speculative.drafter import Draft, Drafter
+from radixserve.engine.speculative.eagle import Eagle3Drafter, create_eagle3_drafter
 from radixserve.engine.speculative.model_drafter import (
     ModelDrafter,
     load_draft_runner,
@@ -27,6 +29,7 @@ from radixserve.model.runner import ModelRunner
 __all__ = [
     "Draft",
     "Drafter",
+    "Eagle3Drafter",
     "ModelDrafter",
     "NgramDrafter",
     "Speculator",
@@ -45,8 +48,8 @@ def create_drafter(
     tokenizer=None,
 ) -> Drafter | None:
     """The drafter `config.speculative_algorithm` names; None when speculation is off.
-    SELF and STANDALONE draft with a model: they need the `target` runner (and STANDALONE
-    the load and cache configs to load its draft model like the target)."""
+    SELF, STANDALONE and EAGLE3 draft with a model: they need the `target` runner (and
+    STANDALONE the load and cache configs to load its draft model like the target)."""
     if config.speculative_algorithm is None:
         return None
     config.verify()  # names the flag of an unknown algorithm or a bad combination
@@ -69,6 +72,8 @@ def create_drafter(
         )
     if target is None:
         raise ValueError(f"speculative_algorithm {algorithm} needs the target model's runner")
+    if algorithm == "EAGLE3":
+        return create_eagle3_drafter(config, target)
     cache_config = cache_config or CacheConfig()
     if algorithm == "SELF":
         layers = config.speculative_self_layers

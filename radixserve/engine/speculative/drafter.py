@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from radixserve.engine.request import Req
+from radixserve.model.runner import LogitsOutput
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Draft:
 
 class Drafter(ABC):
     """Proposes draft tokens for decoding requests: NGRAM (lookup), SELF and STANDALONE
-    (a draft model: model_drafter.py)."""
+    (a draft model: model_drafter.py), EAGLE3 (a head over the target's hidden states)."""
 
     num_draft_tokens: int  # K: the most tokens a proposal holds
 
@@ -41,6 +42,12 @@ class Drafter(ABC):
     def propose_all(self, reqs: list[Req]) -> list[Draft]:
         """One draft per request (a model drafter batches them); deterministic by default."""
         return [Draft(self.propose(req)) for req in reqs]
+
+    def on_forward(  # noqa: B027 (optional hook, no-op by default)
+        self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
+    ) -> None:
+        """Sees a target forward before its commit: request i put `lengths[i]` tokens at
+        positions from `starts[i]` (EAGLE-3 keeps their hidden states); nothing by default."""
 
     def on_finished(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Learns from a request that finished (its prompt + output); nothing by default."""

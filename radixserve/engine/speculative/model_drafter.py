@@ -165,7 +165,7 @@ class ModelDrafter(Drafter):
         prefix = [min(s.num_computed, len(seq) - 1) for seq, s in zip(seqs, states)]
         tokens = [seq[start:] for seq, start in zip(seqs, prefix)]
         steps: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        sampling = _SamplingRows(reqs, self.runner.config.vocab_size, self.runner.device)
+        sampling = SamplingRows(reqs, self.runner.config.vocab_size, self.runner.device)
         for j in range(self.num_draft_tokens):
             logits = self._forward(tokens, prefix, states)
             chosen, probs = sampling.pick(logits, j)
@@ -187,7 +187,7 @@ class ModelDrafter(Drafter):
         return self.runner.forward(batch).last  # [num_reqs, vocab]
 
 
-class _SamplingRows:
+class SamplingRows:
     """How each request picks its draft tokens: argmax (greedy requests) or a seeded draw
     from q (sampled ones: the draft's logits after their temperature and filters)."""
 

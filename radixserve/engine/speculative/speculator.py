@@ -13,6 +13,7 @@ from radixserve.engine.request import Req
 from radixserve.engine.speculative.adaptive import AdaptivePolicy
 from radixserve.engine.speculative.drafter import Drafter
 from radixserve.engine.stats import EngineStats
+from radixserve.model.runner import LogitsOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,11 @@ class Speculator:
                 draft = draft.cut(len(valid_draft(req, draft.tokens)))
             if draft.tokens and grow_from_free(req, w.num_new + len(draft.tokens)):
                 w.draft, w.draft_probs = draft.tokens, draft.probs
+
+    def on_forward(self, work: list[Work], logits: LogitsOutput) -> None:
+        """A target forward ran (before its commit): the drafter may keep what it needs."""
+        reqs, starts = [w.req for w in work], [w.req.num_computed for w in work]
+        self.drafter.on_forward(reqs, starts, [w.num_forward for w in work], logits)
 
     def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
         """Counts one decode step of a speculating request (its draft may be empty)."""

@@ -1,0 +1,245 @@
+"""EAGLE-3 drafting: a one-layer head (model/eagle3.py) reads the target's hidden states and
+proposes a chain of num_steps tokens (topk 1) through the Drafter seam.
+
+    target forward (any: prefill chunk, decode, verify)   aux hidden of its positions
+        -> on_forward: fc -> fused rows, pending at their positions (a gap restarts)
+    propose (sequence x_0 .. x_{n-1}):
+        step 1   pending p .. n-2: (fused_p, embed(x_{p+1})) over the kept K/V -> d1
+                 (their K/V is kept: both inputs are committed, so it never changes)
+        step j   (pre-norm hidden of step j-1, embed(d_{j-1})) at position n-3+j -> dj
+                 (K/V of the draft steps is scratch)
+
+    per request   | K/V of positions first .. (<= EAGLE3_WINDOW) | pending fused rows |
+
+Pending rows past n-2 (a verify's rejected drafts) are cut before use. Design: the head's
+K/V lives in small per-request tensors, not a paged pool: one layer of K/V is 1/L of the
+target's per token and is capped at a window, so there is nothing to page, evict or keep
+consistent with the radix tree; a prefix hit or a retracted request simply starts with none
+(the head then sees fewer positions). Drafts are lossless either way: the target verifies.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.config import SchedulerConfig
+from radixserve.engine.request import Req
+from radixserve.engine.speculative.drafter import Draft, Drafter
+from radixserve.engine.speculative.model_drafter import SamplingRows
+from radixserve.model.eagle3 import Eagle3Head, aux_layers_from_config, load_eagle3_head
+from radixserve.model.runner import LogitsOutput, ModelRunner
+
+# 64: EAGLE's heads are trained on full contexts, but what predicts the next few tokens sits
+# in the last few dozen; the K/V kept per request and the attention grow linearly with it.
+EAGLE3_WINDOW = 64
+
+
+@dataclass
+class EagleState:
+    """A request's head K/V of positions first .. first + C - 1 ([kv_heads, C, head_dim]
+    each), then its pending fused rows of the positions after them ([num_rows, hidden])."""
+
+    first: int
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    rows: torch.Tensor
+
+    @property
+    def kv_end(self) -> int:
+        """The first position without K/V."""
+        return self.first + (0 if self.keys is None else self.keys.shape[1])
+
+
+@dataclass
+class Pending:
+    """What step 1 of a request computes: rows of positions start .. n-2, the tokens after."""
+
+    state: EagleState
+    start: int
+    rows: torch.Tensor  # [length, hidden]
+    tokens: list[int]  # x_{start+1} .. x_{n-1}
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(self, head: Eagle3Head, num_steps: int, window: int = EAGLE3_WINDOW):
+        self.head = head
+        self.num_draft_tokens = num_steps
+        self.window = window
+        self._kept = window + num_steps + 1  # pending rows kept: a window plus a verify's tail
+        self._states: weakref.WeakKeyDictionary[Req, EagleState] = weakref.WeakKeyDictionary()
+
+    @torch.inference_mode()
+    def on_forward(
+        self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
+    ) -> None:
+        """Keeps the fused hidden states of each speculating request's last positions in
+        the forward (fc runs only on the rows a window can still read)."""
+        aux = logits.aux_hidden
+        if aux is None:
+            return
+        rows: list[int] = []
+        spans: list[tuple[Req, int, int]] = []
+        offset = 0
+        for req, start, length in zip(reqs, starts, lengths):
+            keep = min(length, self._kept) if req.params.speculative else 0
+            if keep:
+                rows.extend(range(offset + length - keep, offset + length))
+                spans.append((req, start + length - keep, keep))
+            offset += length
+        if not rows:
+            return
+        fused = self.head.fuse(aux[torch.tensor(rows, device=aux.device)])  # [rows, hidden]
+        offset = 0
+        for req, start, keep in spans:
+            self._append(req, start, fused[offset : offset + keep])
+            offset += keep
+
+    def propose(self, req: Req) -> list[int]:
+        return self.propose_all([req])[0].tokens
+
+    @torch.inference_mode()
+    def propose_all(self, reqs: list[Req]) -> list[Draft]:
+        """A chain for each request whose hidden states reach its last committed token."""
+        pending = {r: p for r in reqs if (p := self._pending(r)) is not None}
+        drafts = {r: Draft([]) for r in reqs}
+        ready = list(pending)
+        if ready:
+            for req, draft in zip(ready, self._draft(ready, [pending[r] for r in ready])):
+                drafts[req] = draft
+        return [drafts[r] for r in reqs]
+
+    def release(self, req: Req) -> None:
+        self._states.pop(req, None)
+
+    def _append(self, req: Req, start: int, rows: torch.Tensor) -> None:
+        state = self._states.get(req)
+        if state is None or not state.kv_end <= start <= state.kv_end + len(state.rows):
+            state = EagleState(start, None, None, rows.clone())  # new, or a gap (prefix hit)
+        else:
+            state.rows = torch.cat([state.rows[: start - state.kv_end], rows])
+        if len(state.rows) > self._kept:  # the K/V would be out of the window anyway
+            excess = len(state.rows) - self._kept
+            state = EagleState(start + len(rows) - self._kept, None, None, state.rows[excess:])
+        self._states[req] = state
+
+    def _pending(self, req: Req) -> Pending | None:
+        state = self._states.get(req)
+        end = req.seq_len - 1  # positions < end are committed; end - 1 is the query
+        if state is None or not state.kv_end < end <= state.kv_end + len(state.rows):
+            return None
+        if end + self.num_draft_tokens > self.head.rotary.max_positions:
+            return None
+        start = state.kv_end
+        rows = state.rows[: end - start]
+        return Pending(state, start, rows, req.seq_ids()[start + 1 : end + 1])
+
+    def _draft(self, reqs: list[Req], pending: list[Pending]) -> list[Draft]:
+        inputs = _StepOne.build(pending, self.head.fc.weight)
+        sampling = SamplingRows(reqs, self.head.vocab_size, inputs.hidden.device)
+        step = self.head(inputs.hidden, inputs.tokens, inputs.positions, inputs.cache, inputs.mask)
+        self._keep_kv(pending, step, inputs.num_new)
+        valid, picks = inputs.key_valid, []
+        for j in range(self.num_draft_tokens):
+            chosen, probs = sampling.pick(step.logits, j)
+            picks.append((chosen, probs))
+            if j + 1 == self.num_draft_tokens:
+                break
+            valid = torch.cat([valid, valid.new_ones(len(reqs), 1)], dim=1)
+            step = self.head(
+                step.hidden[:, -1:],
+                chosen[:, None],
+                inputs.positions[:, -1:] + j + 1,
+                (step.keys, step.values),
+                valid[:, None, None, :],
+            )
+        return sampling.drafts(picks)
+
+    def _keep_kv(self, pending: list[Pending], step, num_new: list[int]) -> None:
+        """Step 1's columns of committed positions join each request's kept K/V."""
+        for b, (p, new) in enumerate(zip(pending, num_new)):
+            state = p.state
+            keys, values = step.keys[b, :, -new:], step.values[b, :, -new:]
+            if state.keys is not None:
+                keys, values = (
+                    torch.cat([state.keys, keys], 1),
+                    torch.cat([state.values, values], 1),
+                )
+            excess = max(0, keys.shape[1] - self.window)
+            state.first += excess
+            state.keys, state.values = keys[:, excess:].clone(), values[:, excess:].clone()
+            state.rows = state.rows[:0]  # used; any tail was a rejected draft's
+
+
+@dataclass
+class _StepOne:
+    """Step 1's batch: each request's pending columns right-aligned (so that draft steps
+    append one column to all) after its kept K/V, left-padded: hidden [B, N, hidden],
+    tokens / positions [B, N], cache (keys, values) [B, kv_heads, C, head_dim] or None,
+    mask [B, 1, N, C + N], key_valid [B, C + N] (False: padding)."""
+
+    hidden: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache: tuple[torch.Tensor, torch.Tensor] | None
+    mask: torch.Tensor
+    key_valid: torch.Tensor
+    num_new: list[int]
+
+    @classmethod
+    def build(cls, pending: list[Pending], like: torch.Tensor) -> _StepOne:
+        device, batch = like.device, len(pending)
+        num_new = [len(p.tokens) for p in pending]
+        width = max(num_new)
+        hidden = torch.zeros(batch, width, like.shape[0], dtype=like.dtype, device=device)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        new_valid = torch.zeros(batch, width, dtype=torch.bool)
+        for b, p in enumerate(pending):
+            pad = width - num_new[b]
+            hidden[b, pad:] = p.rows
+            tokens[b, pad:] = torch.tensor(p.tokens)
+            positions[b, pad:] = torch.arange(p.start, p.start + num_new[b])
+            new_valid[b, pad:] = True
+        cache, cache_valid = _padded_cache([p.state for p in pending], like)
+        new_valid = new_valid.to(device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=device)
+        new_mask = (new_valid[:, None, :] & causal) | eye  # padded rows see themselves: no NaN
+        old_mask = cache_valid[:, None, :].expand(batch, width, cache_valid.shape[1])
+        mask = torch.cat([old_mask, new_mask], dim=2)[:, None]
+        key_valid = torch.cat([cache_valid, new_valid], dim=1)
+        return cls(hidden, tokens.to(device), positions.to(device), cache, mask, key_valid, num_new)
+
+
+def _padded_cache(states: list[EagleState], like: torch.Tensor):
+    """The kept K/V of each request, left-padded to the longest: ((keys, values) or None,
+    valid [B, C])."""
+    lengths = [0 if s.keys is None else s.keys.shape[1] for s in states]
+    width, device = max(lengths), like.device
+    valid = torch.zeros(len(states), width, dtype=torch.bool, device=device)
+    if width == 0:
+        return None, valid
+    shape = next(s.keys for s in states if s.keys is not None).shape
+    keys = torch.zeros(len(states), shape[0], width, shape[2], dtype=like.dtype, device=device)
+    values = torch.zeros_like(keys)
+    for b, (state, length) in enumerate(zip(states, lengths)):
+        if length:
+            keys[b, :, width - length :] = state.keys
+            values[b, :, width - length :] = state.values
+            valid[b, width - length :] = True
+    return (keys, values), valid
+
+
+def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle3Drafter:
+    """Loads the head at --speculative-draft-model-path for `target` and makes the target's
+    forwards capture the hidden states the head reads (only now: no cost otherwise)."""
+    model = target.model
+    dtype = model.embed_tokens.weight.dtype
+    head = load_eagle3_head(config.speculative_draft_model_path, model, target.device, dtype)
+    target.aux_layers = aux_layers_from_config(head.config.hf_config, target.config.num_layers)
+    # capturing forwards run eagerly: decode graphs / compiled steps would only hold memory
+    target.decode_graphs = target.compiled_decode = None
+    return Eagle3Drafter(head, config.speculative_draft_steps)
