@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from radixserve.server.anthropic_response import (
     usage,
 )
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.errors import BadRequest
+from radixserve.server.errors import BadRequest, renamed
 from radixserve.server.openai_api import ChoiceTracker, ToolCallTracker, check_model_name
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
@@ -197,12 +196,7 @@ def build_specs(
     try:
         return state.builder.build(args)[0]
     except ValueError as exc:
-        raise BadRequest(_anthropic_names(str(exc))) from exc
-
-
-def _anthropic_names(message: str) -> str:
-    pattern = r"\b(" + "|".join(CORE_NAMES) + r")\b"
-    return re.sub(pattern, lambda match: CORE_NAMES[match.group(1)], message)
+        raise BadRequest(renamed(str(exc), CORE_NAMES)) from exc
 
 
 def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult) -> ChoiceTracker:

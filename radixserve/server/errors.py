@@ -13,6 +13,13 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDe
 _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 
 
+def renamed(message: str, names: dict[str, str]) -> str:
+    """`message` with each core field name (a key of `names`, as a whole word) replaced by
+    the API's own name for it."""
+    pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b"
+    return re.sub(pattern, lambda match: names[match.group(1)], message)
+
+
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict | None = None
 ) -> web.Response:

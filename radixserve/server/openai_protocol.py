@@ -18,7 +18,7 @@ from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.errors import BadRequest
-from radixserve.server.reasoning import ReasoningOptions, thinking_of
+from radixserve.server.reasoning import ReasoningOptions, request_reasoning
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import ToolChoice, check_tool_choice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
@@ -150,12 +150,7 @@ def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
         parsed.max_tokens_name = "max_completion_tokens"
     parsed.tools = check_tools(body.get("tools"))
     parsed.tool_choice = check_tool_choice(body.get("tool_choice"), parsed.tools)
-    parsed.reasoning = ReasoningOptions(
-        separate=check_bool(body, "separate_reasoning", True),
-        stream=check_bool(body, "stream_reasoning", True),
-        thinking=thinking_of(parsed.template_kwargs),
-        budget=check_top_count(body, "max_reasoning_tokens", limit=None),
-    )
+    parsed.reasoning = request_reasoning(body, parsed.template_kwargs, check_bool, check_top_count)
 
 
 def sampling_dict(body: dict) -> dict[str, Any]:

@@ -29,6 +29,20 @@ class ReasoningOptions:
     budget: int | None = None
 
 
+def request_reasoning(
+    body: dict[str, Any], template_kwargs: dict[str, Any], check_bool, check_count
+) -> ReasoningOptions:
+    """A chat-shaped body's reasoning options (chat completions, Responses):
+    `separate_reasoning`, `stream_reasoning`, `max_reasoning_tokens`, thinking from the
+    template kwargs; `check_bool` / `check_count` are the dialect's field checks."""
+    return ReasoningOptions(
+        separate=check_bool(body, "separate_reasoning", True),
+        stream=check_bool(body, "stream_reasoning", True),
+        thinking=thinking_of(template_kwargs),
+        budget=check_count(body, "max_reasoning_tokens", limit=None),
+    )
+
+
 def thinking_of(template_kwargs: dict[str, Any]) -> bool:
     """Whether the template kwargs leave thinking on (Qwen3's and DeepSeek's switches)."""
     return template_kwargs.get("enable_thinking", True) is not False and (

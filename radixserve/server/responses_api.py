@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.errors import BadRequest
+from radixserve.server.errors import BadRequest, renamed
 from radixserve.server.openai_api import (
     ChoiceTracker,
     ToolCallTracker,
@@ -281,12 +280,7 @@ def build_specs(
     try:
         return state.builder.build(args)[0]
     except ValueError as exc:
-        raise BadRequest(_responses_names(str(exc))) from exc
-
-
-def _responses_names(message: str) -> str:
-    pattern = r"\b(" + "|".join(CORE_NAMES) + r")\b"
-    return re.sub(pattern, lambda match: CORE_NAMES[match.group(1)], message)
+        raise BadRequest(renamed(str(exc), CORE_NAMES)) from exc
 
 
 def _tracker(state: ServerState, parsed: ResponsesRequest, result: RequestResult) -> ChoiceTracker:

@@ -43,14 +43,14 @@ from radixserve.server.openai_protocol import (
     check_top_count,
     is_same_value,
 )
-from radixserve.server.reasoning import ReasoningOptions, thinking_of
+from radixserve.server.reasoning import ReasoningOptions, request_reasoning
 from radixserve.server.response_format import (
     Constraint,
     check_response_format,
     forced_call_constraint,
 )
 from radixserve.server.responses_items import check_input
-from radixserve.server.tool_calls import ToolChoice, check_tools, tool_names
+from radixserve.server.tool_calls import ToolChoice, check_tools, checked_tool_choice
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
 EXTRA_SAMPLING_FIELDS = {
@@ -192,12 +192,7 @@ def parse_responses_request(
     for name in ("user", "prompt_cache_key"):
         _optional_str(body, name)
     parsed.effort = _check_reasoning(body.get("reasoning"), parsed.template_kwargs)
-    parsed.reasoning = ReasoningOptions(
-        separate=check_bool(body, "separate_reasoning", True),
-        stream=check_bool(body, "stream_reasoning", True),
-        thinking=thinking_of(parsed.template_kwargs),
-        budget=check_top_count(body, "max_reasoning_tokens", limit=None),
-    )
+    parsed.reasoning = request_reasoning(body, parsed.template_kwargs, check_bool, check_top_count)
     parsed.text_format = _check_text(body.get("text"), parsed, tool_parser)
     return parsed
 
@@ -342,15 +337,7 @@ def check_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
         raise BadRequest(
             f"tool_choice must be {TOOL_CHOICE_SHAPE}; got {value!r}"[:200], param="tool_choice"
         )
-    if choice.forced and not tools:
-        raise BadRequest(f"tool_choice {value!r} requires tools", param="tool_choice")
-    if choice.name is not None and choice.name not in tool_names(tools):
-        raise BadRequest(
-            f"tool_choice names function {choice.name!r}, which is not among the tools "
-            f"{tool_names(tools)}",
-            param="tool_choice",
-        )
-    return choice if tools else ToolChoice("none")
+    return checked_tool_choice(choice, value, tools)
 
 
 def _check_text(value: Any, parsed: ResponsesRequest, tool_parser: str) -> dict[str, Any]:

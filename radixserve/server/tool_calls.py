@@ -109,7 +109,12 @@ def check_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     """`tool_choice`: "auto" by default with tools, "none" without; a named tool must exist."""
     if value is None:
         return ToolChoice("auto" if tools else "none")
-    choice = _parse_tool_choice(value)
+    return checked_tool_choice(_parse_tool_choice(value), value, tools)
+
+
+def checked_tool_choice(choice: ToolChoice, value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    """`choice` (parsed from `value`) against the tools: a forced one needs tools, a named
+    one must be among them; "none" when no tools are offered."""
     if choice.forced and not tools:
         raise BadRequest(f"tool_choice {value!r} requires tools", param="tool_choice")
     if choice.name is not None and choice.name not in tool_names(tools):
