@@ -208,6 +208,10 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
         workers, router = fleet_children(config, server, engine_args, keys)
         stop = install_stop_signals()
         try:
+            if config.autoscale:
+                from radixserve.fleet.autoscale_fleet import run_autoscaled
+
+                return run_autoscaled(config, workers, router, stop, server.api_key)
             if not start_all(workers, router, config, stop, keys):
                 return 0 if stop.is_set() else 1
             print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
@@ -294,7 +298,7 @@ def describe(config: FleetConfig) -> str:
     if config.pd_disaggregation:
         workers = f"{config.prefill_workers} prefill + {config.decode_workers} decode workers"
     else:
-        workers = f"{config.workers} workers"
+        workers = f"{config.num_workers} workers"
     return f"{workers}, policy {config.policy}"
 
 
