@@ -21,11 +21,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import FleetConfig
+from radixserve.config import FleetConfig, ServerConfig
 from radixserve.fleet.autoscale import Decision, FleetSample, ScalingPolicy, WorkerSample
 from radixserve.fleet.autoscale_scrape import TTFTWindow, WorkerMetrics, parse_worker_metrics
 from radixserve.fleet.fleet_view import FleetView
-from radixserve.fleet.launch import Child, http_get, router_live, router_ready, wait_until
+from radixserve.fleet.launch import STOP_MARGIN_S, Child, stop_all, wait_until
+from radixserve.fleet.probes import http_get, router_live, router_ready
 
 logger = logging.getLogger(__name__)
 DECISION_HISTORY = 200
@@ -203,10 +204,15 @@ def autoscaled_children(workers: list[Child], router: Child) -> list[Child]:
 
 
 def run_autoscaled(
-    config: FleetConfig, workers: list[Child], router: Child, stop: threading.Event, key: str | None
+    config: FleetConfig,
+    workers: list[Child],
+    router: Child,
+    stop: threading.Event,
+    server: ServerConfig,
 ) -> int:
     """The router first (it answers with no worker), then --min-workers workers, then the
-    autoscaler (and the fleet port, if --fleet-port) until a stop signal."""
+    autoscaler (and the fleet port, keyed with --api-key, if --fleet-port) until a stop
+    signal; the workers are stopped (drained) before the caller stops the router."""
     state = FleetState(autoscaled_children(workers, router), config.min_workers)
     autoscaler = Autoscaler(config, state, router)
     deadline = time.monotonic() + config.startup_timeout_s
@@ -215,13 +221,14 @@ def run_autoscaled(
         return 0 if stop.is_set() else 1
     if not autoscaler.start(stop):
         return 0 if stop.is_set() else 1
-    view = None
+    view, drain_timeout_s = None, server.drain_timeout + STOP_MARGIN_S
     if config.fleet_port:
-        view = FleetView.start(state, config.fleet_host, config.fleet_port, key)
+        view = FleetView.start(state, config.fleet_host, config.fleet_port, server.api_key)
     try:
         print(f"radixserve fleet ready at {router.url} ({config.min_workers} to "
               f"{config.max_workers} workers, policy {config.policy})", flush=True)  # fmt: skip
         return autoscaler.run(stop)
     finally:
+        stop_all(workers, timeout_s=drain_timeout_s)  # they leave the router while it runs
         if view is not None:
             view.stop()
