@@ -20,11 +20,17 @@ from test_server_native import post
 from conftest import prompt_ids
 from radixserve.cli import main
 from radixserve.config import FleetConfig
-from radixserve.fleet.autoscale import UP_SAMPLES, FleetSample, ScalingPolicy, WorkerSample
-from radixserve.fleet.autoscale_fleet import FleetState
+from radixserve.fleet.autoscale import (
+    UP_SAMPLES,
+    Decision,
+    FleetSample,
+    ScalingPolicy,
+    WorkerSample,
+)
+from radixserve.fleet.autoscale_fleet import Autoscaler, FleetState, WorkerSlot
 from radixserve.fleet.autoscale_scrape import TTFTWindow, histogram_quantile, parse_worker_metrics
 from radixserve.fleet.fleet_view import FleetView
-from radixserve.fleet.launch import Child
+from radixserve.fleet.launch import Child, stop_all
 from radixserve.server.metrics import ServerMetrics
 from radixserve_bench.systems import free_port_run
 
@@ -204,6 +210,34 @@ def test_fleet_port_serves_metrics_stats_and_page_keyed():
         assert http(base + "/nope", key="fleet-key-1")[0] == 404
     finally:
         view.stop()
+
+
+def test_autoscaler_moves_slots_and_acts_on_decisions():
+    """Slots of plain processes (nothing listens at their urls): up starts the first stopped
+    one, down sends SIGTERM, an exit ends in stopped, a drain past its time is killed."""
+    config = FleetConfig(min_workers=1, max_workers=2)
+    children = [Child(f"w{i}", ["sleep", "30"], "http://127.0.0.1:9") for i in range(2)]
+    state = FleetState(children, desired=1)
+    router = Child("router", ["true"], "http://127.0.0.1:9")
+    autoscaler = Autoscaler(config, state, router, stop_timeout_s=5)
+    try:
+        autoscaler.act(Decision(0, "up", 2, "test"), now=0)
+        assert [s.state for s in state.slots] == ["starting", "stopped"]
+        state.slots[0].state = "serving"  # as if its /health had answered
+        autoscaler.act(Decision(1, "down", 1, "test", worker="w0"), now=1)
+        assert state.slots[0].state == "draining"
+        state.slots[0].child.proc.wait(10)  # sleep ends on SIGTERM
+        autoscaler.refresh(now=2)
+        assert state.slots[0].state == "stopped"
+        stubborn = Child("w1", ["sh", "-c", "trap '' TERM; sleep 30"], "http://127.0.0.1:9")
+        state.slots[1] = WorkerSlot(stubborn)
+        autoscaler.act(Decision(3, "up", 2, "test"), now=3)  # w0 again: the first stopped
+        state.slots[1].child.start()
+        state.slots[1].move("draining", 3)
+        autoscaler.refresh(now=9)  # past stop_timeout_s: killed
+        assert state.slots[1].child.proc.wait(10) == -9
+    finally:
+        stop_all(children + [state.slots[1].child], timeout_s=5)
 
 
 # ---- a real fleet behind sglang-router -----------------------------------------------------

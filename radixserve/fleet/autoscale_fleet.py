@@ -116,10 +116,13 @@ class FleetState:
 class Autoscaler:
     """Runs the fleet: slot transitions, the policy each interval, and acting on it."""
 
-    def __init__(self, config: FleetConfig, state: FleetState, router: Child) -> None:
+    def __init__(
+        self, config: FleetConfig, state: FleetState, router: Child, stop_timeout_s: float
+    ) -> None:
         self.config = config
         self.state = state
         self.router = router
+        self.stop_timeout_s = stop_timeout_s  # a drained worker still running then is killed
         self.policy = ScalingPolicy.from_config(config)
 
     def start(self, stop: threading.Event) -> bool:
@@ -166,6 +169,9 @@ class Autoscaler:
             logger.error("%s not healthy after --startup-timeout-s; killing it", child.name)
             child.proc.kill()
             slot.move("stopped", now)
+        elif slot.state == "draining" and child.alive and now - slot.since > self.stop_timeout_s:
+            logger.error("%s still draining after %.0f s; killing it", child.name, now - slot.since)
+            child.proc.kill()
         elif slot.state in ("serving", "draining") and not child.alive:
             if slot.state == "serving":
                 logger.error("%s exited with code %s", child.name, child.proc.returncode)
@@ -214,14 +220,15 @@ def run_autoscaled(
     autoscaler (and the fleet port, keyed with --api-key, if --fleet-port) until a stop
     signal; the workers are stopped (drained) before the caller stops the router."""
     state = FleetState(autoscaled_children(workers, router), config.min_workers)
-    autoscaler = Autoscaler(config, state, router)
+    drain_timeout_s = server.drain_timeout + STOP_MARGIN_S
+    autoscaler = Autoscaler(config, state, router, drain_timeout_s)
     deadline = time.monotonic() + config.startup_timeout_s
     router.start()
     if not wait_until(router, lambda: router_live(router.url), deadline, stop):
         return 0 if stop.is_set() else 1
     if not autoscaler.start(stop):
         return 0 if stop.is_set() else 1
-    view, drain_timeout_s = None, server.drain_timeout + STOP_MARGIN_S
+    view = None
     if config.fleet_port:
         view = FleetView.start(state, config.fleet_host, config.fleet_port, server.api_key)
     try:
