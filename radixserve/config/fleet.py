@@ -18,7 +18,7 @@ class FleetConfig:
 
     workers: int | None = None
     """Number of data-parallel workers (each a full `radixserve serve`), a fixed fleet
-    (unset: DEFAULT_WORKERS); ignored when --prefill-workers / --decode-workers are set; not
+    (unset: 2, DEFAULT_WORKERS); ignored when --prefill-workers / --decode-workers are set; not
     with --min-workers / --max-workers."""
     min_workers: int = 0
     """Autoscaling (with --max-workers, instead of --workers): never fewer workers than this
