@@ -1,10 +1,12 @@
 """Autoscaling: a bursty agent workload on a fixed 1-worker, a fixed 2-worker and an
 autoscaled (1 to 2) `radixserve fleet`: P99 TTFT and worker-seconds, one run each.
 
-Workload (the same for every fleet): IDLE_BEFORE_S of nothing, then a burst of AGENTS agent
-sessions started together, each TURNS turns in a row (a turn's prompt is the previous one's
-plus its answer plus new text, as a tool-calling agent grows its context), then idle until
-the autoscaled fleet has drained back to --min-workers (the same time on every fleet).
+Workload (the same for every fleet): IDLE_BEFORE_S of nothing, then a burst of BURST_S in which
+AGENTS agents run sessions back to back, each TURNS turns in a row (a turn's prompt is the
+previous one's plus its answer plus new text, as a tool-calling agent grows its context; a
+session under way when the burst ends is finished), then idle until
+the autoscaled fleet has drained back to --min-workers and IDLE_AFTER_S more (every fleet
+idles as long after its burst as the autoscaled one did).
 Every fleet runs through the same code path (`--min-workers N --max-workers N` is a fixed
 fleet of N), so each has its fleet port, whose /fleet/stats is sampled every SAMPLE_S:
 worker-seconds = the integral of running workers (starting, serving or draining) over the
@@ -39,10 +41,14 @@ from soak import build_tiny_model
 from radixserve_bench.systems import free_port_run
 
 AGENTS = 12
+BURST_S = 60.0
+"""Longer than a worker's start on a loaded machine, or no fleet could follow it."""
 TURNS = 4
 TURN_TOKENS = 24
 NEW_TEXT_TOKENS = 40
-IDLE_BEFORE_S = 5.0
+IDLE_BEFORE_S = 20.0
+IDLE_AFTER_S = 20.0
+"""Idle after the autoscaled fleet is back at --min-workers (every fleet idles as long)."""
 SAMPLE_S = 0.5
 SCALE_FLAGS = ["--scale-up-queue-per-worker", "2", "--scale-down-idle-s", "8"]
 SCALE_FLAGS += ["--scale-interval-s", "1", "--scale-cooldown-s", "4"]
@@ -122,12 +128,18 @@ class WorkerClock:
 
 
 async def agent(session: aiohttp.ClientSession, url: str, index: int, ttfts: list, fails: list):
-    """TURNS turns, each prompt the last one + its answer + new tokens; streams each turn."""
+    """Sessions of TURNS turns until the burst ends; streams each turn, records its TTFT."""
+    end, num_sessions = time.monotonic() + BURST_S, 0
+    while time.monotonic() < end:
+        await agent_session(session, url, index * 1000 + num_sessions, ttfts, fails)
+        num_sessions += 1
+
+
+async def agent_session(session, url: str, seed: int, ttfts: list, fails: list) -> None:
+    """TURNS turns, each prompt the last one + its answer + new tokens."""
     context: list[int] = []
     for turn in range(TURNS):
-        context += [
-            (index * 977 + turn * 131 + j * 17) % 4000 + 200 for j in range(NEW_TEXT_TOKENS)
-        ]
+        context += [(seed * 977 + turn * 131 + j * 17) % 4000 + 200 for j in range(NEW_TEXT_TOKENS)]
         params = {"max_new_tokens": TURN_TOKENS, "temperature": 0, "ignore_eos": True}
         body = {"input_ids": context, "sampling_params": params, "stream": True}
         start, first, last = time.perf_counter(), None, None
@@ -170,6 +182,7 @@ def run_one(model: str, name: str, idle_after_s: float | None) -> RunResult:
         if idle_after_s is None:
             while fleet.running() > low and time.monotonic() - burst_end < DRAIN_WAIT_S:
                 time.sleep(SAMPLE_S)
+            time.sleep(IDLE_AFTER_S)
         else:
             time.sleep(idle_after_s)
         clock.stop()
@@ -205,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.fleet:<16}{r.num_requests:>9}{r.num_failed:>7}{r.p50_ttft_s:>10.3f}"
               f"{r.p99_ttft_s:>10.3f}{r.worker_seconds:>10.1f}{r.duration_s:>8.1f}"
               f"{r.max_workers_seen:>6}")  # fmt: skip
-    report = {"agents": AGENTS, "turns": TURNS, "runs": [asdict(r) for r in results]}
+    report = {"agents": AGENTS, "turns": TURNS, "burst_s": BURST_S, "idle_before_s": IDLE_BEFORE_S}
+    report |= {"idle_after_s": IDLE_AFTER_S, "runs": [asdict(r) for r in results]}
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 
