@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """sglang-router's --policy choices that need no extra setup (`manual` needs routing keys)."""
+DEFAULT_WORKERS = 2
+"""A fixed fleet's size when --workers is not given."""
 
 
 @dataclass
@@ -14,9 +16,31 @@ class FleetConfig:
     or P prefill + D decode workers behind it in PD mode. Workers listen on loopback only; the
     router listens on --host (with --api-key, if set)."""
 
-    workers: int = 2
-    """Number of data-parallel workers (each a full `radixserve serve`); ignored when
-    --prefill-workers / --decode-workers are set."""
+    workers: int | None = None
+    """Number of data-parallel workers (each a full `radixserve serve`), a fixed fleet
+    (unset: 2, DEFAULT_WORKERS); ignored when --prefill-workers / --decode-workers are set; not
+    with --min-workers / --max-workers."""
+    min_workers: int = 0
+    """Autoscaling (with --max-workers, instead of --workers): never fewer workers than this
+    (>= 1); the fleet starts with this many. 0: a fixed fleet."""
+    max_workers: int = 0
+    """Autoscaling (with --min-workers): never more workers than this. 0: a fixed fleet."""
+    scale_up_queue_per_worker: float = 4.0
+    """Autoscaling: a worker is added when the waiting requests
+    (radixserve:num_requests_waiting, summed) per serving worker reach this, two scrapes in
+    a row."""
+    scale_down_idle_s: float = 60.0
+    """Autoscaling: a worker with nothing waiting or running for this long is drained
+    (SIGTERM: it leaves the router, finishes what it runs, exits)."""
+    scale_interval_s: float = 2.0
+    """Autoscaling: seconds between scrapes of every worker's /metrics."""
+    scale_cooldown_s: float = 10.0
+    """Autoscaling: after a worker is added or drained, no other change for this long."""
+    fleet_port: int = 0
+    """The fleet's own port: GET /metrics (Prometheus: workers, scaling decisions) and a
+    dashboard of the workers side by side at /; keyed with --api-key if set. 0: none."""
+    fleet_host: str = "127.0.0.1"
+    """Where --fleet-port listens (loopback by default)."""
     prefill_workers: int = 0
     """Prefill/decode disaggregation: this many prefill workers (prefill worker i serves its
     KV on --disaggregation-bootstrap-port + i), with --decode-workers; the router runs with
@@ -43,13 +67,16 @@ class FleetConfig:
     def __post_init__(self) -> None:
         minimums = {
             "workers": 1,
+            "min_workers": 0,
+            "max_workers": 0,
+            "fleet_port": 0,
             "cpu_cores_per_worker": 1,
             "base_gpu_id": 0,
             "prefill_workers": 0,
             "decode_workers": 0,
         }
         for name, minimum in minimums.items():
-            if getattr(self, name) < minimum:
+            if getattr(self, name) is not None and getattr(self, name) < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
         if self.policy not in ROUTER_POLICIES:
@@ -60,6 +87,43 @@ class FleetConfig:
                 "--prefill-workers and --decode-workers go together (both >= 1 for a PD "
                 f"fleet); got {self.prefill_workers} and {self.decode_workers}"
             )
+        if self.min_workers or self.max_workers:
+            self._check_autoscale()
+        if self.fleet_port and not self.autoscale:
+            raise ValueError(
+                "--fleet-port is served by an autoscaled fleet: give --min-workers / "
+                "--max-workers (both N: a fleet of N with its port)"
+            )
+
+    def _check_autoscale(self) -> None:
+        """--min-workers / --max-workers: both, 1 <= min <= max, not with --workers nor PD."""
+        if self.workers is not None:
+            raise ValueError(
+                "--workers is a fixed fleet; --min-workers / --max-workers an autoscaled one: "
+                "give one or the other"
+            )
+        if self.pd_disaggregation:
+            raise ValueError(
+                "--min-workers / --max-workers do not scale a PD fleet (--prefill-workers / "
+                "--decode-workers are fixed: the router is told its PD workers at start)"
+            )
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(
+                "--min-workers must be >= 1 and <= --max-workers; got "
+                f"{self.min_workers} and {self.max_workers}"
+            )
+        positive = ("scale_up_queue_per_worker", "scale_interval_s", "scale_down_idle_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be > 0; got {getattr(self, name)}")
+        if self.scale_cooldown_s < 0:
+            raise ValueError(f"--scale-cooldown-s must be >= 0; got {self.scale_cooldown_s}")
+
+    @property
+    def autoscale(self) -> bool:
+        """Workers between --min-workers and --max-workers, following the queue."""
+        return self.max_workers > 0
 
     @property
     def pd_disaggregation(self) -> bool:
@@ -68,9 +132,13 @@ class FleetConfig:
 
     @property
     def num_workers(self) -> int:
-        return (
-            self.prefill_workers + self.decode_workers if self.pd_disaggregation else self.workers
-        )
+        """Worker slots: ports, cores / GPUs and command lines are made for this many (an
+        autoscaled fleet's --max-workers, of which --min-workers run at first)."""
+        if self.pd_disaggregation:
+            return self.prefill_workers + self.decode_workers
+        if self.autoscale:
+            return self.max_workers
+        return DEFAULT_WORKERS if self.workers is None else self.workers
 
     def worker_mode(self, index: int) -> str | None:
         """Worker `index`'s --disaggregation-mode: prefill workers first, then decode ones;

@@ -19,7 +19,6 @@ moves to the others); the fleet stops when the router dies or no worker is left.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -27,8 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +47,7 @@ from radixserve.config import (
 )
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
+from radixserve.fleet.probes import router_live, router_ready, worker_healthy
 from radixserve.fleet.router import PDWorkers, require_router, router_command
 from radixserve.native.machine import available_memory_bytes
 
@@ -210,6 +208,10 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
         workers, router = fleet_children(config, server, engine_args, keys)
         stop = install_stop_signals()
         try:
+            if config.autoscale:
+                from radixserve.fleet.autoscale_fleet import run_autoscaled
+
+                return run_autoscaled(config, workers, router, stop, server)
             if not start_all(workers, router, config, stop, keys):
                 return 0 if stop.is_set() else 1
             print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
@@ -296,7 +298,7 @@ def describe(config: FleetConfig) -> str:
     if config.pd_disaggregation:
         workers = f"{config.prefill_workers} prefill + {config.decode_workers} decode workers"
     else:
-        workers = f"{config.workers} workers"
+        workers = f"{config.num_workers} workers"
     return f"{workers}, policy {config.policy}"
 
 
@@ -339,34 +341,6 @@ def wait_until(child: Child, ready, deadline: float, stop: threading.Event) -> b
         if stop.wait(POLL_S):
             return False
     return True
-
-
-def worker_healthy(url: str) -> bool:
-    return http_get(url + "/health") is not None
-
-
-def router_live(url: str) -> bool:
-    """Whether the router answers at all (it does before any worker is added)."""
-    return http_get(url + "/liveness") is not None
-
-
-def router_ready(url: str, num_workers: int) -> bool:
-    """Whether the router answers and counts every worker healthy (it adds them in the
-    background after it starts listening)."""
-    body = http_get(url + "/readiness")
-    try:
-        return json.loads(body)["healthy_workers"] >= num_workers
-    except (TypeError, ValueError, KeyError):
-        return False
-
-
-def http_get(url: str) -> bytes | None:
-    """The body of a 200 answer, or None."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.read() if response.status == 200 else None
-    except (urllib.error.URLError, OSError):
-        return None
 
 
 def supervise(workers: list[Child], router: Child, stop: threading.Event) -> int:
