@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from radixserve import Engine
 from radixserve.config import ModelConfig
-from radixserve.model.lora_adapter import LORA_TARGET_MODULES, module_shape
+from radixserve.model.lora_adapter import LORA_MODULES, module_shape
 from radixserve.native.machine import describe_cpu
 
 
@@ -44,7 +44,7 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int) -> No
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_layers):
-        for module in LORA_TARGET_MODULES:
+        for module in LORA_MODULES:
             owner = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{owner}.{module}"
             fan_in, fan_out = module_shape(config, module)
@@ -53,7 +53,7 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int) -> No
     folder.mkdir(parents=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                "target_modules": list(LORA_TARGET_MODULES)}  # fmt: skip
+                "target_modules": list(LORA_MODULES)}  # fmt: skip
     (folder / "adapter_config.json").write_text(json.dumps(settings))
 
 

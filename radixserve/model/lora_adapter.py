@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from radixserve.config import ModelConfig
 
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target (PEFT's names in the Llama family)."""
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -88,9 +88,9 @@ def _read_config(name: str, path: str) -> dict:
         raise _fail(name, f"peft_type {settings.get('peft_type')!r} is not LORA")
     targets = settings.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    unknown = sorted(set(targets) - set(LORA_TARGET_MODULES))
+    unknown = sorted(set(targets) - set(LORA_MODULES))
     if unknown:
-        allowed = ", ".join(LORA_TARGET_MODULES)
+        allowed = ", ".join(LORA_MODULES)
         raise _fail(name, f"target modules {unknown} are not supported (only {allowed})")
     unsupported = {
         "use_dora": settings.get("use_dora"),
@@ -132,8 +132,8 @@ def _pair_weights(
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
-        if match is None or match.group(2) not in LORA_TARGET_MODULES:
-            raise _fail(name, f"tensor {key!r} is not a LoRA weight of {LORA_TARGET_MODULES}")
+        if match is None or match.group(2) not in LORA_MODULES:
+            raise _fail(name, f"tensor {key!r} is not a LoRA weight of {LORA_MODULES}")
         layer, module, half = int(match.group(1)), match.group(2), match.group(3)
         if layer >= config.num_layers:
             raise _fail(name, f"tensor {key!r}: the base model has {config.num_layers} layers")

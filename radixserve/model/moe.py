@@ -151,8 +151,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
         self.ops: CpuLayerOps | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, hidden] -> [num_tokens, hidden]."""
+    def forward(self, x: torch.Tensor, lora: object | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, hidden]. `lora` is the dense MLP's argument:
+        always None here (--enable-lora refuses MoE models at start)."""
         routing = route(F.linear(x, self.gate), self.moe.top_k, self.moe.norm_topk_prob)
         first, num_experts = self.first_expert, self.moe.num_experts
         if _cannot_sync(x):
