@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 def serve_node(engine_args: dict[str, Any], log_level: str = "info") -> int:
     """Runs this node's ranks until node 0 stops them (0) or the group fails (1)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    load, cache, scheduler, parallel, _, _ = split_engine_kwargs(None, engine_args)
+    load, cache, scheduler, parallel, *_ = split_engine_kwargs(None, engine_args)
     spec = node_spec(load, cache, parallel, scheduler.context_length)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     leader = parallel.node_ranks()[0]
