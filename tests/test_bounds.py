@@ -24,11 +24,12 @@ from radixserve.cache.retention import (
     session_pin_key,
 )
 from radixserve.config import SchedulerConfig, ServerConfig
+from radixserve.config.disaggregation import is_loopback_host
 from radixserve.engine import scheduler as scheduler_module
 from radixserve.sampling.grammar import GrammarBackend
 from radixserve.server import auth
 from radixserve.server.app import build_app
-from radixserve.server.auth import KEY_THROTTLE_KEY, is_loopback
+from radixserve.server.auth import KEY_THROTTLE_KEY
 from radixserve.server.dashboard import FORM, LOGIN_PATH, THROTTLE_KEY
 from radixserve.server.limits import (
     API_KEY_MAX_FAILURES,
@@ -169,8 +170,11 @@ def test_dashboard_login_reads_a_small_form_and_throttles_wrong_keys():
 
 def test_wrong_api_keys_are_throttled_per_address_before_any_comparison(monkeypatch):
     app = build_app(SimpleNamespace(config=ServerConfig(api_key="sekret")))
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.7")
-    monkeypatch.setattr(auth, "is_loopback", lambda address: False)  # as if from afar
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("::1")
+    assert is_loopback_host("::ffff:127.0.0.1")  # an IPv4 peer of a dual-stack socket
+    assert not is_loopback_host("10.0.0.7") and not is_loopback_host("::ffff:10.0.0.7")
+    assert not is_loopback_host("")  # a unix socket's peer: not an address
+    monkeypatch.setattr(auth, "is_loopback_host", lambda address: False)  # as if from afar
 
     async def status(client, headers: dict) -> tuple[int, dict]:
         resp = await client.get("/v1/models", headers=headers)

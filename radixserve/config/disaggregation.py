@@ -15,13 +15,16 @@ SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 
 
 def is_loopback_host(host: str) -> bool:
-    """Whether `host` (an address, or "localhost") names this machine's loopback only."""
+    """Whether `host` (an address, or "localhost") names this machine's loopback only; an
+    IPv4 address mapped into IPv6 (`::ffff:127.0.0.1`, what a dual-stack socket reports for an
+    IPv4 peer) as its IPv4 address."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 @dataclass

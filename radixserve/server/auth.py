@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import enum
 import hmac
-import ipaddress
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from radixserve.config import ServerConfig
+from radixserve.config.disaggregation import is_loopback_host
 from radixserve.server import dashboard
 from radixserve.server.errors import error_response
 from radixserve.server.limits import API_KEY_MAX_FAILURES, LoginThrottle
@@ -72,7 +72,7 @@ async def auth_middleware(request: web.Request, handler):
     if request.path in OPEN_PATHS:
         return await handler(request)
     address = request.remote or ""
-    throttle = None if is_loopback(address) else request.app.get(KEY_THROTTLE_KEY)
+    throttle = None if is_loopback_host(address) else request.app.get(KEY_THROTTLE_KEY)
     presented = _presents_a_key(request)
     if presented and throttle is not None and (wait_s := throttle.retry_after(address)):
         message = f"too many wrong API keys from this address; retry in {wait_s} s"
@@ -96,15 +96,6 @@ async def auth_middleware(request: web.Request, handler):
 def install_key_throttle(app: web.Application) -> None:
     """Counts wrong API keys per client address (the auth middleware reads it)."""
     app[KEY_THROTTLE_KEY] = LoginThrottle(max_failures=API_KEY_MAX_FAILURES)
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a peer address is on this machine (127.0.0.0/8, ::1); not an IP (a unix
-    socket's empty address): False."""
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
 
 
 def _presents_a_key(request: web.Request) -> bool:
