@@ -134,9 +134,11 @@ def test_window_layers_follow_transformers_config_rules():
     swa = ModelConfig.from_hf_dict(qwen2 | {"use_sliding_window": True, "max_window_layers": 3})
     assert swa.layer_windows() == (None, None, None, 4096)
     assert ModelConfig.from_hf_dict(qwen2 | {"sliding_window": 64}).sliding_layers == ()
-    capped = builtin_config("gemma-3-4b") | {"attn_logit_softcapping": 50.0}
-    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
-        ModelConfig.from_hf_dict(capped)
+    unset = qwen2 | {"use_sliding_window": True, "sliding_window": None}
+    assert ModelConfig.from_hf_dict(unset).layer_windows() == (None,) * 4
+    for option, value in (("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", 1)):
+        with pytest.raises(UnsupportedModelError, match=option):
+            ModelConfig.from_hf_dict(builtin_config("gemma-3-4b") | {option: value})
     moe = qwen2 | {"architectures": ["Qwen2MoeForCausalLM"], "use_sliding_window": True}
     with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
         ModelConfig.from_hf_dict(moe | {"num_experts": 2, "num_experts_per_tok": 1})

@@ -82,6 +82,11 @@ class GemmaOptions:
                 "Gemma3ForCausalLM with attn_logit_softcapping is not supported (no attention "
                 "backend here soft-caps attention scores)"
             )
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError(
+                "Gemma3ForCausalLM with use_bidirectional_attention (an embedding model) is "
+                "not supported: this runtime decodes causally"
+            )
         if (act := cfg.get("hidden_activation", "gelu_pytorch_tanh")) != "gelu_pytorch_tanh":
             raise UnsupportedModelError(f"Gemma3ForCausalLM with hidden_activation {act!r}")
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
@@ -237,7 +242,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[i
     elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", 28)
         derived = ["sliding" if i >= first else "full" for i in range(num_layers)]
-        window = cfg.get("sliding_window") or 4096
+        window = cfg.get("sliding_window", 4096)  # null: transformers slides nowhere
     elif cfg.get("use_sliding_window"):
         raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported")
     else:
