@@ -32,6 +32,7 @@ _import_this_checkouts_kernels()
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -61,11 +62,27 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+GEMMA3_TINY = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    sliding_window=12,
+    sliding_window_pattern=3,
+    query_pre_attn_scalar=24,
+    rope_local_base_freq=100.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    final_logit_softcapping=30.0,
+)
 TINY_CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=24),
     "qwen2": lambda: Qwen2Config(**TINY),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True),
+    # hybrid: layer 1 slides within 12 tokens, layer 0 attends globally (max_window_layers)
+    "qwen2_swa": lambda: Qwen2Config(
+        **TINY, use_sliding_window=True, sliding_window=12, max_window_layers=1
+    ),
+    # layers 0-1 slide (local RoPE base), layer 2 is global (linear-scaled RoPE)
+    "gemma3": lambda: Gemma3TextConfig(**(TINY | GEMMA3_TINY)),
 }
 
 

@@ -59,6 +59,7 @@ def prefill_logits(runner, prompts) -> torch.Tensor:
         ("mistral", {}),  # sliding window
         ("qwen2", {"num_key_value_heads": 1}),  # qkv bias; 1 KV head replicated on both ranks
         ("qwen3", {}),  # q/k norm, tied embeddings (vocab-parallel head = embedding)
+        ("gemma3", {}),  # hybrid sliding/global layers, Gemma's norms and scales
     ],
 )
 def test_tp2_matches_one_process(arch, overrides, tmp_path, monkeypatch):

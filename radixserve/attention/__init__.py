@@ -10,6 +10,9 @@
 its extend kernel (batch-invariant attention, see cpu_fused.py); no other backend has such a
 mode, so under it they log that attention is not batch-invariant.
 
+A hybrid model (sliding and global layers: Gemma 3, Qwen2 with max_window_layers) gets one
+backend per window behind `LayerWindowBackend` (layer_windows.py): `create_model_attention`.
+
 `auto` is triton on CUDA, cpu_fused on CPU; where the C++ kernels cannot be built (no
 compiler, failed build) or read the pool's dtype, auto logs why and uses torch_native.
 FlashInfer is not the auto choice (yet): triton is the backend the GPU device check
@@ -22,11 +25,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.layer_windows import LayerWindowBackend
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.cache.kv_pool import KVPool
 from radixserve.native.extension import CpuExtensionUnavailable
@@ -108,6 +112,25 @@ def create_attention_backend(
     if deterministic:
         _warn_not_invariant(name)
     return BACKENDS[name](pool, num_heads or 0, sliding_window)
+
+
+def create_model_attention(
+    name: str,
+    pool: KVPool,
+    device: torch.device,
+    layer_windows: Sequence[int | None],
+    num_heads: int | None = None,
+    deterministic: bool = False,
+) -> AttentionBackend:
+    """`create_attention_backend` for a model whose layer i attends within `layer_windows[i]`
+    (None: globally): one backend when all layers agree, else one per window, routed by layer."""
+
+    def build(window: int | None) -> AttentionBackend:
+        return create_attention_backend(name, pool, device, window, num_heads, deterministic)
+
+    if len(set(layer_windows)) == 1:
+        return build(layer_windows[0])
+    return LayerWindowBackend(build, layer_windows)
 
 
 def _warn_not_invariant(name: str) -> None:

@@ -1,5 +1,11 @@
 """ModelConfig: one Llama-family model's shapes and options, read from an HF `config.json`.
 
+Sliding-window attention: `sliding_window` is the window (a token attends to the last
+`sliding_window` positions, itself included, as transformers' mask) and `sliding_layers` the
+layers that use it; the others attend globally. Mistral: every layer; Qwen2 with
+`use_sliding_window`: layers >= `max_window_layers`; Gemma 3: its `layer_types` (five sliding
+layers, then one global, by default). Gemma 3's own options are in `GemmaOptions`.
+
 Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral) are the same decoder with some MLPs
 replaced by a routed set of experts; `MoEConfig` carries their shapes and routing options."""
 
@@ -18,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma3ForCausalLM",
 )
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -61,6 +68,39 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaOptions:
+    """What Gemma 3 (text) adds to the Llama layer (transformers' names in comments)."""
+
+    local_rope_theta: float  # rope_local_base_freq: RoPE base of the sliding layers (no scaling)
+    query_scale: float  # query_pre_attn_scalar ** -0.5: the attention's softmax scale
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> GemmaOptions:
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError(
+                "Gemma3ForCausalLM with attn_logit_softcapping is not supported (no attention "
+                "backend here soft-caps attention scores)"
+            )
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError(
+                "Gemma3ForCausalLM with use_bidirectional_attention (an embedding model) is "
+                "not supported: this runtime decodes causally"
+            )
+        if (act := cfg.get("hidden_activation", "gelu_pytorch_tanh")) != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"Gemma3ForCausalLM with hidden_activation {act!r}")
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError("Gemma 3's sliding layers take default RoPE only")
+        theta = local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0
+        return cls(
+            local_rope_theta=float(theta),
+            query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of one Llama-family model, normalized from an HF `config.json`."""
 
@@ -82,6 +122,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # layers attending within `sliding_window`
+    gemma: GemmaOptions | None = None  # Gemma 3: norms, scales and RoPE of its own
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # None: a dense model
@@ -93,7 +135,8 @@ class ModelConfig:
         arch = _architecture(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling = _rope(_global_rope_fields(arch, cfg))
+        window, sliding_layers = _sliding_window(arch, cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias, o_bias = {
             "Qwen2ForCausalLM": (True, False),
@@ -118,8 +161,10 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=_sliding_window(arch, cfg),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            gemma=GemmaOptions.from_hf_dict(cfg) if arch == "Gemma3ForCausalLM" else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             moe=MoEConfig.from_hf_dict(arch, cfg) if arch in MOE_ARCHITECTURES else None,
@@ -129,6 +174,19 @@ class ModelConfig:
     def is_sparse_layer(self, layer: int) -> bool:
         """True where decoder layer `layer`'s MLP is a routed mixture of experts."""
         return self.moe is not None and layer in self.moe.sparse_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`; None: it attends to every position."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """`layer_window` of every decoder layer, in order."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers slide and some attend globally (Gemma 3, Qwen2 with max_window_layers)."""
+        return 0 < len(self.sliding_layers) < self.num_layers
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token occupies across all layers."""
@@ -160,12 +218,38 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+def _global_rope_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 keeps RoPE per layer type (transformers>=5: `rope_parameters.full_attention`);
+    the global layers' is the model's RoPE, the sliding layers' is in GemmaOptions."""
+    params = cfg.get("rope_parameters") or {}
+    if arch != "Gemma3ForCausalLM" or "full_attention" not in params:
+        return cfg
+    return {k: v for k, v in cfg.items() if k != "rope_parameters"} | {
+        "rope_parameters": params["full_attention"]
+    }
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers using it), as transformers applies them; (None, ()) for none."""
+    num_layers = cfg["num_hidden_layers"]
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return cfg.get("sliding_window")
-    if cfg.get("use_sliding_window"):
+        window = cfg.get("sliding_window")
+        return window, tuple(range(num_layers)) if window else ()
+    if arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        derived = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
+        window = cfg.get("sliding_window", 4096)
+    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 28)
+        derived = ["sliding" if i >= first else "full" for i in range(num_layers)]
+        window = cfg.get("sliding_window", 4096)  # null: transformers slides nowhere
+    elif cfg.get("use_sliding_window"):
         raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported")
-    return None
+    else:
+        return None, ()
+    types = cfg.get("layer_types") or [f"{t}_attention" for t in derived]
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (window, layers) if window and layers else (None, ())
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -56,11 +56,20 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Under tensor
     parallelism `intermediate_size` is this rank's share: gate/up are column-parallel, down
     row-parallel, and one all-reduce sums the ranks' partial outputs. With `ops` set, eager
-    CPU calls run silu(gate) * up as one C++ op."""
+    CPU calls run silu(gate) * up as one C++ op. `gelu_tanh`: GeLU (tanh approximation) in
+    place of SiLU (Gemma's gelu_pytorch_tanh), in torch."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        tp: TPGroup,
+        gelu_tanh: bool = False,
+    ):
         super().__init__()
         self.tp = tp
+        self.gelu_tanh = gelu_tanh
         self.gate_up_proj = UnquantizedLinear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = UnquantizedLinear(intermediate_size, hidden_size, bias=bias)
         self.ops: CpuLayerOps | None = None
@@ -70,7 +79,10 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             self.lora.gate_up.add_to(gate_up, x, lora)
-        if self.ops is not None and not torch.compiler.is_compiling():
+        if self.gelu_tanh:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        elif self.ops is not None and not torch.compiler.is_compiling():
             act = self.ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -55,6 +55,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Gemma 3 scales scores by query_pre_attn_scalar ** -0.5; backends by head_dim ** -0.5
+        q_scale = config.gemma.query_scale * self.head_dim**0.5 if config.gemma else 1.0
+        self.q_scale = None if q_scale == 1.0 else q_scale
         self.eps = config.rms_norm_eps
         self.ops: CpuLayerOps | None = None
         self.lora: LoraLayer | None = None  # set by use_lora; used when batch.lora is set
@@ -76,11 +79,15 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.ops is not None and attn.accepts_stored_kv and not torch.compiler.is_compiling():
             self._rope_store(qkv, batch, rotary, attn)  # q, k (views of qkv) rotated in place
+            if self.q_scale is not None:
+                q.mul_(self.q_scale)
             out = attn.forward_stored(q, k, v, self.layer, batch)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(q, k)
+            if self.q_scale is not None:
+                q = q * self.q_scale
             out = attn.forward(q, k, v, self.layer, batch)
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
@@ -100,6 +107,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    local_rope = False  # True: RoPE of the model's `local_rotary` (Gemma 3's sliding layers)
+
     def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, layout, tp)
@@ -132,6 +141,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids of a ForwardBatch -> final hidden states; `compute_logits` applies the LM head."""
 
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    local_rotary: RotaryEmbedding | None = None  # Gemma 3: the sliding layers' RoPE
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
@@ -141,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
             layout.vocab_size, config.hidden_size, layout.vocab_start, tp
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, layout, tp) for i in range(config.num_layers)
+            self.decoder_layer(config, i, layout, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
@@ -166,14 +179,18 @@ class LlamaForCausalLM(nn.Module):
         EAGLE-3: the residual stream entering each layer index in `aux_layers` (the number of
         layers: after the last) is appended to `aux` [num_tokens, hidden_size] each."""
         hidden = self.embed_tokens(batch.input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         rotary = self.rotary.at(batch.positions)
+        local = rotary if self.local_rotary is None else self.local_rotary.at(batch.positions)
         residual = None
         captured: dict[int, torch.Tensor] = {}
         num_layers = 0
         for i, layer in enumerate(layers):
             if i in aux_layers:
                 captured[i] = _residual_stream(hidden, residual)
-            hidden, residual = layer(hidden, residual, batch, rotary, attn)
+            layer_rotary = local if layer.local_rope else rotary
+            hidden, residual = layer(hidden, residual, batch, layer_rotary, attn)
             num_layers = i + 1
         if num_layers in aux_layers:
             captured[num_layers] = _residual_stream(hidden, residual)
@@ -256,6 +273,9 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.o_bias:
         layer["self_attn.o_proj.bias"] = (hidden,)
     layer["post_attention_layernorm.weight"] = (hidden,)
+    if config.gemma is not None:
+        layer |= {"pre_feedforward_layernorm.weight": (hidden,)}
+        layer |= {"post_feedforward_layernorm.weight": (hidden,)}
     return _checkpoint_shapes(config, layer)
 
 

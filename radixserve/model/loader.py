@@ -14,6 +14,7 @@ import torch
 
 from radixserve.config import LoadConfig, ModelConfig
 from radixserve.distributed.group import TPGroup
+from radixserve.model.gemma3 import Gemma3ForCausalLM
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM, hf_weight_shapes
 from radixserve.model.quant.block_matmul import resolve_cpu_quant_kernel
@@ -237,7 +238,7 @@ def _empty_model(
 ) -> LlamaForCausalLM:
     """Builds the model on the meta device (no init cost), then allocates it uninitialized."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = (Gemma3ForCausalLM if config.gemma else LlamaForCausalLM)(config, tp)
     return model.to_empty(device=device)
 
 

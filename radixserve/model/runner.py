@@ -18,7 +18,7 @@ import torch
 from radixserve.attention import (
     KV_CASTING_BACKENDS,
     AttentionBackend,
-    create_attention_backend,
+    create_model_attention,
     default_backend,
 )
 from radixserve.cache.kv_pool import KVPool
@@ -97,11 +97,11 @@ class ModelRunner:
             budget = loaded.model.tp.min_int(budget, device)
         kv_dtype = kv_cache_dtype(cache_config, dtype, device)
         pool = KVPool.for_model(local, cache_config, kv_dtype, device, budget_bytes=budget)
-        attn = create_attention_backend(
+        attn = create_model_attention(
             cache_config.attention_backend,
             pool,
             device,
-            sliding_window=loaded.config.sliding_window,
+            loaded.config.layer_windows(),
             num_heads=local.num_heads,
             deterministic=load_config.enable_deterministic_inference,
         )

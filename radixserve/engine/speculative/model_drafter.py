@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixserve.attention import create_attention_backend
+from radixserve.attention import create_model_attention
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.engine.request import Req
@@ -69,8 +69,8 @@ def self_draft_runner(target: ModelRunner, num_layers: int, attention_backend: s
         )
     config = dataclasses.replace(target.config, num_layers=num_layers)
     pool = _draft_pool(config, target)
-    attn = create_attention_backend(
-        attention_backend, pool, target.device, config.sliding_window, config.num_heads
+    attn = create_model_attention(
+        attention_backend, pool, target.device, config.layer_windows(), config.num_heads
     )
     model = LayerSkipModel(target.model, num_layers)
     return ModelRunner(model=model, config=config, pool=pool, attn=attn)
