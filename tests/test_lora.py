@@ -87,7 +87,8 @@ def references(lora_models):
 def lora_engine(lora_models):
     base_folder, folders = lora_models
     paths = [f"{name}={folder}" for name, folder in folders.items()]
-    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=3)
+    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=3,
+                         max_loaded_loras=3)  # fmt: skip
     yield engine
     engine.shutdown()
 
@@ -160,7 +161,7 @@ def test_load_and_unload_while_serving(lora_engine, lora_models, references):
     loaded = lora_engine.load_lora_adapter("a3", str(folders["a1"]))
     assert loaded == {"a1": str(folders["a1"]), "a2": str(folders["a2"]), "a3": str(folders["a1"])}
     assert run("a3") == (out["a1"][0], 0)  # a1's weights, but not a1's KV
-    with pytest.raises(ValueError, match="3 adapters are loaded"):
+    with pytest.raises(ValueError, match=r"'a4': 3 adapters are loaded \(--max-loaded-loras\)"):
         lora_engine.load_lora_adapter("a4", str(folders["a1"]))
     lora_engine.unload_lora_adapter("a3")
     with pytest.raises(ValueError, match="lora_path 'a3' is not a loaded LoRA adapter"):
@@ -228,8 +229,14 @@ def test_unknown_target_module_is_refused(lora_models, tmp_path):
 
 
 def test_flag_checks():
-    with pytest.raises(ValueError, match="--max-loras-per-batch is 1"):
-        LoraConfig(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1).verify()
+    LoraConfig(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1).verify()  # a pool of 1
+    with pytest.raises(ValueError, match="names 3 adapters but --max-loaded-loras is 2"):
+        LoraConfig(lora_paths=["a=/x", "b=/y", "c=/z"], max_loras_per_batch=1,
+                   max_loaded_loras=2).verify()  # fmt: skip
+    with pytest.raises(ValueError, match=r"--max-loaded-loras \(2\) must be at least "):
+        LoraConfig(max_loras_per_batch=4, max_loaded_loras=2).verify()
+    with pytest.raises(ValueError, match="--lora-eviction-policy must be one of lru, fifo"):
+        LoraConfig(lora_eviction_policy="random").verify()
     with pytest.raises(ValueError, match="names the adapter 'x' twice"):
         LoraConfig(lora_paths=["x=/a", "/b/x"]).verify()
     bare = LoraConfig(lora_paths=["/some/where/ad1/"])

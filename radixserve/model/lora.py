@@ -62,49 +62,103 @@ class LoraLayer:
 
 
 class LoraWeights:
-    """Every layer's LoRA projections, and which adapter holds which slot.
+    """Every held adapter's weights, and the pool of `num_slots` slots the forward reads.
+
+    Adapters are held stacked on the host (--max-loaded-loras bounds how many); a batch's
+    adapters are put in pool slots first (`activate`), a full pool giving up, per `policy`
+    (lru / fifo, --lora-eviction-policy), a slot whose adapter no running request uses. On
+    the CPU a slot refers to the held tensors; on an accelerator it holds a copy.
 
     Each load of an adapter gets a fresh load id, which requests carry (and their cache
     namespace holds): a request for an adapter since unloaded or reloaded from another
     folder never runs with, nor shares KV with, weights other than those it was sent for.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_slots: int = 8,
+        policy: str = "lru",
+    ):
         self.config, self.dtype, self.device = config, dtype, device
+        self.num_slots, self.policy = num_slots, policy
         self.layers = [
             LoraLayer(*(LoraProjection() for _ in FUSED_MODULES)) for _ in range(config.num_layers)
         ]
         self.ids: dict[str, int] = {}  # adapter name -> its load id
         self.paths: dict[str, str] = {}  # adapter name -> its folder
-        self.slot_of_id: dict[int, int] = {}  # load id -> slot
+        self.held: dict[int, list[dict[str, tuple]]] = {}  # load id -> per layer {fused: (A, B)}
+        self.slot_of_id: dict[int, int] = {}  # load id -> pool slot, of the adapters in the pool
+        self.pool_loads = 0  # adapters put in a pool slot, ever
+        self.evictions = 0  # adapters that gave their slot to another
+        self._stamp: dict[int, int] = {}  # load id in the pool -> last use (lru) / entry (fifo)
+        self._clock = 0
         self._next_id = 0
 
     def add(self, adapter: LoraAdapter) -> int:
-        """Puts the adapter in a free slot (its weights stacked per fused projection);
-        returns its load id."""
+        """Holds the adapter (its weights stacked per fused projection); returns its load id.
+        It enters a pool slot when a batch first needs it."""
         if adapter.name in self.ids:
             raise ValueError(f"lora_name {adapter.name!r} is already loaded")
-        used = set(self.slot_of_id.values())
-        slot = min(set(range(len(used) + 1)) - used)
-        for index, layer in enumerate(self.layers):
-            for fused, modules in FUSED_MODULES.items():
-                pair = self._stack(adapter, index, modules)
-                if pair is not None:
-                    getattr(layer, fused).weights[slot] = pair
+        stacked = []
+        for index in range(len(self.layers)):
+            pairs = {fused: self._stack(adapter, index, modules)
+                     for fused, modules in FUSED_MODULES.items()}  # fmt: skip
+            stacked.append({fused: pair for fused, pair in pairs.items() if pair is not None})
         load_id, self._next_id = self._next_id, self._next_id + 1
         self.ids[adapter.name], self.paths[adapter.name] = load_id, adapter.path
-        self.slot_of_id[load_id] = slot
+        self.held[load_id] = stacked
         return load_id
 
     def remove(self, name: str) -> None:
-        """Frees the adapter's slot; requests still carrying its load id are refused."""
+        """Drops the adapter (and its pool slot); requests still carrying its load id are
+        refused."""
         if name not in self.ids:
             raise ValueError(f"lora_name {name!r} is not loaded")
-        slot = self.slot_of_id.pop(self.ids.pop(name))
-        del self.paths[name]
+        load_id = self.ids.pop(name)
+        del self.paths[name], self.held[load_id]
+        if load_id in self.slot_of_id:
+            self._evict(load_id)
+
+    def activate(self, needed: set[int], in_use: set[int]) -> None:
+        """Puts every adapter of `needed` (load ids of one batch) in a pool slot. A full pool
+        gives up the slot of an adapter outside `in_use` (the running requests' adapters),
+        the least recently used (lru) or the first put in (fifo)."""
+        self._clock += 1
+        for load_id in sorted(needed):
+            if load_id not in self.slot_of_id:
+                self._put_in_pool(load_id, needed | in_use)
+            if self.policy == "lru" or load_id not in self._stamp:
+                self._stamp[load_id] = self._clock
+
+    def _put_in_pool(self, load_id: int, keep: set[int]) -> None:
+        used = set(self.slot_of_id.values())
+        if len(used) >= self.num_slots:
+            idle = [i for i in self.slot_of_id if i not in keep]
+            if not idle:  # admission keeps a batch's adapters within the pool: a bug
+                raise RuntimeError(
+                    f"LoRA pool full: {self.num_slots} slots (--max-loras-per-batch) all in use"
+                )
+            slot = self._evict(min(idle, key=lambda i: self._stamp[i]))
+            self.evictions += 1
+        else:
+            slot = min(set(range(self.num_slots)) - used)
+        for layer, pairs in zip(self.layers, self.held[load_id]):
+            for fused, (a, b) in pairs.items():
+                getattr(layer, fused).weights[slot] = (a.to(self.device), b.to(self.device))
+        self.slot_of_id[load_id] = slot
+        self.pool_loads += 1
+
+    def _evict(self, load_id: int) -> int:
+        """Empties the adapter's pool slot; returns the slot."""
+        slot = self.slot_of_id.pop(load_id)
+        self._stamp.pop(load_id, None)
         for layer in self.layers:
             for fused in FUSED_MODULES:
                 getattr(layer, fused).weights.pop(slot, None)
+        return slot
 
     def _stack(self, adapter: LoraAdapter, layer: int, modules: tuple[str, ...]):
         """(A [R, in], B [out, R]) of the modules the adapter targets in this fused
@@ -122,7 +176,7 @@ class LoraWeights:
             start = sum(outs[:i])
             a[k * rank : (k + 1) * rank] = a_i.float()
             b[start : start + outs[i], k * rank : (k + 1) * rank] = b_i.float() * adapter.scale
-        return a.to(self.device, self.dtype), b.to(self.device, self.dtype)
+        return a.to(self.dtype), b.to(self.dtype)  # held on the host; activate() places it
 
 
 def load_lora_weights(
@@ -131,9 +185,12 @@ def load_lora_weights(
     max_rank: int | None,
     dtype: torch.dtype,
     device: torch.device,
+    num_slots: int = 8,
+    policy: str = "lru",
 ) -> LoraWeights:
-    """Every adapter of `adapters` (name -> PEFT folder), read, checked and stacked."""
-    weights = LoraWeights(config, dtype, device)
+    """Every adapter of `adapters` (name -> PEFT folder), read, checked and stacked; a pool
+    of `num_slots` slots evicting per `policy` (LoraWeights)."""
+    weights = LoraWeights(config, dtype, device, num_slots, policy)
     for name, path in adapters.items():
         weights.add(LoraAdapter.load(name, path, config, max_rank))
     return weights
