@@ -256,7 +256,10 @@ def test_engine_start_refuses_a_missing_folder(lora_models, tmp_path):
 def lora_server(lora_models):
     base_folder, folders = lora_models
     paths = [f"{name}={folder}" for name, folder in folders.items()]
-    proc = ServerProcess(str(base_folder), "--served-model-name", "tiny", "--lora-paths", *paths)
+    pool = ["--max-loras-per-batch", "1", "--max-loaded-loras", "3", "--lora-eviction-policy",
+            "fifo"]  # fmt: skip
+    proc = ServerProcess(str(base_folder), "--served-model-name", "tiny", *pool, "--lora-paths",
+                         *paths)  # fmt: skip
     yield proc
     assert proc.stop() == 0
 
@@ -300,6 +303,9 @@ def test_http_load_and_unload(lora_server, lora_models, references):
     reply = requests.post(f"{url}/load_lora_adapter", json=body, timeout=60)
     assert reply.status_code == 200 and reply.json()["success"]
     assert reply.json()["loaded_adapters"]["a3"] == str(folders["a2"])
+    full = {"lora_name": "a4", "lora_path": str(folders["a1"])}
+    reply = requests.post(f"{url}/load_lora_adapter", json=full, timeout=60)
+    assert reply.status_code == 400 and "--max-loaded-loras" in reply.json()["error_message"]
     gen = {"input_ids": prompts[0], "sampling_params": greedy(NUM_NEW), "lora_path": "a3"}
     assert (
         requests.post(f"{url}/generate", json=gen, timeout=60).json()["output_ids"] == out["a2"][0]
