@@ -1,4 +1,4 @@
-"""Batched multi-LoRA on the Llama family's fused projections (segmented matmuls in torch).
+"""Batched multi-LoRA on the Llama family's fused projections (grouped matmuls in torch).
 
 Each adapter gets a slot; a batch's tokens are grouped by slot once per step (the batch
 builder's `LoraBatch`), and every projection then adds, per slot present:
@@ -8,8 +8,10 @@ builder's `LoraBatch`), and every projection then adds, per slot present:
 Base rows are never touched, so they are bit-identical to a run without LoRA. Our fused
 projections stack PEFT's per-module weights: qkv's A is [A_q; A_k; A_v] and its B is
 block-diagonal (B_q into the q columns, ...), the scale folded into B; gate_up likewise.
-A module the adapter does not target contributes no rows (a projection no adapter of the
-batch targets costs nothing).
+The adapter rows are gathered once per projection, grouped by slot (one shrink and one
+expand matmul per slot on a contiguous group) and scattered back once; a module an adapter
+does not target adds zeros to its rows (a projection no adapter of the batch targets costs
+nothing).
 """
 
 from __future__ import annotations
@@ -38,17 +40,23 @@ class LoraProjection:
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, lora: LoraBatch) -> None:
-        """out [num_tokens, out] += each adapter's delta on its own rows, in place."""
-        for slot, rows in lora.segments:
-            pair = self.weights.get(slot)
-            if pair is None:
-                continue
-            a, b = pair
-            if len(lora.segments) == 1 and rows.shape[0] == x.shape[0]:  # every row: no gather
-                out.add_((x @ a.t()) @ b.t())
-                continue
-            delta = (x.index_select(0, rows) @ a.t()) @ b.t()
-            out.index_add_(0, rows, delta.to(out.dtype))
+        """out [num_tokens, out] += each adapter's delta on its own rows, in place: the
+        adapter rows gathered once (grouped by slot), one shrink and one expand matmul per
+        slot on its contiguous group, the deltas added back in one scatter."""
+        pairs = [(self.weights.get(slot), start, end) for slot, start, end in lora.segments]
+        if all(pair is None for pair, _, _ in pairs):
+            return
+        if lora.every_row:  # one adapter on every row, in order: no gather
+            a, b = pairs[0][0]
+            out.add_((x @ a.t()) @ b.t())
+            return
+        grouped = x.index_select(0, lora.rows)
+        delta = grouped.new_zeros(grouped.shape[0], out.shape[1])
+        for pair, start, end in pairs:
+            if pair is not None:  # an adapter not targeting this projection adds nothing
+                a, b = pair
+                torch.matmul(grouped[start:end] @ a.t(), b.t(), out=delta[start:end])
+        out.index_add_(0, lora.rows, delta.to(out.dtype))
 
 
 @dataclass
