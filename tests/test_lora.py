@@ -243,6 +243,27 @@ def test_flag_checks():
     assert bare.adapter_paths() == {"ad1": "/some/where/ad1/"}
 
 
+def other_base_adapter(folder, dest):
+    """a1's adapter with every lora_A cut to 32 input columns: an adapter of a narrower base."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(dest / "adapter_model.safetensors")
+    cut = {k: (v[:, :32].contiguous() if "lora_A" in k else v) for k, v in tensors.items()}
+    save_file(cut, dest / "adapter_model.safetensors")
+    return dest
+
+
+def test_engine_start_refuses_a_bad_adapter(lora_models, tmp_path):
+    """Through the engine's start: an adapter of another base, a rank above the flag."""
+    base_folder, folders = lora_models
+    bad = other_base_adapter(folders["a1"], tmp_path / "bad")
+    with pytest.raises(LoraAdapterError, match="--lora-paths adapter 'bad'.*another base model"):
+        make_core(str(base_folder), lora_paths=[f"bad={bad}"])
+    with pytest.raises(LoraAdapterError, match="'a2': rank 8 exceeds --max-lora-rank 4"):
+        make_core(str(base_folder), lora_paths=[f"a2={folders['a2']}"], max_lora_rank=4)
+
+
 def test_engine_start_refuses_a_missing_folder(lora_models, tmp_path):
     base_folder, _ = lora_models
     with pytest.raises(LoraAdapterError, match="--lora-paths adapter 'gone'.*not found"):
@@ -295,7 +316,7 @@ def test_http_lora_path_and_model(lora_server, references):
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
 
 
-def test_http_load_and_unload(lora_server, lora_models, references):
+def test_http_load_and_unload(lora_server, lora_models, references, tmp_path):
     _, folders = lora_models
     prompts, out = references
     url = lora_server.url
@@ -321,6 +342,9 @@ def test_http_load_and_unload(lora_server, lora_models, references):
     assert reply.status_code == 400 and "not found" in reply.json()["error_message"]
     reply = requests.post(f"{url}/load_lora_adapter", json={"lora_name": "a4"}, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "lora_path"
+    bad = {"lora_name": "a4", "lora_path": str(other_base_adapter(folders["a1"], tmp_path / "b"))}
+    reply = requests.post(f"{url}/load_lora_adapter", json=bad, timeout=60)
+    assert reply.status_code == 400 and "another base model" in reply.json()["error_message"]
 
 
 def test_http_unknown_adapter(lora_server):
