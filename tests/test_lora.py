@@ -235,6 +235,9 @@ def test_flag_checks():
                    max_loaded_loras=2).verify()  # fmt: skip
     with pytest.raises(ValueError, match=r"--max-loaded-loras \(2\) must be at least "):
         LoraConfig(max_loras_per_batch=4, max_loaded_loras=2).verify()
+    three = ["a=/x", "b=/y", "c=/z"]  # held adapters are bounded even without the flag
+    assert LoraConfig(lora_paths=three, max_loras_per_batch=2).loaded_limit == 3
+    assert LoraConfig().loaded_limit == 8 and LoraConfig(max_loaded_loras=9).loaded_limit == 9
     with pytest.raises(ValueError, match="--lora-eviction-policy must be one of lru, fifo"):
         LoraConfig(lora_eviction_policy="random").verify()
     with pytest.raises(ValueError, match="names the adapter 'x' twice"):

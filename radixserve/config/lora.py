@@ -29,8 +29,8 @@ class LoraConfig:
     model takes none)."""
     max_loaded_loras: int | None = None
     """Most adapters held in memory (SGLang's flag): loading one past it is refused until one
-    is unloaded. At least --max-loras-per-batch and the number of --lora-paths. Default: no
-    bound."""
+    is unloaded. At least --max-loras-per-batch and the number of --lora-paths. Default (unlike
+    SGLang's none): the larger of those two, so held adapters always have a bound."""
     lora_eviction_policy: str = "lru"
     """Which held adapter leaves a full pool slot for another one: `lru` (least recently
     used, SGLang's default) or `fifo` (first put in the pool). Never one a running request
@@ -62,6 +62,13 @@ class LoraConfig:
             raise ValueError(
                 f"--lora-paths names {num} adapters but --max-loaded-loras is {loaded}"
             )
+
+    @property
+    def loaded_limit(self) -> int:
+        """The most adapters held: --max-loaded-loras, or its default."""
+        if self.max_loaded_loras is not None:
+            return self.max_loaded_loras
+        return max(self.max_loras_per_batch, len(self.adapter_paths()))
 
     @property
     def enabled(self) -> bool:

@@ -168,8 +168,8 @@ class EngineCore:
         every adapter's load id and folder. Refused past --max-loaded-loras adapters (as
         SGLang: nothing held is evicted to make room; unload one first)."""
         lora = self._lora_weights()
-        limit = self.lora_config.max_loaded_loras
-        if limit is not None and len(lora.ids) >= limit:
+        limit = self.lora_config.loaded_limit
+        if len(lora.ids) >= limit:
             raise ValueError(
                 f"lora_name {lora_name!r}: {limit} adapters are loaded (--max-loaded-loras); "
                 "unload one first"
