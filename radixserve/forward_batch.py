@@ -22,9 +22,14 @@ import torch
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """Which tokens use which LoRA adapter slot, grouped once per step (model/lora.py)."""
+    """Which tokens use which LoRA adapter slot, grouped once per step (model/lora.py).
 
-    segments: tuple[tuple[int, torch.Tensor], ...]  # (slot, token rows [n] int64), slots unique
+    `rows` lists the adapter tokens' rows grouped by slot; segment (slot, start, end) is
+    `rows[start:end]`. `every_row`: one adapter holds every token, in order (no gather)."""
+
+    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) into rows; slots unique
+    rows: torch.Tensor  # [num adapter tokens] int64, grouped by slot
+    every_row: bool = False
 
     @classmethod
     def build(cls, slot_per_token: np.ndarray, device: torch.device | str) -> LoraBatch | None:
@@ -32,8 +37,11 @@ class LoraBatch:
         slots = np.unique(slot_per_token[slot_per_token >= 0])
         if not len(slots):
             return None
-        rows = [np.flatnonzero(slot_per_token == slot) for slot in slots]
-        return cls(tuple((int(s), torch.from_numpy(r).to(device)) for s, r in zip(slots, rows)))
+        groups = [np.flatnonzero(slot_per_token == slot) for slot in slots]
+        ends = np.cumsum([len(g) for g in groups])
+        segments = tuple((int(s), int(e - len(g)), int(e)) for s, g, e in zip(slots, groups, ends))
+        every_row = len(groups) == 1 and len(groups[0]) == len(slot_per_token)
+        return cls(segments, torch.from_numpy(np.concatenate(groups)).to(device), every_row)
 
 
 @dataclass

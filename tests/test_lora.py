@@ -87,7 +87,8 @@ def references(lora_models):
 def lora_engine(lora_models):
     base_folder, folders = lora_models
     paths = [f"{name}={folder}" for name, folder in folders.items()]
-    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=3)
+    engine = make_engine(str(base_folder), lora_paths=paths, max_loras_per_batch=3,
+                         max_loaded_loras=3)  # fmt: skip
     yield engine
     engine.shutdown()
 
@@ -160,7 +161,7 @@ def test_load_and_unload_while_serving(lora_engine, lora_models, references):
     loaded = lora_engine.load_lora_adapter("a3", str(folders["a1"]))
     assert loaded == {"a1": str(folders["a1"]), "a2": str(folders["a2"]), "a3": str(folders["a1"])}
     assert run("a3") == (out["a1"][0], 0)  # a1's weights, but not a1's KV
-    with pytest.raises(ValueError, match="3 adapters are loaded"):
+    with pytest.raises(ValueError, match=r"'a4': 3 adapters are loaded \(--max-loaded-loras\)"):
         lora_engine.load_lora_adapter("a4", str(folders["a1"]))
     lora_engine.unload_lora_adapter("a3")
     with pytest.raises(ValueError, match="lora_path 'a3' is not a loaded LoRA adapter"):
@@ -228,12 +229,42 @@ def test_unknown_target_module_is_refused(lora_models, tmp_path):
 
 
 def test_flag_checks():
-    with pytest.raises(ValueError, match="--max-loras-per-batch is 1"):
-        LoraConfig(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1).verify()
+    LoraConfig(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1).verify()  # a pool of 1
+    with pytest.raises(ValueError, match="names 3 adapters but --max-loaded-loras is 2"):
+        LoraConfig(lora_paths=["a=/x", "b=/y", "c=/z"], max_loras_per_batch=1,
+                   max_loaded_loras=2).verify()  # fmt: skip
+    with pytest.raises(ValueError, match=r"--max-loaded-loras \(2\) must be at least "):
+        LoraConfig(max_loras_per_batch=4, max_loaded_loras=2).verify()
+    three = ["a=/x", "b=/y", "c=/z"]  # held adapters are bounded even without the flag
+    assert LoraConfig(lora_paths=three, max_loras_per_batch=2).loaded_limit == 3
+    assert LoraConfig().loaded_limit == 8 and LoraConfig(max_loaded_loras=9).loaded_limit == 9
+    with pytest.raises(ValueError, match="--lora-eviction-policy must be one of lru, fifo"):
+        LoraConfig(lora_eviction_policy="random").verify()
     with pytest.raises(ValueError, match="names the adapter 'x' twice"):
         LoraConfig(lora_paths=["x=/a", "/b/x"]).verify()
     bare = LoraConfig(lora_paths=["/some/where/ad1/"])
     assert bare.adapter_paths() == {"ad1": "/some/where/ad1/"}
+
+
+def other_base_adapter(folder, dest):
+    """a1's adapter with every lora_A cut to 32 input columns: an adapter of a narrower base."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(dest / "adapter_model.safetensors")
+    cut = {k: (v[:, :32].contiguous() if "lora_A" in k else v) for k, v in tensors.items()}
+    save_file(cut, dest / "adapter_model.safetensors")
+    return dest
+
+
+def test_engine_start_refuses_a_bad_adapter(lora_models, tmp_path):
+    """Through the engine's start: an adapter of another base, a rank above the flag."""
+    base_folder, folders = lora_models
+    bad = other_base_adapter(folders["a1"], tmp_path / "bad")
+    with pytest.raises(LoraAdapterError, match="--lora-paths adapter 'bad'.*another base model"):
+        make_core(str(base_folder), lora_paths=[f"bad={bad}"])
+    with pytest.raises(LoraAdapterError, match="'a2': rank 8 exceeds --max-lora-rank 4"):
+        make_core(str(base_folder), lora_paths=[f"a2={folders['a2']}"], max_lora_rank=4)
 
 
 def test_engine_start_refuses_a_missing_folder(lora_models, tmp_path):
@@ -249,7 +280,10 @@ def test_engine_start_refuses_a_missing_folder(lora_models, tmp_path):
 def lora_server(lora_models):
     base_folder, folders = lora_models
     paths = [f"{name}={folder}" for name, folder in folders.items()]
-    proc = ServerProcess(str(base_folder), "--served-model-name", "tiny", "--lora-paths", *paths)
+    pool = ["--max-loras-per-batch", "1", "--max-loaded-loras", "3", "--lora-eviction-policy",
+            "fifo"]  # fmt: skip
+    proc = ServerProcess(str(base_folder), "--served-model-name", "tiny", *pool, "--lora-paths",
+                         *paths)  # fmt: skip
     yield proc
     assert proc.stop() == 0
 
@@ -285,7 +319,7 @@ def test_http_lora_path_and_model(lora_server, references):
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
 
 
-def test_http_load_and_unload(lora_server, lora_models, references):
+def test_http_load_and_unload(lora_server, lora_models, references, tmp_path):
     _, folders = lora_models
     prompts, out = references
     url = lora_server.url
@@ -293,6 +327,9 @@ def test_http_load_and_unload(lora_server, lora_models, references):
     reply = requests.post(f"{url}/load_lora_adapter", json=body, timeout=60)
     assert reply.status_code == 200 and reply.json()["success"]
     assert reply.json()["loaded_adapters"]["a3"] == str(folders["a2"])
+    full = {"lora_name": "a4", "lora_path": str(folders["a1"])}
+    reply = requests.post(f"{url}/load_lora_adapter", json=full, timeout=60)
+    assert reply.status_code == 400 and "--max-loaded-loras" in reply.json()["error_message"]
     gen = {"input_ids": prompts[0], "sampling_params": greedy(NUM_NEW), "lora_path": "a3"}
     assert (
         requests.post(f"{url}/generate", json=gen, timeout=60).json()["output_ids"] == out["a2"][0]
@@ -308,6 +345,9 @@ def test_http_load_and_unload(lora_server, lora_models, references):
     assert reply.status_code == 400 and "not found" in reply.json()["error_message"]
     reply = requests.post(f"{url}/load_lora_adapter", json={"lora_name": "a4"}, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "lora_path"
+    bad = {"lora_name": "a4", "lora_path": str(other_base_adapter(folders["a1"], tmp_path / "b"))}
+    reply = requests.post(f"{url}/load_lora_adapter", json=bad, timeout=60)
+    assert reply.status_code == 400 and "another base model" in reply.json()["error_message"]
 
 
 def test_http_unknown_adapter(lora_server):

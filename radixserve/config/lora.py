@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+LORA_EVICTION_POLICIES = ("lru", "fifo")
+"""SGLang's --lora-eviction-policy values."""
+
 LORA_NAME_FORBIDDEN = "\x00"
 """Adapter names may not hold NUL (nor may cache salts with LoRA on: the core joins a salt
 and an adapter's load id with it, engine/request.py `cache_namespace`)."""
@@ -21,8 +24,17 @@ class LoraConfig:
     PEFT folders with adapter_config.json and adapter_model.safetensors. A request picks
     one by name (`lora_path` on /generate, `model` in OpenAI bodies, Engine's `lora_path`)."""
     max_loras_per_batch: int = 8
-    """Most distinct adapters in one batch (SGLang's default 8). Every adapter stays loaded,
-    so it must be at least the number of --lora-paths."""
+    """Most distinct adapters in one batch (SGLang's default 8): the slots of the adapter
+    pool the forward reads. Requests of a further adapter wait until a slot frees (the base
+    model takes none)."""
+    max_loaded_loras: int | None = None
+    """Most adapters held in memory (SGLang's flag): loading one past it is refused until one
+    is unloaded. At least --max-loras-per-batch and the number of --lora-paths. Default (unlike
+    SGLang's none): the larger of those two, so held adapters always have a bound."""
+    lora_eviction_policy: str = "lru"
+    """Which held adapter leaves a full pool slot for another one: `lru` (least recently
+    used, SGLang's default) or `fifo` (first put in the pool). Never one a running request
+    uses."""
     max_lora_rank: int | None = None
     """Largest adapter rank accepted; an adapter of higher rank is refused at start.
     Default: any rank."""
@@ -34,12 +46,29 @@ class LoraConfig:
             raise ValueError(f"--max-lora-rank must be >= 1; got {self.max_lora_rank}")
         if self.lora_paths is not None and not isinstance(self.lora_paths, list | tuple):
             raise ValueError(f"--lora-paths must be a list of name=path; got {self.lora_paths!r}")
-        num = len(self.adapter_paths())
-        if num > self.max_loras_per_batch:
+        if self.lora_eviction_policy not in LORA_EVICTION_POLICIES:
             raise ValueError(
-                f"--lora-paths names {num} adapters but --max-loras-per-batch is "
-                f"{self.max_loras_per_batch}: every adapter stays loaded, raise the limit"
+                f"--lora-eviction-policy must be one of {', '.join(LORA_EVICTION_POLICIES)}; "
+                f"got {self.lora_eviction_policy!r}"
             )
+        loaded = self.max_loaded_loras
+        if loaded is not None and loaded < self.max_loras_per_batch:
+            raise ValueError(
+                f"--max-loaded-loras ({loaded}) must be at least --max-loras-per-batch "
+                f"({self.max_loras_per_batch})"
+            )
+        num = len(self.adapter_paths())
+        if loaded is not None and num > loaded:
+            raise ValueError(
+                f"--lora-paths names {num} adapters but --max-loaded-loras is {loaded}"
+            )
+
+    @property
+    def loaded_limit(self) -> int:
+        """The most adapters held: --max-loaded-loras, or its default."""
+        if self.max_loaded_loras is not None:
+            return self.max_loaded_loras
+        return max(self.max_loras_per_batch, len(self.adapter_paths()))
 
     @property
     def enabled(self) -> bool:

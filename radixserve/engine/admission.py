@@ -58,6 +58,7 @@ class Admission:
         self.stats = stats
         self.ratio = ratio
         self._seq_keys: dict[Req, tuple[int, ...]] = {}
+        self.lora = None  # the model's LoRA weights: their pool bounds a batch's adapters
 
     def admit(
         self,
@@ -150,6 +151,13 @@ class Admission:
             # computing it twice. Requests behind a waiting follower may go meanwhile.
             if self._follows_leader(req, match.num_tokens, leaders):
                 continue
+            # --max-loras-per-batch: a request of an adapter the batch has no slot for waits,
+            # those behind it whose adapter is in the batch go; once aging says it starved,
+            # nothing more joins until the batch drains enough for its adapter
+            if not self._adapter_fits(req, running):
+                if aging.num_bypassed(req) >= self.config.schedule_max_bypass:
+                    break
+                continue
             if reserved is None:
                 reserved = self._reserved_pages(running)
             work = self._try_admit(req, match, budget, reserved, bool(running))
@@ -163,6 +171,14 @@ class Admission:
             reserved += self._future_pages(req)
             queue = _put_first(aging.admit(req), queue)
         return admitted
+
+    def _adapter_fits(self, req: Req, running: list[Req]) -> bool:
+        """True if `req` runs on the base, on an adapter of the batch, or the LoRA pool has a
+        slot to spare (the base model takes none)."""
+        if self.lora is None or req.lora_id is None:
+            return True
+        adapters = {r.lora_id for r in running if r.lora_id is not None}
+        return req.lora_id in adapters or len(adapters) < self.lora.num_slots
 
     def _follows_leader(self, req: Req, num_cached: int, leaders: list[Req]) -> bool:
         """True if a request already prefilling shares at least one uncached page with `req`."""

@@ -3,6 +3,7 @@ when it changed (a decoding request's grows by one page every page_size steps)."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,28 +33,31 @@ class Work:
 
 
 class BatchBuilder:
-    """`lora_slots`: LoRA adapter load id -> slot in the model's LoRA weights (model/lora.py),
-    kept current by whoever loads adapters; None without LoRA."""
+    """`lora`: the model's LoRA weights and adapter pool (model/lora.py `LoraWeights`); None
+    without LoRA."""
 
-    def __init__(
-        self, page_size: int, device: torch.device, lora_slots: dict[int, int] | None = None
-    ):
+    def __init__(self, page_size: int, device: torch.device, lora=None):
         self.page_size, self.device = page_size, device
-        self.lora_slots = lora_slots
+        self.lora = lora
         self._page_row_memo: dict[Req, tuple[list[int], int, np.ndarray]] = {}
 
-    def build(self, work: list[Work]) -> ForwardBatch:
-        """Each request's new tokens on top of its computed prefix, through its page table."""
+    def build(self, work: list[Work], running: Sequence[Req] = ()) -> ForwardBatch:
+        """Each request's new tokens on top of its computed prefix, through its page table;
+        the adapters of `work` put in the LoRA pool first, never evicting one of `running`'s."""
         batch = self._build_base(work)
-        if self.lora_slots and any(w.req.lora_id is not None for w in work):
+        needed = {w.req.lora_id for w in work if w.req.lora_id is not None}
+        if self.lora is not None and needed:
+            in_use = {r.lora_id for r in running if r.lora_id is not None}
+            self.lora.activate(needed, in_use)
             batch.lora = self._lora_batch(work)
         return batch
 
     def _lora_batch(self, work: list[Work]) -> LoraBatch | None:
         """The batch's tokens grouped by adapter slot, once per step (-1: the base)."""
-        # Intake refuses requests of unloaded adapters, and unload refuses while one of the
-        # adapter's requests is in the engine: every load id here has its slot
-        slots = np.array([-1 if w.req.lora_id is None else self.lora_slots[w.req.lora_id]
+        # Intake refuses requests of unloaded adapters, unload refuses while one of the
+        # adapter's requests is in the engine, and activate() gave each adapter a slot
+        slot_of = self.lora.slot_of_id
+        slots = np.array([-1 if w.req.lora_id is None else slot_of[w.req.lora_id]
                           for w in work])  # fmt: skip
         counts = np.array([w.num_forward for w in work])
         return LoraBatch.build(np.repeat(slots, counts), self.device)
@@ -87,10 +91,9 @@ class BatchBuilder:
         return rows
 
 
-def lora_slots_of(runner) -> dict[int, int] | None:
-    """The runner's LoRA load id -> slot map (None without LoRA, or on a stand-in runner)."""
-    lora = getattr(runner, "lora", None)
-    return None if lora is None else lora.slot_of_id
+def lora_of(runner):
+    """The runner's LoRA weights (None without LoRA, or on a stand-in runner)."""
+    return getattr(runner, "lora", None)
 
 
 def verify_indices(work: list[Work]) -> list[int]:

@@ -165,11 +165,15 @@ class EngineCore:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, dict]:
         """Loads a PEFT folder as adapter `lora_name` while serving (SGLang's route); returns
-        every adapter's load id and folder. Refused past --max-loras-per-batch adapters."""
+        every adapter's load id and folder. Refused past --max-loaded-loras adapters (as
+        SGLang: nothing held is evicted to make room; unload one first)."""
         lora = self._lora_weights()
-        limit = self.lora_config.max_loras_per_batch
+        limit = self.lora_config.loaded_limit
         if len(lora.ids) >= limit:
-            raise ValueError(f"lora_name: {limit} adapters are loaded (--max-loras-per-batch)")
+            raise ValueError(
+                f"lora_name {lora_name!r}: {limit} adapters are loaded (--max-loaded-loras); "
+                "unload one first"
+            )
         if lora_name in lora.ids:
             raise ValueError(f"lora_name {lora_name!r} is already loaded")
         check_lora_name(lora_name)
@@ -282,7 +286,13 @@ def _attach_lora(loaded: LoadedModel, runner: ModelRunner, lora: LoraConfig) -> 
             f"({loaded.config.architecture}) yet: their experts would ignore the adapters"
         )
     weights = load_lora_weights(
-        loaded.config, lora.adapter_paths(), lora.max_lora_rank, loaded.dtype, runner.device
+        loaded.config,
+        lora.adapter_paths(),
+        lora.max_lora_rank,
+        loaded.dtype,
+        runner.device,
+        lora.max_loras_per_batch,
+        lora.lora_eviction_policy,
     )
     runner.lora = weights
     loaded.model.use_lora(weights)

@@ -47,7 +47,7 @@ class Intake:
         self._jumps = jumps
         self._handoff = handoff
         self._grammar = grammar
-        self.lora_slots: dict[int, int] | None = None  # LoRA load ids served (BatchBuilder's)
+        self.lora = None  # the model's LoRA weights (BatchBuilder's): the load ids it holds
 
     def reqs(self) -> list[Req]:
         return [*self.inbox, *self.receiving, *self.compiling]
@@ -66,7 +66,7 @@ class Intake:
             req = self.inbox.popleft()
             self._stats.num_requests += 1
             self._stats.prompt_tokens += len(req.input_ids)
-            if req.lora_id is not None and req.lora_id not in (self.lora_slots or ()):
+            if req.lora_id is not None and (self.lora is None or req.lora_id not in self.lora.held):
                 message = "lora_path: its LoRA adapter was unloaded before the request ran"
                 req.finish(FinishReason.abort(message, status_code=400))
                 outputs.append(req)

@@ -20,7 +20,7 @@ from radixserve.cache.retention import PinTable
 from radixserve.config import DisaggregationConfig, SchedulerConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.engine.admission import Admission
-from radixserve.engine.batch_builder import BatchBuilder, Work, lora_slots_of
+from radixserve.engine.batch_builder import BatchBuilder, Work, lora_of
 from radixserve.engine.commit import Committer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.intake import Intake
@@ -75,7 +75,7 @@ class Scheduler:
             use_priority=config.enable_priority_scheduling,
             pins_give_way=config.pin_policy == "last",
         )
-        self.batches = BatchBuilder(self.page_size, runner.device, lora_slots_of(runner))
+        self.batches = BatchBuilder(self.page_size, runner.device, lora_of(runner))
         self._retracted: set[Req] = set()  # retracted in this step: they wait for the next
         self.last_step_progressed = True  # see step()
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -91,7 +91,7 @@ class Scheduler:
         jump_on = not config.disable_jump_forward
         self.jumps = JumpForward(jump_on, tokenizer, self.sampler.check_finish, self.stats)
         self.intake = Intake(self.stats, self.pages, self.jumps, self.handoff, lambda: self.grammar)
-        self.intake.lora_slots = self.batches.lora_slots
+        self.intake.lora = self.admission.lora = self.batches.lora
         self.committer = Committer(
             sampler=self.sampler,
             verifier=self.verifier,
@@ -355,7 +355,7 @@ class Scheduler:
         self.stats.forward_steps += 1
         if self.faults is not None:
             self.faults.check("forward", (w.req.rid for w in work))
-        return self.runner.forward(self.batches.build(work))
+        return self.runner.forward(self.batches.build(work, self.running))
 
     def _commit(self, work: list[Work], logits: LogitsOutput, outputs: list[Req]) -> None:
         """Each work's results into its request; finished requests leave the batch, and a

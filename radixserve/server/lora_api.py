@@ -62,7 +62,7 @@ async def _body(request: web.Request, names: tuple[str, ...]) -> dict[str, str]:
     for name in names:
         if not isinstance(body.get(name), str) or not body[name]:
             raise BadRequest(f"{name} must be a non-empty string", param=name)
-    extra = sorted(set(body) - set(names) - {"pinned"})  # SGLang's `pinned`: no eviction here
+    extra = sorted(set(body) - set(names) - {"pinned"})  # SGLang's `pinned`: accepted, not honoured
     if extra:
         raise BadRequest(f"{extra[0]} is not supported by this route", param=extra[0])
     return {name: body[name] for name in names}
