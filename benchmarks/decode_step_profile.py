@@ -18,6 +18,9 @@ by side, and reports the one-off compile time of the batch's padded size (`compi
 `--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
 `--top-ops N` also prints the N ops of most self time per step, by op and input shapes (so
 each projection, and the LM head, shows as its own line).
+`--quantization none,int4` builds one engine per method and alternates their plain passes
+(`--rounds` times, median per method; a loaded machine slows both alike), then profiles
+each; `x first` is the first method's step time over this one's (int4's speed-up over fp32).
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/decode_step_profile.py [--quantization none]
 Prints a table; writes JSON to `--out`.
@@ -39,6 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Req
+from radixserve.native.machine import describe_cpu
 from radixserve.sampling.params import SamplingParams
 
 MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "_weight_int4pack_mm", "_weight_int8")
@@ -57,7 +61,10 @@ ATTENTION_OPS = ("radixserve_cpu::paged_", "scaled_dot_product", "_flash_attenti
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--quantization", default="none", help="none | auto (the default: gguf) ...")
+    p.add_argument("--quantization", default="none",
+                   help="none | auto (the default: gguf) ..., or several, comma-separated, "
+                   "run alternately")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="alternating plain passes per method")
     p.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per pass")
@@ -120,11 +127,17 @@ class Timers:
 
 
 def build_core(
-    args: argparse.Namespace, batch: int, compiled: bool, kernel: str, dense: str, acts: str
+    args: argparse.Namespace,
+    batch: int,
+    compiled: bool,
+    kernel: str,
+    dense: str,
+    acts: str,
+    quantization: str,
 ) -> EngineCore:
     load = LoadConfig(
         model=args.model,
-        quantization=args.quantization,
+        quantization=quantization,
         device="cpu",
         cpu_quant_kernel=kernel,
         cpu_quant_activation=acts,
@@ -230,13 +243,25 @@ def compile_seconds(core: EngineCore) -> float:
 
 
 COLUMNS = ("step", "matmul", "attention", "other_ops", "forward_python", "build_batch",
-           "sample", "scheduler_other", "compile_s")  # fmt: skip
+           "sample", "scheduler_other", "compile_s", "x_first")  # fmt: skip
+
+
+def alternate_plain(cores: dict[str, EngineCore], steps: int, rounds: int) -> dict[str, dict]:
+    """Each core's plain pass, the cores taking turns `rounds` times: the median per key."""
+    passes: dict[str, list[dict[str, float]]] = {q: [] for q in cores}
+    for _ in range(rounds):
+        for quantization, core in cores.items():
+            passes[quantization].append(plain_pass(core, steps))
+    return {
+        q: {k: statistics.median(p[k] for p in runs) for k in runs[0]} for q, runs in passes.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
+    quantizations = args.quantization.split(",")
     print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
     print("ms per decode step")
     choices = {"off": [False], "on": [True], "both": [False, True]}
@@ -248,34 +273,46 @@ def main(argv: list[str] | None = None) -> None:
         for d in args.cpu_dense_kernels.split(",")
         for a in args.cpu_quant_activations.split(",")
     ]
-    header = f"{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}{'acts':>6}"
+    header = f"{'quant':>6}{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}"
+    header += f"{'acts':>6}"
     print(header + "".join(f"{c:>16}" for c in COLUMNS))
     for batch in [int(b) for b in args.batches.split(",")]:
         for compiled, layer_ops, kernel, dense, acts in runs:
-            core = build_core(args, batch, compiled, kernel, dense, acts)
-            if not layer_ops:
-                core.runner.model.use_cpu_layer_ops(None)
-            add_requests(core, batch, args)
+            cores = {}
+            for quantization in quantizations:
+                core = build_core(args, batch, compiled, kernel, dense, acts, quantization)
+                cores[quantization] = core
+                if not layer_ops:
+                    core.runner.model.use_cpu_layer_ops(None)
+                add_requests(core, batch, args)
             with torch.inference_mode():
-                until_all_decode(core)
-                plain = plain_pass(core, args.steps)
-                prof = profiled_pass(core, args.steps, args.top_ops)
-            row = {"batch": batch, "compiled": compiled, "layer_ops": layer_ops}
-            row["cpu_quant_kernel"] = kernel
-            row["cpu_dense_kernel"] = dense
-            row["cpu_quant_activation"] = acts
-            row |= breakdown(plain, prof)
-            row["compile_s"] = compile_seconds(core)
-            rows.append(row)
-            cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-            prefix = f"{batch:>6}{compiled!s:>9}{layer_ops!s:>10}{kernel:>8}{dense:>7}{acts:>6}"
-            print(prefix + cells, flush=True)
-            for op in prof.get("top_ops", []):
-                row.setdefault("top_ops", []).append(op)
-                print(f"{'':>8}{op['ms']:>9.2f} ms  {op['op']}  {op['shapes']}")
-            core.close()
+                for core in cores.values():
+                    until_all_decode(core)
+                plains = alternate_plain(cores, args.steps, args.rounds)
+                profs = {q: profiled_pass(c, args.steps, args.top_ops) for q, c in cores.items()}
+            first_step = None
+            for quantization, core in cores.items():
+                plain, prof = plains[quantization], profs[quantization]
+                row = {"quantization": quantization, "batch": batch, "compiled": compiled}
+                row["layer_ops"] = layer_ops
+                row["cpu_quant_kernel"] = kernel
+                row["cpu_dense_kernel"] = dense
+                row["cpu_quant_activation"] = acts
+                row |= breakdown(plain, prof)
+                row["compile_s"] = compile_seconds(core)
+                first_step = first_step or row["step"]
+                row["x_first"] = first_step / row["step"]
+                rows.append(row)
+                cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
+                prefix = f"{quantization:>6}{batch:>6}{compiled!s:>9}{layer_ops!s:>10}"
+                print(prefix + f"{kernel:>8}{dense:>7}{acts:>6}" + cells, flush=True)
+                for op in prof.get("top_ops", []):
+                    row.setdefault("top_ops", []).append(op)
+                    print(f"{'':>8}{op['ms']:>9.2f} ms  {op['op']}  {op['shapes']}")
+                core.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quantization": args.quantization, "context": args.context, "threads": args.threads}
+    meta |= {"rounds": args.rounds, "cpu": describe_cpu(), "clock": "thread CPU time"}
     args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -1,14 +1,18 @@
-"""Quantization quality: none / int8 / int4 / gguf against fp32 on one model, CPU by default.
+"""Quantization quality: every `--quantization` against its reference on one model, on CPU.
 
+A mode is a `--quantization` value with optional suffixes: `:g64` (int4's
+`--quantization-group-size`), `:head` (`--quantize-lm-head`); e.g. `int4:g128:head`.
 For each mode (`--modes`), through the real serving path (Engine.generate):
 - perplexity over a fixed public-domain text (benchmarks/data/), teacher-forced in windows of
   `--window` tokens that start every `--stride` tokens; each token is scored once, in the first
   window that has it past the previous window's end (so with at least window - stride context);
 - top-1 agreement: the fraction of those positions whose argmax next token equals fp32's;
-- greedy agreement on CHAT_PROMPTS: the fraction of prompts whose first `--greedy-tokens`
-  greedy tokens equal fp32's, and the mean length of the common prefix.
-fp32 is mode none with dtype float32; for the default (Q4_1 GGUF) model that is the file's
-Q4_1 weights dequantized, so it is also the reference of the int4 target.
+- greedy agreement on the first `--num-prompts` CHAT_PROMPTS (chat template applied): the
+  fraction of prompts whose first `--greedy-tokens` greedy tokens equal the reference's, the
+  mean length of the common prefix, and that prefix as a fraction of the reference's tokens.
+The reference is mode none with dtype float32: fp32 for a dense checkpoint; for a GGUF file
+(the default model is a Q4_1 one) the file's own quantization, its blocks dequantized to
+fp32. Every mode's target: perplexity within `PPL_LIMIT` (1%) of the reference's.
 
 Run:  python benchmarks/quant_quality.py [--modes none,int8] [--max-tokens 1024]
 Writes a table and the targets (met / missed) to stdout and all numbers to `--out` (JSON).
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,9 +31,10 @@ import torch
 
 from radixserve import Engine
 from radixserve.config import LoadConfig
+from radixserve.native.machine import describe_cpu
 
 TEXT = Path(__file__).parent / "data" / "public_domain_prose.txt"
-DEFAULT_MODES = "none,int8,int4,gguf"
+DEFAULT_MODES = "none,int8,int8:head,int4,int4:g64,int4:head,gguf"
 REFERENCE = "none"  # run in float32: the reference every agreement is measured against
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -42,13 +46,13 @@ CHAT_PROMPTS = (
     "Name a famous painting by Leonardo da Vinci.",
     "Why is the sky blue?",
 )
-# Targets from the quantization issue: perplexity relative to fp32 (Q4_1 dequantized).
-PPL_TARGETS = {"int8": 0.01, "int4": 0.05}
+PPL_LIMIT = 0.01  # issue #31: every quantization within 1% perplexity of its reference
 
 
 @dataclass
 class Row:
     mode: str
+    reference: str  # what the agreements and the perplexity target compare with
     dtype: str
     load_s: float
     eval_s: float
@@ -57,6 +61,7 @@ class Row:
     top1_agreement: float
     greedy_agreement: float
     greedy_common_prefix: float
+    greedy_prefix_fraction: float  # common prefix / the reference's tokens, per prompt, mean
 
 
 @dataclass
@@ -83,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens per scoring window")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts")
-    p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt")
-    p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts")
+    p.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--num-prompts", type=int, default=4, help="chat prompts (at most 8)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("bench_results/quant_quality.json"))
     return p.parse_args(argv)
@@ -146,13 +151,34 @@ def dtype_label(mode: str, dtype: str) -> str:
     return model if mode in (REFERENCE, "none") or kernels == model else f"{model}/{short}"
 
 
+def mode_options(spec: str, default_group_size: int | None = None) -> dict:
+    """`int4:g64:head` -> the Engine's quantization keyword arguments."""
+    method, *suffixes = spec.split(":")
+    group_size = default_group_size if method == "int4" else None
+    options = {"quantization": method, "quantization_group_size": group_size}
+    for suffix in suffixes:
+        if suffix == "head":
+            options["quantize_lm_head"] = True
+        elif suffix.startswith("g") and suffix[1:].isdigit():
+            options["quantization_group_size"] = int(suffix[1:])
+        else:
+            raise ValueError(f"mode {spec!r}: suffixes are :g<group size> and :head")
+    return options
+
+
+def reference_label(model: str | None) -> str:
+    """What mode none in fp32 is for this model: fp32, or a GGUF file's own blocks."""
+    if model is None or model.endswith(".gguf"):
+        return "the file's quantization (fp32 dequant)"
+    return "fp32"
+
+
 def run_mode(args: argparse.Namespace, mode: str) -> ModeRun:
     dtype = "float32" if mode == REFERENCE else args.dtype
     start = time.perf_counter()
-    group_size = args.group_size if mode == "int4" else None
-    kwargs = {"quantization": mode, "quantization_group_size": group_size}
-    engine = Engine(args.model, dtype=dtype, device="cpu", **kwargs)
-    dtype = dtype_label(mode, dtype)
+    options = mode_options(mode, args.group_size)
+    engine = Engine(args.model, dtype=dtype, device="cpu", **options)
+    dtype = dtype_label(options["quantization"], dtype)
     load_s = time.perf_counter() - start
     try:
         ids = text_ids(engine, args)
@@ -164,33 +190,35 @@ def run_mode(args: argparse.Namespace, mode: str) -> ModeRun:
     return ModeRun(dtype, load_s, eval_s, logprobs, argmax, greedy)
 
 
-def compare(mode: str, scored: ModeRun, ref: ModeRun) -> Row:
-    """The mode's quality row, its agreements measured against the fp32 reference."""
+def compare(mode: str, reference: str, scored: ModeRun, ref: ModeRun) -> Row:
+    """The mode's quality row, its agreements measured against the reference run."""
     top1 = mean([float(a == b) for a, b in zip(scored.argmax, ref.argmax)])
     prefixes = [common_prefix(a, b) for a, b in zip(scored.greedy, ref.greedy)]
+    fractions = [p / max(len(b), 1) for p, b in zip(prefixes, ref.greedy)]
     same = [float(a == b) for a, b in zip(scored.greedy, ref.greedy)]
     ppl = math.exp(-mean(scored.logprobs))
     n = len(scored.logprobs)
     times = (scored.load_s, scored.eval_s)
-    return Row(mode, scored.dtype, *times, n, ppl, top1, mean(same), mean(prefixes))
+    greedy = (mean(same), mean(prefixes), mean(fractions))
+    return Row(mode, reference, scored.dtype, *times, n, ppl, top1, *greedy)
 
 
 def targets(rows: list[Row]) -> list[dict]:
-    """Each perplexity target whose modes ran: the relative excess over fp32, met or missed."""
-    by_mode = {r.mode: r for r in rows}
-    ref = by_mode[REFERENCE].perplexity
+    """Each mode's perplexity target: the relative excess over the reference, met or missed."""
+    ref = rows[0]
     found = []
-    for mode, limit in PPL_TARGETS.items():
-        if mode in by_mode:
-            excess = by_mode[mode].perplexity / ref - 1
-            name = f"{mode} perplexity within {limit:.0%} of fp32"
-            found.append({"target": name, "excess": excess, "limit": limit, "met": excess <= limit})
+    for row in rows[1:]:
+        excess = row.perplexity / ref.perplexity - 1
+        name = f"{row.mode} perplexity within {PPL_LIMIT:.0%} of {ref.reference}"
+        met = excess <= PPL_LIMIT
+        found.append({"target": name, "excess": excess, "limit": PPL_LIMIT, "met": met})
     return found
 
 
 COLUMNS = (
     "mode",
     "dtype",
+    "vs ref",
     "load s",
     "eval s",
     "tokens",
@@ -198,6 +226,7 @@ COLUMNS = (
     "top-1 agr",
     "greedy agr",
     "prefix",
+    "prefix frac",
 )
 
 
@@ -205,10 +234,11 @@ def print_row(cells) -> None:
     print(" ".join(f"{c:>12}" for c in cells), flush=True)
 
 
-def format_row(r: Row) -> tuple:
+def format_row(r: Row, ref_ppl: float) -> tuple:
     return (
         r.mode,
         r.dtype,
+        f"{r.perplexity / ref_ppl - 1:+.2%}",
         f"{r.load_s:.1f}",
         f"{r.eval_s:.1f}",
         r.num_scored_tokens,
@@ -216,6 +246,7 @@ def format_row(r: Row) -> tuple:
         f"{r.top1_agreement:.3f}",
         f"{r.greedy_agreement:.3f}",
         f"{r.greedy_common_prefix:.1f}",
+        f"{r.greedy_prefix_fraction:.2f}",
     )
 
 
@@ -226,12 +257,12 @@ def text_ids(engine: Engine, args: argparse.Namespace) -> list[int]:
 
 
 def evaluate(args: argparse.Namespace, modes: list[str]) -> list[Row]:
-    rows, ref = [], None
+    rows, ref, label = [], None, reference_label(args.model)
     for mode in modes:
         scored = run_mode(args, mode)
         ref = ref or scored
-        rows.append(compare(mode, scored, ref))
-        print_row(format_row(rows[-1]))
+        rows.append(compare(mode, label, scored, ref))
+        print_row(format_row(rows[-1], rows[0].perplexity))
     return rows
 
 
@@ -244,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": describe_cpu(),
+        "reference": reference_label(args.model),
     }
     print(" ".join(f"{k}={v}" for k, v in meta.items()))
     print_row(COLUMNS)

@@ -26,6 +26,8 @@ def test_quant_quality_smoke(tiny_chat_model, tmp_path):
     assert rows["none"]["top1_agreement"] == 1.0 and rows["none"]["greedy_agreement"] == 1.0
     assert 0 <= rows["int8"]["top1_agreement"] <= 1
     assert [t["target"] for t in data["targets"]] == ["int8 perplexity within 1% of fp32"]
+    assert rows["int8"]["reference"] == "fp32" and 0 <= rows["int8"]["greedy_prefix_fraction"] <= 1
+    assert data["cpu"]  # the machine named beside the numbers
 
 
 def test_windows_score_every_token_once():
@@ -33,3 +35,14 @@ def test_windows_score_every_token_once():
     scored = [i for _, end, first in spans for i in range(first, end)]
     assert scored == list(range(1, 300))
     assert all(end - start <= 128 and first - start >= 64 for start, end, first in spans[1:])
+
+
+def test_mode_suffixes_name_the_group_size_and_the_head():
+    assert quant_quality.mode_options("int4:g64:head") == {
+        "quantization": "int4",
+        "quantization_group_size": 64,
+        "quantize_lm_head": True,
+    }
+    assert quant_quality.mode_options("int8")["quantization_group_size"] is None
+    assert quant_quality.reference_label(None).startswith("the file's")  # the Q4_1 default
+    assert quant_quality.reference_label("/models/plain-hf-folder") == "fp32"

@@ -73,13 +73,12 @@ class _TwoRanks(TPGroup):
 
 
 def test_int4_groups_that_would_straddle_ranks_are_refused_naming_the_flag():
-    shard = nn.Linear(32, 16, bias=False)  # the whole layer: 64 inputs, groups of 64
+    shard = nn.Linear(32, 16, bias=False)  # the whole layer: 64 inputs
     with pytest.raises(QuantizationError, match="--quantization-group-size"):
-        _quantize_row_shard(shard, "int4", LoadConfig(), _TwoRanks(rank=0, size=2))
-    fitting = _quantize_row_shard(
-        shard, "int4", LoadConfig(quantization_group_size=32), _TwoRanks(rank=0, size=2)
-    )
-    assert fitting.group_size == 32
+        grouped = LoadConfig(quantization_group_size=64)  # one group over both ranks
+        _quantize_row_shard(shard, "int4", grouped, _TwoRanks(rank=0, size=2))
+    fitting = _quantize_row_shard(shard, "int4", LoadConfig(), _TwoRanks(rank=0, size=2))
+    assert fitting.group_size == 32  # the default
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ lookup stays fp).
     method  device     layer                   weights stored as
     none    any        UnquantizedLinear       the model dtype
     int8    any        Int8WeightOnlyLinear    int8, one scale per output channel
-    int4    CPU, CUDA  Int4WeightOnlyLinear    4 bits, scale + zero per group of 32/64/128
-                                               inputs
+    int4    CPU, CUDA  Int4WeightOnlyLinear    4 bits, scale + zero per group of 32 inputs
+                                               (or 64 / 128: --quantization-group-size)
     fp8     CUDA       Fp8Linear               float8_e4m3fn, one scale per output channel
     gguf    CPU, CUDA  int4 / int8 / fp        a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, as
                                                they are (gguf_weights.py); no quantize-on-load
@@ -26,9 +26,16 @@ The kernels by device are in linear.py: torch's on CPU, where torch's int4 packe
 out_features divisible by 16; our Triton int4 / group-wise int8 kernels on CUDA (any
 out_features, fp32 / fp16 / bf16; triton must be installed).
 
-int4 picks, per layer, the largest of 32/64/128 that divides in_features, or the one
-`--quantization-group-size` names; a layer it cannot fit is an error at start, not a silent
-fp fallback, so that the memory and speed one asked for are the ones one gets.
+int4 groups 32 inputs per scale and zero by default (asymmetric: each group's minimum and
+range), or the size `--quantization-group-size` names; a layer it cannot fit is an error at
+start, not a silent fp fallback, so that the memory and speed one asked for are the ones one
+gets. Why 32 (benchmarks/quant_quality.py on the default model, docs/performance.md
+"Quality"): the default model is a Q4_1 GGUF, 4-bit values with a scale and a minimum per
+block of 32 inputs; groups of 32 take each block's minimum and range again and so rebuild the
+file's own grid (+0.00% perplexity over it), while groups of 64 / 128, the default before,
+put two or four blocks on one grid (+25% at 64, +32% with the old 64 / 128 mix). On CPU
+torch's int4 kernel decodes as fast at 32 as at 64 / 128; the cost is 0.5 bit per weight of
+bf16 scale and zero more than groups of 64.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ NOT_REQUANTIZED = ("none", "gguf", *PACKED_METHODS)  # no quantize-on-load for t
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # input columns split under TP
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both matrix dims divisible by 16
+INT4_DEFAULT_GROUP_SIZE = 32  # chosen by benchmarks/quant_quality.py (module docstring)
 
 
 def projection_shapes(config: ModelConfig, lm_head: bool = False) -> dict[str, tuple[int, int]]:
@@ -261,11 +269,9 @@ def _group_size_message(name: str, in_features: int, group_size: int | None, sha
 
 def int4_group_size(in_features: int, requested: int | None) -> int | None:
     """The group size one layer uses: `requested` if it divides in_features, else None;
-    by default the largest of INT4_GROUP_SIZES that divides it."""
-    if requested is not None:
-        return requested if in_features % requested == 0 else None
-    fitting = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
-    return max(fitting) if fitting else None
+    by default INT4_DEFAULT_GROUP_SIZE (32, a GGUF block: see the module docstring)."""
+    size = INT4_DEFAULT_GROUP_SIZE if requested is None else requested
+    return size if in_features % size == 0 else None
 
 
 def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
