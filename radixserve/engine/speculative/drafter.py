@@ -22,10 +22,25 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+    """A draft tree (EAGLE3 with --speculative-eagle-topk > 1; deterministic, probs None):
+    node 0 is the request's last token, node j >= 1 is tokens[j - 1] and follows node
+    parents[j - 1] (< j). None: a chain (each token follows the one before)."""
 
     def cut(self, num: int) -> Draft:
-        """The first `num` tokens (with their rows of q)."""
-        return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+        """The first `num` tokens (with their rows of q); of a tree, the nodes of depth at
+        most `num`."""
+        if self.parents is None:
+            return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+        depth, new_index, tokens, parents = [0], [0], [], []
+        for j, (token, parent) in enumerate(zip(self.tokens, self.parents), start=1):
+            depth.append(depth[parent] + 1)
+            keep = depth[j] <= num and new_index[parent] >= 0
+            new_index.append(len(tokens) + 1 if keep else -1)
+            if keep:
+                tokens.append(token)
+                parents.append(new_index[parent])
+        return Draft(tokens, None, parents)
 
 
 class Drafter(ABC):
@@ -44,10 +59,16 @@ class Drafter(ABC):
         return [Draft(self.propose(req)) for req in reqs]
 
     def on_forward(  # noqa: B027 (optional hook, no-op by default)
-        self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        lengths: list[int],
+        logits: LogitsOutput,
+        trees: list[Draft | None] | None = None,
     ) -> None:
         """Sees a target forward before its commit: request i put `lengths[i]` tokens at
-        positions from `starts[i]` (EAGLE-3 keeps their hidden states); nothing by default."""
+        positions from `starts[i]` (EAGLE-3 keeps their hidden states), the last of them a
+        draft tree's nodes where `trees[i]` is one; nothing by default."""
 
     def on_finished(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Learns from a request that finished (its prompt + output); nothing by default."""
