@@ -13,7 +13,7 @@ from test_speculative import CHI2_999, _chi_square
 from conftest import greedy, make_engine, prompt_ids
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.engine.request import Req
-from radixserve.engine.speculative import Draft
+from radixserve.engine.speculative import Draft, Verifier
 from radixserve.engine.speculative.tree_verify import verify_trees
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
@@ -141,12 +141,16 @@ def test_tiny_pool_retracts_requests_drafting_trees(models, plain):
     small.check_integrity()
 
 
-def test_trees_in_a_mixed_batch_with_stops_grammar_and_sampling(models, plain):
+@pytest.fixture(scope="module")
+def spec(models):
+    return make_engine(models["target"], **_tree(models["echo"], 2, 6))
+
+
+def test_trees_in_a_mixed_batch_with_stops_grammar_and_sampling(spec, plain):
     """Greedy requests beside a sampled one keep plain decoding's tokens; stop tokens, stop
-    strings, max_new_tokens and a grammar (which decodes without a tree) end them exactly
-    as plain decoding does; a sampled request is reproducible by seed."""
+    strings, max_new_tokens and a grammar end them exactly as plain decoding does; a
+    sampled request is reproducible by seed."""
     prompt = prompt_ids(3, 40)
-    spec = make_engine(models["target"], **_tree(models["echo"], 2, 6))
     reference = plain.generate(input_ids=prompt, sampling_params=greedy(40))["output_ids"]
     stop_text = plain.tokenizer.decode(reference[20:22])
     sampled = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 30, "sampling_seed": 3}
@@ -169,6 +173,30 @@ def test_trees_in_a_mixed_batch_with_stops_grammar_and_sampling(models, plain):
     again = spec.generate(input_ids=prompt_ids(5, 30), sampling_params=sampled)
     assert again["output_ids"] == outputs[4]["output_ids"]
     spec.check_integrity()
+
+
+def test_a_grammar_prunes_tree_paths_and_masks_each_node_along_its_path(spec):
+    """The speculator keeps the nodes whose path the grammar allows; the verifier masks
+    each node's row with the grammar advanced over its own path: a forbidden child the
+    unmasked logits prefer is never accepted."""
+    backend, tokenizer = spec.scheduler.grammar, spec.tokenizer
+    matcher = backend.matcher(backend.compile_async("regex", "hello world").result())
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    bang = tokenizer.encode("!", add_special_tokens=False)[0]
+    assert len(ids) >= 2 and bang not in ids
+    tree = Draft([bang, ids[0], ids[1], bang], None, [0, 0, 2, 2])  # root: !, h; h: w, !
+    allowed = [len(backend.valid_draft(matcher, p)) == len(p) for p in tree.paths()]
+    kept = tree.keep(allowed)
+    assert (kept.tokens, kept.parents) == ([ids[0], ids[1]], [0, 1])
+    req = Req("g", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8), seed=0)
+    req.grammar = matcher
+    logits = torch.zeros(len(kept.tokens) + 1, spec.runner.config.vocab_size)
+    logits[:, bang] = 5.0  # unmasked, greedy would emit "!" at the root
+    logits[0, ids[0]] = logits[1, ids[1]] = 1.0  # masked: the path's tokens
+    verifier = Verifier(lambda r: [], grammar=lambda: backend)
+    (result,) = verifier.verify([req], [kept.tokens], logits, None, [kept.parents])
+    assert result.path == [1, 2] and result.tokens[:2] == ids[:2] and bang not in result.tokens
+    assert matcher.accept_token(ids[0])  # the matcher is back where it started
 
 
 def test_bad_tree_flags_fail_at_start_naming_the_flag(models):

@@ -32,15 +32,28 @@ class Draft:
         most `num`."""
         if self.parents is None:
             return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
-        depth, new_index, tokens, parents = [0], [0], [], []
-        for j, (token, parent) in enumerate(zip(self.tokens, self.parents), start=1):
+        depth = [0]
+        for parent in self.parents:
             depth.append(depth[parent] + 1)
-            keep = depth[j] <= num and new_index[parent] >= 0
+        return self.keep([d <= num for d in depth[1:]])
+
+    def keep(self, wanted: list[bool]) -> Draft:
+        """A tree's nodes j >= 1 with wanted[j - 1] whose ancestors are all kept."""
+        new_index, tokens, parents = [0], [], []
+        for token, parent, want in zip(self.tokens, self.parents, wanted):
+            keep = want and new_index[parent] >= 0
             new_index.append(len(tokens) + 1 if keep else -1)
             if keep:
                 tokens.append(token)
                 parents.append(new_index[parent])
         return Draft(tokens, None, parents)
+
+    def paths(self) -> list[list[int]]:
+        """A tree's tokens from the root to each node j >= 1 (paths()[j - 1])."""
+        paths: list[list[int]] = [[]]
+        for token, parent in zip(self.tokens, self.parents):
+            paths.append(paths[parent] + [token])
+        return paths[1:]
 
 
 class Drafter(ABC):

@@ -46,9 +46,9 @@ class Speculator:
         for w, draft in zip(chosen, drafts):
             req = w.req
             draft = draft.cut(min(_room(req), self.drafter.num_draft_tokens))
-            if draft.parents is not None and req.grammar is not None:
-                continue  # a tree is not masked along its paths yet: decode plainly
-            if draft.tokens and req.grammar is not None:
+            if draft.parents is not None and req.grammar is not None:  # each path's prefix
+                draft = draft.keep([len(valid_draft(req, p)) == len(p) for p in draft.paths()])
+            elif draft.tokens and req.grammar is not None:
                 draft = draft.cut(len(valid_draft(req, draft.tokens)))
             if draft.tokens and grow_from_free(req, w.num_new + len(draft.tokens)):
                 w.draft, w.draft_probs = draft.tokens, draft.probs

@@ -95,6 +95,9 @@ class Verifier:
             rows = torch.cat([logits[starts[i] : starts[i + 1]] for i in group])
             sub_reqs, sub_drafts = [reqs[i] for i in group], [drafts[i] for i in group]
             if tree:
+                if any(r.grammar is not None for r in sub_reqs):
+                    rows = self._mask_tree_grammar(sub_reqs, sub_drafts,
+                                                   [parents[i] for i in group], rows)  # fmt: skip
                 sub = verify_trees(sub_reqs, sub_drafts, [parents[i] for i in group], rows,
                                    self.min_tokens_stop_ids)  # fmt: skip
             else:
@@ -103,6 +106,25 @@ class Verifier:
             for i, result in zip(group, sub):
                 results[i] = result
         return results
+
+    def _mask_tree_grammar(self, reqs, drafts, parents, logits: torch.Tensor) -> torch.Tensor:
+        """Each constrained request's node rows masked by its grammar advanced over the
+        node's path (every root-to-leaf path once; shared nodes mask the same)."""
+        start = 0
+        for req, tokens, req_parents in zip(reqs, drafts, parents):
+            if req.grammar is not None:
+                nodes: list[list[int]] = [[0]]  # each node's rows from the root
+                for j, parent in enumerate(req_parents, start=1):
+                    nodes.append(nodes[parent] + [j])
+                leaves = set(range(len(nodes))) - set(req_parents)
+                for leaf in sorted(leaves):
+                    index = torch.tensor(nodes[leaf], device=logits.device) + start
+                    rows = logits[index]
+                    path = [tokens[j - 1] for j in nodes[leaf][1:]]
+                    self.grammar().mask_draft_rows(rows, req.grammar, path)
+                    logits[index] = rows
+            start += len(tokens) + 1
+        return logits
 
     def _mask_grammar(
         self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
