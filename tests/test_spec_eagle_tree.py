@@ -125,6 +125,49 @@ def test_tree_drafting_keeps_greedy_outputs_cold_and_warm(
     assert spec.flush_cache() and spec.runner.pool.allocator.num_free == initial_free
 
 
+@torch.inference_mode()
+def _reference_topk(head, states, seq: list[int], path: list[int], topk: int) -> set[int]:
+    """The head's top-k after `seq` + `path`, recomputed from scratch as a chain forced
+    along `path` (every column causal, no kept K/V, no tree mask, no batch)."""
+    aux = torch.cat([states[2][0], states[2][0], states[1][0]], dim=-1)[: len(seq) - 1]
+    hidden, tokens = head.fuse(aux)[None], torch.tensor([seq[1:]])
+    for forced in [*path, None]:
+        width = tokens.shape[1]
+        mask = torch.ones(width, width, dtype=torch.bool).tril()[None, None]
+        step = head(hidden, tokens, torch.arange(width)[None], None, mask)
+        if forced is None:
+            return set(step.logits[0].topk(topk).indices.tolist())
+        hidden = torch.cat([hidden, step.hidden[:, -1:]], dim=1)
+        tokens = torch.cat([tokens, torch.tensor([[forced]])], dim=1)
+
+
+def test_tree_nodes_are_the_heads_top_k_along_their_paths(models):
+    """Every node of a proposed tree (kept K/V, tree-masked draft steps at root + depth,
+    a batch of two) is among the head's top-k after its parent's path recomputed from
+    scratch."""
+    from conftest import hf_model
+
+    spec = make_engine(models["target"], **_tree(models["random"], 3, 8))
+    drafter = spec.scheduler.drafter
+    proposals = []
+    propose_all = drafter.propose_all
+
+    def recording(reqs):
+        drafts = propose_all(reqs)
+        proposals.extend((r.seq_ids(), d) for r, d in zip(reqs, drafts) if d.tokens)
+        return drafts
+
+    drafter.propose_all = recording
+    spec.generate(input_ids=[prompt_ids(0, 20), prompt_ids(1, 31)], sampling_params=greedy(8))
+    target = hf_model(models["target"])
+    assert len(proposals) >= 8
+    for seq, tree in proposals[:8]:
+        states = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        paths = [[], *tree.paths()]
+        for token, parent in zip(tree.tokens, tree.parents):
+            assert token in _reference_topk(drafter.head, states, seq, paths[parent], 3)
+
+
 def test_tiny_pool_retracts_requests_drafting_trees(models, plain):
     prompts = [prompt_ids(i, 24) for i in range(10)]
     reference = _ids(plain.generate(input_ids=prompts, sampling_params=greedy(60)))

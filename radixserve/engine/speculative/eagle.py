@@ -162,6 +162,8 @@ class Eagle3Drafter(Drafter):
 
     def _append(self, req: Req, start: int, rows: torch.Tensor) -> None:
         state = self._states.get(req)
+        if state is not None:
+            _resolve_tree(req, state)
         if state is None or not state.kv_end <= start <= state.kv_end + len(state.rows):
             state = EagleState(start, None, None, rows.clone())  # new, or a gap (prefix hit)
         else:
@@ -173,10 +175,8 @@ class Eagle3Drafter(Drafter):
 
     def _pending(self, req: Req) -> Pending | None:
         state = self._states.get(req)
-        if state is not None and state.tree is not None:  # the kept path's rows join
-            tree, state.tree = state.tree, None
-            if state.kv_end + len(state.rows) == tree.root + 1:
-                state.rows = torch.cat([state.rows, tree.path_rows(req.seq_ids())])
+        if state is not None:
+            _resolve_tree(req, state)
         end = req.seq_len - 1  # positions < end are committed; end - 1 is the query
         if state is None or not state.kv_end < end <= state.kv_end + len(state.rows):
             return None
@@ -266,6 +266,13 @@ class _StepOne:
         mask = torch.cat([old_mask, new_mask], dim=2)[:, None]
         key_valid = torch.cat([cache_valid, new_valid], dim=1)
         return cls(hidden, tokens.to(device), positions.to(device), cache, mask, key_valid, num_new)
+
+
+def _resolve_tree(req: Req, state: EagleState) -> None:
+    """A verified tree's kept path joins the pending rows (the commit has run since)."""
+    tree, state.tree = state.tree, None
+    if tree is not None and state.kv_end + len(state.rows) == tree.root + 1:
+        state.rows = torch.cat([state.rows, tree.path_rows(req.seq_ids())])
 
 
 def _padded_cache(states: list[EagleState], like: torch.Tensor):
