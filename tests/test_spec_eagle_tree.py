@@ -169,16 +169,16 @@ def test_tree_nodes_are_the_heads_top_k_along_their_paths(models):
 
 
 def test_tiny_pool_retracts_requests_drafting_trees(models, plain):
-    prompts = [prompt_ids(i, 24) for i in range(10)]
-    reference = _ids(plain.generate(input_ids=prompts, sampling_params=greedy(60)))
+    prompts = [prompt_ids(i, 24) for i in range(8)]
+    reference = _ids(plain.generate(input_ids=prompts, sampling_params=greedy(48)))
     small = make_engine(
         models["target"],
-        max_total_tokens=384,
+        max_total_tokens=256,
         chunked_prefill_size=64,
         schedule_conservativeness=0.1,
         **_tree(models["echo"], 3, 8),
     )
-    assert _ids(small.generate(input_ids=prompts, sampling_params=greedy(60))) == reference
+    assert _ids(small.generate(input_ids=prompts, sampling_params=greedy(48))) == reference
     stats = small.get_stats()
     assert stats["retractions"] > 0 and stats["spec_accepted_tokens"] > 0
     small.check_integrity()
