@@ -57,6 +57,10 @@ class ForwardBatch:
     verify_indices: torch.Tensor | None = None  # [num_verify_rows] int64: tokens that need logits
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
     lora: LoraBatch | None = None  # tokens per LoRA adapter; None: all on the base model
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Requests that verify a draft tree (speculative decoding): request index -> [extend_len,
+    extend_len] bool, which of its own new tokens each new token attends to (True: attend;
+    all of its cached prefix too). Absent: plain causal."""
 
     @property
     def num_reqs(self) -> int:
@@ -80,10 +84,14 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         return_all_logits: bool = False,
         verify_indices: Sequence[int] = (),
+        tree_parents: Sequence[Sequence[int] | None] = (),
     ) -> ForwardBatch:
         """Flattens per-request new tokens; each page table (a list or numpy array of page
         ids) must cover prefix + new tokens. `verify_indices`: flattened tokens whose logits
-        speculative decoding verifies (LogitsOutput.verify)."""
+        speculative decoding verifies (LogitsOutput.verify). `tree_parents[i]`: request i's
+        new tokens end with a draft tree, node 0 its last sequence token and node j >= 1 a
+        draft whose parent node is tree_parents[i][j - 1] (< j); its nodes sit at position
+        root + depth and attend to their ancestors only (None or absent: a plain sequence)."""
         if not (len(token_ids) == len(prefix_lens) == len(page_tables)) or not token_ids:
             raise ValueError(
                 "token_ids, prefix_lens and page_tables must be equal, non-empty lists"
@@ -100,6 +108,7 @@ class ForwardBatch:
         table = _pad_rows(page_tables, num_pages)
         positions, out_slots = _positions_and_slots(extend_lens, prefix_lens, table, page_size)
         input_ids = np.fromiter(chain.from_iterable(token_ids), np.int64, len(positions))
+        tree_masks = _apply_trees(tree_parents, extend_lens, positions)
         return cls(
             input_ids=torch.from_numpy(input_ids).to(device),
             positions=torch.from_numpy(positions).to(device),
@@ -114,6 +123,7 @@ class ForwardBatch:
                 if verify_indices
                 else None
             ),
+            tree_masks={i: torch.from_numpy(m).to(device) for i, m in tree_masks.items()},
         )
 
     def last_token_indices(self) -> torch.Tensor:
@@ -142,3 +152,45 @@ def _positions_and_slots(
     positions = np.asarray(prefix_lens, dtype=np.int64)[req_of_token] + offsets
     out_slots = table[req_of_token, positions // page_size] * page_size + positions % page_size
     return positions, out_slots
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth in a draft tree (node 0, the root, at 0; node j's parent
+    parents[j - 1] < j)."""
+    depths = [0]
+    for j, parent in enumerate(parents, start=1):
+        if not 0 <= parent < j:
+            raise ValueError(f"tree node {j}: parent {parent} is not an earlier node")
+        depths.append(depths[parent] + 1)
+    return depths
+
+
+def tree_ancestors(parents: Sequence[int]) -> np.ndarray:
+    """[N + 1, N + 1] bool: node i attends to node j (j is i or an ancestor of i)."""
+    num = len(parents) + 1
+    mask = np.eye(num, dtype=bool)
+    for j, parent in enumerate(parents, start=1):
+        mask[j] |= mask[parent]
+    return mask
+
+
+def _apply_trees(
+    tree_parents: Sequence[Sequence[int] | None], extend_lens: list[int], positions: np.ndarray
+) -> dict[int, np.ndarray]:
+    """Moves each tree's nodes to position root + depth (in place) and returns each tree
+    request's [extend_len, extend_len] attention mask over its new tokens."""
+    masks, start = {}, 0
+    for i, ext in enumerate(extend_lens):
+        parents = tree_parents[i] if i < len(tree_parents) else None
+        if parents is not None:
+            num = len(parents) + 1
+            if num > ext:
+                raise ValueError(f"request {i}: a tree of {num} nodes in {ext} new tokens")
+            first = start + ext - num  # the root's index in the batch
+            depths = np.asarray(tree_depths(parents), dtype=np.int64)
+            positions[first : first + num] = positions[first] + depths
+            mask = np.tril(np.ones((ext, ext), dtype=bool))
+            mask[ext - num :, ext - num :] = tree_ancestors(parents)
+            masks[i] = mask
+        start += ext
+    return masks

@@ -263,8 +263,8 @@ def test_eagle3_mixed_batch_stops_and_max_new_tokens_are_exact(models):
 def test_bad_eagle3_heads_and_flags_fail_at_start_naming_the_flag(models):
     with pytest.raises(ValueError, match="speculative_draft_model_path.*hidden states of size"):
         make_engine(models["target"], **_eagle(models["wide"]))
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 4"):
-        make_engine(models["target"], **_eagle(models["random"], speculative_eagle_topk=4))
+    with pytest.raises(ValueError, match="speculative_eagle_topk must be >= 1"):
+        make_engine(models["target"], **_eagle(models["random"], speculative_eagle_topk=0))
     with pytest.raises(ValueError, match="EAGLE3 needs --speculative-draft-model-path"):
         make_engine(models["target"], speculative_algorithm="EAGLE3")
     with pytest.raises(ValueError, match="speculative_eagle_topk needs"):

@@ -17,6 +17,10 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     """Whether the runner may capture decode steps of this backend into CUDA graphs."""
 
+    supports_tree_mask: bool = False
+    """Whether `init_forward` reads `batch.tree_masks` (draft-tree verification, EAGLE3 with
+    --speculative-eagle-topk > 1); the engine refuses tree drafting otherwise."""
+
     accepts_stored_kv: bool = False
     """Whether `forward_stored` runs: the model may write K/V itself (its fused CPU op)."""
 

@@ -104,10 +104,13 @@ class CpuFusedBackend(TorchNativeBackend):
 
     def _route(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
         """The batch's requests by kernel: paged_decode, paged_extend, SDPA."""
-        if self.deterministic:
+        if self.deterministic:  # the engine refuses draft trees with it (not batch-invariant)
             return [], list(range(batch.num_reqs)), []
         decode, in_place, sdpa = [], [], []
         for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            if i in batch.tree_masks:  # a draft tree's mask: torch_native's masked SDPA
+                sdpa.append(i)
+                continue
             group = decode if e == 1 else in_place if self.route_extend(p, e) else sdpa
             group.append(i)
         return decode, in_place, sdpa

@@ -63,6 +63,8 @@ class TorchNativeBackend(AttentionBackend):
         decode = self._decode_group(batch, grouped, starts) if grouped else None
         batch.attn_metadata = _Metadata(decode=decode, extends=extends)
 
+    supports_tree_mask = True
+
     def _in_decode_group(self, prefix_len: int, extend_len: int) -> bool:
         """Whether a request's tokens join the batched decode call (else: an extend segment)."""
         return extend_len == 1
@@ -108,12 +110,15 @@ class TorchNativeBackend(AttentionBackend):
         prefix_len, extend_len = batch.prefix_lens[req], batch.extend_lens[req]
         end = start + extend_len
         seq_len = prefix_len + extend_len
-        if prefix_len == 0 and self.sliding_window is None:
+        tree = batch.tree_masks.get(req)
+        if prefix_len == 0 and self.sliding_window is None and tree is None:
             return _ExtendSegment(start, end, pages=None, seq_len=seq_len, mask=None)
         device = batch.page_table.device
         kv_pos = torch.arange(seq_len, device=device)
         q_pos = prefix_len + torch.arange(extend_len, device=device)[:, None]
         mask = kv_pos[None, :] <= q_pos
+        if tree is not None:  # a draft tree: its nodes see the prefix and their ancestors
+            mask[:, prefix_len:] = tree
         if self.sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos - self.sliding_window
         pages = None

@@ -200,6 +200,14 @@ class KVPool:
         self._paged(self.k).index_copy_(1, index, kv[0])
         self._paged(self.v).index_copy_(1, index, kv[1])
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copies the K/V of slots `src` to slots `dst`, every layer (all read before any
+        is written, so the two may overlap)."""
+        src_t = torch.as_tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.as_tensor(dst, dtype=torch.int64, device=self.device)
+        for buf in (self.k, self.v):
+            buf.index_copy_(1, dst_t, buf.index_select(1, src_t))
+
     def _paged(self, buf: torch.Tensor) -> torch.Tensor:
         """`buf` viewed by page: [layers, num_pages, page_size, kv_heads, head_dim]."""
         s = self.shape

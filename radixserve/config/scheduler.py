@@ -83,7 +83,9 @@ class SchedulerConfig:
     """SELF / STANDALONE / EAGLE3: draft-model forwards per step, one draft token each;
     default: --speculative-num-draft-tokens (EAGLE3: 3, as SGLang's auto), at most that."""
     speculative_eagle_topk: int | None = None
-    """EAGLE3: candidates per draft step (tree drafting); only 1, a chain, yet (the default)."""
+    """EAGLE3: candidates per draft step; 1 (the default): a chain of --speculative-num-steps
+    tokens; k > 1: a tree (each step expands the top k of each of the k best frontier nodes)
+    of --speculative-num-draft-tokens nodes counting the root, as SGLang's."""
     speculative_draft_model_path: str | None = None
     """STANDALONE: the draft model (HF folder or GGUF, as --model); it must share the
     target's tokenizer, checked at start. EAGLE3: the head's folder (config.json and
@@ -239,10 +241,18 @@ class SchedulerConfig:
             return
         if self.speculative_algorithm != "EAGLE3":
             raise ValueError("speculative_eagle_topk needs --speculative-algorithm EAGLE3")
-        if topk != 1:
+        if topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1; got {topk}")
+        if topk == 1:
+            return
+        # a tree: --speculative-num-draft-tokens counts its nodes with the root, as SGLang's
+        steps, nodes = self.speculative_draft_steps, self.speculative_num_draft_tokens
+        most = 1 + topk + (steps - 1) * topk * topk  # the root and every candidate
+        if not 2 <= nodes <= most:
             raise ValueError(
-                f"--speculative-eagle-topk {topk}: tree drafting (topk > 1) is not supported "
-                "yet; use 1 (a chain of --speculative-num-steps tokens)"
+                f"speculative_num_draft_tokens must be between 2 and {most} (the root and "
+                f"every candidate of {steps} steps of --speculative-eagle-topk {topk}) for "
+                f"tree drafting; got {nodes}"
             )
 
     @property

@@ -25,6 +25,7 @@ class Work:
     num_new: int
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab] q of a sampled draft
+    draft_parents: list[int] | None = None  # a draft tree's parents (Draft.parents); None: chain
 
     @property
     def num_forward(self) -> int:
@@ -71,6 +72,7 @@ class BatchBuilder:
             self.device,
             return_all_logits=any(needs_all_logits(w.req) for w in work),
             verify_indices=verify_indices(work),
+            tree_parents=[w.draft_parents if w.draft else None for w in work],
         )
 
     def _page_rows(self, reqs: list[Req]) -> list[np.ndarray]:

@@ -69,8 +69,9 @@ class Committer:
             return {}
         reqs, drafts = [work[i].req for i in index], [work[i].draft for i in index]
         probs = [work[i].draft_probs for i in index]
+        parents = [work[i].draft_parents for i in index]
         try:
-            results = self.verifier.verify(reqs, drafts, logits, probs)
+            results = self.verifier.verify(reqs, drafts, logits, probs, parents)
         except Exception as exc:
             logger.exception("verifying drafts failed; aborting %d requests", len(reqs))
             for req in reqs:
@@ -107,6 +108,8 @@ class Committer:
         req = w.req
         if self.faults is not None:
             self.faults.check("commit", [req.rid])
+        if verified.path is not None:  # a tree: the rows of the root and the kept nodes
+            rows = rows[torch.tensor([0, *verified.path], device=rows.device)]
         num_emitted = 0
         for token in verified.tokens:
             if req.logprob is not None:
@@ -116,6 +119,8 @@ class Committer:
             self.sampler.check_finish(req, token)
             if req.finished:
                 break
+        if verified.path is not None:  # a tree: the kept nodes' K/V to their positions
+            self._compact_path(w, verified.path[: num_emitted - 1])
         # K/V now covers the last token and every kept token but the newest
         req.num_computed += num_emitted
         self.stats.decode_tokens += num_emitted
@@ -123,6 +128,21 @@ class Committer:
         self.jumps.after_token(req, rows[num_emitted - 1])
         if not req.finished:
             self.pages.trim(req)
+
+    def _compact_path(self, w: Work, path: list[int]) -> None:
+        """A tree's node j was computed at position root + j; the kept drafts, path[d - 1]
+        at depth d, must own position root + d (sources come after their destinations, so
+        copying all at once is safe). The rest stays past the sequence: trimmed or
+        overwritten, never offered to the tree."""
+        req, pool = w.req, self.pages.pool
+        root = req.num_computed + w.num_new - 1
+        moves = [(root + node, root + d) for d, node in enumerate(path, start=1) if node != d]
+        if not moves:
+            return
+        size, table = pool.page_size, req.page_table
+        src = [table[pos // size] * size + pos % size for pos, _ in moves]
+        dst = [table[pos // size] * size + pos % size for _, pos in moves]
+        pool.copy_slots(src, dst)
 
     def _count_computed(self, w: Work) -> None:
         if w.num_new > 1 or not w.req.output_ids:

@@ -144,13 +144,15 @@ class Eagle3Head(nn.Module):
             return self.embed_tokens(ids)
         return self._target[0].embed_tokens(ids)
 
-    def forward(self, hidden, tokens, positions, cache, mask) -> HeadStep:
+    def forward(self, hidden, tokens, positions, cache, mask, all_logits=False) -> HeadStep:
         """hidden [B, T, hidden] (fused or the previous step's pre-norm), tokens and
-        positions [B, T] (the token after each hidden state's position, and that position)."""
+        positions [B, T] (the token after each hidden state's position, and that position);
+        `all_logits`: logits at every new column [B, T, vocab] (a tree's frontier)."""
         rotary = self.rotary.at(positions.reshape(-1))
         out, residual, keys, values = self.midlayer(self.embed(tokens), hidden, rotary, cache, mask)
         normed, prenorm = self.norm(out, residual)
-        return HeadStep(self._target_logits(normed[:, -1]), prenorm, keys, values)
+        logits = self._target_logits(normed if all_logits else normed[:, -1])
+        return HeadStep(logits, prenorm, keys, values)
 
     def _target_logits(self, normed: torch.Tensor) -> torch.Tensor:
         draft = (normed @ self.lm_head.weight.t()).float()  # [B, draft_vocab]

@@ -22,10 +22,38 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+    """A draft tree (EAGLE3 with --speculative-eagle-topk > 1; deterministic, probs None):
+    node 0 is the request's last token, node j >= 1 is tokens[j - 1] and follows node
+    parents[j - 1] (< j). None: a chain (each token follows the one before)."""
 
     def cut(self, num: int) -> Draft:
-        """The first `num` tokens (with their rows of q)."""
-        return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+        """The first `num` tokens (with their rows of q); of a tree, the nodes of depth at
+        most `num`."""
+        if self.parents is None:
+            return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+        depth = [0]
+        for parent in self.parents:
+            depth.append(depth[parent] + 1)
+        return self.keep([d <= num for d in depth[1:]])
+
+    def keep(self, wanted: list[bool]) -> Draft:
+        """A tree's nodes j >= 1 with wanted[j - 1] whose ancestors are all kept."""
+        new_index, tokens, parents = [0], [], []
+        for token, parent, want in zip(self.tokens, self.parents, wanted):
+            keep = want and new_index[parent] >= 0
+            new_index.append(len(tokens) + 1 if keep else -1)
+            if keep:
+                tokens.append(token)
+                parents.append(new_index[parent])
+        return Draft(tokens, None, parents)
+
+    def paths(self) -> list[list[int]]:
+        """A tree's tokens from the root to each node j >= 1 (paths()[j - 1])."""
+        paths: list[list[int]] = [[]]
+        for token, parent in zip(self.tokens, self.parents):
+            paths.append(paths[parent] + [token])
+        return paths[1:]
 
 
 class Drafter(ABC):
@@ -44,10 +72,16 @@ class Drafter(ABC):
         return [Draft(self.propose(req)) for req in reqs]
 
     def on_forward(  # noqa: B027 (optional hook, no-op by default)
-        self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        lengths: list[int],
+        logits: LogitsOutput,
+        trees: list[Draft | None] | None = None,
     ) -> None:
         """Sees a target forward before its commit: request i put `lengths[i]` tokens at
-        positions from `starts[i]` (EAGLE-3 keeps their hidden states); nothing by default."""
+        positions from `starts[i]` (EAGLE-3 keeps their hidden states), the last of them a
+        draft tree's nodes where `trees[i]` is one; nothing by default."""
 
     def on_finished(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Learns from a request that finished (its prompt + output); nothing by default."""

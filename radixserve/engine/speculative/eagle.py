@@ -28,7 +28,9 @@ import torch
 from radixserve.config import SchedulerConfig
 from radixserve.engine.request import Req
 from radixserve.engine.speculative.drafter import Draft, Drafter
+from radixserve.engine.speculative.eagle_tree import draft_trees
 from radixserve.engine.speculative.model_drafter import SamplingRows
+from radixserve.engine.speculative.tree_verify import children_of
 from radixserve.model.eagle3 import Eagle3Head, aux_layers_from_config, load_eagle3_head
 from radixserve.model.runner import LogitsOutput, ModelRunner
 
@@ -46,12 +48,33 @@ class EagleState:
     keys: torch.Tensor | None
     values: torch.Tensor | None
     rows: torch.Tensor
+    tree: VerifiedTree | None = None  # the rows of a tree the last forward verified
 
     @property
     def kv_end(self) -> int:
         """The first position without K/V."""
         return self.first + (0 if self.keys is None else self.keys.shape[1])
 
+
+@dataclass
+class VerifiedTree:
+    """A draft tree's fused rows [N, hidden] (node j at row j - 1), its root's position."""
+
+    root: int
+    draft: Draft
+    rows: torch.Tensor
+
+    def path_rows(self, seq: list[int]) -> torch.Tensor:
+        """The rows of the nodes the committed sequence `seq` follows from the root."""
+        kids = children_of(self.draft.parents)
+        node, picked = 0, []
+        for token in seq[self.root + 1 :]:
+            child = next((c for c in kids[node] if self.draft.tokens[c - 1] == token), None)
+            if child is None:
+                break
+            picked.append(child - 1)
+            node = child
+        return self.rows[picked]
 
 @dataclass
 class Pending:
@@ -64,38 +87,61 @@ class Pending:
 
 
 class Eagle3Drafter(Drafter):
-    def __init__(self, head: Eagle3Head, num_steps: int, window: int = EAGLE3_WINDOW):
+    def __init__(
+        self,
+        head: Eagle3Head,
+        num_steps: int,
+        window: int = EAGLE3_WINDOW,
+        topk: int = 1,
+        num_nodes: int | None = None,
+    ):
+        """`topk` > 1: draft trees of `num_nodes` nodes (eagle_tree.py); 1: chains."""
         self.head = head
-        self.num_draft_tokens = num_steps
+        self.num_draft_tokens = num_steps  # a tree's depth: the most tokens a path adds
         self.window = window
-        self._kept = window + num_steps + 1  # pending rows kept: a window plus a verify's tail
+        self.topk, self.num_nodes = topk, num_nodes or num_steps
+        # pending rows kept: a window plus a verify's tail
+        self._kept = window + max(num_steps, self.num_nodes) + 1
         self._states: weakref.WeakKeyDictionary[Req, EagleState] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
     def on_forward(
-        self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        lengths: list[int],
+        logits: LogitsOutput,
+        trees: list[Draft | None] | None = None,
     ) -> None:
         """Keeps the fused hidden states of each speculating request's last positions in
-        the forward (fc runs only on the rows a window can still read)."""
+        the forward (fc runs only on the rows a window can still read), and a verified
+        tree's rows until the commit tells which path was kept."""
         aux = logits.aux_hidden
         if aux is None:
             return
+        trees = trees or [None] * len(reqs)
         rows: list[int] = []
-        spans: list[tuple[Req, int, int]] = []
+        spans: list[tuple[Req, int, int, Draft | None]] = []
         offset = 0
-        for req, start, length in zip(reqs, starts, lengths):
-            keep = min(length, self._kept) if req.params.speculative else 0
+        for req, start, length, tree in zip(reqs, starts, lengths, trees):
+            num_tree = 0 if tree is None else len(tree.tokens)
+            seq_len = length - num_tree  # the sequence's tokens, the root last
+            keep = min(seq_len, self._kept) if req.params.speculative else 0
             if keep:
-                rows.extend(range(offset + length - keep, offset + length))
-                spans.append((req, start + length - keep, keep))
+                rows.extend(range(offset + seq_len - keep, offset + length))
+                spans.append((req, start + seq_len - keep, keep, tree))
             offset += length
         if not rows:
             return
         fused = self.head.fuse(aux[torch.tensor(rows, device=aux.device)])  # [rows, hidden]
         offset = 0
-        for req, start, keep in spans:
+        for req, start, keep, tree in spans:
             self._append(req, start, fused[offset : offset + keep])
             offset += keep
+            if tree is not None:
+                tree_rows = fused[offset : offset + len(tree.tokens)]
+                self._states[req].tree = VerifiedTree(start + keep - 1, tree, tree_rows)
+                offset += len(tree.tokens)
 
     def propose(self, req: Req) -> list[int]:
         return self.propose_all([req])[0].tokens
@@ -116,6 +162,8 @@ class Eagle3Drafter(Drafter):
 
     def _append(self, req: Req, start: int, rows: torch.Tensor) -> None:
         state = self._states.get(req)
+        if state is not None:
+            _resolve_tree(req, state)
         if state is None or not state.kv_end <= start <= state.kv_end + len(state.rows):
             state = EagleState(start, None, None, rows.clone())  # new, or a gap (prefix hit)
         else:
@@ -127,6 +175,8 @@ class Eagle3Drafter(Drafter):
 
     def _pending(self, req: Req) -> Pending | None:
         state = self._states.get(req)
+        if state is not None:
+            _resolve_tree(req, state)
         end = req.seq_len - 1  # positions < end are committed; end - 1 is the query
         if state is None or not state.kv_end < end <= state.kv_end + len(state.rows):
             return None
@@ -141,6 +191,10 @@ class Eagle3Drafter(Drafter):
         sampling = SamplingRows(reqs, self.head.vocab_size, inputs.hidden.device)
         step = self.head(inputs.hidden, inputs.tokens, inputs.positions, inputs.cache, inputs.mask)
         self._keep_kv(pending, step, inputs.num_new)
+        if self.topk > 1:
+            last = inputs.positions[:, -1:]
+            return draft_trees(self.head, step, inputs.key_valid, last, self.topk,
+                               self.num_draft_tokens, self.num_nodes)  # fmt: skip
         valid, picks = inputs.key_valid, []
         for j in range(self.num_draft_tokens):
             chosen, probs = sampling.pick(step.logits, j)
@@ -214,6 +268,13 @@ class _StepOne:
         return cls(hidden, tokens.to(device), positions.to(device), cache, mask, key_valid, num_new)
 
 
+def _resolve_tree(req: Req, state: EagleState) -> None:
+    """A verified tree's kept path joins the pending rows (the commit has run since)."""
+    tree, state.tree = state.tree, None
+    if tree is not None and state.kv_end + len(state.rows) == tree.root + 1:
+        state.rows = torch.cat([state.rows, tree.path_rows(req.seq_ids())])
+
+
 def _padded_cache(states: list[EagleState], like: torch.Tensor):
     """The kept K/V of each request, left-padded to the longest: ((keys, values) or None,
     valid [B, C])."""
@@ -237,9 +298,27 @@ def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle
     """Loads the head at --speculative-draft-model-path for `target` and makes the target's
     forwards capture the hidden states the head reads (only now: no cost otherwise)."""
     model = target.model
+    check_tree_backend(config.speculative_eagle_topk or 1, getattr(target, "attn", None))
     dtype = model.embed_tokens.weight.dtype
     head = load_eagle3_head(config.speculative_draft_model_path, model, target.device, dtype)
     target.aux_layers = aux_layers_from_config(head.config.hf_config, target.config.num_layers)
     # capturing forwards run eagerly: decode graphs / compiled steps would only hold memory
     target.decode_graphs = target.compiled_decode = None
-    return Eagle3Drafter(head, config.speculative_draft_steps)
+    topk = config.speculative_eagle_topk or 1
+    if topk == 1:
+        return Eagle3Drafter(head, config.speculative_draft_steps)
+    return Eagle3Drafter(
+        head, config.speculative_draft_steps, topk=topk,
+        num_nodes=config.speculative_num_draft_tokens - 1,  # SGLang's count has the root
+    )  # fmt: skip
+
+
+def check_tree_backend(topk: int, attn) -> None:
+    """Tree drafting needs an attention backend that masks a draft tree (EngineCore.build
+    refuses it with --enable-deterministic-inference before loading)."""
+    if topk > 1 and not getattr(attn, "supports_tree_mask", False):
+        raise ValueError(
+            f"--speculative-eagle-topk {topk} verifies a draft tree, which the "
+            f"{type(attn).__name__} attention backend does not mask yet; use "
+            "--attention-backend torch_native or cpu_fused, or --speculative-eagle-topk 1"
+        )

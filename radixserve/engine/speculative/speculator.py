@@ -11,7 +11,7 @@ from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import Work
 from radixserve.engine.request import Req
 from radixserve.engine.speculative.adaptive import AdaptivePolicy
-from radixserve.engine.speculative.drafter import Drafter
+from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.stats import EngineStats
 from radixserve.model.runner import LogitsOutput
 
@@ -46,15 +46,23 @@ class Speculator:
         for w, draft in zip(chosen, drafts):
             req = w.req
             draft = draft.cut(min(_room(req), self.drafter.num_draft_tokens))
-            if draft.tokens and req.grammar is not None:
+            if draft.parents is not None and req.grammar is not None:  # each path's prefix
+                draft = draft.keep([len(valid_draft(req, p)) == len(p) for p in draft.paths()])
+            elif draft.tokens and req.grammar is not None:
                 draft = draft.cut(len(valid_draft(req, draft.tokens)))
             if draft.tokens and grow_from_free(req, w.num_new + len(draft.tokens)):
                 w.draft, w.draft_probs = draft.tokens, draft.probs
+                w.draft_parents = draft.parents
 
     def on_forward(self, work: list[Work], logits: LogitsOutput) -> None:
         """A target forward ran (before its commit): the drafter may keep what it needs."""
         reqs, starts = [w.req for w in work], [w.req.num_computed for w in work]
-        self.drafter.on_forward(reqs, starts, [w.num_forward for w in work], logits)
+        trees = [
+            Draft(w.draft, None, w.draft_parents) if w.draft and w.draft_parents else None
+            for w in work
+        ]
+        lengths = [w.num_forward for w in work]
+        self.drafter.on_forward(reqs, starts, lengths, logits, trees if any(trees) else None)
 
     def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
         """Counts one decode step of a speculating request (its draft may be empty)."""

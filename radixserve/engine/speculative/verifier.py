@@ -16,6 +16,7 @@ request's rows are masked by its grammar advanced over the drafts before each ro
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class Verified:
 
     tokens: list[int]
     num_accepted: int
+    path: list[int] | None = None  # a tree's accepted nodes, root to leaf; None: a chain
 
 
 class Verifier:
@@ -59,9 +61,13 @@ class Verifier:
         drafts: list[list[int]],
         logits: torch.Tensor,
         probs: list[torch.Tensor | None] | None = None,
+        parents: list[list[int] | None] | None = None,
     ) -> list[Verified]:
         """logits: [sum(len(d) + 1 for d in drafts), vocab], the requests' rows in order;
-        probs: per request, the q its draft was drawn from ([len(d), vocab]; None: one-hot)."""
+        probs: per request, the q its draft was drawn from ([len(d), vocab]; None: one-hot);
+        parents: per request, its draft tree's (Draft.parents; None: a chain)."""
+        if parents is not None and any(p is not None for p in parents):
+            return self._verify_mixed(reqs, drafts, logits, probs, parents)
         columns = [t for draft in drafts for t in (*draft, NO_DRAFT)]
         draft_col = torch.tensor(columns, dtype=torch.int64, device=logits.device)
         if any(r.grammar is not None for r in reqs):
@@ -74,6 +80,51 @@ class Verifier:
             q = draft_rows(drafts, probs, logits.shape[-1], logits.device)
             accepted, target = accept_or_replace(logits, batch, draft_col, q)
         return _first_rejections(drafts, accepted.tolist(), target.tolist())
+
+    def _verify_mixed(self, reqs, drafts, logits, probs, parents) -> list[Verified]:
+        """Trees (tree_verify.py) and chains of one batch, each through its own rule."""
+        from radixserve.engine.speculative.tree_verify import verify_trees
+
+        starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
+        trees = [i for i, p in enumerate(parents) if p is not None]
+        chains = [i for i, p in enumerate(parents) if p is None]
+        results: list[Verified | None] = [None] * len(reqs)
+        for group, tree in ((trees, True), (chains, False)):
+            if not group:
+                continue
+            rows = torch.cat([logits[starts[i] : starts[i + 1]] for i in group])
+            sub_reqs, sub_drafts = [reqs[i] for i in group], [drafts[i] for i in group]
+            if tree:
+                if any(r.grammar is not None for r in sub_reqs):
+                    rows = self._mask_tree_grammar(sub_reqs, sub_drafts,
+                                                   [parents[i] for i in group], rows)  # fmt: skip
+                sub = verify_trees(sub_reqs, sub_drafts, [parents[i] for i in group], rows,
+                                   self.min_tokens_stop_ids)  # fmt: skip
+            else:
+                sub_probs = None if probs is None else [probs[i] for i in group]
+                sub = self.verify(sub_reqs, sub_drafts, rows, sub_probs)
+            for i, result in zip(group, sub):
+                results[i] = result
+        return results
+
+    def _mask_tree_grammar(self, reqs, drafts, parents, logits: torch.Tensor) -> torch.Tensor:
+        """Each constrained request's node rows masked by its grammar advanced over the
+        node's path (every root-to-leaf path once; shared nodes mask the same)."""
+        start = 0
+        for req, tokens, req_parents in zip(reqs, drafts, parents):
+            if req.grammar is not None:
+                nodes: list[list[int]] = [[0]]  # each node's rows from the root
+                for j, parent in enumerate(req_parents, start=1):
+                    nodes.append(nodes[parent] + [j])
+                leaves = set(range(len(nodes))) - set(req_parents)
+                for leaf in sorted(leaves):
+                    index = torch.tensor(nodes[leaf], device=logits.device) + start
+                    rows = logits[index]
+                    path = [tokens[j - 1] for j in nodes[leaf][1:]]
+                    self.grammar().mask_draft_rows(rows, req.grammar, path)
+                    logits[index] = rows
+            start += len(tokens) + 1
+        return logits
 
     def _mask_grammar(
         self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor
