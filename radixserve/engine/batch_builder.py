@@ -24,6 +24,7 @@ class Work:
     num_new: int
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab] q of a sampled draft
+    draft_source: str | None = None  # the algorithm that proposed the draft
 
     @property
     def num_forward(self) -> int:

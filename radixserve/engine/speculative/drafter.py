@@ -22,17 +22,21 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    source: str | None = None  # the algorithm that proposed it (AUTO's pick); None: the drafter's
 
     def cut(self, num: int) -> Draft:
         """The first `num` tokens (with their rows of q)."""
-        return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+        probs = None if self.probs is None else self.probs[:num]
+        return Draft(self.tokens[:num], probs, self.source)
 
 
 class Drafter(ABC):
     """Proposes draft tokens for decoding requests: NGRAM (lookup), SELF and STANDALONE
-    (a draft model: model_drafter.py), EAGLE3 (a head over the target's hidden states)."""
+    (a draft model: model_drafter.py), EAGLE3 (a head over the target's hidden states),
+    AUTO (auto.py: one of the others per request)."""
 
     num_draft_tokens: int  # K: the most tokens a proposal holds
+    algorithm: str = "custom"  # what meta_info names its drafts by (custom: tests, benchmarks)
 
     @abstractmethod
     def propose(self, req: Req) -> list[int]:
@@ -48,6 +52,13 @@ class Drafter(ABC):
     ) -> None:
         """Sees a target forward before its commit: request i put `lengths[i]` tokens at
         positions from `starts[i]` (EAGLE-3 keeps their hidden states); nothing by default."""
+
+    def on_verified(self, req: Req, num_draft: int, num_accepted: int) -> int:
+        """Learns from one decode step of `req` (its new tokens are in `req.output_ids`):
+        `num_draft` tokens of this drafter's draft verified, `num_accepted` kept. Returns what
+        the adaptive policy judges the step by: by default `num_accepted` (AUTO: the most
+        any of its candidates would have had accepted)."""
+        return num_accepted
 
     def on_finished(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Learns from a request that finished (its prompt + output); nothing by default."""

@@ -64,6 +64,8 @@ class Pending:
 
 
 class Eagle3Drafter(Drafter):
+    algorithm = "EAGLE3"
+
     def __init__(self, head: Eagle3Head, num_steps: int, window: int = EAGLE3_WINDOW):
         self.head = head
         self.num_draft_tokens = num_steps
