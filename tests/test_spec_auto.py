@@ -79,9 +79,7 @@ def auto_engine(tiny_chat_model):
     return make_engine(tiny_chat_model, page_size=1, chunked_prefill_size=32, **AUTO)
 
 
-def test_auto_matches_plain_decoding_cold_and_warm_and_reports_its_drafters(
-    auto_engine, expected
-):
+def test_auto_matches_plain_decoding_cold_and_warm_and_reports_its_drafters(auto_engine, expected):
     initial_free = auto_engine.runner.pool.allocator.num_free
     cold = auto_engine.generate(input_ids=PROMPTS, sampling_params=greedy(40))
     warm = auto_engine.generate(input_ids=PROMPTS, sampling_params=greedy(40))
@@ -102,9 +100,8 @@ def test_auto_matches_plain_decoding_cold_and_warm_and_reports_its_drafters(
 
 def test_tenants_never_draft_from_each_other_under_auto(tiny_chat_model, auto_engine):
     prompt = prompt_ids(9, 30)
-    reference = make_engine(tiny_chat_model).generate(
-        input_ids=prompt, sampling_params=greedy(40)
-    )["output_ids"]
+    plain = make_engine(tiny_chat_model)
+    reference = plain.generate(input_ids=prompt, sampling_params=greedy(40))["output_ids"]
 
     def accepted(salt: str) -> int:
         out = auto_engine.generate(input_ids=prompt, sampling_params=greedy(40), cache_salt=salt)
