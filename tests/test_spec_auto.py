@@ -12,6 +12,7 @@ from conftest import greedy, make_engine, prompt_ids
 from radixserve.config import SchedulerConfig
 from radixserve.engine.request import Req
 from radixserve.engine.speculative import AutoDrafter, Drafter
+from radixserve.engine.speculative.auto import RETRY_STEPS
 from radixserve.sampling.params import SamplingParams
 
 AUTO = {"speculative_algorithm": "AUTO"}
@@ -69,6 +70,30 @@ def test_shadows_are_scored_against_the_output_and_the_best_count_is_returned():
     assert auto.scores(req)["RIGHT"] == pytest.approx(1.9)
     nothing = AutoDrafter([FixedDrafter("EMPTY", [])])
     assert nothing.propose_all([req])[0].tokens == []
+
+
+def test_the_model_candidate_is_tried_first_then_only_when_it_leads_or_is_due():
+    req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=500), seed=0)
+    model, lookup = FixedDrafter("MODEL", [0, 0]), FixedDrafter("LOOKUP", [9])
+    model.calls = 0
+    propose_all = model.propose_all
+
+    def counting(reqs):
+        model.calls += 1
+        return propose_all(reqs)
+
+    model.propose_all = counting
+    auto = AutoDrafter([lookup], model)
+    picks = []
+    for _ in range(2 * RETRY_STEPS + 2):
+        draft = auto.propose_all([req])[0]
+        picks.append(draft.source)
+        req.output_ids += [9, 9]  # the lookup's draft is right, the model's never
+        accepted = 1 if draft.source == "LOOKUP" else 0
+        auto.on_verified(req, len(draft.tokens), accepted)
+    assert picks[0] == "MODEL" and picks[1] == "LOOKUP"
+    assert [i for i, p in enumerate(picks) if p == "MODEL"] == [0, RETRY_STEPS + 1]
+    assert model.calls == 2  # it proposes only where it is picked
 
 
 # ---- end to end ----------------------------------------------------------------------------
