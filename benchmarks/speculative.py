@@ -9,20 +9,24 @@ up); `json_schema`, the same documents extracted under a JSON schema with many f
 (e) of issue #28: repeated agent tasks, one instruction (a shipping agent's fixed plan)
 run for many orders, one wave of --batch-size requests after another, so outputs repeat
 across requests and later waves draft from earlier ones. Modes: `off`, `ngram`, `suffix`,
-`self` (the target's first --self-layers layers draft), `standalone` (a draft model;
+`auto` (workload (g): AUTO, NGRAM or SUFFIX per request and step, plus EAGLE3 given
+--eagle-head; the `drafted by` column counts its picks), `self` (the target's first
+--self-layers layers draft), `standalone` (a draft model;
 default: the target itself, an acceptance ceiling that shows the drafting cost, since no
 smaller model with SmolLM2's tokenizer ships offline), `no_jump` (no speculation and
 --disable-jump-forward: against `off` it shows what jump-forward does).
 
 Each run first prefills its prompts into the cache (max_new_tokens 0), then times the
 batch's generation (agent_repeat: its waves, in order), so tok/s is decode speed
-(completion tokens / wall time). Modes run interleaved, `--repeats` times, the median is
-reported; NGRAM and SUFFIX start each run with an empty store (agent_repeat's first wave is
+(completion tokens / wall time) and `cpu tok/s` the same per second of this process's CPU
+time (steadier on a shared machine: one torch thread, the engine in-process). Modes run
+interleaved, `--repeats` times, the median is reported; NGRAM, SUFFIX and AUTO start each
+run with empty stores (agent_repeat's first wave is
 cold, the later ones learn from those before). Greedy outputs are compared with `off` (the
 `identical` column); `forwards` counts the engine's forward steps; constrained outputs are
 checked against their schema (`valid`).
 
-Run:  python benchmarks/speculative.py [--modes off,ngram,suffix,self,standalone]
+Run:  python benchmarks/speculative.py [--modes off,ngram,suffix,auto,self,standalone]
       [--batch-sizes 1,8] [--max-new-tokens 128] [--repeats 2] [--threads 1]
       [--agent-inputs 8] [--suffix-num-draft-tokens K]
 Prints a table and writes all numbers to `--out` (JSON).
@@ -34,13 +38,19 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import torch
 
 from radixserve import Engine
-from radixserve.engine.speculative import NgramDrafter, SuffixDrafter, create_drafter
+from radixserve.engine.speculative import (
+    AutoDrafter,
+    NgramDrafter,
+    SuffixDrafter,
+    create_drafter,
+)
 from radixserve.model.source import default_model_path
 from radixserve.native.machine import describe_cpu
 from radixserve_bench.workloads import default_tokenizer, make_workload
@@ -159,6 +169,8 @@ def mode_flags(mode: str, args) -> dict:
             "speculative_num_draft_tokens": args.suffix_num_draft_tokens or args.num_draft_tokens,
             "speculative_adaptive_threshold": args.suffix_adaptive_threshold,
         },
+        "auto": {"speculative_algorithm": "AUTO"}
+        | ({"speculative_draft_model_path": args.eagle_head} if args.eagle_head else {}),
         "self": {"speculative_algorithm": "SELF", "speculative_self_layers": args.self_layers},
         "standalone": {
             "speculative_algorithm": "STANDALONE",
@@ -171,15 +183,19 @@ def mode_flags(mode: str, args) -> dict:
 def timed_run(engine: Engine, waves: list[list[str]], max_new_tokens: int, extra: dict) -> dict:
     """Prefills the prompts of all `waves` into the cache, then times their greedy
     generation, one wave (a batch) after another (`extra`: the workload's constraint)."""
-    if isinstance(engine.scheduler.drafter, (NgramDrafter, SuffixDrafter)):  # an empty store
+    drafter = engine.scheduler.drafter
+    if isinstance(drafter, (NgramDrafter, SuffixDrafter)):  # an empty store
         engine.scheduler.drafter = create_drafter(engine.scheduler.config)
+    elif isinstance(drafter, AutoDrafter):  # empty stores (an EAGLE3 head kept: no store)
+        auto = create_drafter(replace(engine.scheduler.config, speculative_draft_model_path=None))
+        engine.scheduler.drafter = AutoDrafter(auto.lookups, drafter.model)
     prompts = [p for wave in waves for p in wave]
     engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 0})
     params = {"temperature": 0, "max_new_tokens": max_new_tokens} | extra
     forwards = engine.get_stats()["forward_steps"]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outputs = [o for wave in waves for o in engine.generate(prompt=wave, sampling_params=params)]
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     metas = [o["meta_info"] for o in outputs]
     tokens = sum(m["completion_tokens"] for m in metas)
     lengths = [m["spec_accept_length"] for m in metas if "spec_accept_length" in m]
@@ -187,11 +203,22 @@ def timed_run(engine: Engine, waves: list[list[str]], max_new_tokens: int, extra
         "output_ids": [o["output_ids"] for o in outputs],
         "completion_tokens": tokens,
         "tok_s": tokens / wall,
+        "cpu_tok_s": tokens / cpu,
+        "drafted_by": drafted_by(metas),
         "forwards": engine.get_stats()["forward_steps"] - forwards,
         "jump_forward_tokens": sum(m.get("jump_forward_tokens", 0) for m in metas),
         "spec_accept_length": statistics.mean(lengths) if lengths else None,
         "valid": all_valid(outputs, extra.get("json_schema")),
     }
+
+
+def drafted_by(metas: list[dict]) -> dict[str, int]:
+    """Verify steps per algorithm that drafted them ("none": no draft), over all requests."""
+    total: dict[str, int] = {}
+    for meta in metas:
+        for name, num in meta.get("spec_drafter_verify_ct", {}).items():
+            total[name] = total.get(name, 0) + num
+    return total
 
 
 def all_valid(outputs: list[dict], schema: dict | None) -> bool | None:
@@ -217,9 +244,11 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
             extra = CONSTRAINTS.get(name, {})
             runs[mode].append(timed_run(engine, waves, args.max_new_tokens, extra))
     base = statistics.median(r["tok_s"] for r in runs["off"]) if "off" in runs else None
+    cpu_base = statistics.median(r["cpu_tok_s"] for r in runs["off"]) if "off" in runs else None
     rows = []
     for mode, mode_runs in runs.items():
         tok_s = statistics.median(r["tok_s"] for r in mode_runs)
+        cpu_tok_s = statistics.median(r["cpu_tok_s"] for r in mode_runs)
         last = mode_runs[-1]
         rows.append(
             {
@@ -231,6 +260,9 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
                 "jump_forward_tokens": last["jump_forward_tokens"],
                 "tok_s": tok_s,
                 "speedup": tok_s / base if base else None,
+                "cpu_tok_s": cpu_tok_s,
+                "cpu_speedup": cpu_tok_s / cpu_base if cpu_base else None,
+                "drafted_by": last["drafted_by"],
                 "spec_accept_length": last["spec_accept_length"],
                 "identical": last["output_ids"] == runs["off"][-1]["output_ids"]
                 if "off" in runs
@@ -244,17 +276,19 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
 def print_rows(rows: list[dict]) -> None:
     print(
         f"{'workload':>12} {'batch':>5} {'mode':>10} {'tokens':>6} {'forwards':>8} "
-        f"{'jumped':>6} {'tok/s':>7} {'speedup':>7} {'accept len':>10} {'identical':>9} "
-        f"{'valid':>5}"
+        f"{'jumped':>6} {'tok/s':>7} {'speedup':>7} {'cpu tok/s':>9} {'cpu x':>6} "
+        f"{'accept len':>10} {'identical':>9} {'valid':>5}  drafted by"
     )
     for r in rows:
         speedup = f"{r['speedup']:6.2f}x" if r["speedup"] else "      -"
+        cpu_speedup = f"{r['cpu_speedup']:5.2f}x" if r["cpu_speedup"] else "     -"
+        drafted = " ".join(f"{k}:{v}" for k, v in sorted(r["drafted_by"].items()))
         length = f"{r['spec_accept_length']:10.2f}" if r["spec_accept_length"] else "         -"
         print(
             f"{r['workload']:>12} {r['batch_size']:5d} {r['mode']:>10} "
             f"{r['completion_tokens']:6d} {r['forwards']:8d} {r['jump_forward_tokens']:6d} "
-            f"{r['tok_s']:7.1f} {speedup} {length} {str(r['identical']):>9} "
-            f"{str(r['valid']):>5}"
+            f"{r['tok_s']:7.1f} {speedup} {r['cpu_tok_s']:9.1f} {cpu_speedup} {length} "
+            f"{str(r['identical']):>9} {str(r['valid']):>5}  {drafted}"
         )
 
 
@@ -280,6 +314,7 @@ def main() -> None:
     )
     parser.add_argument("--self-layers", type=int, default=6, help="SELF: layers that draft")
     parser.add_argument("--draft-model", default=None, help="STANDALONE; default: the target")
+    parser.add_argument("--eagle-head", default=None, help="auto: an EAGLE-3 head candidate")
     parser.add_argument("--quantization", default=None, help="none: the fp32 model")
     parser.add_argument("--out", default="bench_results/speculative.json")
     args = parser.parse_args()

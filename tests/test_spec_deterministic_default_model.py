@@ -1,10 +1,10 @@
-"""NGRAM and SUFFIX on vs off on the default model as it ships (--quantization auto: Q4_1
+"""NGRAM, SUFFIX and AUTO on vs off on the default model as it ships (--quantization auto: Q4_1
 blocks, int kernels in bf16) under --enable-deterministic-inference, 1 thread, cold and warm cache.
 
 Under the flag every layer is batch-invariant (tests/test_batch_invariance.py), attention
 included: cpu_fused runs every query through its extend kernel, whose per-query arithmetic
 does not depend on the batch (tests/test_deterministic_attention.py). So NGRAM with 1 and
-with 4 draft tokens, and SUFFIX with 4, give the plain greedy tokens, cold and warm."""
+with 4 draft tokens, SUFFIX and AUTO with 4, give the plain greedy tokens, cold and warm."""
 
 from __future__ import annotations
 
@@ -76,6 +76,15 @@ def test_ngram_is_identical_cold_and_warm(expected, num_draft_tokens):
 def test_suffix_is_identical_cold_and_warm(expected):
     """SUFFIX with 4 draft tokens; the warm round also drafts from the first round's outputs."""
     flags = _ngram(4) | {"speculative_algorithm": "SUFFIX"}
+    with _engine(**flags) as spec:
+        assert _generate(spec) == expected
+        assert _generate(spec) == expected
+        assert spec.get_stats()["spec_accepted_tokens"] > 0
+
+
+def test_auto_is_identical_cold_and_warm(expected):
+    """AUTO with 4 draft tokens: NGRAM or SUFFIX, picked per request and step."""
+    flags = _ngram(4) | {"speculative_algorithm": "AUTO"}
     with _engine(**flags) as spec:
         assert _generate(spec) == expected
         assert _generate(spec) == expected

@@ -266,6 +266,8 @@ def test_http_generate_reports_spec_meta_info_and_metrics(periodic_model):
     assert meta["completion_tokens"] == 30 and meta["spec_accept_token_num"] > 0
     assert meta["spec_accept_length"] == pytest.approx(30 / meta["spec_verify_ct"])
     assert meta["spec_draft_token_num"] <= 3 * meta["spec_verify_ct"]
+    assert sum(meta["spec_drafter_verify_ct"].values()) == meta["spec_verify_ct"]
+    assert meta["spec_drafter_verify_ct"]["NGRAM"] > 0  # the steps NGRAM drafted
     assert status == 400 and "speculative" in error
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["radixserve:spec_accepted_tokens_total"] == meta["spec_accept_token_num"]
@@ -325,7 +327,8 @@ def test_spec_counts_cross_the_core_pipe():
     from radixserve.engine.protocol import RequestOutput, SpecCounts, StepOutputs
     from radixserve.engine.wire import decode_from_core, encode
 
-    sent = StepOutputs([RequestOutput("a", [1, 2], spec_counts=SpecCounts(3, 8, 5))])
+    counts = SpecCounts(3, 8, 5, {"SUFFIX": 2, "none": 1}, {"SUFFIX": 5, "none": 0})
+    sent = StepOutputs([RequestOutput("a", [1, 2], spec_counts=counts)])
     assert decode_from_core(encode(sent)) == sent
 
 

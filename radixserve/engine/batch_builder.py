@@ -26,6 +26,7 @@ class Work:
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab] q of a sampled draft
     draft_parents: list[int] | None = None  # a draft tree's parents (Draft.parents); None: chain
+    draft_source: str | None = None  # the algorithm that proposed the draft
 
     @property
     def num_forward(self) -> int:

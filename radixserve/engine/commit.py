@@ -124,7 +124,7 @@ class Committer:
         # K/V now covers the last token and every kept token but the newest
         req.num_computed += num_emitted
         self.stats.decode_tokens += num_emitted
-        self.speculator.record(req, len(w.draft), min(verified.num_accepted, num_emitted))
+        self.speculator.record(w, min(verified.num_accepted, num_emitted))
         self.jumps.after_token(req, rows[num_emitted - 1])
         if not req.finished:
             self.pages.trim(req)
@@ -150,4 +150,4 @@ class Committer:
         else:
             self.stats.decode_tokens += w.num_new
             if w.req.spec_counts is not None:  # a decode without a draft verifies none
-                self.speculator.record(w.req, 0, 0)
+                self.speculator.record(w, 0)

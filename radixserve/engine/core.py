@@ -13,7 +13,6 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import create_prefix_cache
 from radixserve.config import (
-    DRAFT_MODEL_ALGORITHMS,
     CacheConfig,
     DisaggregationConfig,
     HiCacheConfig,
@@ -78,7 +77,7 @@ class EngineCore:
         disaggregation_config = disaggregation_config or DisaggregationConfig()
         disaggregation_config.verify(scheduler_config, parallel_config.tp_size)
         algorithm = scheduler_config.speculative_algorithm
-        if parallel_config.tp_size > 1 and algorithm in DRAFT_MODEL_ALGORITHMS:
+        if parallel_config.tp_size > 1 and scheduler_config.speculative_model_algorithm:
             raise ValueError(
                 f"--speculative-algorithm {algorithm} drafts with a model, which is not sharded "
                 f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from radixserve.engine.protocol import RequestOutput
 from radixserve.engine.request import Req
@@ -41,7 +41,7 @@ class DeltaTracker:
             new_input_top_logprobs=req.input_top_logprobs[sent.input_logprobs :],
             new_output_logprobs=req.output_logprobs[sent.output_logprobs :],
             new_output_top_logprobs=req.output_top_logprobs[sent.output_logprobs :],
-            spec_counts=None if req.spec_counts is None else replace(req.spec_counts),
+            spec_counts=None if req.spec_counts is None else req.spec_counts.copy(),
             jump_forward_tokens=req.jump_forward_tokens,
         )
         sent.output = num_ready

@@ -14,7 +14,7 @@ once on the caller side (`RequestResult.apply` in client/result.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from radixserve.sampling.params import SamplingParams
@@ -67,9 +67,30 @@ class SpecCounts:
     verify_ct: int = 0  # decode steps (verify forwards) of the request
     draft_tokens: int = 0  # draft tokens proposed and verified
     accepted_tokens: int = 0  # draft tokens accepted
+    # per algorithm that drafted (AUTO picks one per step; "none": a step without a draft)
+    drafter_verify_ct: dict[str, int] = field(default_factory=dict)
+    drafter_accepted_tokens: dict[str, int] = field(default_factory=dict)
+
+    def count(self, source: str, num_draft: int, num_accepted: int) -> None:
+        """One decode step whose draft (possibly empty) `source` proposed."""
+        self.verify_ct += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        self.drafter_verify_ct[source] = self.drafter_verify_ct.get(source, 0) + 1
+        accepted = self.drafter_accepted_tokens.get(source, 0) + num_accepted
+        self.drafter_accepted_tokens[source] = accepted
+
+    def copy(self) -> SpecCounts:
+        """A snapshot that later steps do not change (the dicts copied too)."""
+        return replace(
+            self,
+            drafter_verify_ct=dict(self.drafter_verify_ct),
+            drafter_accepted_tokens=dict(self.drafter_accepted_tokens),
+        )
 
     def meta_info(self, completion_tokens: int) -> dict[str, Any]:
-        """SGLang's names; accept length = completion tokens per verify step."""
+        """SGLang's names; accept length = completion tokens per verify step. Ours: the
+        `spec_drafter_*` counts by the algorithm that drafted (AUTO's choice per step)."""
         return {
             "spec_verify_ct": self.verify_ct,
             "spec_accept_length": completion_tokens / self.verify_ct if self.verify_ct else 0.0,
@@ -78,6 +99,8 @@ class SpecCounts:
             ),
             "spec_accept_token_num": self.accepted_tokens,
             "spec_draft_token_num": self.draft_tokens,
+            "spec_drafter_verify_ct": dict(self.drafter_verify_ct),
+            "spec_drafter_accept_token_num": dict(self.drafter_accepted_tokens),
         }
 
 

@@ -2,7 +2,8 @@
 one forward (K + 1 extend tokens per speculating request), the `Verifier` keeps a prefix.
 
     scheduler decode phase      drafter.propose(req) -> K tokens   (ngram.py: NGRAM,
-                                                                    suffix.py: SUFFIX)
+                                                                    suffix.py: SUFFIX,
+                                                                    auto.py: AUTO)
     batch_builder               [last token, d1 .. dK] over the request's cached prefix
     model forward               logits at the K + 1 rows (LogitsOutput.verify)
                                 (EAGLE3: + aux hidden states -> drafter.on_forward)
@@ -13,6 +14,7 @@ one forward (K + 1 extend tokens per speculating request), the `Verifier` keeps 
 from __future__ import annotations
 
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
+from radixserve.engine.speculative.auto import AutoDrafter
 from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.speculative.eagle import Eagle3Drafter, create_eagle3_drafter
 from radixserve.engine.speculative.model_drafter import (
@@ -27,6 +29,7 @@ from radixserve.engine.speculative.verifier import Verified, Verifier
 from radixserve.model.runner import ModelRunner
 
 __all__ = [
+    "AutoDrafter",
     "Draft",
     "Drafter",
     "Eagle3Drafter",
@@ -54,24 +57,15 @@ def create_drafter(
         return None
     config.verify()  # names the flag of an unknown algorithm or a bad combination
     algorithm = config.speculative_algorithm
-    if algorithm == "NGRAM":
-        return NgramDrafter(
-            config.speculative_num_draft_tokens,
-            config.speculative_ngram_min_match_window_size,
-            config.speculative_ngram_max_match_window_size,
-            config.speculative_ngram_capacity,
-        )
-    if algorithm == "SUFFIX":
-        return SuffixDrafter(
-            config.speculative_num_draft_tokens,
-            config.speculative_suffix_max_tree_depth,
-            config.speculative_suffix_max_spec_factor,
-            config.speculative_suffix_min_token_prob,
-            config.speculative_suffix_max_cached_requests,
-            config.speculative_suffix_max_cached_tokens,
-        )
-    if target is None:
-        raise ValueError(f"speculative_algorithm {algorithm} needs the target model's runner")
+    if algorithm in ("NGRAM", "SUFFIX"):
+        return _lookup_drafter(config, algorithm)
+    if algorithm == "AUTO":
+        lookups = [_lookup_drafter(config, "SUFFIX"), _lookup_drafter(config, "NGRAM")]
+        model = None
+        if config.speculative_model_algorithm == "EAGLE3":
+            model = create_eagle3_drafter(config, _needs(target, "AUTO's EAGLE3"))
+        return AutoDrafter(lookups, model)
+    target = _needs(target, algorithm)
     if algorithm == "EAGLE3":
         return create_eagle3_drafter(config, target)
     cache_config = cache_config or CacheConfig()
@@ -83,4 +77,29 @@ def create_drafter(
         runner = load_draft_runner(
             path, load_config or LoadConfig(), cache_config, target, tokenizer
         )
-    return ModelDrafter(runner, config.speculative_draft_steps)
+    return ModelDrafter(runner, config.speculative_draft_steps, algorithm)
+
+
+def _lookup_drafter(config: SchedulerConfig, algorithm: str) -> Drafter:
+    """NGRAM or SUFFIX, with their flags."""
+    if algorithm == "NGRAM":
+        return NgramDrafter(
+            config.speculative_num_draft_tokens,
+            config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size,
+            config.speculative_ngram_capacity,
+        )
+    return SuffixDrafter(
+        config.speculative_num_draft_tokens,
+        config.speculative_suffix_max_tree_depth,
+        config.speculative_suffix_max_spec_factor,
+        config.speculative_suffix_min_token_prob,
+        config.speculative_suffix_max_cached_requests,
+        config.speculative_suffix_max_cached_tokens,
+    )
+
+
+def _needs(target: ModelRunner | None, algorithm: str) -> ModelRunner:
+    if target is None:
+        raise ValueError(f"speculative_algorithm {algorithm} needs the target model's runner")
+    return target

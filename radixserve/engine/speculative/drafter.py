@@ -26,12 +26,14 @@ class Draft:
     """A draft tree (EAGLE3 with --speculative-eagle-topk > 1; deterministic, probs None):
     node 0 is the request's last token, node j >= 1 is tokens[j - 1] and follows node
     parents[j - 1] (< j). None: a chain (each token follows the one before)."""
+    source: str | None = None  # the algorithm that proposed it (AUTO's pick); None: the drafter's
 
     def cut(self, num: int) -> Draft:
         """The first `num` tokens (with their rows of q); of a tree, the nodes of depth at
         most `num`."""
         if self.parents is None:
-            return Draft(self.tokens[:num], None if self.probs is None else self.probs[:num])
+            probs = None if self.probs is None else self.probs[:num]
+            return Draft(self.tokens[:num], probs, source=self.source)
         depth = [0]
         for parent in self.parents:
             depth.append(depth[parent] + 1)
@@ -46,7 +48,7 @@ class Draft:
             if keep:
                 tokens.append(token)
                 parents.append(new_index[parent])
-        return Draft(tokens, None, parents)
+        return Draft(tokens, None, parents, self.source)
 
     def paths(self) -> list[list[int]]:
         """A tree's tokens from the root to each node j >= 1 (paths()[j - 1])."""
@@ -58,9 +60,11 @@ class Draft:
 
 class Drafter(ABC):
     """Proposes draft tokens for decoding requests: NGRAM (lookup), SELF and STANDALONE
-    (a draft model: model_drafter.py), EAGLE3 (a head over the target's hidden states)."""
+    (a draft model: model_drafter.py), EAGLE3 (a head over the target's hidden states),
+    AUTO (auto.py: one of the others per request)."""
 
     num_draft_tokens: int  # K: the most tokens a proposal holds
+    algorithm: str = "custom"  # what meta_info names its drafts by (custom: tests, benchmarks)
 
     @abstractmethod
     def propose(self, req: Req) -> list[int]:
@@ -82,6 +86,13 @@ class Drafter(ABC):
         """Sees a target forward before its commit: request i put `lengths[i]` tokens at
         positions from `starts[i]` (EAGLE-3 keeps their hidden states), the last of them a
         draft tree's nodes where `trees[i]` is one; nothing by default."""
+
+    def on_verified(self, req: Req, num_draft: int, num_accepted: int) -> int:
+        """Learns from one decode step of `req` (its new tokens are in `req.output_ids`):
+        `num_draft` tokens of this drafter's draft verified, `num_accepted` kept. Returns what
+        the adaptive policy judges the step by: by default `num_accepted` (AUTO: the most
+        any of its candidates would have had accepted)."""
+        return num_accepted
 
     def on_finished(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Learns from a request that finished (its prompt + output); nothing by default."""

@@ -87,6 +87,8 @@ class Pending:
 
 
 class Eagle3Drafter(Drafter):
+    algorithm = "EAGLE3"
+
     def __init__(
         self,
         head: Eagle3Head,

@@ -120,7 +120,8 @@ def _draft_pool(config, target: ModelRunner) -> KVPool:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, runner: ModelRunner, num_draft_tokens: int):
+    def __init__(self, runner: ModelRunner, num_draft_tokens: int, algorithm: str = "STANDALONE"):
+        self.algorithm = algorithm  # SELF or STANDALONE
         self.runner = runner
         self.pool = runner.pool
         self.num_draft_tokens = num_draft_tokens

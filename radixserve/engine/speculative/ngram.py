@@ -136,6 +136,8 @@ def _salt(namespace: str | None) -> int:
 
 
 class NgramDrafter(Drafter):
+    algorithm = "NGRAM"
+
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, capacity: int):
         self.num_draft_tokens = num_draft_tokens
         self.min_window, self.max_window = min_window, max_window

@@ -17,6 +17,8 @@ from radixserve.model.runner import LogitsOutput
 
 logger = logging.getLogger(__name__)
 
+NO_DRAFT = "none"  # meta_info's name for the decode steps of a request without a draft
+
 
 class Speculator:
     def __init__(self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats):
@@ -53,6 +55,7 @@ class Speculator:
             if draft.tokens and grow_from_free(req, w.num_new + len(draft.tokens)):
                 w.draft, w.draft_probs = draft.tokens, draft.probs
                 w.draft_parents = draft.parents
+                w.draft_source = draft.source or self.drafter.algorithm
 
     def on_forward(self, work: list[Work], logits: LogitsOutput) -> None:
         """A target forward ran (before its commit): the drafter may keep what it needs."""
@@ -64,16 +67,18 @@ class Speculator:
         lengths = [w.num_forward for w in work]
         self.drafter.on_forward(reqs, starts, lengths, logits, trees if any(trees) else None)
 
-    def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
-        """Counts one decode step of a speculating request (its draft may be empty)."""
-        counts = req.spec_counts
-        counts.verify_ct += 1
-        counts.draft_tokens += num_draft
-        counts.accepted_tokens += num_accepted
+    def record(self, w: Work, num_accepted: int) -> None:
+        """Counts one decode step of a speculating request (its draft may be empty): the
+        drafter learns from it, then the adaptive policy from what the drafter says it
+        shows (AUTO: the best of its candidates)."""
+        num_draft = len(w.draft)
+        source = (w.draft_source or self.drafter.algorithm) if num_draft else NO_DRAFT
+        w.req.spec_counts.count(source, num_draft, num_accepted)
         self.stats.spec_verify_steps += 1
         self.stats.spec_draft_tokens += num_draft
         self.stats.spec_accepted_tokens += num_accepted
-        self.policy.record(req, num_draft, num_accepted)
+        judged = self.drafter.on_verified(w.req, num_draft, num_accepted)
+        self.policy.record(w.req, num_draft, judged)
 
     def on_left(self, req: Req, finished: bool) -> None:
         """A request left the batch: a finished one teaches the drafter; its state goes."""

@@ -126,6 +126,8 @@ class SuffixStore:
 class SuffixDrafter(Drafter):
     """SUFFIX: the request's own sequence and the store of finished outputs."""
 
+    algorithm = "SUFFIX"
+
     def __init__(
         self,
         num_draft_tokens: int,
