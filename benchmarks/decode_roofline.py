@@ -148,8 +148,9 @@ def weight_bytes(runner: ModelRunner) -> int:
     model = runner.model
     tensors = {id(p): p for p in model.parameters()}
     tensors |= {id(b): b for name, b in model.named_buffers() if name.endswith("weight")}
-    if model.lm_head is not None:
-        tensors.pop(id(model.embed_tokens.weight), None)
+    embedding = getattr(model.embed_tokens, "weight", None)  # none: a GGUF's block embedding
+    if model.lm_head is not None and embedding is not None:
+        tensors.pop(id(embedding), None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -202,7 +203,7 @@ def attention_call(backend: AttentionBackend, runner: ModelRunner, batch: Forwar
     backend.init_forward(batch)
     cfg = runner.config
     gen = torch.Generator().manual_seed(0)
-    dtype = runner.model.embed_tokens.weight.dtype
+    dtype = runner.model.norm.weight.dtype
     q = torch.randn(batch.num_tokens, cfg.num_heads, cfg.head_dim, generator=gen).to(dtype)
     kv = torch.randn(batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(dtype)
 
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in meta.items()))
     print("".join(f"{c:>13}" for c in COLUMNS))
     rows = []
-    hf = hf_model(loaded, runner.model.embed_tokens.weight.dtype) if args.hf else None
+    hf = hf_model(loaded, runner.model.norm.weight.dtype) if args.hf else None
     for b, c in kept:
         case = run_case(runner, found, b, c, args, bandwidth)
         if hf is not None:

@@ -154,10 +154,11 @@ def test_auto_keeps_k_quant_blocks_and_stacks_parts_of_different_types(cpu_ops, 
     model = _runner(path).model
     first, second = model.layers
     qkv = first.self_attn.qkv_proj  # Q4_K q and k rows, then the Q6_K v rows
-    assert isinstance(qkv, StackedLinear)
-    assert [(p.type_name, p.out_features) for p in qkv.parts] == [("Q4_K", 384), ("Q6_K", 128)]
+    assert isinstance(qkv, StackedLinear)  # a K-quant layer per part: the file's bytes
+    parts = [(p.type_name, p.out_features) for p in qkv.parts]
+    assert parts == [("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]
     assert first.mlp.down_proj.type_name == "Q6_K"
-    assert second.self_attn.qkv_proj.type_name == "Q4_K"  # one type: one layer
+    assert [p.type_name for p in second.self_attn.qkv_proj.parts] == ["Q4_K"] * 3
     gate, up = second.mlp.gate_up_proj.parts
     assert isinstance(gate, Int8WeightOnlyLinear) and up.type_name == "Q5_K"
     assert isinstance(model.lm_head, KQuantLinear) and model.lm_head.type_name == "Q6_K"
@@ -179,7 +180,8 @@ def test_k_quant_layers_hold_ggufs_dequantized_values(cpu_ops, kquant_gguf):
         assert torch.equal(layer.mlp.down_proj.dequantize(torch.float32), down)
     head = expected.get("lm_head.weight", expected["model.embed_tokens.weight"])
     assert torch.equal(model.lm_head.dequantize(), head)
-    assert torch.equal(model.embed_tokens.weight, expected["model.embed_tokens.weight"])
+    embedding = model.embed_tokens(torch.arange(VOCAB))  # rows dequantized from the blocks
+    assert torch.equal(embedding, expected["model.embed_tokens.weight"])
 
 
 def test_k_quant_model_predicts_like_the_fp32_model_of_the_same_values(cpu_ops, kquant_gguf):
@@ -219,7 +221,12 @@ def test_int8_activations_through_the_loader_predict_like_the_fp32_model(cpu_ops
     _needs_blocks()
     path, reference = kquant_gguf
     runner = _runner(path, cpu_quant_activation="int8")
-    layers = [m for m in runner.model.modules() if hasattr(m, "int8_activations")]
+    lookup = runner.model.embed_tokens.table  # untied: only looked up, never multiplied
+    layers = [
+        m
+        for m in runner.model.modules()
+        if hasattr(m, "int8_activations") and (m is not lookup or m is runner.model.lm_head)
+    ]
     blocks = [
         m for m in layers if isinstance(m, KQuantLinear) or getattr(m, "backend", "") == "blocks"
     ]

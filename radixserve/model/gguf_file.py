@@ -6,17 +6,26 @@ hundred ms. Fields are plain Python values; tensors keep the reader's convention
 ggml order, `data` a read-only view of the mapped file: the element dtype for fp / int types,
 [rows, bytes per row] uint8 for block-quantized ones). Little-endian files (what llama.cpp
 writes) only.
+
+The file is mapped copy-on-write (MAP_PRIVATE): its pages are the page cache's, shared by every
+process that maps the file, and nothing written through the map could reach the file.
+A tensor's `torch_bytes` gives its bytes as a torch tensor over the map (no copy), which the loader
+keeps as a layer's weights (K-quant blocks): the weights then cost file-backed pages, not
+anonymous memory.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -37,6 +46,21 @@ class GGUFTensor:
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: np.ndarray  # ggml order: shape[0] is the row length
     data: np.ndarray  # read-only view of the mapped file
+    offset: int = 0  # where `data` starts in the file
+    buffer: mmap.mmap | None = field(default=None, repr=False, compare=False)  # the file's map
+
+    def torch_bytes(self) -> torch.Tensor:
+        """A block-quantized tensor's bytes, [rows, bytes per row] uint8 like `data`, as a torch
+        tensor over the mapped file (no copy; it keeps the map alive). Its pages are the
+        file's: nothing may write to it (a write would copy the page into this process, never
+        into the file)."""
+        import torch
+
+        if self.data.dtype != np.uint8 or self.buffer is None:
+            raise ValueError(f"{self.name} is {self.tensor_type.name}, not block-quantized")
+        count = self.data.nbytes
+        flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=count, offset=self.offset)
+        return flat.view(*self.data.shape)
 
 
 class GGUFFile:
@@ -44,7 +68,7 @@ class GGUFFile:
 
     def __init__(self, path: Path | str):
         with open(path, "rb") as f:
-            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._pos = 0
         if self._read(4) != GGUF_MAGIC:
             raise ValueError("not a GGUF file (bad magic)")
@@ -62,6 +86,7 @@ class GGUFFile:
             raise ValueError(f"invalid general.alignment {alignment}")
         data_start = -(-self._pos // alignment) * alignment
         mapped = np.frombuffer(self._buf, dtype=np.uint8)
+        mapped.flags.writeable = False  # numpy views: read-only, as gguf's own reader has them
         self.tensors = [self._tensor(mapped, data_start, *info) for info in infos]
 
     def _read(self, n: int) -> bytes:
@@ -112,4 +137,5 @@ class GGUFFile:
             data = raw.view(_PLAIN_DTYPES[kind]).reshape(np_dims)
         else:  # rows of blocks: the last dimension in bytes
             data = raw.reshape(*np_dims[:-1], np_dims[-1] // block_size * type_size)
-        return GGUFTensor(name, ggml_type, np.array(dims, dtype=np.uint64), data)
+        dims_array = np.array(dims, dtype=np.uint64)
+        return GGUFTensor(name, ggml_type, dims_array, data, first, self._buf)

@@ -301,7 +301,7 @@ def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle
     forwards capture the hidden states the head reads (only now: no cost otherwise)."""
     model = target.model
     check_tree_backend(config.speculative_eagle_topk or 1, getattr(target, "attn", None))
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype  # the model's (a GGUF embedding may be blocks)
     head = load_eagle3_head(config.speculative_draft_model_path, model, target.device, dtype)
     target.aux_layers = aux_layers_from_config(head.config.hf_config, target.config.num_layers)
     # capturing forwards run eagerly: decode graphs / compiled steps would only hold memory

@@ -68,12 +68,16 @@ def check_cpu_quant_activation(choice: str) -> None:
 
 
 def block_layers(model: nn.Module) -> list[QuantizedLinear]:
-    """The layers on the GGUF block kernels (K-quants, and int4 / int8 with backend blocks)."""
+    """The layers on the GGUF block kernels (K-quants, and int4 / int8 with backend blocks);
+    not an untied embedding's table (block_embedding.py: it never runs a matmul)."""
+    table = getattr(getattr(model, "embed_tokens", None), "table", None)
+    lookup_only = table if table is not getattr(model, "lm_head", None) else None
+    int_layers = (Int4WeightOnlyLinear, Int8WeightOnlyLinear)
     return [
         m
         for m in model.modules()
-        if isinstance(m, KQuantLinear)
-        or (isinstance(m, (Int4WeightOnlyLinear, Int8WeightOnlyLinear)) and m.backend == "blocks")
+        if m is not lookup_only
+        and (isinstance(m, KQuantLinear) or (isinstance(m, int_layers) and m.backend == "blocks"))
     ]
 
 

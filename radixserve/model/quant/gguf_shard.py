@@ -19,7 +19,7 @@ from radixserve.model.quant.kquant import KQUANT_TYPES
 from radixserve.model.source import ModelLoadError
 
 if TYPE_CHECKING:
-    from radixserve.model.quant.gguf_weights import BlockWeight
+    from radixserve.model.quant.gguf_blocks import BlockWeight
     from radixserve.model.tp_shard import ShardLayout
 
 GGUF_BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q8_0 block (gguf_weights.GGUF_BLOCK)

@@ -15,49 +15,45 @@ K-quants run on our C++ kernels only (the "blocks" backend); with torch's kernel
 SIMD build) they are dequantized to fp at load, and the log says so. The parts of one fused
 layer (qkv, gate_up) may differ in type, as llama.cpp's mixes (Q4_K_M: Q6_K attn_v in some
 layers) have it: each run of same-type parts is its own layer (StackedLinear).
-F32 / F16 / BF16 projections stay fp. The embedding and norms are fp by design and are dequantized;
-so is the LM head (tied: the embedding; untied: output.weight), unless the layers use the C++
-"blocks" kernels (block_matmul.py): then a Q4_0 / Q4_1 / Q8_0 / K-quant head is kept as its blocks
-too (the default model's tied Q8_0 head: 32 MiB read per token instead of 113 MiB), and the
-embedding keeps its fp rows for the lookup. llama.cpp stores q and k rows permuted for its RoPE
-layout; rows are permuted back here (codes and scales alike). Only the `llama` GGUF architecture
+F32 / F16 / BF16 projections stay fp. Norms are fp by design and are dequantized; so are the
+embedding and the LM head (tied: the embedding; untied: output.weight), unless the layers use the
+C++ "blocks" kernels (block_matmul.py): then a Q4_0 / Q4_1 / Q8_0 / K-quant head is kept as its
+blocks too (the default model's tied Q8_0 head: 32 MiB read per token instead of 113 MiB), and so
+is the embedding (block_embedding.py: each lookup dequantizes its tokens' rows; tied, from the
+head's own layer). K-quant blocks are views of the mapped file (gguf_blocks.py). llama.cpp stores
+q and k rows permuted for its RoPE layout; they are permuted back here (codes and scales alike; a
+K-quant layer reorders its outputs instead). Only the `llama` GGUF architecture
 (Llama, Mistral, SmolLM, ...) is read this way; anything else: `--quantization none`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.model.gguf_file import GGUFFile
-from radixserve.model.quant.gguf_shard import shard_head, shard_weight
-from radixserve.model.quant.kquant import (
-    KQUANT_TYPES,
-    KQuantLinear,
-    kquant_dequantize,
-    kquant_ops_available,
+from radixserve.model.quant.block_embedding import BlockEmbedding
+from radixserve.model.quant.gguf_blocks import (
+    AS_IS_TYPES,
+    FP_TYPES,
+    BlockWeight,
+    decode_block_weight,
+    dequantize_tensor,
+    fused_layer,
 )
-from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dense_linear
-from radixserve.model.quant.stacked_linear import StackedLinear
+from radixserve.model.quant.gguf_shard import shard_head, shard_weight
+from radixserve.model.quant.kquant import KQUANT_TYPES
 from radixserve.model.source import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-GGUF_BLOCK = 32
-# A tied blocks head multiplies by the fp embedding from this many rows on (SmolLM2's 49152 x
-# 576 Q8_0 head, 1 thread: blocks 12 ms vs dense 23 ms at 16 rows, 23 vs 22.5 at 24, 64 vs 41
-# at 64).
-HEAD_DENSE_MIN_ROWS = 24
-FP_TYPES = ("F32", "F16", "BF16")
 # our fused projection -> its GGUF parts, in row order
 FUSED_PARTS = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -82,20 +78,6 @@ HF_PARTS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-class BlockWeight(NamedTuple):
-    """One GGUF weight in our terms: int4 codes + scales + zeros, int8 + scales, K-quant
-    super-blocks as stored, or fp."""
-
-    kind: str  # "int4" | "int8" | "fp" | "Q4_K" | "Q5_K" | "Q6_K"
-    values: torch.Tensor  # [rows, in]: int32 codes 0..15 | int8 | fp32 weight; K-quants:
-    # [rows, in / 256 * block bytes] uint8
-    scales: torch.Tensor | None = None  # [rows, in // 32] fp32
-    zeros: torch.Tensor | None = None  # [rows, in // 32] fp32 (int4 only)
-
-    def take_rows(self, index: torch.Tensor) -> BlockWeight:
-        return BlockWeight(self.kind, *(None if t is None else t[index] for t in self[1:]))
 
 
 def read_gguf(path: Path) -> GGUFFile:
@@ -177,21 +159,35 @@ def load_gguf_weights(model: nn.Module, reader, config: ModelConfig, blocks: boo
                 owner_name, attr = path.split(".")
                 setattr(getattr(layer, owner_name), attr, module)
     head = block_lm_head(tensors, dtype, device, layout) if blocks else None
+    embedding = block_embedding(tensors, head, model, layout) if blocks else None
+    if embedding is not None:  # no fp table: each lookup dequantizes its rows
+        tensors.pop("token_embd.weight")
+        model.embed_tokens = embedding
     if head is not None:  # before the fp weights: an untied head's fp parameter goes
         tensors.pop("output.weight", None)  # not loaded as fp (absent when tied)
-        attach_block_head(model, head)
+        model.lm_head = head  # tied: the embedding's table too (block_embedding)
     fp = fp_tensors(tensors)
     if layout is not None:  # fp projections are cut already
         fp = ((name, layout.select(name, tensor)) for name, tensor in fp)
     model.load_weights([*fp_weights, *fp])
 
 
-def attach_block_head(model: nn.Module, head: nn.Module) -> None:
-    """Makes `head` the LM head; a tied one multiplies by the embedding (the same weights in
-    fp, filled in place later by load_weights) from HEAD_DENSE_MIN_ROWS rows on."""
-    if model.lm_head is None:
-        head.share_dense_weight(model.embed_tokens.weight, HEAD_DENSE_MIN_ROWS)
-    model.lm_head = head
+def block_embedding(
+    tensors: dict, head: nn.Module | None, model: nn.Module, layout=None
+) -> BlockEmbedding | None:
+    """The embedding over token_embd's blocks (block_embedding.py) if the file stores it as
+    Q4_0 / Q4_1 / Q8_0 or a K-quant: tied, the head's layer itself; else None (fp table)."""
+    tensor = tensors["token_embd.weight"]
+    if tensor.tensor_type.name not in (*AS_IS_TYPES, *KQUANT_TYPES):
+        return None
+    old = model.embed_tokens
+    dtype, device = old.weight.dtype, old.weight.device
+    if "output.weight" not in tensors and head is not None:  # tied: the head is token_embd
+        table = head
+    else:
+        weight = shard_head(decode_block_weight(tensor, kquants=True), layout)
+        table = fused_layer([weight], dtype, device, tensor.name, "blocks")
+    return BlockEmbedding(table, old.vocab_start, old.tp, dtype)
 
 
 def block_lm_head(
@@ -205,9 +201,6 @@ def block_lm_head(
         return None
     weight = shard_head(decode_block_weight(tensor, kquants=True), layout)
     return fused_layer([weight], dtype, device, tensor.name, "blocks")
-
-
-AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def projection_types(tensors) -> Counter:
@@ -262,7 +255,10 @@ def layer_weight(
     weight = decode_block_weight(tensors[name], kquants)
     if part in ("attn_q", "attn_k"):
         heads = config.num_heads if part == "attn_q" else config.num_kv_heads
-        weight = weight.take_rows(unpermute_index(len(weight.values), heads))
+        order = unpermute_index(len(weight.values), heads)
+        if weight.kind in KQUANT_TYPES:  # the mapped bytes stay as they lie
+            return weight._replace(row_order=order)
+        weight = weight.take_rows(order)
     return weight
 
 
@@ -273,89 +269,6 @@ def unpermute_index(num_rows: int, num_heads: int) -> torch.Tensor:
     return rows.transpose(1, 2).reshape(-1)
 
 
-def decode_block_weight(tensor, kquants: bool = False) -> BlockWeight:
-    """A GGUF tensor -> int4 codes / int8 values with their block scales, K-quant blocks as
-    stored (if `kquants`: else dequantized), or fp32 values."""
-    kind = tensor.tensor_type.name
-    if kind in FP_TYPES or (kind in KQUANT_TYPES and not kquants):
-        return BlockWeight("fp", torch.from_numpy(_dequantize(tensor)))
-    if kind in KQUANT_TYPES:  # [rows, bytes] as stored; a copy: the file's map is read-only
-        return BlockWeight(kind, torch.from_numpy(np.array(tensor.data, dtype=np.uint8)))
-    if kind not in AS_IS_TYPES:
-        raise ModelLoadError(
-            f"--quantization gguf reads Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors as they "
-            f"are; {tensor.name} is {kind} (use --quantization none to dequantize it)"
-        )
-    from gguf import GGML_QUANT_SIZES
-
-    _, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-    rows = tensor.data.shape[0]
-    blocks = np.asarray(tensor.data).reshape(rows, -1, block_bytes)
-    scales = _f16(blocks[..., 0:2])
-    if kind == "Q8_0":
-        values = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
-        return BlockWeight("int8", values.reshape(rows, -1), scales)
-    if kind == "Q4_0":
-        return BlockWeight("int4", _nibbles(blocks[..., 2:]), scales, torch.zeros_like(scales))
-    minimum = _f16(blocks[..., 2:4])
-    return BlockWeight("int4", _nibbles(blocks[..., 4:]), scales, minimum + 8 * scales)
-
-
-def _f16(raw: np.ndarray) -> torch.Tensor:
-    """[rows, blocks, 2] bytes -> [rows, blocks] fp32 (exact: fp16 fits fp32)."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
-
-
-def _nibbles(raw: np.ndarray) -> torch.Tensor:
-    """[rows, blocks, 16] bytes -> [rows, blocks * 32] int32 codes: low nibbles are the
-    block's first 16 elements, high nibbles its last 16."""
-    low, high = raw & 0x0F, raw >> 4
-    codes = np.concatenate([low, high], axis=-1).astype(np.int32)
-    return torch.from_numpy(codes.reshape(raw.shape[0], -1))
-
-
-def fused_layer(
-    weights: list[BlockWeight],
-    dtype: torch.dtype,
-    device: torch.device,
-    what: str,
-    backend: str | None = None,
-) -> nn.Module | None:
-    """One layer on `device` (its layout is its kernel's: `backend`, by default the
-    device's) from the stacked rows of `weights`; None if they are all fp. Parts of
-    different kinds: a StackedLinear of one layer per run of same-kind parts."""
-    kinds = {w.kind for w in weights}
-    if kinds == {"fp"}:
-        return None
-    if len(kinds) > 1:
-        runs = [list(run) for _, run in itertools.groupby(weights, key=lambda w: w.kind)]
-        logger.debug("%s: %s parts stacked", what, " + ".join(run[0].kind for run in runs))
-        return StackedLinear([_part_layer(run, dtype, device, backend) for run in runs])
-    if weights[0].kind in KQUANT_TYPES:
-        if device.type != "cpu" or backend != "blocks":
-            raise ModelLoadError(f"{what}: K-quant blocks run on the CPU block kernels only")
-        return KQuantLinear(torch.cat([w.values for w in weights]), weights[0].kind)
-    values = torch.cat([w.values for w in weights]).to(device)
-    dtype = torch.float32 if backend == "blocks" else dtype  # blocks keep fp16 scales exact
-    scales = torch.cat([w.scales for w in weights]).to(device, dtype)
-    if kinds == {"int8"}:
-        return Int8WeightOnlyLinear(values, scales, group_size=GGUF_BLOCK, backend=backend)
-    zeros = torch.cat([w.zeros for w in weights]).to(device, dtype)
-    return Int4WeightOnlyLinear(values, scales, zeros, GGUF_BLOCK, backend=backend)
-
-
-def _part_layer(weights: list[BlockWeight], dtype, device, backend: str | None) -> nn.Module:
-    """One run of same-kind parts of a stacked layer. fp parts: a dense layer whose weight is
-    a buffer, as the quantized parts' are (load_weights fills and checks parameters only)."""
-    if weights[0].kind == "fp":
-        layer = dense_linear(torch.cat([w.values for w in weights]).to(device, dtype))
-        weight = layer.weight.data
-        del layer.weight
-        layer.register_buffer("weight", weight)
-        return layer
-    return fused_layer(weights, dtype, device, weights[0].kind, backend)
-
-
 def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """The embedding, norms and output head under their HF names, as fp32."""
     for name, tensor in tensors.items():
@@ -364,21 +277,7 @@ def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:
             if rest in FP_NAMES:
                 yield (
                     f"model.layers.{layer}.{FP_NAMES[rest]}",
-                    torch.from_numpy(_dequantize(tensor)),
+                    torch.from_numpy(dequantize_tensor(tensor)),
                 )
         elif name in FP_NAMES:
-            yield FP_NAMES[name], torch.from_numpy(_dequantize(tensor))
-
-
-def _dequantize(tensor) -> np.ndarray:
-    """fp32 values of a GGUF tensor: K-quants by our C++ kernels where they load (the same
-    values as gguf's numpy code, bit for bit, without its temporaries: a 1B model's embedding
-    is 262M weights), anything else by the gguf package."""
-    from gguf.quants import dequantize
-
-    name = tensor.tensor_type.name
-    if name in KQUANT_TYPES and len(tensor.data.shape) == 2 and kquant_ops_available():
-        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        return kquant_dequantize(blocks, KQUANT_TYPES[name][0]).numpy()
-    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy:
-    # the reader's arrays are read-only views of the mapped file
+            yield FP_NAMES[name], torch.from_numpy(dequantize_tensor(tensor))

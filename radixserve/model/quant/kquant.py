@@ -73,11 +73,20 @@ def kquant_dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 class KQuantLinear(QuantizedLinear):
     """One GGUF K-quant weight, [out, in / 256 * bytes] uint8 as stored, on the C++ kernels.
-    Computes in fp32 on fp32 or bf16 inputs (compute_dtype None, like the "blocks" layers)."""
+    Computes in fp32 on fp32 or bf16 inputs (compute_dtype None, like the "blocks" layers).
+    `blocks` may be a view of a mapped GGUF file: the layer never writes to it, and keeps its
+    rows as they lie; `row_order` (output j is blocks row row_order[j]) reorders the outputs
+    instead (llama.cpp's permuted q / k rows)."""
 
     backend = "blocks"
 
-    def __init__(self, blocks: torch.Tensor, type_name: str, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        type_name: str,
+        bias: torch.Tensor | None = None,
+        row_order: torch.Tensor | None = None,
+    ):
         if type_name not in KQUANT_TYPES:
             raise ValueError(f"KQuantLinear: {type_name} is not one of {', '.join(KQUANT_TYPES)}")
         self.qtype, bytes_per_block = KQUANT_TYPES[type_name]
@@ -88,19 +97,33 @@ class KQuantLinear(QuantizedLinear):
         in_features = blocks.shape[1] // bytes_per_block * SUPER_BLOCK
         super().__init__(in_features, blocks.shape[0], bias)
         self.type_name = type_name
+        if row_order is not None and row_order.shape != (blocks.shape[0],):
+            raise ValueError(f"KQuantLinear: row_order must be [{blocks.shape[0]}]")
         self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("row_order", row_order)
         load_kquant_ops()
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._dequantizes(x):
             return self._dense_matmul(x)
         if self.int8_activations:
-            return q8_matmul.kquant_matmul_q8(x, self._buffers["blocks"], self.qtype)
-        return kquant_matmul(x, self._buffers["blocks"], self.qtype)
+            out = q8_matmul.kquant_matmul_q8(x, self._buffers["blocks"], self.qtype)
+        else:
+            out = kquant_matmul(x, self._buffers["blocks"], self.qtype)
+        order = self._buffers["row_order"]
+        return out if order is None else out.index_select(1, order)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = kquant_dequantize(self._buffers["blocks"], self.qtype)
+        order = self._buffers["row_order"]
+        weight = weight if order is None else weight.index_select(0, order)
         return weight if dtype in (None, torch.float32) else weight.to(dtype)
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `index` (1-D) of the weight: only their blocks are read and dequantized."""
+        order = self._buffers["row_order"]
+        rows = index if order is None else order[index]
+        return kquant_dequantize(self._buffers["blocks"].index_select(0, rows), self.qtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, type={self.type_name}"

@@ -132,6 +132,12 @@ class Int8WeightOnlyLinear(QuantizedLinear):
             out += int8_mm(parts[g].contiguous(), self.qweight[g], self.scales[g])
         return out.to(x.dtype)
 
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `index` of the weight, only those dequantized (backend "blocks")."""
+        _check_rows_backend(self.backend, "Int8WeightOnlyLinear")
+        scales = self.scales[index].repeat_interleave(self.group_size, dim=-1)
+        return self.qweight[index].float() * scales
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.scales.dtype
         if self.group_size is None:
@@ -229,13 +235,22 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             x.contiguous(), buffers["packed"], self.group_size, buffers["scales_and_zeros"]
         )
 
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `index` (1-D) of the weight, only those dequantized (backend "blocks")."""
+        _check_rows_backend(self.backend, "Int4WeightOnlyLinear")
+        return self._blocks_weight(self.qs[index], self.scale_min[index])
+
+    def _blocks_weight(self, qs: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+        """fp32 weight rows of GGUF-style blocks: qs [n, k / 2], scale_min [n, k / 32, 2]."""
+        n, k = qs.shape[0], self.in_features
+        codes = block_matmul.unpack_int4_blocks(qs).view(n, k // self.group_size, -1)
+        scales, offsets = (t[..., None] for t in scale_min.unbind(-1))  # fp32
+        return torch.addcmul(offsets, codes.float(), scales).reshape(n, k)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype or torch.float32
         if self.backend == "blocks":
-            n, k = self.out_features, self.in_features
-            codes = block_matmul.unpack_int4_blocks(self.qs).view(n, k // self.group_size, -1)
-            scales, offsets = (t[..., None] for t in self.scale_min.unbind(-1))  # fp32
-            return torch.addcmul(offsets, codes.float(), scales).reshape(n, k).to(dtype)
+            return self._blocks_weight(self.qs, self.scale_min).to(dtype)
         if self.backend == "triton":
             codes = _quant_kernels().unpack_int4(self.packed)
             weight = dequantize_int4(codes, self.scales.t(), self.zeros.t(), self.group_size)
@@ -263,6 +278,11 @@ def _backend(requested: str | None, device: torch.device) -> str:
     if requested not in MATMUL_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(MATMUL_BACKENDS)}; got {requested!r}")
     return requested
+
+
+def _check_rows_backend(backend: str, layer: str) -> None:
+    if backend != "blocks":
+        raise ValueError(f"{layer}.dequantize_rows: backend 'blocks' only; got {backend!r}")
 
 
 def _check_blocks(backend: str, group_size: int | None, layer: str) -> None:
