@@ -194,9 +194,25 @@ inline Bytes codes_q6k(const uint8_t* b, int u) {
   return or_shifted(low, low_bits(load_bytes(b + 128 + 32 * h), 2 * s, 0x03), 4);
 }
 
-// Q4_K and Q5_K: 8 units with a 6-bit scale and min each.
-template <int64_t kBytes, Bytes (*Codes)(const uint8_t*, int)>
-struct K4Rows : SuperBlockGroups<K4Rows<kBytes, Codes>> {
+#if defined(RADIXSERVE_Q8_ZMM)
+// Units 2p and 2p + 1 of a super-block as 64 codes (q8_simd.h's zdot_scaled takes them).
+inline __m512i zcodes_q4k(const uint8_t* b, int p) { return zbits(b + 16 + 32 * p, 0, 4, 0x0F); }
+inline __m512i zcodes_q5k(const uint8_t* b, int p) {
+  return zor_shifted(zbits(b + 48 + 32 * p, 0, 4, 0x0F), zbits(b + 16, 2 * p, 2 * p + 1, 0x01), 4);
+}
+inline __m512i zcodes_q6k(const uint8_t* b, int p) {  // units 4h + 2(p % 2), + 1; h = p / 2
+  const int h = p / 2, s = 4 * (p % 2);
+  return zor_shifted(zbits64(b + 64 * h, s, 0x0F), zbits(b + 128 + 32 * h, s, s + 2, 0x03), 4);
+}
+#define RADIXSERVE_ZCODES(name) name
+#else
+#define RADIXSERVE_ZCODES(name) nullptr
+#endif
+
+// Q4_K and Q5_K: 8 units with a 6-bit scale and min each. With AVX-512 the units go two at
+// a time (`block_zmm`): the same integer sums, so the same bits as the 32-code loop.
+template <int64_t kBytes, Bytes (*Codes)(const uint8_t*, int), auto ZCodes>
+struct K4Rows : SuperBlockGroups<K4Rows<kBytes, Codes, ZCodes>> {
   static constexpr int64_t kBlock = kQ8KBlock;
   const uint8_t* blocks;
   void prefetch_row(int64_t n, int64_t nb) const { prefetch(blocks + n * nb * kBytes, nb * kBytes); }
@@ -208,6 +224,26 @@ struct K4Rows : SuperBlockGroups<K4Rows<kBytes, Codes>> {
     uint8_t sc[8], mn[8];
     radixserve_kquant::unpack_scales_k4(blk, sc, mn);
     const Words mins = words_u8_twice(mn);  // min of unit u for sums 2u, 2u + 1
+#if defined(RADIXSERVE_Q8_ZMM)
+    const __m512i scales = zwords_u8(sc);
+    __m512i zsum[R];
+    for (int64_t r = 0; r < R; ++r) zsum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i w = ZCodes(blk, p);
+      const __m512i scale = zpick_words(scales, 2 * p, 4);  // sc[2p] x 16, sc[2p + 1] x 16
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(a.qs + (r0 + r) * a.K + b * kBlock + 64 * p);
+        zsum[r] = zdot_scaled(zsum[r], w, x, scale);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t ab = (r0 + r) * a.num_blocks + b;
+      const int32_t msum = wdot(mins, load_words(a.bsums + ab * 16));
+      acc[r].lanes = dfma<S>(acc[r].lanes, fset1(prod(d, a.d[ab])), zfold(zsum[r]));
+      acc[r].scalar = std::fma(-prod(dmin, a.d[ab]), static_cast<float>(msum), acc[r].scalar);
+    }
+#else
     Ints isum[R][2];
     for (int64_t r = 0; r < R; ++r) isum[r][0] = isum[r][1] = izero();
 #pragma GCC unroll 8
@@ -225,10 +261,11 @@ struct K4Rows : SuperBlockGroups<K4Rows<kBytes, Codes>> {
       acc[r].lanes = dfma<S>(acc[r].lanes, fset1(prod(d, a.d[ab])), iadd(isum[r][0], isum[r][1]));
       acc[r].scalar = std::fma(-prod(dmin, a.d[ab]), static_cast<float>(msum), acc[r].scalar);
     }
+#endif
   }
 };
-using Q4KRows = K4Rows<144, codes_q4k>;
-using Q5KRows = K4Rows<176, codes_q5k>;
+using Q4KRows = K4Rows<144, codes_q4k, RADIXSERVE_ZCODES(zcodes_q4k)>;
+using Q5KRows = K4Rows<176, codes_q5k, RADIXSERVE_ZCODES(zcodes_q5k)>;
 
 struct Q6KRows : SuperBlockGroups<Q6KRows> {
   static constexpr int64_t kBlock = kQ8KBlock;
@@ -241,6 +278,27 @@ struct Q6KRows : SuperBlockGroups<Q6KRows> {
     const float d = radixserve_kquant::half_at(blk + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     const Words scales = words_i8(sc);
+#if defined(RADIXSERVE_Q8_ZMM)
+    const __m512i zscales = zwords_i8(sc);
+    __m512i zsum[R];
+    for (int64_t r = 0; r < R; ++r) zsum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i w = zcodes_q6k(blk, p);
+      const __m512i scale = zpick_words(zscales, 4 * p, 3);  // sc[4p .. 4p + 3], 8 lanes each
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(a.qs + (r0 + r) * a.K + b * kBlock + 64 * p);
+        zsum[r] = zdot_scaled(zsum[r], w, x, scale);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t ab = (r0 + r) * a.num_blocks + b;
+      const int32_t msum = wdot(scales, load_words(a.bsums + ab * 16));
+      const float dd = prod(d, a.d[ab]);
+      acc[r].lanes = dfma<S>(acc[r].lanes, fset1(dd), zfold(zsum[r]));
+      acc[r].scalar = std::fma(-dd, static_cast<float>(32 * msum), acc[r].scalar);
+    }
+#else
     Ints isum[R][2];
     for (int64_t r = 0; r < R; ++r) isum[r][0] = isum[r][1] = izero();
 #pragma GCC unroll 8
@@ -259,6 +317,7 @@ struct Q6KRows : SuperBlockGroups<Q6KRows> {
       acc[r].lanes = dfma<S>(acc[r].lanes, fset1(dd), iadd(isum[r][0], isum[r][1]));
       acc[r].scalar = std::fma(-dd, static_cast<float>(32 * msum), acc[r].scalar);
     }
+#endif
   }
 };
 

@@ -300,6 +300,56 @@ inline __m512i dual_nibbles(const uint8_t* p) {
       _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);  // [k lo, k+1 lo, k hi, k+1 hi]
   return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
+// The K-quants two units (64 codes) at a time: `u` the codes (unsigned), `s` the activation
+// codes; int16 pair sums (below 2^15 for 6-bit codes), each times its 16-bit `scale` lane, pairs
+// of those summed into the 16 int32 lanes: lane j < 8 holds codes 4j..4j+3 of the first unit,
+// lane j + 8 those of the second. `zfold` adds the halves: the 8 lanes dot_scaled gives for
+// the two units one after the other (the same integers, so the same bits downstream).
+inline __m512i zdot_scaled(__m512i acc, __m512i u, __m512i s, __m512i scale) {
+  const __m512i pairs = _mm512_maddubs_epi16(u, s);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, pairs, scale);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, scale));
+#endif
+}
+inline Ints zfold(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// 32 bytes in both halves, the low half shifted right by `lo`, the high half by `hi` (16-bit
+// shifts), then masked per byte.
+inline __m512i zbits(const uint8_t* p, int lo, int hi, int mask) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)),
+                                            _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(v, counts), _mm512_set1_epi8(static_cast<char>(mask)));
+}
+// 64 bytes shifted right by `shift` (16-bit shifts), masked per byte.
+inline __m512i zbits64(const uint8_t* p, int shift, int mask) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return _mm512_and_si512(shift == 0 ? v : _mm512_srli_epi16(v, static_cast<unsigned>(shift)),
+                          _mm512_set1_epi8(static_cast<char>(mask)));
+}
+inline __m512i zor_shifted(__m512i low, __m512i high, int shift) {  // low | high << shift
+  return _mm512_or_si512(low, _mm512_slli_epi16(high, static_cast<unsigned>(shift)));
+}
+// Up to 32 int16 scales in `words`; lane i of the result = words[first + i / 2^log2_run].
+inline __m512i zpick_words(__m512i words, int first, int log2_run) {
+  const __m512i iota = _mm512_set_epi32(
+      0x001F001E, 0x001D001C, 0x001B001A, 0x00190018, 0x00170016, 0x00150014, 0x00130012,
+      0x00110010, 0x000F000E, 0x000D000C, 0x000B000A, 0x00090008, 0x00070006, 0x00050004,
+      0x00030002, 0x00010000);  // int16 lane i = i
+  const __m512i index = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(first)),
+                                         _mm512_srli_epi16(iota, static_cast<unsigned>(log2_run)));
+  return _mm512_permutexvar_epi16(index, words);
+}
+// 8 uint8 -> int16 lanes 0..7; 16 int8 -> int16 lanes 0..15 (the rest 0).
+inline __m512i zwords_u8(const uint8_t* p) {
+  return _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512i zwords_i8(const int8_t* p) {
+  return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 // acc += [v[i] x 8, v[i + step] x 8] * dot: blocks k and k + 1 of a group in one fma.
 inline Dual dual_fma(Dual acc, __m512 v, int i, int step, __m512i dot) {
   const __m512i index = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + step), 1);
