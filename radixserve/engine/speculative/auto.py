@@ -102,10 +102,15 @@ class AutoDrafter(Drafter):
         return {} if state is None else dict(state.scores)
 
     def on_forward(
-        self, reqs: list[Req], starts: list[int], lengths: list[int], logits: LogitsOutput
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        lengths: list[int],
+        logits: LogitsOutput,
+        trees: list[Draft | None] | None = None,
     ) -> None:
         for candidate in self.candidates:
-            candidate.on_forward(reqs, starts, lengths, logits)
+            candidate.on_forward(reqs, starts, lengths, logits, trees)
 
     def on_finished(self, req: Req) -> None:
         for candidate in self.candidates:
