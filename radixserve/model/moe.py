@@ -21,6 +21,7 @@ ranks' parts. The shared expert is held whole and added by rank 0 alone, before 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from radixserve.config.model import ModelConfig, MoEConfig
 from radixserve.distributed.group import TPGroup
 from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.layers import GatedMLP
+from radixserve.model.quant.base_linear import dense_linear
 
 
 class Routing(NamedTuple):
@@ -60,7 +62,23 @@ def grouped_experts(
     """Sum over each token's experts among the local ones (`first_expert` onwards, as many as
     `w13` holds) of weight * expert(x): rows sorted by expert, one gate_up and one down
     matmul per expert that received rows."""
-    top_k, num_local = routing.experts.shape[1], w13.shape[0]
+
+    def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return _expert(rows, w13[expert], w2[expert], silu_mul)
+
+    return grouped_rows(x, routing, w13.shape[0], run, first_expert)
+
+
+def grouped_rows(
+    x: torch.Tensor,
+    routing: Routing,
+    num_local: int,
+    run: Callable[[int, torch.Tensor], torch.Tensor],
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """`grouped_experts` for any expert: `run(e, rows)` is local expert e on its rows (e.g.
+    through quantized layers)."""
+    top_k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1) - first_expert  # [num_tokens * top_k], local ids
     flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # others sort last
     order = torch.argsort(flat, stable=True)
@@ -73,7 +91,7 @@ def grouped_experts(
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            out_rows[start:end] = _expert(rows[start:end], w13[expert], w2[expert], silu_mul)
+            out_rows[start:end] = run(expert, rows[start:end])
             start = end
     out_rows *= routing.weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, token_of_row, out_rows)
@@ -96,6 +114,23 @@ def dense_experts(
     gate, up = gate_up.chunk(2, dim=-1)
     out = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2))  # [experts, tokens, hidden]
     return (out * full.t().unsqueeze(-1)).sum(dim=0)
+
+
+def dense_rows(
+    x: torch.Tensor,
+    routing: Routing,
+    num_experts: int,
+    num_local: int,
+    run: Callable[[int, torch.Tensor], torch.Tensor],
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """`dense_experts` for any expert `run(e, rows)`: each local expert over every row."""
+    full = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
+    full.scatter_(1, routing.experts, routing.weights)
+    out = torch.zeros_like(x)
+    for e in range(num_local):
+        out += full[:, first_expert + e, None] * run(e, x)
+    return out
 
 
 def _expert(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, silu_mul) -> torch.Tensor:
@@ -130,8 +165,9 @@ def check_ep_size(config: ModelConfig, tp_size: int, ep_size: int) -> None:
 
 
 class SparseMoeBlock(nn.Module):
-    """A routed MLP: `gate` (the router), this rank's experts stacked as `w13` / `w2`, and
-    Qwen2-MoE's optional shared expert (held whole, run by rank 0)."""
+    """A routed MLP: `gate` (the router), this rank's experts stacked as `w13` / `w2` (or,
+    quantized, one gate_up and one down layer each: `use_expert_layers`), and Qwen2-MoE's
+    optional shared expert (held whole, run by rank 0)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup):
         super().__init__()
@@ -150,13 +186,47 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.ops: CpuLayerOps | None = None
+        self.gate_up_layers: nn.ModuleList | None = None
+        self.down_layers: nn.ModuleList | None = None
+
+    def use_expert_layers(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        """Runs local expert e as down[e](silu(gate) * up of gate_up[e](x)): layers of any
+        format (GGUF blocks, int8 / int4) in place of the stacked fp `w13` / `w2`, dropped."""
+        if len(gate_up) != self.w13.shape[0] or len(down) != len(gate_up):
+            raise ValueError(f"expected {self.w13.shape[0]} gate_up and down layers")
+        self.gate_up_layers, self.down_layers = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.num_local = len(gate_up)
+        self.w13 = self.w2 = None
+
+    def quantize_experts(self, make: Callable[[nn.Module], nn.Module]) -> None:
+        """Each local expert's gate_up and down as `make(dense layer)` (int8 / int4 on load);
+        the shared expert's projections too."""
+        gate_up = [make(dense_linear(w)) for w in self.w13.detach()]
+        self.use_expert_layers(gate_up, [make(dense_linear(w)) for w in self.w2.detach()])
+        if self.shared_expert is not None:
+            shared = self.shared_expert
+            shared.gate_up_proj, shared.down_proj = (
+                make(shared.gate_up_proj),
+                make(shared.down_proj),
+            )
+
+    def _run_layers(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_layers[expert](rows)
+        if self.ops is not None and not torch.compiler.is_compiling():
+            return self.down_layers[expert](self.ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_layers[expert](F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor, lora: object | None = None) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]. `lora` is the dense MLP's argument:
         always None here (--enable-lora refuses MoE models at start)."""
         routing = route(F.linear(x, self.gate), self.moe.top_k, self.moe.norm_topk_prob)
         first, num_experts = self.first_expert, self.moe.num_experts
-        if _cannot_sync(x):
+        if self.gate_up_layers is not None and _cannot_sync(x):
+            out = dense_rows(x, routing, num_experts, self.num_local, self._run_layers, first)
+        elif self.gate_up_layers is not None:
+            out = grouped_rows(x, routing, self.num_local, self._run_layers, first)
+        elif _cannot_sync(x):
             out = dense_experts(x, self.w13, self.w2, routing, num_experts, first)
         else:
             silu_mul = None if self.ops is None else self.ops.silu_mul
