@@ -21,6 +21,7 @@ ranks' parts. The shared expert is held whole and added by rank 0 alone, before 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -58,15 +59,68 @@ def grouped_experts(
     routing: Routing,
     silu_mul=None,
     first_expert: int = 0,
+    fused: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sum over each token's experts among the local ones (`first_expert` onwards, as many as
     `w13` holds) of weight * expert(x): rows sorted by expert, one gate_up and one down
-    matmul per expert that received rows."""
+    matmul per expert that received rows; or, `fused` (CpuLayerOps.moe_grouped_experts) on
+    fp32 rows, up to FUSED_MAX_ROWS of them, every expert's rows in that one C++ call."""
+    grouped = group_rows(x, routing, w13.shape[0], first_expert)
+    if fused is not None and x.dtype == torch.float32 and len(grouped.order) <= FUSED_MAX_ROWS:
+        offsets = torch.tensor([0, *itertools.accumulate(grouped.counts)], dtype=torch.int64)
+        out_rows = fused(grouped.rows.contiguous(), offsets, w13, w2)
+        return scatter_rows(x, routing, grouped, out_rows)
 
     def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
         return _expert(rows, w13[expert], w2[expert], silu_mul)
 
-    return grouped_rows(x, routing, w13.shape[0], run, first_expert)
+    return scatter_rows(x, routing, grouped, _run_groups(grouped, run))
+
+
+FUSED_MAX_ROWS = 256
+"""Routed rows up to which the C++ call runs fp32 experts (decode); from there on, torch's
+matmuls, whose blocked kernels beat its one dot per output once an expert has many rows."""
+
+
+class GroupedRows(NamedTuple):
+    """The (token, expert) rows routed to local experts, sorted by expert."""
+
+    rows: torch.Tensor  # [num_rows, hidden]: the tokens' activations, expert by expert
+    order: torch.Tensor  # [num_rows]: each row's index into the flat [tokens * top_k] routing
+    counts: list[int]  # rows of each local expert
+
+
+def group_rows(
+    x: torch.Tensor, routing: Routing, num_local: int, first_expert: int = 0
+) -> GroupedRows:
+    """Sorts the rows routed to local experts [first_expert, first_expert + num_local) by
+    expert (one host read: the per-expert counts)."""
+    flat = routing.experts.reshape(-1) - first_expert  # [num_tokens * top_k], local ids
+    flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # others sort last
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_local)[:num_local].tolist()
+    order = order[: sum(counts)]  # the rows routed to local experts, grouped
+    return GroupedRows(x[order // routing.experts.shape[1]], order, counts)
+
+
+def scatter_rows(
+    x: torch.Tensor, routing: Routing, grouped: GroupedRows, out_rows: torch.Tensor
+) -> torch.Tensor:
+    """Each token's sum of its rows' expert outputs, weighted by the routing."""
+    out_rows = out_rows * routing.weights.reshape(-1)[grouped.order].unsqueeze(-1)
+    token_of_row = grouped.order // routing.experts.shape[1]
+    return torch.zeros_like(x).index_add_(0, token_of_row, out_rows)
+
+
+def _run_groups(grouped: GroupedRows, run: Callable[[int, torch.Tensor], torch.Tensor]):
+    out_rows = torch.empty_like(grouped.rows)
+    start = 0
+    for expert, count in enumerate(grouped.counts):
+        if count:
+            end = start + count
+            out_rows[start:end] = run(expert, grouped.rows[start:end])
+            start = end
+    return out_rows
 
 
 def grouped_rows(
@@ -78,23 +132,8 @@ def grouped_rows(
 ) -> torch.Tensor:
     """`grouped_experts` for any expert: `run(e, rows)` is local expert e on its rows (e.g.
     through quantized layers)."""
-    top_k = routing.experts.shape[1]
-    flat = routing.experts.reshape(-1) - first_expert  # [num_tokens * top_k], local ids
-    flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)  # others sort last
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_local)[:num_local].tolist()
-    order = order[: sum(counts)]  # the rows routed to local experts, grouped
-    token_of_row = order // top_k
-    rows = x[token_of_row]  # [num_tokens * top_k, hidden], grouped by expert
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            end = start + count
-            out_rows[start:end] = run(expert, rows[start:end])
-            start = end
-    out_rows *= routing.weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token_of_row, out_rows)
+    grouped = group_rows(x, routing, num_local, first_expert)
+    return scatter_rows(x, routing, grouped, _run_groups(grouped, run))
 
 
 def dense_experts(
@@ -230,7 +269,8 @@ class SparseMoeBlock(nn.Module):
             out = dense_experts(x, self.w13, self.w2, routing, num_experts, first)
         else:
             silu_mul = None if self.ops is None else self.ops.silu_mul
-            out = grouped_experts(x, self.w13, self.w2, routing, silu_mul, first)
+            fused = None if self.ops is None else self.ops.moe_grouped_experts
+            out = grouped_experts(x, self.w13, self.w2, routing, silu_mul, first, fused)
         if self.shared_expert is not None and self.tp.rank == 0:
             shared_gate = torch.sigmoid(F.linear(x, self.shared_expert_gate))
             out = out + shared_gate * self.shared_expert(x)
