@@ -13,13 +13,15 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import quantize
+from kquant_reference import quantize_kquant
 from test_moe import CONFIGS, PROMPTS, hf_greedy_choices
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from conftest import greedy_generate, hf_model, make_runner
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.loader import load_model, read_hf_config
+from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.runner import ModelRunner
 
@@ -75,6 +77,11 @@ def write_moe_gguf(folder: Path, path: Path, arch: str, types: dict | None = Non
         qtype = (types or {}).get(part, T.F32)
         if qtype == T.F32:
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+        elif qtype.name.endswith("_K"):  # our reference quantizer, row by row
+            rows = quantize_kquant(
+                value.reshape(-1, value.shape[-1]).astype(np.float32), qtype.name
+            )
+            writer.add_tensor(name, rows.reshape(*value.shape[:-1], -1), raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(value.astype(np.float32), qtype), raw_dtype=qtype)
 
@@ -169,3 +176,26 @@ def test_block_experts_run_per_expert_with_the_dequantized_logits(ggufs, arch):
         LoadConfig(model=str(quantized), device="cpu", quantization="none"), prompt
     )
     torch.testing.assert_close(blocks, dequantized, atol=2e-4, rtol=1e-4)
+
+
+def test_k_quant_experts_run_as_their_super_blocks(tmp_path, cpu_ops):
+    """Q4_K gate / up and Q6_K down experts (llama.cpp's Q4_K_M mix) stay K-quant layers on
+    the block kernels, with the logits of the same file dequantized."""
+    torch.manual_seed(3)
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "hf")
+    types = {"ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K, "ffn_down_exps": T.Q6_K}
+    write_moe_gguf(tmp_path / "hf", tmp_path / "k.gguf", "qwen3_moe", types)
+    load = LoadConfig(model=str(tmp_path / "k.gguf"), device="cpu", dtype="float32")
+    mlp = load_model(load).model.layers[0].mlp
+    assert [layer.type_name for layer in mlp.gate_up_layers] == ["Q4_K"] * 4
+    assert all(isinstance(layer, KQuantLinear) for layer in mlp.down_layers)
+    prompt = [t % 256 for t in PROMPTS[0]]
+    dequantized = LoadConfig(model=str(tmp_path / "k.gguf"), device="cpu", quantization="none")
+    torch.testing.assert_close(
+        _logits(load, prompt), _logits(dequantized, prompt), atol=2e-4, rtol=1e-4
+    )
