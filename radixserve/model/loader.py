@@ -108,10 +108,17 @@ def peek_model_config(load_config: LoadConfig) -> ModelConfig:
 
 
 def _gguf_reader(source: ModelSource, load_config: LoadConfig):
-    """The GGUF file's reader, if the model is one read as GGUF; else None."""
+    """The GGUF file's reader, if the model is one read as GGUF; else None. At a method that
+    converts through transformers (none, int8, ...), a file our reader cannot parse (a
+    big-endian one) is left to transformers' reader, as before MoE GGUFs were read here."""
     if source.kind != "gguf" or load_config.load_format not in ("auto", "gguf"):
         return None
-    return read_gguf(source.path)
+    try:
+        return read_gguf(source.path)
+    except ModelLoadError:
+        if load_config.quantization in ("auto", "gguf"):
+            raise
+        return None
 
 
 def _load_moe_gguf(
