@@ -8,8 +8,10 @@ random (`--load-format dummy`, seeded), so routing spreads tokens over the exper
 as a trained router's load balancing does.
 
 Attention and the LM head run on the layers `--cpu-dense-kernel` picks (our packed kernel
-where a once-per-machine probe finds it faster); the experts always on torch's matmul, so
-`--cpu-dense-kernel torch` compares like with like.
+where a once-per-machine probe finds it faster); fp experts always on torch's matmul, so
+`--cpu-dense-kernel torch` compares like with like. `--quantization int8 | int4` quantizes
+both models on load: the dense model's MLP is then one int layer, the MoE model's each
+expert's own (model/moe.py `use_expert_layers`: one Python call per expert that got rows).
 
 A decode step: after an untimed prefill of `--context-len` tokens per request, one forward
 of one new token per request (forward_micro.py's `rs_decode`: median of `--steps` steps).
@@ -51,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="the dense model's fp layers: auto | torch | packed (experts run torch's matmul)",
     )
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 (both models)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("bench_results/moe_decode.json"))
     return p.parse_args(argv)
@@ -96,6 +99,7 @@ def make_runner(folder: Path, hf_config: dict, args: argparse.Namespace) -> Mode
             device="cpu",
             dtype=args.dtype,
             cpu_dense_kernel=args.cpu_dense_kernel,
+            quantization=args.quantization,
         ),
         CacheConfig(page_size=16, max_total_tokens=(pages + 1) * 16),
     )
@@ -138,7 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     cpu = describe_cpu()
     threads = torch.get_num_threads()
     print(f"# MoE decode vs dense of equal active parameters ({cpu}, {args.dtype}, {threads} thr)")
-    print(f"# {args.experts} experts, top-{args.top_k}, {args.moe_inter} columns each")
+    print(
+        f"# {args.experts} experts, top-{args.top_k}, {args.moe_inter} columns each, "
+        f"--quantization {args.quantization}"
+    )
     print("| model | params | active | fp layers | batch | step ms | tokens/s |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():

@@ -28,6 +28,7 @@ KERNEL_TESTS = [
     "tests/test_kquant_matmul.py",
     "tests/test_q8_matmul.py",
     "tests/test_cpu_layer_ops.py",
+    "tests/test_moe_cpu_kernel.py",
     "tests/test_cpu_paged_decode.py",
     "tests/test_deterministic_attention.py",
 ]

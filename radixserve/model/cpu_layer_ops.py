@@ -8,6 +8,8 @@ in one call, row by row (batch-invariant), rounding where the torch reference ro
     rms_norm       RMSNorm
     add_rms_norm   residual += x; x = rms_norm(residual)          (in place; vLLM's contract)
     silu_mul       silu(gate) * up of the gate_up projection's output
+    moe_grouped_experts   a routed MLP's fp32 experts over their sorted rows, one call
+                   (native/csrc/moe_experts.cpp; model/moe.py decides when)
     rope_store     q_norm / k_norm (Qwen3), RoPE of q and k in place in the qkv output, and
                    k, v into their pool slots: what rotary + `KVPool.write` did
 
@@ -40,6 +42,7 @@ class CpuLayerOps:
         self._add_rms_norm = ops.add_rms_norm.default
         self._silu_mul = ops.silu_mul.default
         self._rope_store = ops.rope_store.default
+        self._moe_grouped_experts = ops.moe_grouped_experts.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of `x` (any leading dims), as a new tensor."""
@@ -56,6 +59,13 @@ class CpuLayerOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * inter] -> silu(gate) * up [rows, inter]."""
         return self._silu_mul(gate_up)
+
+    def moe_grouped_experts(
+        self, rows: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """fp32 rows sorted by expert (expert e's: offsets[e] .. offsets[e + 1]) -> each row's
+        expert output, every expert in one call (native/csrc/moe_experts.cpp)."""
+        return self._moe_grouped_experts(rows, offsets, w13, w2)
 
     def rope_store(
         self,

@@ -18,6 +18,7 @@ from radixserve.model.gemma3 import Gemma3ForCausalLM
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM, hf_weight_shapes
 from radixserve.model.quant.block_matmul import resolve_cpu_quant_kernel
+from radixserve.model.quant.gguf_moe import is_moe_gguf
 from radixserve.model.quant.gguf_weights import (
     field,
     gguf_hf_config,
@@ -62,10 +63,12 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
             f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_config.load_format!r}"
         )
     source = resolve_model(load_config.model)
+    reader = _gguf_reader(source, load_config)
+    if reader is not None and is_moe_gguf(reader):
+        return _load_moe_gguf(source, load_config, reader, tp)
     if load_config.quantization == "gguf":
-        return _load_gguf_as_is(source, load_config, tp=tp)
+        return _load_gguf_as_is(source, load_config, reader, tp)
     if _may_load_gguf_as_is(source, load_config):
-        reader = read_gguf(source.path)
         kquants = resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
         if loads_as_is(reader, kquants):
             as_is = replace(load_config, quantization="gguf")
@@ -97,11 +100,47 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
 def peek_model_config(load_config: LoadConfig) -> ModelConfig:
     """The model's config without its weights (a GGUF file is converted, once, here)."""
     source = resolve_model(load_config.model)
-    if load_config.quantization == "gguf" and source.kind == "gguf":
-        return ModelConfig.from_hf_dict(gguf_hf_config(read_gguf(source.path), source.path))
+    reader = _gguf_reader(source, load_config)
+    if reader is not None and (load_config.quantization == "gguf" or is_moe_gguf(reader)):
+        return ModelConfig.from_hf_dict(gguf_hf_config(reader, source.path))
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     return ModelConfig.from_hf_dict(hf_config)
+
+
+def _gguf_reader(source: ModelSource, load_config: LoadConfig):
+    """The GGUF file's reader, if the model is one read as GGUF; else None. At a method that
+    converts through transformers (none, int8, ...), a file our reader cannot parse (a
+    big-endian one) is left to transformers' reader, as before MoE GGUFs were read here."""
+    if source.kind != "gguf" or load_config.load_format not in ("auto", "gguf"):
+        return None
+    try:
+        return read_gguf(source.path)
+    except ModelLoadError:
+        if load_config.quantization in ("auto", "gguf"):
+            raise
+        return None
+
+
+def _load_moe_gguf(
+    source: ModelSource, load_config: LoadConfig, reader, tp: TPGroup
+) -> LoadedModel:
+    """An MoE GGUF (qwen3moe, qwen2moe, Mixtral's llama with experts) is read by our GGUF
+    reader at every --quantization (transformers' GGUF conversion has no Mixtral and drops
+    Qwen2-MoE's expert width). gguf (and `auto` where `loads_as_is`, on CPU): experts and
+    projections kept as their blocks; none / int8 / int4: every tensor dequantized to fp32,
+    then quantized on load."""
+    method = load_config.quantization
+    if method == "auto":
+        on_cpu = load_config.torch_device().type == "cpu"
+        kquants = resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
+        method = "gguf" if on_cpu and loads_as_is(reader, kquants) else "none"
+        if method == "none":
+            log_dequantized_fallback(source, reader, kquants)
+    load_config = replace(load_config, quantization=method)
+    if method == "gguf":
+        return _load_gguf_as_is(source, load_config, reader, tp)
+    return _load_gguf_as_is(source, load_config, reader, tp, dequantize=True)
 
 
 def _may_load_gguf_as_is(source: ModelSource, load_config: LoadConfig) -> bool:
@@ -122,10 +161,15 @@ def log_dequantized_fallback(source: ModelSource, reader, kquants: bool) -> None
 
 
 def _load_gguf_as_is(
-    source: ModelSource, load_config: LoadConfig, reader=None, tp: TPGroup | None = None
+    source: ModelSource,
+    load_config: LoadConfig,
+    reader=None,
+    tp: TPGroup | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
     """`--quantization gguf`: config from the file's metadata, projections kept packed (a
-    tensor-parallel rank: its part of each, cut along whole blocks)."""
+    tensor-parallel rank: its part of each, cut along whole blocks); `dequantize` (an MoE
+    GGUF at none / int8 / int4): every tensor fp32, then quantized on load as asked."""
     tp = tp or TPGroup.single()
     if source.kind != "gguf" or load_config.load_format not in ("auto", "gguf"):
         raise QuantizationError(
@@ -134,11 +178,13 @@ def _load_gguf_as_is(
         )
     reader = read_gguf(source.path) if reader is None else reader
     config = ModelConfig.from_hf_dict(gguf_hf_config(reader, source.path))
+    refuse_moe_options(load_config, config)
     check_quantization(load_config, ShardLayout(config, tp.rank, tp.size).local_config())
     model = _empty_model(config, load_config.torch_device(), load_config.torch_dtype(), tp)
     on_cpu = load_config.torch_device().type == "cpu"
     blocks = on_cpu and resolve_cpu_quant_kernel(load_config.cpu_quant_kernel) == "blocks"
-    load_gguf_weights(model, reader, config, blocks)
+    load_gguf_weights(model, reader, config, blocks and not dequantize, dequantize)
+    quantize_model(model, load_config)
     configure_int_layers(model, load_config)
     model.eval()
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
@@ -160,16 +206,21 @@ def refuse_sharded_quantization(method: str, tp_size: int) -> None:
         )
 
 
+MOE_METHODS = ("none", "auto", "int8", "int4", "gguf")
+"""What MoE experts run as: fp, int8 / int4 quantized on load, a GGUF's blocks (per expert,
+model/moe.py `use_expert_layers`)."""
+
+
 def refuse_moe_options(load_config: LoadConfig, config: ModelConfig) -> None:
-    """Experts are stacked fp tensors run by torch's matmuls: no quantized layout holds them
-    yet, and their rounding may depend on how many rows an expert gets (not batch-invariant)."""
+    """fp8 and the GPTQ / AWQ layouts hold no experts yet; an expert's rounding may depend on
+    how many rows it gets (not batch-invariant)."""
     if config.moe is None:
         return
     method = load_config.quantization
-    if method not in ("none", "auto"):
+    if method not in MOE_METHODS:
         raise QuantizationError(
             f"--quantization {method} is not supported for the mixture-of-experts "
-            f"{config.architecture} yet; use --quantization none"
+            f"{config.architecture} yet; use --quantization none, int8, int4 or gguf"
         )
     if load_config.enable_deterministic_inference:
         raise ValueError(

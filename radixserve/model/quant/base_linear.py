@@ -101,3 +101,12 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Unqu
     if bias is not None:
         linear.bias = nn.Parameter(bias, requires_grad=False)
     return linear
+
+
+def fixed_dense_layer(weight: torch.Tensor) -> UnquantizedLinear:
+    """A dense layer whose weight is a buffer, as a quantized layer's are: `load_weights`
+    fills and checks parameters only, so this one is complete as built."""
+    layer = dense_linear(weight)
+    del layer.weight
+    layer.register_buffer("weight", weight)
+    return layer

@@ -26,7 +26,8 @@ from radixserve.model.quant.kquant import (
     kquant_dequantize,
     kquant_ops_available,
 )
-from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dense_linear
+from radixserve.model.quant.base_linear import fixed_dense_layer
+from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.quant.stacked_linear import StackedLinear
 from radixserve.model.source import ModelLoadError
 
@@ -135,11 +136,7 @@ def _run_layer(weights: list[BlockWeight], dtype, device, backend: str | None) -
     fills and checks parameters only)."""
     values = torch.cat([w.values for w in weights]).to(device)
     if weights[0].kind == "fp":
-        layer = dense_linear(values.to(dtype))
-        weight = layer.weight.data
-        del layer.weight
-        layer.register_buffer("weight", weight)
-        return layer
+        return fixed_dense_layer(values.to(dtype))
     dtype = torch.float32 if backend == "blocks" else dtype  # blocks keep fp16 scales exact
     scales = torch.cat([w.scales for w in weights]).to(device, dtype)
     if weights[0].kind == "int8":

@@ -22,8 +22,9 @@ blocks too (the default model's tied Q8_0 head: 32 MiB read per token instead of
 is the embedding (block_embedding.py: each lookup dequantizes its tokens' rows; tied, from the
 head's own layer). K-quant blocks are views of the mapped file (gguf_blocks.py). llama.cpp stores
 q and k rows permuted for its RoPE layout; they are permuted back here (codes and scales alike; a
-K-quant layer reorders its outputs instead). Only the `llama` GGUF architecture
-(Llama, Mistral, SmolLM, ...) is read this way; anything else: `--quantization none`.
+K-quant layer reorders its outputs instead). The `llama` GGUF architecture (Llama, Mistral,
+SmolLM, ...) and the MoE ones (qwen3moe, qwen2moe, llama with experts: Mixtral; their experts in
+gguf_moe.py) are read this way; anything else: `--quantization none`.
 """
 
 from __future__ import annotations
@@ -31,14 +32,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from functools import partial
 
 import torch
 from torch import nn
 
 from radixserve.config import ModelConfig
-from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.quant.block_embedding import BlockEmbedding
 from radixserve.model.quant.gguf_blocks import (
     AS_IS_TYPES,
@@ -48,8 +47,21 @@ from radixserve.model.quant.gguf_blocks import (
     dequantize_tensor,
     fused_layer,
 )
+from radixserve.model.quant.gguf_config import (  # read_gguf, gguf_hf_config: re-exported
+    field,
+    gguf_hf_config,  # noqa: F401
+    read_gguf,  # noqa: F401
+)
+from radixserve.model.quant.gguf_moe import (
+    EXPERT_PARTS,
+    GGUF_ARCHITECTURES,
+    SHARED_PARTS,
+    Builders,
+    load_moe_layer,
+)
 from radixserve.model.quant.gguf_shard import shard_head, shard_weight
 from radixserve.model.quant.kquant import KQUANT_TYPES
+from radixserve.model.quant.stacked_linear import StackedLinear
 from radixserve.model.source import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -67,8 +79,11 @@ FP_NAMES = {  # GGUF name -> HF name; blk.N.* -> model.layers.N.*
     "output.weight": "lm_head.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
+PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's `llama` architecture
 HF_PARTS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -80,84 +95,43 @@ HF_PARTS = {
 }
 
 
-def read_gguf(path: Path) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except Exception as exc:  # a bad file fails in many ways (struct, enum, OS errors)
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-
-
-def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.fields.get(key, default)
-
-
-def gguf_hf_config(reader, path: Path) -> dict[str, Any]:
-    """An HF-style config dict from a llama-architecture GGUF's metadata."""
-    arch = field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(
-            f"--quantization gguf reads llama-architecture GGUF files; {path} is {arch!r} "
-            "(use --quantization none)"
-        )
-    names = {t.name for t in reader.tensors}
-    scaling = field(reader, "llama.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or "rope_freqs.weight" in names:
-        what = "rope_freqs factors" if scaling in ("none", "linear") else f"{scaling!r} RoPE"
-        raise ModelLoadError(f"--quantization gguf: {path} uses {what}; use --quantization none")
-    hidden, heads = (
-        field(reader, "llama.embedding_length"),
-        field(reader, "llama.attention.head_count"),
-    )
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": int(embed.shape[1]),  # ggml order: [hidden, vocab]
-        "hidden_size": hidden,
-        "intermediate_size": field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": field(reader, "llama.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": field(reader, "llama.attention.head_count_kv", heads),
-        "head_dim": field(reader, "llama.attention.key_length", hidden // heads),
-        "rms_norm_eps": field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": field(reader, "llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": field(reader, "llama.context_length", 4096),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
-    }
-    if scaling == "linear":
-        cfg["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": field(reader, "llama.rope.scaling.factor"),
-        }
-    return cfg
-
-
-def load_gguf_weights(model: nn.Module, reader, config: ModelConfig, blocks: bool = False) -> None:
+def load_gguf_weights(
+    model: nn.Module, reader, config: ModelConfig, blocks: bool = False, dequantize: bool = False
+) -> None:
     """Puts packed int4/int8 projections into `model` (on the C++ block kernels if `blocks`,
     else the device's default kernels) and loads every fp tensor; with `blocks`, a quantized
-    LM head too. A tensor-parallel shard (`model.layout` of several ranks) gets its part of
-    each, cut from the blocks (gguf_shard.py)."""
+    LM head too; with `dequantize`, every tensor as fp32 (an MoE GGUF at --quantization none).
+    A tensor-parallel shard (`model.layout` of several ranks) gets its part of each, cut from
+    the blocks (gguf_shard.py). Routed layers: gguf_moe.py."""
     backend = "blocks" if blocks else None
     layout = model.layout if model.layout.size > 1 else None
     tensors = {t.name: t for t in reader.tensors}
     log_projection_types(tensors, blocks)
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     fp_weights: list[tuple[str, torch.Tensor]] = []
+    decode = partial(decode_weight, kquants=blocks, dequantize=dequantize)
+    fused = partial(fused_layer, dtype=dtype, device=device, backend=backend)
+    build = Builders(decode, fused, dequantize_tensor)
     for i, layer in enumerate(model.layers):
         for path, parts in FUSED_PARTS.items():
+            if path.startswith("mlp.") and config.is_sparse_layer(i):
+                continue
             names = [f"model.layers.{i}.{HF_PARTS[p]}.weight" for p in parts]
             weights = [
-                shard_weight(layer_weight(tensors, i, part, config, blocks), name, layout)
+                shard_weight(layer_weight(tensors, i, part, config, decode), name, layout)
                 for part, name in zip(parts, names)
             ]
-            what = f"blk.{i}: {', '.join(parts)}"
-            module = fused_layer(weights, dtype, device, what, backend)
+            module = fused(weights, what=f"blk.{i}: {', '.join(parts)}")
+            biases = _biases(tensors, i, parts, names, layout)
             if module is None:  # fp in the file: the fp loader fills the fused rows
-                fp_weights += [(n, w.values) for n, w in zip(names, weights)]
+                fp_weights += [(n, w.values) for n, w in zip(names, weights)] + biases
             else:
+                if biases:
+                    attach_bias(module, torch.cat([b for _, b in biases]))
                 owner_name, attr = path.split(".")
                 setattr(getattr(layer, owner_name), attr, module)
+        if config.is_sparse_layer(i):
+            fp_weights += load_moe_layer(model, tensors, i, build)
     head = block_lm_head(tensors, dtype, device, layout) if blocks else None
     embedding = block_embedding(tensors, head, model, layout) if blocks else None
     if embedding is not None:  # no fp table: each lookup dequantizes its rows
@@ -190,6 +164,36 @@ def block_embedding(
     return BlockEmbedding(table, old.vocab_start, old.tp, dtype)
 
 
+def _biases(tensors: dict, layer: int, parts, names, layout) -> list[tuple[str, torch.Tensor]]:
+    """The HF-named fp32 biases of one fused projection's parts (Qwen2's q / k / v), this
+    rank's part of each; [] when the file has none."""
+    found = []
+    for part, name in zip(parts, names):
+        if (tensor := tensors.get(f"blk.{layer}.{part}.bias")) is not None:
+            bias_name, values = name.removesuffix("weight") + "bias", dequantize_tensor(tensor)
+            values = torch.from_numpy(values)
+            found.append(
+                (bias_name, values if layout is None else layout.select(bias_name, values))
+            )
+    return found
+
+
+def attach_bias(module: nn.Module, bias: torch.Tensor) -> None:
+    """Gives a fused layer built from blocks its bias (Qwen2's q / k / v), split over the
+    parts of a StackedLinear; a buffer, as the layers' weights are."""
+    start = 0
+    for part in module.parts if isinstance(module, StackedLinear) else [module]:
+        part_bias = bias[start : start + part.out_features].to(device=_device_of(part))
+        start += part.out_features
+        if "bias" in part._parameters:  # a dense part (nn.Linear): its bias a buffer too
+            del part.bias
+        part.register_buffer("bias", part_bias)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.buffers()).device
+
+
 def block_lm_head(
     tensors: dict, dtype: torch.dtype, device: torch.device, layout=None
 ) -> nn.Module | None:
@@ -204,16 +208,17 @@ def block_lm_head(
 
 
 def projection_types(tensors) -> Counter:
-    """GGUF type name -> how many layer projections (blk.N.attn_q ... ffn_down) have it."""
-    parts = tuple(f".{part}.weight" for part in HF_PARTS)
+    """GGUF type name -> how many layer projections (blk.N.attn_q ... ffn_down, an MoE
+    layer's stacked experts and shared expert) have it."""
+    parts = tuple(f".{part}.weight" for part in (*HF_PARTS, *EXPERT_PARTS, *SHARED_PARTS))
     return Counter(t.tensor_type.name for t in tensors if t.name.endswith(parts))
 
 
 def loads_as_is(reader, kquants: bool = False) -> bool:
-    """True if `--quantization auto` means gguf for this file: a llama-architecture GGUF
+    """True if `--quantization auto` means gguf for this file: a llama or MoE GGUF
     whose layer projections are Q4_0 / Q4_1 / Q8_0 (the default model's are Q4_1), K-quants
     if `kquants` (the block kernels run here), or fp, with at least one quantized."""
-    if field(reader, "general.architecture") != "llama":
+    if field(reader, "general.architecture") not in GGUF_ARCHITECTURES:
         return False
     quantized = {*AS_IS_TYPES, *(KQUANT_TYPES if kquants else ())}
     kinds = set(projection_types(reader.tensors))
@@ -223,8 +228,9 @@ def loads_as_is(reader, kquants: bool = False) -> bool:
 def why_not_as_is(reader, kquants: bool = False) -> str:
     """Why `loads_as_is` is False for this file, in words for the log."""
     arch = field(reader, "general.architecture")
-    if arch != "llama":
-        return f"its architecture is {arch!r} (blocks are read for llama only)"
+    if arch not in GGUF_ARCHITECTURES:
+        names = ", ".join(GGUF_ARCHITECTURES)
+        return f"its architecture is {arch!r} (blocks are read for {names} only)"
     types = ", ".join(f"{n} {t}" for t, n in sorted(projection_types(reader.tensors).items()))
     reason = f"its projections ({types}) are not all Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/fp"
     if not kquants and set(projection_types(reader.tensors)) & set(KQUANT_TYPES):
@@ -245,15 +251,14 @@ def log_projection_types(tensors: dict, blocks: bool) -> None:
         )
 
 
-def layer_weight(
-    tensors: dict, layer: int, part: str, config: ModelConfig, kquants: bool = False
-) -> BlockWeight:
-    """One projection of one layer, decoded; q and k rows back in HF order."""
+def layer_weight(tensors: dict, layer: int, part: str, config: ModelConfig, decode) -> BlockWeight:
+    """One projection of one layer, decoded by `decode` (`decode_weight`); q and k rows back
+    in HF order (llama.cpp permutes them for llama and Mixtral, not for Qwen)."""
     name = f"blk.{layer}.{part}.weight"
     if name not in tensors:
         raise ModelLoadError(f"GGUF file is missing tensor {name}")
-    weight = decode_block_weight(tensors[name], kquants)
-    if part in ("attn_q", "attn_k"):
+    weight = decode(tensors[name])
+    if part in ("attn_q", "attn_k") and config.architecture in PERMUTED_QK:
         heads = config.num_heads if part == "attn_q" else config.num_kv_heads
         order = unpermute_index(len(weight.values), heads)
         if weight.kind in KQUANT_TYPES:  # the mapped bytes stay as they lie
@@ -267,6 +272,13 @@ def unpermute_index(num_rows: int, num_heads: int) -> torch.Tensor:
     stored as (half, 2)."""
     rows = torch.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2)
     return rows.transpose(1, 2).reshape(-1)
+
+
+def decode_weight(tensor, kquants: bool = False, dequantize: bool = False) -> BlockWeight:
+    """`decode_block_weight`, or (`dequantize`) the tensor's fp32 values whatever its type."""
+    if dequantize:
+        return BlockWeight("fp", torch.from_numpy(dequantize_tensor(tensor)))
+    return decode_block_weight(tensor, kquants)
 
 
 def fp_tensors(tensors: dict) -> Iterator[tuple[str, torch.Tensor]]:

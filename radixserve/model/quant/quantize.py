@@ -92,6 +92,15 @@ def projection_shapes(config: ModelConfig, lm_head: bool = False) -> dict[str, t
         "mlp.gate_up_proj": (2 * config.intermediate_size, config.hidden_size),
         "mlp.down_proj": (config.hidden_size, config.intermediate_size),
     }
+    if config.moe is not None:  # each expert's layers (and Qwen2-MoE's shared expert)
+        moe = config.moe
+        for name, inter in (
+            ("experts", moe.intermediate_size),
+            ("shared_expert", moe.shared_expert_intermediate_size),
+        ):
+            if inter:
+                shapes[f"mlp.{name}.gate_up_proj"] = (2 * inter, config.hidden_size)
+                shapes[f"mlp.{name}.down_proj"] = (config.hidden_size, inter)
     if lm_head:
         shapes["lm_head"] = (config.vocab_size, config.hidden_size)
     return shapes
@@ -286,6 +295,10 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
         for path in PROJECTIONS:
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
+            if hasattr(owner, "quantize_experts"):  # a routed MLP (model/moe.py): at once
+                if attr == "gate_up_proj":
+                    owner.quantize_experts(make)
+                continue
             linear = getattr(owner, attr)
             if tp is not None and tp.size > 1 and path in ROW_PARALLEL:
                 quantized = _quantize_row_shard(linear, method, load_config, tp)
