@@ -88,15 +88,24 @@ def compiler_flags() -> list[str]:
     return flags
 
 
-def build_key(flags: list[str]) -> str:
-    """Hash of everything that makes a build valid: sources (and where they lie: two
-    checkouts sharing one cache would otherwise rebuild each other's), torch version, flags."""
+def kernels_key(flags: list[str] | None = None) -> str:
+    """Hash of what the kernels compute and how fast: sources, headers, torch version and
+    flags (this machine's when None), wherever the checkout lies. A measured kernel choice
+    keys its cached verdict by it, so a changed kernel is measured again."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    digest.update(str(CSRC).encode())  # the build files name the sources by absolute path
     digest.update(torch.__version__.encode())
-    digest.update(" ".join(flags).encode())
+    digest.update(" ".join(compiler_flags() if flags is None else flags).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_key(flags: list[str]) -> str:
+    """Hash of everything that makes a build valid: kernels_key and where the sources lie
+    (the build files name them by absolute path: two checkouts sharing one cache would
+    otherwise rebuild each other's)."""
+    digest = hashlib.sha256(kernels_key(flags).encode())
+    digest.update(str(CSRC).encode())
     return digest.hexdigest()[:16]
 
 

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.disk_cache import cache_root
@@ -59,6 +60,9 @@ whatever the fit says: a short extend then rounds as a decode does, as before th
 PROBE_REPEATS = 3
 PROBE_VERSION = 2  # part of the cache key: a change to how the probe measures re-measures
 TABLE = "quant_activation_choice.json"
+DTYPE_TABLE = "prefill_dtype_choice.json"
+DTYPE_SHAPE = (256, 2048, 2048)  # rows, out, in: a prefill chunk through a 1B projection
+BF16_WIN = 0.9  # bf16 must take at most this fraction of fp32's time (a near tie: fp32)
 
 
 def check_cpu_quant_activation(choice: str) -> None:
@@ -109,6 +113,55 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     apply_choice(layers, table["kinds"])
 
 
+def configure_dense_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """The block layers' prefill matmul dtype (`dense_dtype`): `dtype`, except that bf16 (the
+    CPU default under an fp32 model) becomes fp32 where a bf16 GEMM measures slower here
+    (no AVX512-BF16 / AMX, e.g. Ice Lake or AVX2 machines: 3-4x slower; with them several
+    times faster). Models under MIN_PROBED_WEIGHTS keep `dtype` unmeasured."""
+    layers = [layer for layer in block_layers(model) if layer.compute_dtype is None]
+    if dtype != torch.bfloat16 or not layers:
+        return
+    if max(layer.out_features * layer.in_features for layer in layers) < MIN_PROBED_WEIGHTS:
+        return
+    chosen = prefill_dense_dtype()
+    for layer in layers:
+        layer.dense_dtype = chosen
+
+
+def prefill_dense_dtype() -> torch.dtype:
+    """bf16 or fp32, whichever runs a prefill chunk's dense matmul faster on this machine
+    (measured once, cached by machine, torch and threads)."""
+    from radixserve.native.machine import describe_cpu
+
+    text = json.dumps(
+        [PROBE_VERSION, describe_cpu(), torch.__version__, torch.get_num_threads(), DTYPE_SHAPE]
+    )
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    entry = cached_measurement(key, probe_dense_dtype, cache_root() / DTYPE_TABLE, required="dtype")
+    return torch.bfloat16 if entry["dtype"] == "bfloat16" else torch.float32
+
+
+def probe_dense_dtype() -> dict:
+    """fp32 vs bf16 (the weight cast included, as the dense path casts the dequantized
+    weight) at DTYPE_SHAPE, alternated, CPU time; bf16 only when it wins by BF16_WIN."""
+    rows, out_features, in_features = DTYPE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.02
+    fp32_s, bf16_s = best_times(
+        partial(F.linear, x, weight),
+        partial(_bf16_linear, x, weight),
+        repeats=PROBE_REPEATS,
+        clock=time.process_time,
+    )
+    dtype = "bfloat16" if bf16_s <= BF16_WIN * fp32_s else "float32"
+    return {"dtype": dtype, "shape": list(DTYPE_SHAPE), "fp32_s": fp32_s, "bf16_s": bf16_s}
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+
+
 def apply_choice(layers: list[QuantizedLinear], kinds: dict[str, dict]) -> None:
     for layer in layers:
         entry = kinds[layer_kind(layer)]
@@ -124,13 +177,13 @@ def apply_choice(layers: list[QuantizedLinear], kinds: dict[str, dict]) -> None:
 
 def probe_key(kinds: dict[str, QuantizedLinear]) -> str:
     """What the measurement depends on: machine, build, torch, threads and the layer kinds."""
-    from radixserve.native.extension import load_cpu_ops
+    from radixserve.native.extension import kernels_key, load_cpu_ops
     from radixserve.native.machine import describe_cpu
 
     ops = load_cpu_ops()
     dense = sorted({str(layer.dense_dtype) for layer in kinds.values()})
     text = json.dumps(
-        [PROBE_VERSION, describe_cpu(), ops.int_dot_level(), torch.__version__,
+        [PROBE_VERSION, describe_cpu(), ops.int_dot_level(), kernels_key(), torch.__version__,
          torch.get_num_threads(), dense, sorted(kinds)]
     )  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.quant.dense_panels import DequantizeInto, panel_matmul
+
 DEQUANT_MIN_ROWS = 128  # from this many rows on, dequantize + dense matmul beats the kernels
 
 
@@ -51,7 +53,19 @@ class QuantizedLinear(nn.Module):
         if self._shared_dense is not None:
             return F.linear(x.to(self._shared_dense.dtype), self._shared_dense).to(x.dtype)
         dtype = self.dense_dtype or x.dtype
+        panels = self._panel_source() if dtype == torch.float32 else None
+        if panels is not None:  # fp32 on the C++ block kernels' layers: panel by panel
+            dequantize_into, row_order = panels
+            out = panel_matmul(x, self.out_features, dequantize_into)
+            out = out if row_order is None else out.index_select(1, row_order)
+            return out.to(x.dtype)
         return F.linear(x.to(dtype), self.dequantize(dtype)).to(x.dtype)
+
+    def _panel_source(self) -> tuple[DequantizeInto, torch.Tensor | None] | None:
+        """How to dequantize weight rows into a buffer (a C++ op of the block kernels) and
+        the output order of those rows (None: as stored); None where the layer has no such
+        op and its dense matmul dequantizes the whole weight."""
+        return None
 
     def _dequantizes(self, x: torch.Tensor) -> bool:
         return self.dequant_min_rows is not None and x.shape[0] >= self.dequant_min_rows

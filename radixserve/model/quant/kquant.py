@@ -19,10 +19,12 @@ With int8 activations (activation_choice.py) the kernel is q8_matmul.py's intege
 from __future__ import annotations
 
 import functools
+from functools import partial
 
 import torch
 
 from radixserve.model.quant import q8_matmul
+from radixserve.model.quant.dense_panels import DequantizeInto
 from radixserve.model.quant.linear import QuantizedLinear
 
 SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
@@ -112,6 +114,10 @@ class KQuantLinear(QuantizedLinear):
             out = kquant_matmul(x, self._buffers["blocks"], self.qtype)
         order = self._buffers["row_order"]
         return out if order is None else out.index_select(1, order)
+
+    def _panel_source(self) -> tuple[DequantizeInto, torch.Tensor | None]:
+        into = partial(torch.ops.radixserve_cpu.kquant_dequantize_into, self._buffers["blocks"], self.qtype)
+        return into, self._buffers["row_order"]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = kquant_dequantize(self._buffers["blocks"], self.qtype)

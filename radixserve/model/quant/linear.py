@@ -38,6 +38,8 @@ kernels, which read 2-4x fewer bytes. --enable-deterministic-inference keeps eve
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -49,6 +51,7 @@ from radixserve.model.quant.base_linear import (
     bias_of,
     dense_linear,
 )
+from radixserve.model.quant.dense_panels import DequantizeInto
 from radixserve.model.quant.fp8_linear import FP8_MAX, Fp8Linear
 from radixserve.model.quant.int4_layout import packing_format, unpack_codes
 
@@ -131,6 +134,12 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         for g in range(1, len(parts)):  # partial sums in fp32: bf16 would round each one
             out += int8_mm(parts[g].contiguous(), self.qweight[g], self.scales[g])
         return out.to(x.dtype)
+
+    def _panel_source(self) -> tuple[DequantizeInto, None] | None:
+        if self.backend != "blocks" or self.scales.dim() != 2:
+            return None
+        ops = torch.ops.radixserve_cpu
+        return partial(ops.int8_block_dequantize_into, self.qweight, self.scales), None
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 rows `index` of the weight, only those dequantized (backend "blocks")."""
@@ -234,6 +243,12 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return _INT4_MM_CPU(
             x.contiguous(), buffers["packed"], self.group_size, buffers["scales_and_zeros"]
         )
+
+    def _panel_source(self) -> tuple[DequantizeInto, None] | None:
+        if self.backend != "blocks":
+            return None
+        ops = torch.ops.radixserve_cpu
+        return partial(ops.int4_block_dequantize_into, self.qs, self.scale_min), None
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 rows `index` (1-D) of the weight, only those dequantized (backend "blocks")."""

@@ -55,6 +55,7 @@ from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.activation_choice import (
     check_cpu_quant_activation,
     configure_block_activations,
+    configure_dense_dtype,
 )
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
 from radixserve.model.quant.block_matmul import CPU_QUANT_KERNELS, block_kernels
@@ -336,6 +337,8 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
                 module.dequant_min_rows = None
     if load_config.torch_device().type != "cpu":
         return
+    if not deterministic:  # there every row count stays on the kernels: no dense matmul
+        configure_dense_dtype(model, dtype)
     configure_block_activations(model, load_config.cpu_quant_activation, deterministic)
     kernel = load_config.cpu_dense_kernel
     if deterministic or use_packed_dense(model, kernel, load_config.torch_dtype()):

@@ -252,11 +252,64 @@ at::Tensor int8_block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Te
   return run(x, weights, N);
 }
 
+// Weight rows row0 .. row0 + out.size(0), dequantized as the kernels read them, into `out`
+// [rows, K] fp32: prefill's dense matmul takes a weight panel by panel through one buffer
+// it reuses (dense_panels.py), so no call pays for fresh pages.
+void check_panel(const at::Tensor& out, int64_t row0, int64_t N, int64_t K, const char* op) {
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.is_contiguous() && out.size(1) == K,
+              op, ": out must be a contiguous float32 [rows, ", K, "] CPU tensor");
+  TORCH_CHECK(row0 >= 0 && row0 + out.size(0) <= N, op, ": rows ", row0, " + ", out.size(0),
+              " exceed the weight's ", N);
+}
+
+template <typename W>
+void dequantize_into(const W& weights, int64_t row0, int64_t num_blocks, at::Tensor& out) {
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), kGrain, [&](int64_t r0, int64_t r1) {
+    Vec w[kVecs];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        weights.block(row0 + r, b, num_blocks, w);
+        float* dst = o + (r * num_blocks + b) * kBlock;
+        for (int64_t i = 0; i < kVecs; ++i) vstore(dst + i * kLanes, w[i]);
+      }
+    }
+  });
+}
+
+void int4_block_dequantize_into(const at::Tensor& qs, const at::Tensor& scale_min, int64_t row0,
+                                at::Tensor out) {
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 &&
+                  scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+                  scale_min.dim() == 3 && scale_min.size(0) == qs.size(0) &&
+                  scale_min.size(1) * kHalf == qs.size(1),
+              "int4_block_dequantize_into: qs must be uint8 [N, K / 2], scale_min float32 "
+              "[N, K / 32, 2]");
+  check_panel(out, row0, qs.size(0), qs.size(1) * 2, "int4_block_dequantize_into");
+  const Int4Rows weights{qs.data_ptr<uint8_t>(), scale_min.data_ptr<float>()};
+  dequantize_into(weights, row0, scale_min.size(1), out);
+}
+
+void int8_block_dequantize_into(const at::Tensor& qs, const at::Tensor& scales, int64_t row0,
+                                at::Tensor out) {
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == qs.size(0) &&
+                  scales.size(1) * kBlock == qs.size(1),
+              "int8_block_dequantize_into: qs must be int8 [N, K], scales float32 [N, K / 32]");
+  check_panel(out, row0, qs.size(0), qs.size(1), "int8_block_dequantize_into");
+  const Int8Rows weights{qs.data_ptr<int8_t>(), scales.data_ptr<float>()};
+  dequantize_into(weights, row0, scales.size(1), out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("int4_block_mm(Tensor x, Tensor qs, Tensor scale_min) -> Tensor");
   m.def("int8_block_mm(Tensor x, Tensor qs, Tensor scales) -> Tensor");
+  m.def("int4_block_dequantize_into(Tensor qs, Tensor scale_min, int row0, Tensor(a!) out) -> ()");
+  m.def("int8_block_dequantize_into(Tensor qs, Tensor scales, int row0, Tensor(a!) out) -> ()");
   // Which SIMD path the extension was built with (avx512, avx2, portable): every kernel
   // file follows the same build flags. No tensor argument: a catch-all.
   m.def("simd_level() -> str", [] { return std::string(kSimd); });
@@ -265,4 +318,6 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("int4_block_mm", &int4_block_mm);
   m.impl("int8_block_mm", &int8_block_mm);
+  m.impl("int4_block_dequantize_into", &int4_block_dequantize_into);
+  m.impl("int8_block_dequantize_into", &int8_block_dequantize_into);
 }

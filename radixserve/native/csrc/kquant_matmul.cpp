@@ -233,14 +233,37 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
   return out;
 }
 
+// Weight rows row0 .. row0 + out.size(0) into `out` [rows, K] fp32, the values
+// kquant_dequantize gives: prefill's dense matmul goes panel by panel through one reused
+// buffer (dense_panels.py).
+void kquant_dequantize_into(const at::Tensor& blocks, int64_t qtype, int64_t row0, at::Tensor out) {
+  const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_dequantize_into");
+  const int64_t N = blocks.size(0), K = num_super * kSuper;
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.is_contiguous() && out.size(1) == K,
+              "kquant_dequantize_into: out must be a contiguous float32 [rows, ", K, "] tensor");
+  TORCH_CHECK(row0 >= 0 && row0 + out.size(0) <= N, "kquant_dequantize_into: rows ", row0,
+              " + ", out.size(0), " exceed the weight's ", N);
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>() + row0 * blocks.size(1);
+  by_format(qtype, [&](auto format) {
+    using F = decltype(format);
+    at::parallel_for(0, out.size(0), kGrain, [&](int64_t n0, int64_t n1) {
+      dequantize_rows<F>(w, n0, n1, num_super, o);
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("kquant_mm(Tensor x, Tensor blocks, int qtype) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int qtype) -> Tensor");
+  m.def("kquant_dequantize_into(Tensor blocks, int qtype, int row0, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("kquant_mm", &kquant_mm);
   m.impl("kquant_dequantize", &kquant_dequantize);
+  m.impl("kquant_dequantize_into", &kquant_dequantize_into);
 }

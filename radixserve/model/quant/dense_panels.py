@@ -1,0 +1,51 @@
+"""Prefill's dense matmul over a block-quantized weight on CPU, panel by panel.
+
+A layer on the C++ block kernels (GGUF blocks, K-quants) runs a prefill chunk as one dense
+GEMM on its dequantized weight (from `dequant_min_rows` rows on). Dequantizing the whole
+weight per call costs fresh pages every time: a 2048 x 8192 fp32 weight is 64 MiB, and its
+page faults alone take longer on one core than the dequantization (measured: 40 ms to
+allocate and fill it, 8.5 ms to fill a reused one). So the weight goes through in panels of
+at most PANEL_BYTES: each panel of rows is dequantized by the C++ op (the kernels' own fp32
+values) into one buffer the thread keeps, and torch's GEMM writes that panel's output columns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+PANEL_BYTES = 16 << 20  # fp32 weight rows per panel: at most this many bytes
+
+DequantizeInto = Callable[[int, torch.Tensor], None]
+"""(row0, out [rows, K] fp32): writes weight rows row0 .. row0 + rows into out."""
+
+_local = threading.local()
+
+
+def _scratch(rows: int, cols: int) -> torch.Tensor:
+    """A [rows, cols] fp32 view of this thread's panel buffer (grown, never shrunk)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _local.buf = torch.empty(rows * cols)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def panel_rows(out_features: int, in_features: int) -> int:
+    """Weight rows per panel: as many as PANEL_BYTES holds, a multiple of 16, at least 16."""
+    rows = max(16, PANEL_BYTES // (4 * in_features) // 16 * 16)
+    return min(rows, out_features)
+
+
+def panel_matmul(x: torch.Tensor, out_features: int, dequantize_into: DequantizeInto) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, out_features] fp32, W dequantized panel by panel."""
+    x = x.float().contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    step = panel_rows(out_features, x.shape[1])
+    for row0 in range(0, out_features, step):
+        rows = min(step, out_features - row0)
+        weight = _scratch(rows, x.shape[1])
+        dequantize_into(row0, weight)
+        torch.mm(x, weight.t(), out=out[:, row0 : row0 + rows])
+    return out

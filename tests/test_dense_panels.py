@@ -1,0 +1,91 @@
+"""Prefill's dense matmul on the block kernels' layers (dense_panels.py): the weight goes
+through in panels of rows dequantized by the C++ ops into one reused buffer, and the result
+is the whole dequantized weight's matmul; the dtype of that matmul is measured per machine
+(activation_choice.configure_dense_dtype)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from test_kquant_matmul import random_blocks
+from torch import nn
+
+from radixserve.model.quant import activation_choice, dense_panels
+from radixserve.model.quant.kquant import KQuantLinear
+from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+
+def _layers(out: int, k: int) -> list:
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (out, k), generator=gen)
+    scales, zeros = torch.rand(out, k // 32, generator=gen) * 0.1, torch.randn(out, k // 32) * 0.1
+    q8 = torch.randint(-127, 128, (out, k), generator=gen, dtype=torch.int8)
+    blocks = torch.from_numpy(random_blocks(out, k, "Q6_K", seed=3))
+    order = torch.randperm(out, generator=gen)  # llama.cpp's permuted q / k rows
+    return [
+        Int4WeightOnlyLinear(codes, scales, zeros, 32, backend="blocks"),
+        Int8WeightOnlyLinear(q8, scales, group_size=32, backend="blocks"),
+        KQuantLinear(blocks, "Q6_K"),
+        KQuantLinear(blocks, "Q6_K", row_order=order),
+    ]
+
+
+def test_panels_give_the_whole_weights_matmul_however_the_rows_split(cpu_ops, monkeypatch):
+    # 512 inputs: a panel of 16 rows is 32 KiB, so 40 KiB panels take 16 rows at a time and
+    # the 72 outputs end on a short panel
+    monkeypatch.setattr(dense_panels, "PANEL_BYTES", 40 << 10)
+    assert dense_panels.panel_rows(72, 512) == 16
+    x = torch.randn(130, 512)
+    for layer in _layers(72, 512):
+        layer.dense_dtype = torch.float32
+        assert layer._panel_source() is not None
+        got = layer(x)  # 130 rows >= dequant_min_rows: the dense path
+        expected = F.linear(x, layer.dequantize(torch.float32))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        if isinstance(layer, KQuantLinear):  # the same fp32 weights: the same GEMM bits
+            assert torch.equal(got, expected)
+
+
+def test_panel_ops_refuse_rows_past_the_weight(cpu_ops):
+    layer = _layers(32, 256)[2]
+    into, _ = layer._panel_source()
+    try:
+        into(20, torch.empty(16, 256))
+    except RuntimeError as exc:
+        assert "exceed the weight's 32" in str(exc)
+    else:
+        raise AssertionError("rows past the weight were accepted")
+
+
+class _Model(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.proj = layer
+
+
+def test_the_prefill_dtype_is_the_measured_one_for_large_models_only(cpu_ops, monkeypatch, tmp_path):
+    calls = []
+
+    def fake_probe():
+        calls.append(1)
+        return {"dtype": "float32"}
+
+    monkeypatch.setattr(activation_choice, "probe_dense_dtype", fake_probe)
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    big = KQuantLinear(torch.zeros(2048, 2048 // 256 * 144, dtype=torch.uint8), "Q4_K")
+    small = KQuantLinear(torch.zeros(64, 144, dtype=torch.uint8), "Q4_K")
+    for layer in (big, small):
+        layer.dense_dtype = torch.bfloat16
+        activation_choice.configure_dense_dtype(_Model(layer), torch.bfloat16)
+    assert big.dense_dtype == torch.float32  # measured: fp32 won
+    assert small.dense_dtype == torch.bfloat16  # too small to measure: the default kept
+    activation_choice.configure_dense_dtype(_Model(big), torch.bfloat16)
+    assert len(calls) == 1  # the verdict is cached for the machine
+
+
+def test_the_probe_times_both_dtypes():
+    entry = activation_choice.probe_dense_dtype()
+    assert entry["dtype"] in ("float32", "bfloat16")
+    assert entry["fp32_s"] > 0 and entry["bf16_s"] > 0
+    bf16_wins = entry["bf16_s"] <= activation_choice.BF16_WIN * entry["fp32_s"]
+    assert (entry["dtype"] == "bfloat16") == bf16_wins
