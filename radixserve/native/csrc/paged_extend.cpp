@@ -14,10 +14,10 @@
 // Draft trees (speculative verification, optional `tree_parents`): a request whose new tokens
 // are not a chain attends as each token's root-to-token path would as a plain sequence. Token
 // i sits at logical position prefix + depth(i); blocks below the prefix's last whole block are
-// shared by the tile's rows as for a chain, then each token's own key list (the rest of the
-// prefix, then its ancestors and itself at positions prefix + 0 .. depth) runs over the whole
-// tile with the other tokens' rows masked, so every row sums the same blocks in the same order
-// as the path's last token would in a chain (bitwise: --enable-deterministic-inference).
+// shared by the tile's rows as for a chain, then each token's rows move to a tile of their own
+// for its own key list (the rest of the prefix, then its ancestors and itself at positions
+// prefix + 0 .. depth), so every row sums the same blocks in the same order as the path's last
+// token would in a chain (bitwise: --enable-deterministic-inference).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -98,30 +99,57 @@ void attend_blocks(Tile& t, const Shape& s, const Keys<T>& kv, int64_t lo, int64
   }
 }
 
+// Moves rows [lo, lo + n) of `big` (queries, positions, softmax state) to a tile of their own
+// (padding as load_tile: zero queries at the last row's position), and back: a row's
+// arithmetic is its own, so it runs the same in either tile.
+void take_rows(const Tile& big, Tile& sub, int64_t lo, int64_t n, int64_t dim) {
+  sub.rows = n;
+  sub.padded = (n + kLanes - 1) / kLanes * kLanes;
+  std::fill(sub.qt.begin(), sub.qt.begin() + dim * sub.padded, 0.f);
+  for (int64_t d = 0; d < dim; ++d) {
+    std::copy_n(big.qt.data() + d * big.padded + lo, n, sub.qt.data() + d * sub.padded);
+  }
+  for (int64_t m = 0; m < sub.padded; ++m) sub.qpos[m] = big.qpos[lo + std::min(m, n - 1)];
+  std::fill(sub.acc.begin(), sub.acc.begin() + sub.padded * dim, 0.f);
+  std::copy_n(big.acc.data() + lo * dim, n * dim, sub.acc.data());
+  std::fill(sub.max.begin(), sub.max.end(), kNegInf);
+  std::fill(sub.sum.begin(), sub.sum.end(), 0.f);
+  std::copy_n(big.max.data() + lo, n, sub.max.data());
+  std::copy_n(big.sum.data() + lo, n, sub.sum.data());
+}
+
+void give_rows(const Tile& sub, Tile& big, int64_t lo, int64_t dim) {
+  std::copy_n(sub.acc.data(), sub.rows * dim, big.acc.data() + lo * dim);
+  std::copy_n(sub.max.data(), sub.rows, big.max.data() + lo);
+  std::copy_n(sub.sum.data(), sub.rows, big.sum.data() + lo);
+}
+
 // A draft tree's item: each of its tokens' blocks from `tail` (the prefix's last whole block)
-// on, over its own keys, the other rows masked (they keep their state: weight 0, rescale 1).
+// on, over its own keys (the rest of the prefix, then its path), in a tile of its own rows.
 template <typename T>
-void attend_tree_tail(Tile& t, const Shape& s, const Keys<T>& kv, const Item& it,
+void attend_tree_tail(Tile& t, Tile& sub, const Shape& s, const Keys<T>& kv, const Item& it,
                       int64_t prefix, const int64_t* parents, const int64_t* depths,
                       int64_t tail) {
   const int64_t D = s.head_dim, G = s.group;
   for (int64_t u = 0; u < it.num_tokens; ++u) {
     const int64_t token = it.first + u, depth = depths[token];
-    t.path.resize(depth + 1);  // the token's ancestors and itself, root first
-    for (int64_t a = depth, node = token; a >= 0; --a, node = parents[node]) t.path[a] = node;
+    sub.path.resize(depth + 1);  // the token's ancestors and itself, root first
+    for (int64_t a = depth, node = token; a >= 0; --a, node = parents[node]) sub.path[a] = node;
     const int64_t last = prefix + depth;
     const int64_t lo = s.window > 0 ? std::max(tail, (last - s.window + 1) / kKeys * kKeys) : tail;
     const auto physical = [&](int64_t pos) {
-      return pos < prefix ? pos : prefix + t.path[pos - prefix];
+      return pos < prefix ? pos : prefix + sub.path[pos - prefix];
     };
+    take_rows(t, sub, u * G, G, D);
     for (int64_t b = lo; b <= last; b += kKeys) {
       const int64_t n = std::min(kKeys, last + 1 - b);
-      load_block(t, s, kv, b, n, physical);
-      score_block(t, n, D);
-      mask_rows_block(t, b, n, s.window, u * G, (u + 1) * G);
-      softmax_block(t, n, D);
-      value_block(t, n, D);
+      load_block(sub, s, kv, b, n, physical);
+      score_block(sub, n, D);
+      mask_block(sub, b, n, s.window);
+      softmax_block(sub, n, D);
+      value_block(sub, n, D);
     }
+    give_rows(sub, t, u * G, D);
   }
 }
 
@@ -129,8 +157,8 @@ void attend_tree_tail(Tile& t, const Shape& s, const Keys<T>& kv, const Item& it
 // order) are then the same alone or beside any rows; blocks a row does not see leave it as it
 // was (weight 0, rescale 1).
 template <typename T>
-void attend_item(Tile& t, const Shape& s, const Keys<T>& kv, const Item& it, int64_t prefix,
-                 const int64_t* parents, const int64_t* depths) {
+void attend_item(Tile& t, Tile* sub, const Shape& s, const Keys<T>& kv, const Item& it,
+                 int64_t prefix, const int64_t* parents, const int64_t* depths) {
   if (depths == nullptr) {  // a chain: rows in position order
     const int64_t first_pos = t.qpos[0], last_pos = t.qpos[t.padded - 1];
     const int64_t lo =
@@ -143,7 +171,7 @@ void attend_item(Tile& t, const Shape& s, const Keys<T>& kv, const Item& it, int
   const int64_t lo =
       s.window > 0 ? std::max<int64_t>(0, *lowest - s.window + 1) / kKeys * kKeys : 0;
   attend_blocks(t, s, kv, lo, tail, *lowest, *highest);
-  attend_tree_tail(t, s, kv, it, prefix, parents, depths, tail);
+  attend_tree_tail(t, *sub, s, kv, it, prefix, parents, depths, tail);
 }
 
 // Writes the item's normalized rows to out (request r's tokens start at out_start).
@@ -169,6 +197,7 @@ void run(const Shape& s, const Requests& reqs, const std::vector<Item>& items, c
          const T* k, const T* v, const int64_t* page_table, float* out) {
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Tile t(s);
+    std::unique_ptr<Tile> sub;  // a tree token's rows (attend_tree_tail), made when needed
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int64_t r = it.req, prefix = reqs.prefix_lens[r];
@@ -177,7 +206,8 @@ void run(const Shape& s, const Requests& reqs, const std::vector<Item>& items, c
       const int64_t* parents = tree ? reqs.tree_parents + reqs.q_starts[r] : nullptr;
       load_tile(t, s, q, reqs.q_starts[r], prefix, depths, it);
       const Keys<T> kv{k, v, page_table + reqs.page_rows[r] * s.max_pages, it.kv_head};
-      attend_item(t, s, kv, it, prefix, parents, depths);
+      if (tree && !sub) sub = std::make_unique<Tile>(s);
+      attend_item(t, sub.get(), s, kv, it, prefix, parents, depths);
       store_tile(t, s, it, reqs.out_starts[r], out);
     }
   });
@@ -243,15 +273,11 @@ void check_tensors(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 
 // Work items: each request's new tokens in tiles of equal size (at most kTileRows rows, so a
 // 64-token extend with 3 heads per KV head is 4 tiles of 16, not 3 of 21 and one of 1),
-// times its KV heads. A tree's tiles hold at most kLanes rows: each of their tokens runs its
-// own tail blocks over the whole tile.
+// times its KV heads.
 std::vector<Item> make_items(const Requests& reqs, int64_t num_reqs, const Shape& s) {
-  const int64_t chain_most = std::max<int64_t>(1, kTileRows / s.group);
-  const int64_t tree_most = std::max<int64_t>(1, kLanes / s.group);
+  const int64_t most = std::max<int64_t>(1, kTileRows / s.group);
   std::vector<Item> items;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    const bool tree = !reqs.depths.empty() && !reqs.depths[r].empty();
-    const int64_t most = tree ? tree_most : chain_most;
     const int64_t ext = reqs.extend_lens[r], num_tiles = (ext + most - 1) / most;
     const int64_t size = (ext + num_tiles - 1) / num_tiles;
     for (int64_t first = 0; first < ext; first += size) {

@@ -1,6 +1,6 @@
 // The block steps of paged_extend.cpp's tiles (a tile: a work item's query rows, kept
 // transposed; a block: kKeys key positions): scores by a register-tiled outer product, the
-// causal / window / row masks, the online-softmax rescale, and P V.
+// causal / window mask, the online-softmax rescale, and P V.
 #pragma once
 
 #include <algorithm>
@@ -150,22 +150,6 @@ inline void value_block(Tile& t, int64_t n, int64_t dim) {
         const float p = t.scores[j * P + m0 + r];
         for (int64_t d = wide; d < dim; ++d) a[d] += p * t.vrows[j][d];
       }
-    }
-  }
-}
-
-// -inf outside rows [lo, hi) and where key position b + j is after a row's position or
-// outside its window.
-inline void mask_rows_block(Tile& t, int64_t b, int64_t n, int64_t window, int64_t lo, int64_t hi) {
-  const int64_t P = t.padded;
-  for (int64_t j = 0; j < n; ++j) {
-    float* s = t.scores.data() + j * P;
-    const int64_t key = b + j;
-#pragma omp simd
-    for (int64_t m = 0; m < P; ++m) {
-      const bool out = m < lo || m >= hi || key > t.qpos[m] ||
-                       (window > 0 && key <= t.qpos[m] - window);
-      s[m] = out ? kNegInf : s[m];
     }
   }
 }
