@@ -43,15 +43,23 @@ def paged_extend_attention_ref(
     extend_lens: list[int],
     page_size: int,
     sliding_window: int | None = None,
+    tree_masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Each request's new tokens over its whole paged context, causal, in fp32."""
+    """Each request's new tokens over its whole paged context, causal, in fp32.
+    `tree_masks`: request -> [extend, extend] bool ancestor mask of a draft tree (its new
+    tokens at prefix + depth, depth = ancestors in the mask, and seeing only those)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     start = 0
     for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
         pos = torch.arange(prefix + extend, device=q.device)
         slots = page_table[i, pos // page_size] * page_size + pos % page_size
-        q_pos = prefix + torch.arange(extend, device=q.device)[:, None]
+        tree = (tree_masks or {}).get(i)
+        if tree is not None:
+            pos = torch.cat([pos[:prefix], prefix + tree.to(q.device).sum(dim=1) - 1])
+        q_pos = pos[prefix:, None]
         mask = pos[None, :] <= q_pos
+        if tree is not None:
+            mask[:, prefix:] &= tree.to(q.device)
         if sliding_window:
             mask &= pos[None, :] > q_pos - sliding_window
         o = F.scaled_dot_product_attention(

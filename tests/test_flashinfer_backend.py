@@ -15,6 +15,7 @@ from radixserve.attention import create_attention_backend, default_backend
 from radixserve.attention.flashinfer_backend import (
     import_flashinfer,
     paged_kv_plan_inputs,
+    tree_batch_mask,
     window_left,
 )
 from radixserve.cache.kv_pool import KVPool, PoolShape
@@ -164,3 +165,55 @@ def test_flashinfer_matches_torch_native_on_cuda(tiny_models, arch):
         outputs.append((first, r.forward(decode).last))
     for got, want in zip(outputs[1], outputs[0]):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+
+
+TREE_PARENTS = [0, 0, 1, 1, 2]  # root: 1, 2; node 1: 3, 4; node 2: 5
+
+
+def _tree_batch() -> ForwardBatch:
+    """A decode, a draft tree after two plain tokens over a prefix of 9, a plain extend."""
+    tables = [[1, 2, 3], [4, 5, 6, 7, 10], [8, 9]]
+    tokens = [[1], [5] * (2 + 1 + len(TREE_PARENTS)), [7] * 3]
+    return ForwardBatch.build(
+        tokens, [10, 9, 4], tables, 4, tree_parents=[None, TREE_PARENTS, None]
+    )
+
+
+def test_tree_batch_mask_is_each_requests_mask_flattened():
+    """FlashInfer's custom_mask layout: request by request, [qo_len, kv_len] row-major; the
+    tree's nodes see the prefix, the plain tokens and their ancestors, the window along paths."""
+    batch = _tree_batch()
+    for window in (None, 6):
+        flat = tree_batch_mask(batch, window)
+        lens = [e * s for e, s in zip(batch.extend_lens, batch.seq_lens)]
+        assert flat.dtype == torch.bool and flat.shape == (sum(lens),)
+        decode, tree, plain = flat.split(lens)
+        assert decode.all() if window is None else decode.sum() == window
+        tree = tree.view(8, 17)
+        node4 = [True] * 13 + [False, False, True, False]  # prefix, 2 plain, root, node 1, itself
+        if window is not None:  # at position 9 + 2 + 2 = 13: keys 8 .. 13 along its path
+            node4[:8] = [False] * 8
+        assert tree[2 + 4].tolist() == node4
+        causal = torch.ones(3, 7, dtype=torch.bool).tril(4)
+        if window is not None:
+            causal &= ~torch.ones(3, 7, dtype=torch.bool).tril(4 - window)
+        assert torch.equal(plain.view(3, 7), causal)
+
+
+@pytest.mark.skipif(not HAS_CUDA_FLASHINFER, reason="flashinfer kernels need CUDA + flashinfer")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flashinfer_tree_verify_matches_torch_native_on_cuda(tiny_models, arch):
+    outputs = []
+    for backend in ("torch_native", "flashinfer"):
+        r = ModelRunner.create(
+            LoadConfig(model=str(tiny_models[arch]), device="cuda", dtype="float16"),
+            CacheConfig(page_size=4, max_total_tokens=1024, attention_backend=backend),
+        )
+        tables = [r.pool.extend_page_table([], n) for n in (11, 17, 7)]
+        r.forward(ForwardBatch.build([[3] * 10, [4] * 9, [5] * 4], [0] * 3, tables, 4, "cuda"))
+        batch = ForwardBatch.build(
+            [[1], [5] * 8, [7] * 3], [10, 9, 4], tables, 4, "cuda", return_all_logits=True,
+            tree_parents=[None, TREE_PARENTS, None],
+        )  # fmt: skip
+        outputs.append(r.forward(batch).all)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=0)

@@ -87,3 +87,29 @@ def test_paged_extend_matches_reference(page_size, dtype, window):
         q, k, v, table, prefix_lens, extend_lens, page_size, sliding_window=window
     )
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_paged_extend_with_draft_trees_matches_reference():
+    """A chain beside two draft trees (one after plain tokens), under a window that cuts
+    along the trees' paths: each node sees its prefix and its ancestors at prefix + depth."""
+    from radixserve.forward_batch import tree_ancestors
+    from radixserve_kernels.paged_extend import TreeMasks
+
+    prefix_lens, extend_lens = [13, 40, 21], [3, 9, 7]
+    masks = {
+        1: torch.ones(9, 9, dtype=torch.bool).tril(),
+        2: torch.from_numpy(tree_ancestors([0, 0, 1, 2, 2, 4])),
+    }
+    masks[1][2:, 2:] = torch.from_numpy(tree_ancestors([0, 0, 1, 1, 3, 0]))
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    _, k, v, table, _ = _paged_inputs(seq_lens, 16)
+    q = torch.randn(sum(extend_lens), 4, 24, generator=torch.Generator().manual_seed(3))
+    trees = TreeMasks.build(masks, extend_lens, q.device)
+    got = paged_extend_attention(
+        q, k, v, table, torch.tensor([0, 3, 12]), torch.tensor(prefix_lens),
+        torch.tensor(extend_lens), max(extend_lens), 16, sliding_window=20, trees=trees,
+    )  # fmt: skip
+    want = paged_extend_attention_ref(
+        q, k, v, table, prefix_lens, extend_lens, 16, sliding_window=20, tree_masks=masks
+    )
+    torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=0)

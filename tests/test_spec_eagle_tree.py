@@ -57,15 +57,20 @@ def expected(plain) -> list[list[int]]:
 # ---- the tree mask ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "cpu_fused"])
+@pytest.mark.parametrize("backend", ["torch_native", "cpu_fused", "deterministic"])
 @torch.inference_mode()
 def test_tree_rows_equal_each_path_computed_as_a_sequence(models, backend):
     """A verify forward of a 6-node tree beside a plain decode: each node's logits equal
-    the last logits of its root-to-node path extended as a plain sequence."""
+    the last logits of its root-to-node path extended as a plain sequence - bit for bit
+    under --enable-deterministic-inference (cpu_fused's paged_extend with the tree)."""
+    deterministic = backend == "deterministic"
     runner = ModelRunner.create(
-        LoadConfig(model=models["target"], device="cpu"),
-        CacheConfig(page_size=16, max_total_tokens=1024, attention_backend=backend),
-    )
+        LoadConfig(model=models["target"], device="cpu",
+                   enable_deterministic_inference=deterministic),
+        CacheConfig(page_size=16, max_total_tokens=1024,
+                    attention_backend="cpu_fused" if deterministic else backend),
+    )  # fmt: skip
+    assert getattr(runner.attn, "deterministic", False) == deterministic
     size, prompt = runner.pool.page_size, prompt_ids(2, 21)
     tokens, parents = [11, 12, 13, 14, 15, 16], [0, 0, 1, 1, 2, 4]
     pages = runner.pool.allocator.allocate(4).tolist()
@@ -84,7 +89,10 @@ def test_tree_rows_equal_each_path_computed_as_a_sequence(models, backend):
         runner.forward(ForwardBatch.build([prompt[:-1]], [0], [scratch], size))
         seq = ForwardBatch.build([[prompt[-1], *path]], [20], [scratch], size)
         want = runner.forward(seq).last[0]
-        torch.testing.assert_close(rows[node], want, rtol=1e-4, atol=1e-4)
+        if deterministic:
+            assert torch.equal(rows[node], want), node
+        else:
+            torch.testing.assert_close(rows[node], want, rtol=1e-4, atol=1e-4)
 
 
 # ---- end to end ------------------------------------------------------------------------------
@@ -168,6 +176,18 @@ def test_tree_nodes_are_the_heads_top_k_along_their_paths(models):
             assert token in _reference_topk(drafter.head, states, seq, paths[parent], 3)
 
 
+def test_tree_drafting_under_deterministic_inference_keeps_plain_tokens(models):
+    """--enable-deterministic-inference with tree drafting (once refused): the plain
+    deterministic engine's tokens in a batch, drafts accepted."""
+    flags = {"enable_deterministic_inference": True}
+    with make_engine(models["target"], **flags) as plain:
+        want = _ids(plain.generate(input_ids=PROMPTS, sampling_params=greedy(30)))
+    with make_engine(models["target"], **flags, **_tree(models["echo"], 3, 8)) as spec:
+        assert spec.runner.attn.deterministic
+        assert _ids(spec.generate(input_ids=PROMPTS, sampling_params=greedy(30))) == want
+        assert spec.get_stats()["spec_accepted_tokens"] > 0
+
+
 def test_tiny_pool_retracts_requests_drafting_trees(models, plain):
     prompts = [prompt_ids(i, 24) for i in range(8)]
     reference = _ids(plain.generate(input_ids=prompts, sampling_params=greedy(48)))
@@ -249,9 +269,6 @@ def test_bad_tree_flags_fail_at_start_naming_the_flag(models):
         make_engine(models["target"], **_tree(models["random"], 2, 1, speculative_num_steps=1))
     with pytest.raises(ValueError, match="speculative_eagle_topk must be >= 1"):
         make_engine(models["target"], **_tree(models["random"], 0, 4))
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 2 does not work with"):
-        make_engine(models["target"], enable_deterministic_inference=True,
-                    **_tree(models["random"], 2, 4))  # fmt: skip
 
 
 # ---- tree rejection sampling's distribution ----------------------------------------------------

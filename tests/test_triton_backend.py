@@ -52,3 +52,22 @@ def test_triton_backend_matches_torch_native(tiny_models, arch, page_size):
     torch.testing.assert_close(_mixed_batch_logits(triton_runner), expected, atol=1e-4, rtol=0)
     # decode steps (the split-K kernel, or the extend kernel under a sliding window)
     assert greedy_generate(triton_runner, PROMPTS, 6) == greedy_generate(native, PROMPTS, 6)
+
+
+@torch.inference_mode()
+def test_triton_backend_verifies_a_draft_tree_as_torch_native(tiny_models):
+    """A tree verify (EAGLE3, --speculative-eagle-topk > 1) beside a decode: the triton
+    backend masks the tree (supports_tree_mask) and gives torch_native's logits."""
+    logits = []
+    for backend in ("torch_native", "triton"):
+        runner = _runner(tiny_models["llama"], backend, 16)
+        assert runner.attn.supports_tree_mask
+        pool = runner.pool
+        tables = [pool.extend_page_table([], n) for n in (30, 6)]
+        runner.forward(ForwardBatch.build([PROMPTS[0][:22], PROMPTS[1]], [0, 0], tables, 16))
+        batch = ForwardBatch.build(
+            [PROMPTS[0][22:], [9]], [22, 5], tables, 16, return_all_logits=True,
+            tree_parents=[[0, 0, 1, 1, 3], None],  # 2 plain tokens, the root, 5 nodes
+        )  # fmt: skip
+        logits.append(runner.forward(batch).all)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)

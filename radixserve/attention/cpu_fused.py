@@ -13,6 +13,11 @@ prefills included, to paged_extend (a fresh prefill reads its K/V back from the 
 extend over an empty prefix): a query's row of that kernel is summed in the same order
 whatever rows, tiles or requests share the call, so a token's attention output is bitwise
 the same as a decode, a verify row, a cache-hit extend or a cold prefill chunk.
+
+Draft trees (`batch.tree_masks`, EAGLE3 with --speculative-eagle-topk > 1) run in place too:
+paged_extend takes each new token's parent (`tree_parents`, derived from the ancestor mask)
+and attends each node as its root-to-node path would as a plain sequence, so under
+`deterministic` a tree row is bitwise the chain's row as well.
 """
 
 from __future__ import annotations
@@ -40,6 +45,21 @@ def extend_in_place(prefix_len: int, extend_len: int) -> bool:
     return prefix_len > 0
 
 
+def tree_parents(batch: ForwardBatch, starts: list[int]) -> torch.Tensor:
+    """Each token's parent among its request's new tokens (-1: the first): i - 1 in a plain
+    sequence; in a draft tree its nearest ancestor in `batch.tree_masks` (an ancestor mask, as
+    ForwardBatch.build makes: a node's ancestors all come before it, its parent last)."""
+    ext = np.asarray(batch.extend_lens, dtype=np.int64)
+    parents = np.arange(int(ext.sum()), dtype=np.int64) - np.repeat(starts[:-1], ext) - 1
+    for req, mask in batch.tree_masks.items():
+        strict = np.tril(mask.cpu().numpy(), -1)
+        num = strict.shape[0]
+        nearest = num - 1 - strict[:, ::-1].argmax(axis=1)
+        start = starts[req]
+        parents[start : start + num] = np.where(strict.any(axis=1), nearest, -1)
+    return torch.from_numpy(parents)
+
+
 @dataclass
 class _FusedQueries:
     token_idx: torch.Tensor | None  # [num_queries]; None: every token of the batch, in order
@@ -58,6 +78,8 @@ class _InPlaceExtends:
     extend_lens: torch.Tensor
     page_rows: torch.Tensor  # each request's row of page_table
     page_table: torch.Tensor  # [num_reqs_in_batch, max_pages] int64, contiguous
+    tree_parents: torch.Tensor | None = None  # [batch tokens]: parent among its request's new
+    # tokens (-1: the first); None when no request verifies a draft tree
 
 
 @dataclass
@@ -104,12 +126,12 @@ class CpuFusedBackend(TorchNativeBackend):
 
     def _route(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
         """The batch's requests by kernel: paged_decode, paged_extend, SDPA."""
-        if self.deterministic:  # the engine refuses draft trees with it (not batch-invariant)
+        if self.deterministic:
             return [], list(range(batch.num_reqs)), []
         decode, in_place, sdpa = [], [], []
         for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
-            if i in batch.tree_masks:  # a draft tree's mask: torch_native's masked SDPA
-                sdpa.append(i)
+            if i in batch.tree_masks:  # a draft tree: paged_extend with its parents
+                in_place.append(i)
                 continue
             group = decode if e == 1 else in_place if self.route_extend(p, e) else sdpa
             group.append(i)
@@ -132,6 +154,7 @@ class CpuFusedBackend(TorchNativeBackend):
             extend_lens=torch.tensor(ext, dtype=torch.int64),
             page_rows=torch.tensor(reqs, dtype=torch.int64),
             page_table=batch.page_table.contiguous(),
+            tree_parents=tree_parents(batch, starts) if batch.tree_masks else None,
         )
 
     def forward_stored(
@@ -164,6 +187,7 @@ class CpuFusedBackend(TorchNativeBackend):
             page_size=page_size,
             sliding_window=self.window,
             scale=self.scale,
+            tree_parents=ext.tree_parents,
         )
         if ext.token_idx is None:
             out.copy_(o)

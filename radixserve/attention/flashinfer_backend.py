@@ -13,6 +13,10 @@ with any extend through the paged prefill wrapper with causal=True, whose mask i
 end of each request's KV, so new tokens see their cached prefix in full. FlashInfer's
 `window_left` counts the keys left of the query, ours the whole window: window_left = window - 1.
 New K/V are written into the pool first (index_copy_), then `plan` once per batch, `run` per layer.
+
+A batch with draft trees (`batch.tree_masks`, EAGLE3 tree verification) plans the prefill
+wrapper with `custom_mask` (FlashInfer's flattened [qo_len, kv_len] bool per request, causal
+off): every request's torch_native mask (`extend_mask`), the window in it, window_left -1.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.torch_native import extend_mask
 from radixserve.cache.kv_pool import KVPool
 from radixserve.forward_batch import ForwardBatch
 
@@ -82,6 +87,20 @@ def window_left(sliding_window: int | None) -> int:
     return -1 if sliding_window is None else sliding_window - 1
 
 
+def tree_batch_mask(batch: ForwardBatch, sliding_window: int | None) -> torch.Tensor:
+    """FlashInfer's `custom_mask` for a batch with draft trees: each request's [extend_len,
+    seq_len] mask (torch_native's, trees and window in it), flattened and concatenated."""
+    starts = [0]
+    for ext in batch.extend_lens:
+        starts.append(starts[-1] + ext)
+    return torch.cat(
+        [
+            extend_mask(batch, i, starts[i], sliding_window).reshape(-1)
+            for i in range(batch.num_reqs)
+        ]
+    )
+
+
 def import_flashinfer() -> Any:
     """The flashinfer module, or an error that says how to get it or what to use instead."""
     try:
@@ -96,6 +115,7 @@ def import_flashinfer() -> Any:
 
 class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_tree_mask = True
 
     def __init__(self, pool: KVPool, num_heads: int, sliding_window: int | None = None):
         super().__init__(pool, sliding_window)
@@ -129,11 +149,14 @@ class FlashInferBackend(AttentionBackend):
             self._plan_decode(self.decode_wrapper, inputs)
             batch.attn_metadata = self.decode_wrapper
             return
-        shape = self.pool.shape
+        shape, masks = self.pool.shape, {}
+        if batch.tree_masks:
+            masks = {"custom_mask": tree_batch_mask(batch, self.sliding_window), "causal": False}
+            masks |= {"window_left": -1}  # the window is in the mask, along each tree path
         self.prefill_wrapper.plan(
             inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices, inputs.kv_last_page_len,
             self.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
-            causal=True, **self._plan_kwargs(),
+            **({"causal": True} | self._plan_kwargs() | masks),
         )  # fmt: skip
         batch.attn_metadata = self.prefill_wrapper
 

@@ -41,6 +41,29 @@ class _Metadata:
     extends: list[_ExtendSegment]
 
 
+def extend_mask(
+    batch: ForwardBatch, req: int, start: int, sliding_window: int | None
+) -> torch.Tensor:
+    """Request `req`'s [extend_len, seq_len] bool mask (True: attend; its new tokens start at
+    `start` in the batch): causal over its prefix and new tokens, or for a draft tree
+    (`batch.tree_masks`) the prefix and each node's ancestors, with the window counted along
+    each node's path (nodes sit at root + depth: batch.positions)."""
+    prefix_len, extend_len = batch.prefix_lens[req], batch.extend_lens[req]
+    device = batch.page_table.device
+    kv_pos = torch.arange(prefix_len + extend_len, device=device)
+    q_pos = prefix_len + torch.arange(extend_len, device=device)[:, None]
+    tree = batch.tree_masks.get(req)
+    if tree is not None:
+        new_pos = batch.positions[start : start + extend_len]
+        kv_pos, q_pos = torch.cat([kv_pos[:prefix_len], new_pos]), new_pos[:, None]
+    mask = kv_pos[None, :] <= q_pos
+    if tree is not None:
+        mask[:, prefix_len:] = tree
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > q_pos - sliding_window
+    return mask
+
+
 def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """[num_slots, kv_heads, dim] pool -> [len(pages) * page_size, kv_heads, dim], whole pages
     at a time (one contiguous copy per page: much cheaper on CPU than a per-token gather)."""
@@ -113,14 +136,7 @@ class TorchNativeBackend(AttentionBackend):
         tree = batch.tree_masks.get(req)
         if prefix_len == 0 and self.sliding_window is None and tree is None:
             return _ExtendSegment(start, end, pages=None, seq_len=seq_len, mask=None)
-        device = batch.page_table.device
-        kv_pos = torch.arange(seq_len, device=device)
-        q_pos = prefix_len + torch.arange(extend_len, device=device)[:, None]
-        mask = kv_pos[None, :] <= q_pos
-        if tree is not None:  # a draft tree: its nodes see the prefix and their ancestors
-            mask[:, prefix_len:] = tree
-        if self.sliding_window is not None:
-            mask &= kv_pos[None, :] > q_pos - self.sliding_window
+        mask = extend_mask(batch, req, start, self.sliding_window)
         pages = None
         if prefix_len:
             pages = batch.page_table[req, : -(-seq_len // batch.page_size)]

@@ -3,16 +3,22 @@
 Pure-decode batches use the split-K decode kernel; batches with any extend (and sliding-
 window models) use the extend kernel, which also covers decode tokens as extends of one.
 Runs on CPU too under TRITON_INTERPRET=1, which is how CI checks it against torch_native.
+Draft trees (`batch.tree_masks`, EAGLE3 tree verification) go to the extend kernel with their
+ancestor masks (radixserve_kernels.paged_extend.TreeMasks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from radixserve_kernels.paged_extend import TreeMasks
 
 SPLIT_LEN = 256  # positions per decode chunk (the kernel's default)
 MAX_GRAPH_SPLITS = 64  # under CUDA graphs: longer contexts get longer chunks, not more of them
@@ -28,6 +34,7 @@ class _Metadata:
     max_extend_len: int
     num_splits: int | None = None  # decode chunks; None: from the longest sequence (host sync)
     split_len: int = SPLIT_LEN
+    trees: TreeMasks | None = None  # draft trees' ancestor masks; None: none in the batch
 
 
 def graph_decode_splits(num_positions: int) -> tuple[int, int]:
@@ -39,6 +46,7 @@ def graph_decode_splits(num_positions: int) -> tuple[int, int]:
 
 class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_tree_mask = True
 
     def __init__(self, pool, sliding_window: int | None = None):
         super().__init__(pool, sliding_window)
@@ -47,6 +55,7 @@ class TritonBackend(AttentionBackend):
         self._store_kv = kv_store.store_kv
         self._decode = paged_decode.paged_decode_attention
         self._extend = paged_extend.paged_extend_attention
+        self._tree_masks = paged_extend.TreeMasks.build
 
     def init_forward(self, batch: ForwardBatch) -> None:
         device = batch.page_table.device
@@ -60,6 +69,11 @@ class TritonBackend(AttentionBackend):
             prefix_lens=prefix,
             extend_lens=extend,
             max_extend_len=max_extend,
+            trees=(
+                self._tree_masks(batch.tree_masks, batch.extend_lens, device)
+                if batch.tree_masks
+                else None
+            ),
         )
 
     def init_graph_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
@@ -90,5 +104,5 @@ class TritonBackend(AttentionBackend):
         return self._extend(
             q, k_pool, v_pool, batch.page_table, meta.q_starts, meta.prefix_lens,
             meta.extend_lens, meta.max_extend_len, batch.page_size,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window, trees=meta.trees,
         )  # fmt: skip

@@ -82,13 +82,6 @@ class EngineCore:
                 f"--speculative-algorithm {algorithm} drafts with a model, which is not sharded "
                 f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
             )
-        topk = scheduler_config.speculative_eagle_topk or 1
-        if topk > 1 and load_config.enable_deterministic_inference:
-            raise ValueError(
-                f"--speculative-eagle-topk {topk} does not work with "
-                "--enable-deterministic-inference yet (tree rows are not batch-invariant); "
-                "use --speculative-eagle-topk 1"
-            )
         lora_config = lora_config or LoraConfig()
         _check_lora(lora_config, scheduler_config, parallel_config, hicache_config)
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)

@@ -54,6 +54,7 @@ SOURCES = [
 HEADERS = [
     CSRC / "common.h",
     CSRC / "simd.h",
+    CSRC / "paged_extend_blocks.h",
     CSRC / "kquant_blocks.h",
     CSRC / "kquant_simd.h",
     CSRC / "q8_simd.h",

@@ -316,11 +316,12 @@ def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle
 
 
 def check_tree_backend(topk: int, attn) -> None:
-    """Tree drafting needs an attention backend that masks a draft tree (EngineCore.build
-    refuses it with --enable-deterministic-inference before loading)."""
+    """Tree drafting needs an attention backend that masks a draft tree (torch_native,
+    cpu_fused, triton, flashinfer; not yet the per-layer windows of hybrid models)."""
     if topk > 1 and not getattr(attn, "supports_tree_mask", False):
         raise ValueError(
             f"--speculative-eagle-topk {topk} verifies a draft tree, which the "
             f"{type(attn).__name__} attention backend does not mask yet; use "
-            "--attention-backend torch_native or cpu_fused, or --speculative-eagle-topk 1"
+            "--attention-backend torch_native, cpu_fused, triton or flashinfer, or "
+            "--speculative-eagle-topk 1"
         )

@@ -94,6 +94,12 @@ class BatchInvariantLinear(nn.Module):
         """The layer's [out, in] weight (a view of the packed copy, without its padding)."""
         return unpack_dense_weight(self.packed_weight, self.out_features)
 
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as floats, as the other linear layers give it (e.g. an EAGLE3 head
+        borrowing the target's LM head)."""
+        weight = self.weight()
+        return weight if dtype is None else weight.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self._kernel:
