@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 MIN_PROBED_HIDDEN = 256
 PROBE_RANK = 16  # per PEFT module: qkv stacks 3 of them, gate_up 2
-PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROBE_ROWS = (1, 4, 16, 64, 256, 1024)  # decode .. a prefill chunk, 4x apart
 PROBE_VERSION = 1  # part of the cache key: a change to how the probe measures re-measures
 
 
