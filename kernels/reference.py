@@ -99,3 +99,46 @@ def int8_matmul_ref(
     scale = scales.float()
     scale = scale[:, None] if group_size is None else scale.repeat_interleave(group_size, dim=1)
     return (x.float() @ (qweight.float() * scale).t()).to(x.dtype)
+
+
+def segmented_lora_ref(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    slots: torch.Tensor,
+    ranks: torch.Tensor,
+    at: torch.Tensor,
+    bt: torch.Tensor,
+) -> torch.Tensor:
+    """out with out[rows of segment s] += (x[rows] @ at[slot]) @ bt[slot] (ranks[slot] of
+    them), segment by segment, in fp32; a new tensor."""
+    result = out.float().clone()
+    bounds = offsets.tolist()
+    for s, slot in enumerate(slots.tolist()):
+        rank = int(ranks[slot]) if slot < len(ranks) else 0
+        seg_rows = rows[bounds[s] : bounds[s + 1]]
+        if rank and len(seg_rows):
+            shrunk = x[seg_rows].float() @ at[slot, :, :rank].float()
+            result[seg_rows] += shrunk @ bt[slot, :rank].float()
+    return result.to(out.dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Token by token, in fp32: the sum over its experts among the local ones of
+    weight * down(silu(gate) * up)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for weight, expert in zip(weights[t].tolist(), experts[t].tolist()):
+            local = expert - first_expert
+            if 0 <= local < w13.shape[0]:
+                gate, up = (w13[local].float() @ x[t].float()).chunk(2)
+                out[t] += weight * (w2[local].float() @ (F.silu(gate) * up))
+    return out.to(x.dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import chain
 from typing import Any
 
@@ -42,6 +43,19 @@ class LoraBatch:
         segments = tuple((int(s), int(e - len(g)), int(e)) for s, g, e in zip(slots, groups, ends))
         every_row = len(groups) == 1 and len(groups[0]) == len(slot_per_token)
         return cls(segments, torch.from_numpy(np.concatenate(groups)).to(device), every_row)
+
+    @cached_property
+    def offsets(self) -> torch.Tensor:
+        """[num segments + 1] int64 on rows' device: segment s is rows[offsets[s]:offsets[s+1]]
+        (the segmented LoRA kernels' input, made once per batch)."""
+        ends = [0, *(end for _, _, end in self.segments)]
+        return torch.tensor(ends, dtype=torch.int64).to(self.rows.device)
+
+    @cached_property
+    def slot_ids(self) -> torch.Tensor:
+        """[num segments] int64 on rows' device: each segment's pool slot."""
+        slots = [slot for slot, _, _ in self.segments]
+        return torch.tensor(slots, dtype=torch.int64).to(self.rows.device)
 
 
 @dataclass

@@ -6,7 +6,8 @@ builds and runs the AVX2 or the portable code of every kernel of ours. There the
 deterministic-inference tests run again, and the batch-invariant dense matmul must give the
 same bits as this process's (best) path: its arithmetic is one fixed FMA chain per output
 on every path, and so must the int8-activation matmuls (q8_matmul.py: exact integer dots,
-the same fp32 ops in the same lane order on VNNI, AVX2 and portable)."""
+the same fp32 ops in the same lane order on VNNI, AVX2 and portable) and the segmented LoRA
+op (lora_segments.cpp: one FMA chain per output, vectors along the outputs)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ KERNEL_TESTS = [
     "tests/test_q8_matmul.py",
     "tests/test_cpu_layer_ops.py",
     "tests/test_moe_cpu_kernel.py",
+    "tests/test_lora_segments.py",
     "tests/test_cpu_paged_decode.py",
     "tests/test_deterministic_attention.py",
     "tests/test_cpu_tree_extend.py",
@@ -41,12 +43,14 @@ _DENSE_OUTPUTS = """
 import sys, torch
 from radixserve.model.quant.batch_invariant import dense_matmul
 from radixserve.native.extension import load_cpu_ops
-cases, q8_cases = torch.load(sys.argv[1])
+cases, q8_cases, lora_cases = torch.load(sys.argv[1])
 ops = load_cpu_ops()
 outs = [dense_matmul(x, packed, n) for x, packed, n in cases]
 q8_outs = [getattr(ops, op)(*args) for op, args in q8_cases]
+for args in lora_cases:
+    ops.lora_segments_add(*args)
 torch.save({"simd": ops.simd_level(), "int_dot": ops.int_dot_level(), "outs": outs,
-            "q8_outs": q8_outs}, sys.argv[2])
+            "q8_outs": q8_outs, "lora_outs": [args[0] for args in lora_cases]}, sys.argv[2])
 """
 INT_DOT_LEVELS = {"avx2": "avx2", "default": "portable"}
 
@@ -80,6 +84,23 @@ def _q8_cases() -> list[tuple[str, tuple]]:
         blocks = torch.from_numpy(random_blocks(n, 768, name, seed=qtype))
         cases.append(("kquant_mm_q8", (xk, blocks, qtype)))
     return cases
+
+
+def _lora_cases() -> list[tuple[torch.Tensor, ...]]:
+    """lora_segments_add's arguments (out first): ranks 16 and 32, 37 outputs (a tail)."""
+    import numpy as np
+
+    from radixserve.forward_batch import LoraBatch
+    from radixserve.model.lora_segments import stack_slots
+
+    gen = torch.Generator().manual_seed(5)
+    weights = {s: (torch.randn(r, 70, generator=gen), torch.randn(37, r, generator=gen))
+               for s, r in ((0, 12), (1, 32))}  # fmt: skip
+    stacked = stack_slots(weights)
+    batch = LoraBatch.build(np.array([0, 1, -1, 1, 0, 1, 1]), "cpu")
+    x, out = torch.randn(7, 70, generator=gen), torch.randn(7, 37, generator=gen)
+    return [(out, x, batch.rows, batch.offsets, batch.slot_ids, stacked.ranks, stacked.at,
+             stacked.bt)]  # fmt: skip
 
 
 def _cases() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -119,8 +140,8 @@ def test_kernel_and_deterministic_tests_pass_on_the_lower_path(cpu_ops, capabili
 @pytest.mark.parametrize("capability", list(LEVELS))
 def test_dense_and_q8_matmuls_give_the_same_bits_on_every_path(cpu_ops, capability, tmp_path):
     _skip_without(capability)
-    cases, q8_cases = _cases(), _q8_cases()
-    torch.save((cases, q8_cases), tmp_path / "cases.pt")
+    cases, q8_cases, lora_cases = _cases(), _q8_cases(), _lora_cases()
+    torch.save((cases, q8_cases, lora_cases), tmp_path / "cases.pt")
     command = [
         sys.executable,
         "-c",
@@ -140,3 +161,6 @@ def test_dense_and_q8_matmuls_give_the_same_bits_on_every_path(cpu_ops, capabili
     assert child["int_dot"] == INT_DOT_LEVELS[capability]
     for (op, args), out in zip(q8_cases, child["q8_outs"]):
         assert torch.equal(getattr(cpu_ops, op)(*args), out), (op, cpu_ops.int_dot_level())
+    for args, out in zip(lora_cases, child["lora_outs"]):
+        cpu_ops.lora_segments_add(*args)
+        assert torch.equal(args[0], out)

@@ -113,6 +113,31 @@ def test_mixed_batch_equals_peft(lora_engine, references):
     lora_engine.core.check_integrity()
 
 
+def test_segmented_cpu_kernel_gives_peft_tokens(lora_models, references, cpu_ops, monkeypatch):
+    """--cpu-lora-kernel segmented: every LoRA batch's deltas through the C++ segmented op
+    (native/csrc/lora_segments.cpp); the mixed batch still gives each PEFT's own tokens."""
+    from radixserve.model.lora_segments import LoraKernel
+
+    calls = []
+    add = LoraKernel.add
+    monkeypatch.setattr(LoraKernel, "add", lambda self, *a: calls.append(1) or add(self, *a))
+    base_folder, folders = lora_models
+    paths = [f"{name}={folder}" for name, folder in folders.items()]
+    engine = make_engine(str(base_folder), lora_paths=paths, cpu_lora_kernel="segmented")
+    try:
+        prompts, out = references
+        cases = [(name, i) for i in range(len(prompts)) for name in (None, "a1", "a2")]
+        results = engine.generate(input_ids=[prompts[i] for _, i in cases],
+                                  sampling_params=greedy(NUM_NEW),
+                                  lora_path=[name for name, _ in cases])  # fmt: skip
+        for (name, i), result in zip(cases, results):
+            assert result["output_ids"] == out[name][i], (name, i)
+        engine.core.check_integrity()
+    finally:
+        engine.shutdown()
+    assert len(calls) >= NUM_NEW * 2 * 4  # decode steps x layers x projections, at least
+
+
 def test_adapters_never_share_kv(lora_engine, references):
     prompts, out = references
     assert lora_engine.flush_cache()
@@ -242,6 +267,8 @@ def test_flag_checks():
         LoraConfig(lora_eviction_policy="random").verify()
     with pytest.raises(ValueError, match="names the adapter 'x' twice"):
         LoraConfig(lora_paths=["x=/a", "/b/x"]).verify()
+    with pytest.raises(ValueError, match="--cpu-lora-kernel must be one of auto, segmented, torch"):
+        LoraConfig(cpu_lora_kernel="fast").verify()
     bare = LoraConfig(lora_paths=["/some/where/ad1/"])
     assert bare.adapter_paths() == {"ad1": "/some/where/ad1/"}
 

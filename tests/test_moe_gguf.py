@@ -202,3 +202,27 @@ def test_k_quant_experts_run_as_their_super_blocks(tmp_path, cpu_ops):
     torch.testing.assert_close(
         _logits(load, prompt), _logits(dequantized, prompt), atol=2e-4, rtol=1e-4
     )
+
+
+def test_expert_parallel_block_experts_give_the_tokens_of_one_rank(ggufs):
+    """--tp-size 2 --ep-size 2 (gloo) on the GGUF with Q8_0 / Q4_0 block experts: each rank
+    holds three experts' block layers (and its cut of the blocked attention, the shared
+    expert whole on rank 0); greedy tokens equal one rank's on the same file."""
+    from radixserve.config import ParallelConfig
+    from radixserve.model.tp_runner import TPModelRunner
+
+    _, _, quantized = ggufs["qwen2_moe"]
+    expected = greedy_generate(make_runner(quantized), PROMPTS[:2], max_new_tokens=NUM_TOKENS)
+    runner = TPModelRunner.create(
+        LoadConfig(model=str(quantized), device="cpu"),
+        CacheConfig(page_size=16, max_total_tokens=1024),
+        ParallelConfig(tp_size=2, ep_size=2),
+    )
+    try:
+        sparse = runner.model.layers[1].mlp
+        assert sparse.w13 is None and len(sparse.gate_up_layers) == 3  # rank 0's 3 of 6
+        assert isinstance(sparse.gate_up_layers[0], Int8WeightOnlyLinear)
+        tokens = greedy_generate(runner, PROMPTS[:2], max_new_tokens=NUM_TOKENS)
+    finally:
+        runner.close()
+    assert tokens == expected

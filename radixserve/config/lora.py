@@ -8,6 +8,9 @@ from dataclasses import dataclass
 LORA_EVICTION_POLICIES = ("lru", "fifo")
 """SGLang's --lora-eviction-policy values."""
 
+CPU_LORA_KERNELS = ("auto", "segmented", "torch")
+"""--cpu-lora-kernel values (model/lora_choice.py)."""
+
 LORA_NAME_FORBIDDEN = "\x00"
 """Adapter names may not hold NUL (nor may cache salts with LoRA on: the core joins a salt
 and an adapter's load id with it, engine/request.py `cache_namespace`)."""
@@ -38,8 +41,19 @@ class LoraConfig:
     max_lora_rank: int | None = None
     """Largest adapter rank accepted; an adapter of higher rank is refused at start.
     Default: any rank."""
+    cpu_lora_kernel: str = "auto"
+    """On the CPU, where fp32 adapter deltas run: `auto` (the segmented C++ kernel up to the
+    batch size where a once-per-machine measurement, cached, finds it faster than torch's
+    matmuls; torch's beyond), `segmented` (the kernel at every batch size, as
+    --enable-deterministic-inference does), `torch` (torch's grouped matmuls). On CUDA the
+    Triton kernel runs every LoRA batch."""
 
     def verify(self) -> None:
+        if self.cpu_lora_kernel not in CPU_LORA_KERNELS:
+            raise ValueError(
+                f"--cpu-lora-kernel must be one of {', '.join(CPU_LORA_KERNELS)}; "
+                f"got {self.cpu_lora_kernel!r}"
+            )
         if self.max_loras_per_batch < 1:
             raise ValueError(f"--max-loras-per-batch must be >= 1; got {self.max_loras_per_batch}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:

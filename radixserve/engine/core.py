@@ -29,6 +29,7 @@ from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.lora import LoraWeights, load_lora_weights
 from radixserve.model.lora_adapter import LoraAdapter
+from radixserve.model.lora_choice import lora_kernel
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.tp_runner import TPModelRunner
@@ -87,7 +88,7 @@ class EngineCore:
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         publisher = None
         try:
-            _attach_lora(loaded, runner, lora_config)
+            _attach_lora(loaded, runner, lora_config, load_config.enable_deterministic_inference)
             publisher = _start_publisher(kv_events)
             configs = (load_config, cache_config, scheduler_config, disaggregation_config)
             core = cls._assemble(loaded, runner, *configs, hicache_config, publisher)
@@ -275,8 +276,11 @@ def _check_lora(
         )
 
 
-def _attach_lora(loaded: LoadedModel, runner: ModelRunner, lora: LoraConfig) -> None:
-    """Loads --lora-paths into the runner and the model (nothing without --enable-lora)."""
+def _attach_lora(
+    loaded: LoadedModel, runner: ModelRunner, lora: LoraConfig, deterministic: bool
+) -> None:
+    """Loads --lora-paths into the runner and the model (nothing without --enable-lora), their
+    deltas on the kernel --cpu-lora-kernel picks (model/lora_choice.py)."""
     if not lora.enabled:
         return
     if loaded.config.moe is not None:
@@ -292,6 +296,7 @@ def _attach_lora(loaded: LoadedModel, runner: ModelRunner, lora: LoraConfig) -> 
         runner.device,
         lora.max_loras_per_batch,
         lora.lora_eviction_policy,
+        lora_kernel(loaded.config, lora.cpu_lora_kernel, runner.device, deterministic),
     )
     runner.lora = weights
     loaded.model.use_lora(weights)

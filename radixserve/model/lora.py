@@ -23,6 +23,7 @@ import torch
 from radixserve.config import ModelConfig
 from radixserve.forward_batch import LoraBatch
 from radixserve.model.lora_adapter import LoraAdapter, module_shape
+from radixserve.model.lora_segments import LoraKernel, StackedLora, stack_slots
 
 FUSED_MODULES = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -34,17 +35,35 @@ FUSED_MODULES = {
 
 
 class LoraProjection:
-    """One fused projection's adapters: slot -> (A [R, in], B [out, R]), scale in B."""
+    """One fused projection's adapters: slot -> (A [R, in], B [out, R]), scale in B; and,
+    with a `kernel` (lora_segments.py), the same slots stacked for it, made on first use
+    after a change."""
 
     def __init__(self) -> None:
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kernel: LoraKernel | None = None
+        self._stacked: StackedLora | None = None
+
+    def put(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.weights[slot] = (a, b)
+        self._stacked = None
+
+    def drop(self, slot: int) -> None:
+        if self.weights.pop(slot, None) is not None:
+            self._stacked = None
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, lora: LoraBatch) -> None:
-        """out [num_tokens, out] += each adapter's delta on its own rows, in place: the
-        adapter rows gathered once (grouped by slot), one shrink and one expand matmul per
-        slot on its contiguous group, the deltas added back in one scatter."""
+        """out [num_tokens, out] += each adapter's delta on its own rows, in place: on the
+        segmented kernel where `kernel.takes` the batch, else the adapter rows gathered once
+        (grouped by slot), one shrink and one expand matmul per slot on its contiguous group,
+        the deltas added back in one scatter."""
         pairs = [(self.weights.get(slot), start, end) for slot, start, end in lora.segments]
         if all(pair is None for pair, _, _ in pairs):
+            return
+        if self.kernel is not None and self.kernel.takes(x, out, lora):
+            if self._stacked is None:
+                self._stacked = stack_slots(self.weights)
+            self.kernel.add(out, x, lora, self._stacked)
             return
         if lora.every_row:  # one adapter on every row, in order: no gather
             a, b = pairs[0][0]
@@ -105,6 +124,13 @@ class LoraWeights:
         self._clock = 0
         self._next_id = 0
 
+    def use_kernel(self, kernel: LoraKernel | None) -> None:
+        """Every projection adds its deltas on `kernel` where it takes a batch (None: torch's
+        grouped matmuls always)."""
+        for layer in self.layers:
+            for fused in FUSED_MODULES:
+                getattr(layer, fused).kernel = kernel
+
     def add(self, adapter: LoraAdapter) -> int:
         """Holds the adapter (its weights stacked per fused projection); returns its load id.
         It enters a pool slot when a batch first needs it."""
@@ -155,7 +181,7 @@ class LoraWeights:
             slot = min(set(range(self.num_slots)) - used)
         for layer, pairs in zip(self.layers, self.held[load_id]):
             for fused, (a, b) in pairs.items():
-                getattr(layer, fused).weights[slot] = (a.to(self.device), b.to(self.device))
+                getattr(layer, fused).put(slot, a.to(self.device), b.to(self.device))
         self.slot_of_id[load_id] = slot
         self.pool_loads += 1
 
@@ -165,7 +191,7 @@ class LoraWeights:
         self._stamp.pop(load_id, None)
         for layer in self.layers:
             for fused in FUSED_MODULES:
-                getattr(layer, fused).weights.pop(slot, None)
+                getattr(layer, fused).drop(slot)
         return slot
 
     def _stack(self, adapter: LoraAdapter, layer: int, modules: tuple[str, ...]):
@@ -195,10 +221,12 @@ def load_lora_weights(
     device: torch.device,
     num_slots: int = 8,
     policy: str = "lru",
+    kernel: LoraKernel | None = None,
 ) -> LoraWeights:
     """Every adapter of `adapters` (name -> PEFT folder), read, checked and stacked; a pool
-    of `num_slots` slots evicting per `policy` (LoraWeights)."""
+    of `num_slots` slots evicting per `policy` (LoraWeights), adding on `kernel`."""
     weights = LoraWeights(config, dtype, device, num_slots, policy)
+    weights.use_kernel(kernel)
     for name, path in adapters.items():
         weights.add(LoraAdapter.load(name, path, config, max_rank))
     return weights

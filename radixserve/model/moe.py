@@ -11,6 +11,8 @@ dtype. The experts then run grouped, one matmul per expert over the rows routed 
 That path reads the per-expert row counts on the host, which a CUDA graph capture or a
 torch.compile trace cannot; those run every expert over every row instead (`dense_experts`,
 weights zero where a token was not routed): the same result, sync-free, for small batches.
+On CUDA, fp experts run the Triton fused-MoE kernel instead (radixserve_kernels.fused_moe:
+rows sorted by expert into padded blocks, each block one grouped matmul, no host read).
 Qwen2-MoE adds a shared expert whose output is scaled by sigmoid(shared_expert_gate(x)).
 
 Expert parallelism (`--ep-size N`, N = --tp-size): rank r holds experts [r * E/N, (r+1) * E/N)
@@ -21,6 +23,7 @@ ranks' parts. The shared expert is held whole and added by rank 0 alone, before 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -180,6 +183,17 @@ def _expert(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, silu_mul) -
     return (F.silu(gate) * up) @ w2.t()
 
 
+@functools.cache
+def _triton_fused_moe() -> Callable[..., torch.Tensor] | None:
+    """radixserve_kernels.fused_moe (sync-free: also inside a CUDA graph capture), or None
+    where Triton does not import (torch's grouped matmuls then)."""
+    try:
+        from radixserve_kernels.fused_moe import fused_moe
+    except ImportError:
+        return None
+    return fused_moe
+
+
 def _cannot_sync(x: torch.Tensor) -> bool:
     """Inside a CUDA graph capture or a torch.compile trace (no host reads allowed)."""
     if torch.compiler.is_compiling():
@@ -265,6 +279,8 @@ class SparseMoeBlock(nn.Module):
             out = dense_rows(x, routing, num_experts, self.num_local, self._run_layers, first)
         elif self.gate_up_layers is not None:
             out = grouped_rows(x, routing, self.num_local, self._run_layers, first)
+        elif x.is_cuda and (kernel := _triton_fused_moe()) is not None:
+            out = kernel(x, self.w13, self.w2, routing.weights, routing.experts, first)
         elif _cannot_sync(x):
             out = dense_experts(x, self.w13, self.w2, routing, num_experts, first)
         else:

@@ -12,6 +12,7 @@ family; each has its Python wrapper beside its caller (simd.h: the matmuls' shar
     kquant_matmul.cpp (kquant_*.h)      GGUF K-quant matmuls      model/quant/kquant.py
     q8_matmul.cpp (q8_*.h)              int8-activation matmuls   model/quant/q8_matmul.py
     moe_experts.cpp                     MoE experts in one call   model/moe.py
+    lora_segments.cpp                   multi-LoRA row segments   model/lora_segments.py
 
 The SIMD flags follow the level torch itself detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
@@ -50,6 +51,7 @@ SOURCES = [
     CSRC / "kquant_matmul.cpp",
     CSRC / "q8_matmul.cpp",
     CSRC / "moe_experts.cpp",
+    CSRC / "lora_segments.cpp",
 ]
 HEADERS = [
     CSRC / "common.h",
