@@ -100,9 +100,11 @@ class SchedulerConfig:
     """SELF: how many of the target's first layers draft (then its final norm and LM head)."""
     speculative_adaptive_threshold: float = 1.0
     """Adaptive fallback: a request whose drafts average fewer accepted tokens per verify
-    step than this (over its last 2 drafted steps) stops drafting for 16, then 32, ... up
-    to 128 decode steps, then retries; 0: never stop. 1: a draft must at least double a
-    step's tokens, about what a verify of 4 drafts costs over a decode on CPU."""
+    step than this (over its last 2 drafted steps), or (on CPU) whose tokens do not cover
+    those steps' cost (1 + 0.25 k decode steps for k drafts, measured), stops drafting for
+    16, then 32, ... up to 128 decode steps, then retries with 1-token drafts until a window
+    pays again; 0: never stop. 1: a draft must at least double a step's tokens, what a
+    verify of 4 drafts costs over a decode on CPU."""
     speculative_disable_by_batch_size: int | None = None
     """Decode batches of more requests than this do not speculate (there decode is
     compute-bound: a verify row costs as much as another request's token); default: any."""
