@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_spec_eagle import HIDDEN, _save_head, _save_target
+from test_spec_eagle import _echo_head as _eagle3_echo_head
 
 from conftest import greedy, hf_model, make_engine, make_runner, prompt_ids
 from radixserve.forward_batch import ForwardBatch
@@ -79,6 +80,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         "random": _random_head(root / "random"),
         "echo": _echo_head(root / "echo"),
         "wide": _random_head(root / "wide", hidden=2 * HIDDEN, target_hidden=2 * HIDDEN),
+        "eagle3_echo": _eagle3_echo_head(root / "eagle3_echo"),
     }
 
 
@@ -147,3 +149,14 @@ def test_bad_eagle_heads_fail_at_start_naming_the_flag(models, tmp_path):
         make_engine(models["target"], **_eagle(str(tmp_path)))
     with pytest.raises(ValueError, match="EAGLE needs --speculative-draft-model-path"):
         make_engine(models["target"], speculative_algorithm="EAGLE")
+
+
+def test_heads_reading_a_batch_invariant_lm_head_keep_greedy_outputs(models, expected):
+    """--enable-deterministic-inference packs the tied LM head (BatchInvariantLinear): an
+    EAGLE3 head without lm_head reads its weight through LlamaForCausalLM.head_weight."""
+    flags = {"speculative_algorithm": "EAGLE3", "enable_deterministic_inference": True}
+    path = models["eagle3_echo"]
+    spec = make_engine(models["target"], speculative_draft_model_path=path, **flags)
+    outputs = spec.generate(input_ids=PROMPTS, sampling_params=greedy(30))
+    assert [o["output_ids"] for o in outputs] == expected
+    assert spec.get_stats()["spec_accepted_tokens"] > 0

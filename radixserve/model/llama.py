@@ -224,10 +224,13 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight as one dense [vocab rows, hidden] tensor, wherever it lives:
         an fp head's parameter or a tied fp embedding's table (themselves, no copy); a
-        quantized head, or a tied embedding kept as GGUF blocks (BlockEmbedding, no fp
-        table), dequantized (a copy). The one place that reads a tied head's weight."""
+        batch-invariant head's packed weight unpacked; a quantized head, or a tied embedding
+        kept as GGUF blocks (BlockEmbedding, no fp table), dequantized (a copy). The one
+        place that reads a tied head's weight."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         weight = getattr(head, "weight", None)
+        if callable(weight) and not isinstance(weight, torch.Tensor):  # BatchInvariantLinear
+            weight = weight()  # its packed copy, unpacked (deterministic inference)
         if isinstance(weight, torch.Tensor) and weight.is_floating_point():
             return weight
         table = getattr(head, "table", head)  # a BlockEmbedding: its block layer
