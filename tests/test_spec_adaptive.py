@@ -9,8 +9,10 @@ from conftest import VOCAB, greedy, make_engine, prompt_ids
 from radixserve.engine.request import Req
 from radixserve.engine.speculative import Drafter
 from radixserve.engine.speculative.adaptive import (
+    CPU_VERIFY_ROW_COST,
     FIRST_BACKOFF_STEPS,
     MAX_BACKOFF_STEPS,
+    PROBE_DRAFT_TOKENS,
     WINDOW_STEPS,
     AdaptivePolicy,
 )
@@ -62,6 +64,28 @@ def test_backoff_doubles_on_each_failed_window_and_resets_when_drafts_pay():
     for _ in range(WINDOW_STEPS):
         policy.record(req, num_draft=4, num_accepted=0)
     assert _skipped(policy, req) == MAX_BACKOFF_STEPS
+
+
+def test_the_verify_cost_judges_long_drafts_and_retries_probe_with_one_token():
+    """Row cost 0.25 (CPU): 1.5 accepted of 8 drafts per step passes threshold 1 but buys
+    2.5 tokens for 3 decode steps' cost, so it backs off; the retry drafts one token, and a
+    window of accepted probes (2 tokens for 1.25 steps each) restores full drafts."""
+    policy, req = AdaptivePolicy(1.0, None, CPU_VERIFY_ROW_COST), _req()
+    assert policy.draft_limit(req, 8) == 8
+    for accepted in (1, 2):
+        policy.record(req, num_draft=8, num_accepted=accepted)
+    assert _skipped(policy, req) == FIRST_BACKOFF_STEPS
+    assert policy.draft_limit(req, 8) == PROBE_DRAFT_TOKENS == 1
+    for _ in range(WINDOW_STEPS):
+        policy.record(req, num_draft=1, num_accepted=1)
+    assert policy.should_draft(req) and policy.draft_limit(req, 8) == 8
+    for _ in range(WINDOW_STEPS):  # 4 of 4 drafts: 5 tokens for 2 steps' cost each, pays
+        policy.record(req, num_draft=4, num_accepted=4)
+    assert policy.should_draft(req) and policy.draft_limit(req, 4) == 4
+    free = AdaptivePolicy(1.0, None, row_cost=0.0)  # rows free (not CPU): threshold only
+    for accepted in (1, 2):
+        free.record(req, num_draft=8, num_accepted=accepted)
+    assert free.should_draft(req) and free.draft_limit(req, 8) == 8
 
 
 def test_steps_without_a_draft_do_not_count_and_threshold_zero_never_backs_off():

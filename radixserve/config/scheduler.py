@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # SGLang's names (SELF, AUTO: ours)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE", "SUFFIX", "EAGLE3", "AUTO")
-DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE", "EAGLE3")
-DRAFT_PATH_ALGORITHMS = ("STANDALONE", "EAGLE3")  # need --speculative-draft-model-path
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SELF", "STANDALONE", "SUFFIX", "EAGLE", "EAGLE3", "AUTO")
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")  # a head over the target's hidden states
+DRAFT_MODEL_ALGORITHMS = ("SELF", "STANDALONE", *EAGLE_ALGORITHMS)
+DRAFT_PATH_ALGORITHMS = ("STANDALONE", *EAGLE_ALGORITHMS)  # need --speculative-draft-model-path
 EAGLE3_AUTO_NUM_STEPS = 3  # SGLang's auto choice for topk 1: 3 steps, 4 draft tokens w/ root
 PIN_POLICIES = ("hard", "last")
 
@@ -75,32 +76,35 @@ class SchedulerConfig:
     target's first --speculative-self-layers layers), STANDALONE (a smaller model,
     --speculative-draft-model-path), SUFFIX (suffix trees over the request's own prompt +
     output and over the outputs of recent requests, --speculative-suffix-*), EAGLE3 (an
-    EAGLE-3 head reading the target's hidden states, --speculative-draft-model-path), AUTO
+    EAGLE-3 head reading the target's hidden states, --speculative-draft-model-path), EAGLE
+    (an EAGLE-1/2 head reading its final hidden states, the same flags), AUTO
     (ours: per request, whichever of NGRAM, SUFFIX and, given a head at
     --speculative-draft-model-path, EAGLE3 has been accepting best); default: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request per step (K: the request computes K + 1)."""
     speculative_num_steps: int | None = None
-    """SELF / STANDALONE / EAGLE3 (AUTO's too): draft-model forwards per step, one draft
-    token each; default: --speculative-num-draft-tokens (EAGLE3: 3, as SGLang's auto), at
+    """SELF / STANDALONE / EAGLE / EAGLE3 (AUTO's too): draft-model forwards per step, one
+    draft token each; default: --speculative-num-draft-tokens (EAGLE*: 3, SGLang's auto), at
     most that."""
     speculative_eagle_topk: int | None = None
-    """EAGLE3 (AUTO's too, given a head): candidates per draft step; 1 (the default): a chain
-    of --speculative-num-steps tokens; k > 1 (EAGLE3 only): a tree (each step expands the top
+    """EAGLE / EAGLE3 (AUTO's too, given a head): candidates per draft step; 1 (the default):
+    a chain of --speculative-num-steps tokens; k > 1 (not AUTO): a tree (each step expands the top
     k of each of the k best frontier nodes) of --speculative-num-draft-tokens nodes counting
     the root, as SGLang's."""
     speculative_draft_model_path: str | None = None
     """STANDALONE: the draft model (HF folder or GGUF, as --model); it must share the
     target's tokenizer, checked at start. EAGLE3, and AUTO's EAGLE3 candidate (optional):
     the head's folder (config.json and safetensors in SGLang's layout, as SpecForge writes
-    them)."""
+    them). EAGLE: an EAGLE-1/2 head's folder (fc + layers.0, SGLang's llama_eagle.py)."""
     speculative_self_layers: int = 2
     """SELF: how many of the target's first layers draft (then its final norm and LM head)."""
     speculative_adaptive_threshold: float = 1.0
     """Adaptive fallback: a request whose drafts average fewer accepted tokens per verify
-    step than this (over its last 2 drafted steps) stops drafting for 16, then 32, ... up
-    to 128 decode steps, then retries; 0: never stop. 1: a draft must at least double a
-    step's tokens, about what a verify of 4 drafts costs over a decode on CPU."""
+    step than this (over its last 2 drafted steps), or (on CPU) whose tokens do not cover
+    those steps' cost (1 + 0.25 k decode steps for k drafts, measured), stops drafting for
+    16, then 32, ... up to 128 decode steps, then retries with 1-token drafts until a window
+    pays again; 0: never stop. 1: a draft must at least double a step's tokens, what a
+    verify of 4 drafts costs over a decode on CPU."""
     speculative_disable_by_batch_size: int | None = None
     """Decode batches of more requests than this do not speculate (there decode is
     compute-bound: a verify row costs as much as another request's token); default: any."""
@@ -216,13 +220,14 @@ class SchedulerConfig:
             )
 
     def _verify_draft_model(self) -> None:
-        """The flags of SELF / STANDALONE / EAGLE3: each only with the algorithm that reads it
+        """The flags of SELF / STANDALONE / EAGLE*: each only with the algorithm that reads it
         (AUTO reads the EAGLE3 ones when given a head)."""
         algorithm = self.speculative_algorithm
         steps = self.speculative_num_steps
         if steps is not None and self.speculative_model_algorithm is None:
             raise ValueError(
-                "speculative_num_steps needs --speculative-algorithm SELF, STANDALONE or EAGLE3 "
+                "speculative_num_steps needs --speculative-algorithm SELF, STANDALONE, EAGLE or "
+                "EAGLE3 "
                 "(or AUTO with --speculative-draft-model-path)"
             )
         if steps is not None and not 1 <= steps <= self.speculative_num_draft_tokens:
@@ -237,8 +242,8 @@ class SchedulerConfig:
             )
         if algorithm not in (*DRAFT_PATH_ALGORITHMS, "AUTO") and path is not None:
             raise ValueError(
-                "speculative_draft_model_path needs --speculative-algorithm STANDALONE, EAGLE3 "
-                "or AUTO"
+                "speculative_draft_model_path needs --speculative-algorithm STANDALONE, EAGLE, "
+                "EAGLE3 or AUTO"
             )
         self._verify_eagle_topk()
 
@@ -246,9 +251,9 @@ class SchedulerConfig:
         topk = self.speculative_eagle_topk
         if topk is None:
             return
-        if self.speculative_model_algorithm != "EAGLE3":
+        if self.speculative_model_algorithm not in EAGLE_ALGORITHMS:
             raise ValueError(
-                "speculative_eagle_topk needs --speculative-algorithm EAGLE3 "
+                "speculative_eagle_topk needs --speculative-algorithm EAGLE or EAGLE3 "
                 "(or AUTO with --speculative-draft-model-path)"
             )
         if topk < 1:
@@ -258,7 +263,7 @@ class SchedulerConfig:
         if self.speculative_algorithm == "AUTO":
             raise ValueError(
                 "speculative_eagle_topk > 1 (tree drafting) needs --speculative-algorithm "
-                "EAGLE3; AUTO drafts chains"
+                "EAGLE or EAGLE3; AUTO drafts chains"
             )
         # a tree: --speculative-num-draft-tokens counts its nodes with the root, as SGLang's
         steps, nodes = self.speculative_draft_steps, self.speculative_num_draft_tokens
@@ -272,7 +277,7 @@ class SchedulerConfig:
 
     @property
     def speculative_model_algorithm(self) -> str | None:
-        """The algorithm that drafts with a model: SELF / STANDALONE / EAGLE3 themselves,
+        """The algorithm that drafts with a model: SELF / STANDALONE / EAGLE* themselves,
         EAGLE3 for AUTO given a head; None: lookups only (or speculation off)."""
         algorithm = self.speculative_algorithm
         if algorithm == "AUTO" and self.speculative_draft_model_path is not None:
@@ -281,9 +286,9 @@ class SchedulerConfig:
 
     @property
     def speculative_draft_steps(self) -> int:
-        """Draft tokens per proposal of a draft model (SELF / STANDALONE / EAGLE3)."""
+        """Draft tokens per proposal of a draft model (SELF / STANDALONE / EAGLE*)."""
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
-        if self.speculative_model_algorithm == "EAGLE3":
+        if self.speculative_model_algorithm in EAGLE_ALGORITHMS:
             return min(EAGLE3_AUTO_NUM_STEPS, self.speculative_num_draft_tokens)
         return self.speculative_num_draft_tokens

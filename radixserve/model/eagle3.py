@@ -6,36 +6,31 @@
     norm(mlp, residual) -> (to the head's lm_head over draft_vocab_size, pre-norm sum -> next
     draft step's hidden state); draft id i means target id i + d2t[i].
 
-Attention runs with torch SDPA over K/V the caller passes in (engine/speculative/eagle.py
-keeps each request's, capped at a window); `forward` returns it with the new columns' K/V.
+Attention (model/eagle_head.py) runs with torch SDPA over K/V the caller passes in
+(engine/speculative/eagle.py keeps each request's, capped at a window); `forward` returns it
+with the new columns' K/V.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.distributed.group import TPGroup
+from radixserve.model.eagle_head import (
+    FLAG,
+    EagleAttention,
+    HeadStep,
+    check_reads,
+    copy_weights,
+    read_head_folder,
+)
 from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
-FLAG = "speculative_draft_model_path"
-
-# HF name -> (our parameter, which third / half of it: q, k, v of qkv_proj; gate, up)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+WHAT = "EAGLE-3"
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -57,48 +52,6 @@ def aux_layers_from_config(cfg: dict[str, Any], num_layers: int) -> tuple[int, .
     return layers
 
 
-@dataclass
-class HeadStep:
-    """One forward of the head over new columns: fp32 logits over the target vocabulary at
-    the last one [B, vocab], the pre-norm hidden states [B, T, hidden] and the K/V so far."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    keys: torch.Tensor  # [B, kv_heads, T_all, head_dim]
-    values: torch.Tensor
-
-
-class Eagle3Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_size = self.q_size + 2 * self.kv_size
-        self.qkv_proj = nn.Linear(2 * config.hidden_size, qkv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-
-    def forward(self, x, rotary, cache, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, 2 * hidden]; cache: (keys, values) of earlier columns or None; mask
-        [B, 1, T, T_all] (True: attend). Returns (output [B, T, hidden], keys, values)."""
-        batch, num_new = x.shape[:2]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(batch * num_new, self.num_heads, self.head_dim)
-        k = k.reshape(batch * num_new, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k)
-        q = q.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), mask
-        )  # [B, heads, T, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, self.q_size)), k, v
-
-
 class Eagle3DecoderLayer(nn.Module):
     """SGLang's `midlayer`: the token's embedding and the fused hidden state, normed apart,
     concatenated into one 2x-hidden QKV input; the fused hidden state is the residual."""
@@ -106,7 +59,7 @@ class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = EagleAttention(config, 2 * config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, TPGroup.single())
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.hidden_norm = RMSNorm(config.hidden_size, eps)
@@ -134,6 +87,7 @@ class Eagle3Head(nn.Module):
         self._target = (target,)  # not a submodule: its weights are the target's
         self.register_buffer("hot_ids", torch.arange(draft_vocab), persistent=False)
         self.vocab_size = target.config.vocab_size
+        self.aux_layers = default_aux_layers(target.config.num_layers)  # the loader: config's
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target hidden] captured aux hidden states -> [n, hidden]."""
@@ -163,102 +117,27 @@ class Eagle3Head(nn.Module):
 def load_eagle3_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Eagle3Head:
     """The head in folder `path` (config.json + *.safetensors) for the target model (an
     LlamaForCausalLM); refused, naming the flag, where its shapes do not fit the target."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{FLAG}: {path} has no config.json (an EAGLE-3 head folder)")
-    cfg = json.loads((folder / "config.json").read_text())
-    config = _head_config(cfg)
-    tensors = _read_tensors(folder)
+    cfg, config, tensors = read_head_folder(path, WHAT)
     target_hidden = target.config.hidden_size
-    fc = tensors.get("fc.weight")
-    if fc is None or fc.shape[1] != 3 * target_hidden:
-        got = None if fc is None else fc.shape[1] // 3
-        raise ValueError(
-            f"{FLAG}: the EAGLE-3 head reads hidden states of size {got}, "
-            f"the target's are {target_hidden}"
-        )
+    check_reads(tensors.get("fc.weight"), 3, target_hidden, WHAT)
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
     draft_vocab = cfg.get("draft_vocab_size") or target.config.vocab_size
     head = Eagle3Head(config, target_hidden, draft_vocab, target)
+    head.aux_layers = aux_layers_from_config(cfg, target.config.num_layers)
     if "embed_tokens.weight" in tensors:
         head.embed_tokens = nn.Embedding(*tensors["embed_tokens.weight"].shape)
     elif config.hidden_size != target_hidden:
         raise ValueError(f"{FLAG}: a head without embeddings must have the target's hidden size")
     if "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = _target_head_weight(target, draft_vocab)
-    _copy_weights(head, tensors)
+        if draft_vocab != target.config.vocab_size:
+            raise ValueError(f"{FLAG}: a head without lm_head must have the target's vocabulary")
+        tensors["lm_head.weight"] = target.head_weight().detach()
+    copy_weights(head, tensors, WHAT)
     if d2t is not None:
         head.hot_ids = d2t.long() + torch.arange(len(d2t))
     _check_vocab(head.hot_ids, draft_vocab, target.config.vocab_size)
     return head.to(device=device, dtype=dtype).eval()
-
-
-def _head_config(cfg: dict[str, Any]) -> ModelConfig:
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise ValueError(
-            f"{FLAG}: EAGLE-3 heads of one layer are supported; got {cfg['num_hidden_layers']}"
-        )
-    return ModelConfig.from_hf_dict(cfg | {"architectures": ["LlamaForCausalLM"]})
-
-
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{FLAG}: {folder} has no *.safetensors weights")
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                tensors[name.removeprefix("model.")] = f.get_tensor(name)
-    return tensors
-
-
-def _target_head_weight(target, draft_vocab: int) -> torch.Tensor:
-    """A head without `lm_head` uses the target's (tied: its embedding)."""
-    if draft_vocab != target.config.vocab_size:
-        raise ValueError(f"{FLAG}: a head without lm_head must have the target's vocabulary")
-    if target.lm_head is None:
-        return target.embed_tokens.weight.detach()
-    return target.lm_head.dequantize().detach()  # a quantized target's head, as floats
-
-
-def _copy_weights(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> None:
-    params = dict(head.named_parameters())
-    filled = dict.fromkeys(params, 0)
-    for name, tensor in tensors.items():
-        dest_name, part = _our_name(name)
-        if dest_name not in params:
-            raise ValueError(f"{FLAG}: checkpoint tensor {name!r} has no place in an EAGLE-3 head")
-        dest = _part_of(head, params[dest_name].data, dest_name, part)
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"{FLAG}: checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        filled[dest_name] += 1
-    needed = {n: 3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in params}
-    missing = sorted(n for n in params if filled[n] < needed[n])
-    if missing:
-        raise ValueError(f"{FLAG}: the EAGLE-3 head is missing {', '.join(missing)}")
-
-
-def _our_name(name: str) -> tuple[str, int | None]:
-    for hf_part, (ours, part) in _FUSED.items():
-        if f".{hf_part}." in name:
-            return name.replace(hf_part, ours), part
-    return name, None
-
-
-def _part_of(head: Eagle3Head, param: torch.Tensor, name: str, part: int | None) -> torch.Tensor:
-    if part is None:
-        return param
-    if "qkv_proj" in name:
-        attn = head.midlayer.self_attn
-        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        return param.split(sizes)[part]
-    return param.chunk(2)[part]
 
 
 def _check_vocab(hot_ids: torch.Tensor, draft_vocab: int, vocab: int) -> None:

@@ -138,6 +138,9 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, batch.lora), residual
 
 
+FINAL_HIDDEN = -1  # an aux layer id: the final-normed hidden states (EAGLE-1/2's feature)
+
+
 class LlamaForCausalLM(nn.Module):
     """Token ids of a ForwardBatch -> final hidden states; `compute_logits` applies the LM head."""
 
@@ -177,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`forward` through `layers` (all, or SELF speculation's first ones), then the norm.
         EAGLE-3: the residual stream entering each layer index in `aux_layers` (the number of
-        layers: after the last) is appended to `aux` [num_tokens, hidden_size] each."""
+        layers: after the last) is appended to `aux` [num_tokens, hidden_size] each; EAGLE-1/2:
+        FINAL_HIDDEN, the final-normed hidden states (the LM head's input)."""
         hidden = self.embed_tokens(batch.input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
@@ -194,9 +198,11 @@ class LlamaForCausalLM(nn.Module):
             num_layers = i + 1
         if num_layers in aux_layers:
             captured[num_layers] = _residual_stream(hidden, residual)
+        hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
         if aux_layers:
+            captured[FINAL_HIDDEN] = hidden
             aux.extend(captured[i] for i in aux_layers)  # a layer may be named twice
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        return hidden
 
     def use_cpu_layer_ops(self, ops: CpuLayerOps | None) -> None:
         """Eager CPU forwards run norms, SiLU * mul and RoPE + the K/V write as fused C++ ops
@@ -215,9 +221,24 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden_size] -> fp32 logits [n, vocab_size] (each rank's vocab rows, gathered)."""
         return self.tp.all_gather_last_dim(self._local_logits(hidden))
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight as one dense [vocab rows, hidden] tensor, wherever it lives:
+        an fp head's parameter or a tied fp embedding's table (themselves, no copy); a
+        batch-invariant head's packed weight unpacked; a quantized head, or a tied embedding
+        kept as GGUF blocks (BlockEmbedding, no fp table), dequantized (a copy). The one
+        place that reads a tied head's weight."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        weight = getattr(head, "weight", None)
+        if callable(weight) and not isinstance(weight, torch.Tensor):  # BatchInvariantLinear
+            weight = weight()  # its packed copy, unpacked (deterministic inference)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            return weight
+        table = getattr(head, "table", head)  # a BlockEmbedding: its block layer
+        return table.dequantize(self.norm.weight.dtype)
+
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding is the head
-            return (hidden @ self.embed_tokens.weight.t()).float()
+            return (hidden @ self.head_weight().t()).float()
         if isinstance(self.lm_head, UnquantizedLinear):
             return (hidden @ self.lm_head.weight.t()).float()
         return self.lm_head(hidden).float()

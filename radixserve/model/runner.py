@@ -50,7 +50,7 @@ class LogitsOutput(NamedTuple):
     last: torch.Tensor  # [num_reqs, vocab] fp32: logits at each request's last new token
     all: torch.Tensor | None  # [num_tokens, vocab] fp32 when the batch asked for all positions
     verify: torch.Tensor | None = None  # [num_verify_rows, vocab] fp32 at batch.verify_indices
-    aux_hidden: torch.Tensor | None = None  # [num_tokens, 3 * hidden] when EAGLE-3 captures
+    aux_hidden: torch.Tensor | None = None  # [num_tokens, k * hidden] when an EAGLE head captures
 
 
 @dataclass
@@ -63,7 +63,8 @@ class ModelRunner:
     compiled_decode: CompiledDecodeRunner | None = None
     lora: LoraWeights | None = None  # --enable-lora: the adapters' weights (model/lora.py)
     aux_layers: tuple[int, ...] = ()
-    """EAGLE-3: layers whose input hidden states every forward returns (eager only)."""
+    """EAGLE heads: layers whose input hidden states every forward returns (eager only);
+    llama.FINAL_HIDDEN: the final-normed hidden states (EAGLE-1/2)."""
 
     @classmethod
     def create(
@@ -189,7 +190,7 @@ class ModelRunner:
         return LogitsOutput(last=last, all=all_logits, verify=verify)
 
     def _forward_capturing(self, batch: ForwardBatch) -> LogitsOutput:
-        """The eager forward, plus the hidden states entering `aux_layers` (EAGLE-3)."""
+        """The eager forward, plus the hidden states of `aux_layers` (EAGLE heads)."""
         self.attn.init_forward(batch)
         aux: list[torch.Tensor] = []
         model = self.model

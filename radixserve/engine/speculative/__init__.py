@@ -6,7 +6,7 @@ one forward (K + 1 extend tokens per speculating request), the `Verifier` keeps 
                                                                     auto.py: AUTO)
     batch_builder               [last token, d1 .. dK] over the request's cached prefix
     model forward               logits at the K + 1 rows (LogitsOutput.verify)
-                                (EAGLE3: + aux hidden states -> drafter.on_forward)
+                                (EAGLE / EAGLE3: + hidden states -> drafter.on_forward)
     verifier                    accepted drafts + the target's token (lossless rule)
     req_pages.trim              frees the rejected tail's emptied pages
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.speculative.auto import AutoDrafter
 from radixserve.engine.speculative.drafter import Draft, Drafter
-from radixserve.engine.speculative.eagle import Eagle3Drafter, create_eagle3_drafter
+from radixserve.engine.speculative.eagle import EagleDrafter, create_eagle_drafter
 from radixserve.engine.speculative.model_drafter import (
     ModelDrafter,
     load_draft_runner,
@@ -32,7 +32,7 @@ __all__ = [
     "AutoDrafter",
     "Draft",
     "Drafter",
-    "Eagle3Drafter",
+    "EagleDrafter",
     "ModelDrafter",
     "NgramDrafter",
     "Speculator",
@@ -51,7 +51,7 @@ def create_drafter(
     tokenizer=None,
 ) -> Drafter | None:
     """The drafter `config.speculative_algorithm` names; None when speculation is off.
-    SELF, STANDALONE and EAGLE3 draft with a model: they need the `target` runner (and
+    SELF, STANDALONE, EAGLE and EAGLE3 draft with a model: they need the `target` runner (and
     STANDALONE the load and cache configs to load its draft model like the target)."""
     if config.speculative_algorithm is None:
         return None
@@ -63,11 +63,11 @@ def create_drafter(
         lookups = [_lookup_drafter(config, "SUFFIX"), _lookup_drafter(config, "NGRAM")]
         model = None
         if config.speculative_model_algorithm == "EAGLE3":
-            model = create_eagle3_drafter(config, _needs(target, "AUTO's EAGLE3"))
+            model = create_eagle_drafter(config, _needs(target, "AUTO's EAGLE3"))
         return AutoDrafter(lookups, model)
     target = _needs(target, algorithm)
-    if algorithm == "EAGLE3":
-        return create_eagle3_drafter(config, target)
+    if algorithm in ("EAGLE3", "EAGLE"):
+        return create_eagle_drafter(config, target, algorithm)
     cache_config = cache_config or CacheConfig()
     if algorithm == "SELF":
         layers = config.speculative_self_layers

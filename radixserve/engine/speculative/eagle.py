@@ -1,15 +1,16 @@
-"""EAGLE-3 drafting: a one-layer head (model/eagle3.py) reads the target's hidden states and
-proposes a chain of num_steps tokens (topk 1) through the Drafter seam.
+"""EAGLE drafting: a one-layer head (EAGLE3: model/eagle3.py, EAGLE-1/2: model/eagle1.py,
+one interface: model/eagle_head.py) reads the target's hidden states and proposes a chain of
+num_steps tokens (topk 1) or a tree (eagle_tree.py) through the Drafter seam.
 
     target forward (any: prefill chunk, decode, verify)   aux hidden of its positions
-        -> on_forward: fc -> fused rows, pending at their positions (a gap restarts)
+        -> on_forward: head.fuse -> rows, pending at their positions (a gap restarts)
     propose (sequence x_0 .. x_{n-1}):
         step 1   pending p .. n-2: (fused_p, embed(x_{p+1})) over the kept K/V -> d1
                  (their K/V is kept: both inputs are committed, so it never changes)
         step j   (pre-norm hidden of step j-1, embed(d_{j-1})) at position n-3+j -> dj
                  (K/V of the draft steps is scratch)
 
-    per request   | K/V of positions first .. (<= EAGLE3_WINDOW) | pending fused rows |
+    per request   | K/V of positions first .. (<= EAGLE_WINDOW) | pending fused rows |
 
 Pending rows past n-2 (a verify's rejected drafts) are cut before use. Design: the head's
 K/V lives in small per-request tensors, not a paged pool: one layer of K/V is 1/L of the
@@ -31,12 +32,13 @@ from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.speculative.eagle_tree import draft_trees
 from radixserve.engine.speculative.model_drafter import SamplingRows
 from radixserve.engine.speculative.tree_verify import children_of
-from radixserve.model.eagle3 import Eagle3Head, aux_layers_from_config, load_eagle3_head
+from radixserve.model.eagle1 import load_eagle1_head
+from radixserve.model.eagle3 import load_eagle3_head
 from radixserve.model.runner import LogitsOutput, ModelRunner
 
 # 64: EAGLE's heads are trained on full contexts, but what predicts the next few tokens sits
 # in the last few dozen; the K/V kept per request and the attention grow linearly with it.
-EAGLE3_WINDOW = 64
+EAGLE_WINDOW = 64
 
 
 @dataclass
@@ -76,6 +78,7 @@ class VerifiedTree:
             node = child
         return self.rows[picked]
 
+
 @dataclass
 class Pending:
     """What step 1 of a request computes: rows of positions start .. n-2, the tokens after."""
@@ -86,19 +89,19 @@ class Pending:
     tokens: list[int]  # x_{start+1} .. x_{n-1}
 
 
-class Eagle3Drafter(Drafter):
-    algorithm = "EAGLE3"
-
+class EagleDrafter(Drafter):
     def __init__(
         self,
-        head: Eagle3Head,
+        head,
         num_steps: int,
-        window: int = EAGLE3_WINDOW,
+        window: int = EAGLE_WINDOW,
         topk: int = 1,
         num_nodes: int | None = None,
+        algorithm: str = "EAGLE3",
     ):
-        """`topk` > 1: draft trees of `num_nodes` nodes (eagle_tree.py); 1: chains."""
-        self.head = head
+        """`head`: an Eagle3Head or Eagle1Head (`algorithm` EAGLE3 or EAGLE); `topk` > 1:
+        draft trees of `num_nodes` nodes (eagle_tree.py); 1: chains."""
+        self.head, self.algorithm = head, algorithm
         self.num_draft_tokens = num_steps  # a tree's depth: the most tokens a path adds
         self.window = window
         self.topk, self.num_nodes = topk, num_nodes or num_steps
@@ -189,7 +192,7 @@ class Eagle3Drafter(Drafter):
         return Pending(state, start, rows, req.seq_ids()[start + 1 : end + 1])
 
     def _draft(self, reqs: list[Req], pending: list[Pending]) -> list[Draft]:
-        inputs = _StepOne.build(pending, self.head.fc.weight)
+        inputs = _StepOne.build(pending, self.head.fc.weight)  # [hidden, *]: rows' width
         sampling = SamplingRows(reqs, self.head.vocab_size, inputs.hidden.device)
         step = self.head(inputs.hidden, inputs.tokens, inputs.positions, inputs.cache, inputs.mask)
         self._keep_kv(pending, step, inputs.num_new)
@@ -296,23 +299,28 @@ def _padded_cache(states: list[EagleState], like: torch.Tensor):
     return (keys, values), valid
 
 
-def create_eagle3_drafter(config: SchedulerConfig, target: ModelRunner) -> Eagle3Drafter:
-    """Loads the head at --speculative-draft-model-path for `target` and makes the target's
-    forwards capture the hidden states the head reads (only now: no cost otherwise)."""
+HEAD_LOADERS = {"EAGLE3": load_eagle3_head, "EAGLE": load_eagle1_head}
+
+
+def create_eagle_drafter(
+    config: SchedulerConfig, target: ModelRunner, algorithm: str = "EAGLE3"
+) -> EagleDrafter:
+    """Loads the `algorithm` head (EAGLE3 or EAGLE) at --speculative-draft-model-path for
+    `target` and makes the target's forwards capture the hidden states the head reads (only
+    now: no cost otherwise)."""
     model = target.model
     check_tree_backend(config.speculative_eagle_topk or 1, getattr(target, "attn", None))
     dtype = model.norm.weight.dtype  # the model's (a GGUF embedding may be blocks)
-    head = load_eagle3_head(config.speculative_draft_model_path, model, target.device, dtype)
-    target.aux_layers = aux_layers_from_config(head.config.hf_config, target.config.num_layers)
+    path = config.speculative_draft_model_path
+    head = HEAD_LOADERS[algorithm](path, model, target.device, dtype)
+    target.aux_layers = head.aux_layers
     # capturing forwards run eagerly: decode graphs / compiled steps would only hold memory
     target.decode_graphs = target.compiled_decode = None
-    topk = config.speculative_eagle_topk or 1
+    steps, topk = config.speculative_draft_steps, config.speculative_eagle_topk or 1
     if topk == 1:
-        return Eagle3Drafter(head, config.speculative_draft_steps)
-    return Eagle3Drafter(
-        head, config.speculative_draft_steps, topk=topk,
-        num_nodes=config.speculative_num_draft_tokens - 1,  # SGLang's count has the root
-    )  # fmt: skip
+        return EagleDrafter(head, steps, algorithm=algorithm)
+    nodes = config.speculative_num_draft_tokens - 1  # SGLang's count has the root
+    return EagleDrafter(head, steps, topk=topk, num_nodes=nodes, algorithm=algorithm)
 
 
 def check_tree_backend(topk: int, attn) -> None:

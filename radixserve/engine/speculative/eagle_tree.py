@@ -1,4 +1,4 @@
-"""EAGLE-2 style draft trees for the EAGLE-3 head (--speculative-eagle-topk k > 1).
+"""EAGLE-2 style draft trees for EAGLE-3 and EAGLE-1/2 heads (--speculative-eagle-topk > 1).
 
     step 1 (eagle.py)   the head over the pending columns -> top-k children of the root
     steps 2 .. S        the k frontier nodes in one head forward (each attends to the kept
@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from radixserve.engine.speculative.drafter import Draft
-from radixserve.model.eagle3 import Eagle3Head, HeadStep
+from radixserve.model.eagle_head import HeadStep
 
 
 def draft_trees(
-    head: Eagle3Head,
+    head,
     first: HeadStep,
     key_valid: torch.Tensor,
     last_positions: torch.Tensor,

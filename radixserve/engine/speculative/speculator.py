@@ -10,7 +10,7 @@ from collections.abc import Callable
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import Work
 from radixserve.engine.request import Req
-from radixserve.engine.speculative.adaptive import AdaptivePolicy
+from radixserve.engine.speculative.adaptive import CPU_VERIFY_ROW_COST, AdaptivePolicy
 from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.stats import EngineStats
 from radixserve.model.runner import LogitsOutput
@@ -21,11 +21,16 @@ NO_DRAFT = "none"  # meta_info's name for the decode steps of a request without 
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats):
+    def __init__(
+        self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats, on_cpu: bool = True
+    ):
+        """`on_cpu`: the target runs on CPU, where a verify row costs CPU_VERIFY_ROW_COST."""
         self.drafter = drafter
         self.stats = stats
         self.policy = AdaptivePolicy(
-            config.speculative_adaptive_threshold, config.speculative_disable_by_batch_size
+            config.speculative_adaptive_threshold,
+            config.speculative_disable_by_batch_size,
+            CPU_VERIFY_ROW_COST if on_cpu else 0.0,
         )
 
     def add_drafts(
@@ -47,7 +52,8 @@ class Speculator:
             return
         for w, draft in zip(chosen, drafts):
             req = w.req
-            draft = draft.cut(min(_room(req), self.drafter.num_draft_tokens))
+            limit = self.policy.draft_limit(req, self.drafter.num_draft_tokens)
+            draft = draft.cut(min(_room(req), limit))
             if draft.parents is not None and req.grammar is not None:  # each path's prefix
                 draft = draft.keep([len(valid_draft(req, p)) == len(p) for p in draft.paths()])
             elif draft.tokens and req.grammar is not None:

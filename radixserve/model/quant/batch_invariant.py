@@ -129,6 +129,6 @@ def make_fp_layers_batch_invariant(model: nn.Module) -> int:
                 setattr(owner, name, BatchInvariantLinear.from_linear(child))
                 swapped += 1
     if getattr(model, "lm_head", False) is None:  # tied: the embedding is the head
-        model.lm_head = BatchInvariantLinear(model.embed_tokens.weight)
+        model.lm_head = BatchInvariantLinear(model.head_weight())
         swapped += 1
     return swapped

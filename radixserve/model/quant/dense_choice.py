@@ -63,7 +63,7 @@ def fp_layer_shapes(model: nn.Module) -> Counter[tuple[int, int]]:
         (m.out_features, m.in_features) for m in model.modules() if isinstance(m, UnquantizedLinear)
     )
     if getattr(model, "lm_head", False) is None:  # tied: the embedding is the head
-        shapes[tuple(model.embed_tokens.weight.shape)] += 1
+        shapes[tuple(model.head_weight().shape)] += 1
     return shapes
 
 

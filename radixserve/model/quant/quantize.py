@@ -382,7 +382,7 @@ def lm_head_linear(model: nn.Module) -> nn.Linear:
     """The LM head as a linear layer; a tied head shares the embedding's weight."""
     if model.lm_head is not None:
         return model.lm_head
-    return dense_linear(model.embed_tokens.weight)
+    return dense_linear(model.head_weight())
 
 
 def weight_bytes(model: nn.Module) -> int:
