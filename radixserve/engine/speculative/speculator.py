@@ -22,15 +22,15 @@ NO_DRAFT = "none"  # meta_info's name for the decode steps of a request without 
 
 class Speculator:
     def __init__(
-        self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats, on_cpu: bool = True
+        self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats, device: object = "cpu"
     ):
-        """`on_cpu`: the target runs on CPU, where a verify row costs CPU_VERIFY_ROW_COST."""
+        """`device`: the target's; on CPU a verify row costs CPU_VERIFY_ROW_COST."""
         self.drafter = drafter
         self.stats = stats
         self.policy = AdaptivePolicy(
             config.speculative_adaptive_threshold,
             config.speculative_disable_by_batch_size,
-            CPU_VERIFY_ROW_COST if on_cpu else 0.0,
+            CPU_VERIFY_ROW_COST if str(device).startswith("cpu") else 0.0,
         )
 
     def add_drafts(
