@@ -22,6 +22,7 @@ from radixserve.attention import (
     default_backend,
 )
 from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.swa_pool import create_kv_pool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.forward_batch import ForwardBatch
@@ -96,7 +97,7 @@ class ModelRunner:
         if budget is not None:
             budget = loaded.model.tp.min_int(budget, device)
         kv_dtype = kv_cache_dtype(cache_config, dtype, device)
-        pool = KVPool.for_model(local, cache_config, kv_dtype, device, budget_bytes=budget)
+        pool = create_kv_pool(local, cache_config, kv_dtype, device, budget_bytes=budget)
         attn = create_model_attention(
             cache_config.attention_backend,
             pool,
