@@ -11,8 +11,9 @@ at length L reads the sliding K/V of positions [L - window, L) only, so:
                   sliding K/V; the request recomputes from there (every layer).
     insert:       a recomputed page revives the tombstone of the tree's page (its sliding
                   page moves over) instead of duplicating the global page.
-    evict:        sliding pages first (LRU over nodes, inner ones too, sparing the window
-                  above every lock or pin), then RadixCache's leaf eviction for global pages.
+    evict:        sliding pages first (sparing the window above every lock or pin): the
+                  pages before each node's last window, then those last windows (LRU over
+                  nodes, inner ones too), then RadixCache's leaf eviction for global pages.
 """
 
 from __future__ import annotations
@@ -119,19 +120,24 @@ class SWARadixCache(RadixCache):
         return tombstoned + freed
 
     def _tombstone(self, num_pages: int) -> int:
-        """Frees the sliding K/V of unlocked windows, least recently used nodes first."""
+        """Frees the sliding K/V of pages no lock or pin reads: first the pages before each
+        node's last window (least recently used nodes first), then those last windows,
+        where the hits that resume at a node's end read."""
         spared = self._spared()
+        tail = -(-self.window // self.page_size) + 1  # pages a window ending at the end spans
         heap = []
         for node in self._nodes():
-            if node.parent is not None:
-                candidates = node.pages[: spared.get(node, len(node.pages))]
-                if candidates and bool(self.allocator.is_live(candidates).any()):
-                    heap.append((*evict_key(node), candidates))
+            if node.parent is None:
+                continue
+            candidates = node.pages[: spared.get(node, len(node.pages))]
+            head = max(0, len(node.pages) - tail)
+            for rank, pages in enumerate((candidates[:head], candidates[head:])):
+                if pages and bool(self.allocator.is_live(pages).any()):
+                    heap.append((rank, *evict_key(node), pages))
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
-            num = self.allocator.free_sliding(heapq.heappop(heap)[-1])
-            freed += num
+            freed += self.allocator.free_sliding(heapq.heappop(heap)[-1])
         self._num_live_sliding -= freed
         self.num_tombstoned += freed
         return freed
