@@ -48,7 +48,17 @@ class HybridPageAllocator(PageAllocator):
 
     @property
     def num_free_global(self) -> int:
+        """Free page ids, whatever the sliding space has."""
         return self._num_free
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out with their sliding pages."""
+        return min(super().capacity, self.sliding.capacity)
+
+    @property
+    def capacity_global(self) -> int:
+        return super().capacity
 
     def can_allocate(self, num: int) -> bool:
         return num <= self.num_free
@@ -150,6 +160,11 @@ class HybridKVPool(LayerSubsetPool):
         self.allocator.on_first_use = self.zero_pages
         self.allocator.sliding.on_first_use = self.sliding.zero_pages
         self.sliding.allocator = self.allocator.sliding
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the pool holds (its sliding pages tombstoned but the last)."""
+        return self.allocator.capacity_global * self.page_size
 
     def translate_pages(self, page_table: torch.Tensor) -> torch.Tensor:
         """A page table (any shape) in sliding pages (0 where tombstoned)."""

@@ -5,7 +5,7 @@ The in-process `Engine` and the server's core process both drive one of these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.hiradix_cache import create_hierarchical_cache
@@ -89,8 +89,6 @@ class EngineCore:
                 "--enable-deterministic-inference yet (tree rows are not batch-invariant); "
                 "use --speculative-eagle-topk 1"
             )
-        if parallel_config.tp_size > 1:  # the ranks would need rank 0's sliding page table
-            cache_config = replace(cache_config, disable_hybrid_swa_memory=True)
         lora_config = lora_config or LoraConfig()
         _check_lora(lora_config, scheduler_config, parallel_config, hicache_config)
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
