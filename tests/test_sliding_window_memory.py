@@ -120,6 +120,19 @@ def test_a_tiny_pool_retracts_and_recovers_both_spaces(tiny_models, one_pool):
     assert stats["swa_pool_free_pages"] == stats["swa_pool_capacity_pages"]
 
 
+def test_prefill_chunks_fit_a_small_sliding_space(tiny_models, one_pool):
+    """12 sliding pages and a 100-token prompt under the default 2048-token chunks: the
+    chunks shrink to what the sliding space can hold beside a window, instead of waiting
+    forever for pages."""
+    engine = make_engine(
+        tiny_models["gemma3"], page_size=PAGE, max_total_tokens=512, swa_full_tokens_ratio=0.1
+    )
+    prompt = [[(i * 13 + 7) % 256 for i in range(100)]]
+    assert engine.get_stats()["swa_pool_capacity_pages"] == 12
+    assert _outputs(engine, prompt, 8)[0] == _outputs(one_pool, prompt, 8)[0]
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

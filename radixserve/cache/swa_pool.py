@@ -230,7 +230,8 @@ def create_kv_pool(
     per_token = per_layer * ((len(windows) - num_sliding) + ratio * num_sliding)
     shape = pool_shape(model_config, cache_config, per_token, budget_bytes)
     num_sliding_pages = int((shape.num_pages - RESERVED_PAGES) * ratio) + RESERVED_PAGES
-    min_pages = -(-model_config.sliding_window // page_size) + 2 + RESERVED_PAGES
+    # a window, a page of slack and one page of prefill chunk (ReqPages.max_chunk_tokens)
+    min_pages = -(-model_config.sliding_window // page_size) + 3 + RESERVED_PAGES
     if num_sliding_pages < min_pages:
         raise ValueError(
             f"--swa-full-tokens-ratio {ratio} leaves {num_sliding_pages - RESERVED_PAGES} "

@@ -37,6 +37,8 @@ from radixserve.cache.retention import PinTable, session_pin_key
 from radixserve.engine.request import Req
 from radixserve.engine.stats import EngineStats
 
+UNBOUNDED = 1 << 62  # max_chunk_tokens without a sliding page space: no bound of its own
+
 
 class ReqPages:
     def __init__(
@@ -150,6 +152,16 @@ class ReqPages:
             self.cache.unlock(req.last_node)
         req.page_table, req.num_tree_pages, req.last_node = [], 0, None
         req.num_sliding_freed = 0
+
+    def max_chunk_tokens(self) -> int:
+        """The longest prefill chunk the pool can always take: with a sliding page space, a
+        chunk's pages need their sliding pages at once, beside the window above its match
+        (and one page of slack), so a lone request never waits for pages that cannot exist."""
+        window = self.pool.sliding_window
+        if window is None:
+            return UNBOUNDED
+        size = self.pool.page_size
+        return (self.pool.allocator.sliding.capacity - -(-window // size) - 2) * size
 
     def free_out_of_window(self, req: Req) -> None:
         """Frees the sliding K/V of the request's own pages that end before its window (the
