@@ -376,8 +376,6 @@ class Scheduler:
                     self.committer.commit_sampled(w, tokens.get(i), logits, i, offsets[i])
                 if w.req.finished:
                     self._leave_finished(w.req)
-                else:
-                    self.pages.free_out_of_window(w.req)
             except Exception as exc:  # this request alone fails; the batch goes on
                 logger.exception("committing %s failed", w.req.rid)
                 message = f"{type(exc).__name__}: {exc}"
