@@ -123,14 +123,15 @@ def create_model_attention(
     deterministic: bool = False,
 ) -> AttentionBackend:
     """`create_attention_backend` for a model whose layer i attends within `layer_windows[i]`
-    (None: globally): one backend when all layers agree, else one per window, routed by layer."""
+    (None: globally): one backend when all layers agree, else one per window, routed by layer
+    (always so over a HybridKVPool, whose sliding layers read its second page space)."""
 
-    def build(window: int | None) -> AttentionBackend:
-        return create_attention_backend(name, pool, device, window, num_heads, deterministic)
+    def build(window: int | None, space: KVPool) -> AttentionBackend:
+        return create_attention_backend(name, space, device, window, num_heads, deterministic)
 
-    if len(set(layer_windows)) == 1:
-        return build(layer_windows[0])
-    return LayerWindowBackend(build, layer_windows)
+    if len(set(layer_windows)) == 1 and pool.sliding_window is None:
+        return build(layer_windows[0], pool)
+    return LayerWindowBackend(build, layer_windows, pool)
 
 
 def _warn_not_invariant(name: str) -> None:

@@ -48,6 +48,13 @@ class AttentionBackend(ABC):
         """`forward` for k, v that the caller has already written into their slots."""
         raise NotImplementedError(f"{type(self).__name__} writes K/V itself")
 
+    def store_target(
+        self, layer: int, batch: ForwardBatch
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Where a caller writing `layer`'s K/V itself (`forward_stored`) puts them: that
+        layer's (K, V) buffers and each new token's slot in them."""
+        return self.pool.layer_kv(layer), batch.out_slots
+
     # ---- CUDA graphs (pure decode batches of a fixed size; see model/cuda_graph.py) ---------
 
     def plan_graph_decode(self, batch: ForwardBatch, seq_lens: Sequence[int]) -> None:

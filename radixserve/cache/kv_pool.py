@@ -98,8 +98,43 @@ class PoolShape:
     head_dim: int
 
 
+def pool_shape(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    bytes_per_token: float,
+    budget_bytes: int | None = None,
+) -> PoolShape:
+    """The pool's shape: `max_total_tokens`, else `budget_bytes` // `bytes_per_token` tokens."""
+    page_size = cache_config.page_size
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1; got {page_size}")
+    if cache_config.max_total_tokens is not None:
+        num_tokens = cache_config.max_total_tokens
+    elif budget_bytes is not None:
+        num_tokens = int(budget_bytes // bytes_per_token)
+    else:
+        raise ValueError("give max_total_tokens or a memory budget to size the KV pool")
+    num_pages = num_tokens // page_size + RESERVED_PAGES
+    if num_pages <= RESERVED_PAGES:
+        raise ValueError(
+            f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens; "
+            "raise max_total_tokens or the memory budget"
+        )
+    return PoolShape(
+        num_layers=model_config.num_layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+    )
+
+
 class KVPool:
     """K/V tensors for every layer, in pages of `page_size` tokens, plus their allocator."""
+
+    sliding_window: int | None = None
+    """Set by a HybridKVPool (cache/swa_pool.py): its sliding layers keep only what this
+    window still reads; None: every page keeps every layer's K/V."""
 
     def __init__(self, shape: PoolShape, dtype: torch.dtype, device: torch.device | str):
         self.shape = shape
@@ -131,29 +166,8 @@ class KVPool:
         budget_bytes: int | None = None,
     ) -> KVPool:
         """Sizes a pool from `max_total_tokens`, else from `budget_bytes` (a memory budget)."""
-        page_size = cache_config.page_size
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1; got {page_size}")
-        if cache_config.max_total_tokens is not None:
-            num_tokens = cache_config.max_total_tokens
-        elif budget_bytes is not None:
-            num_tokens = budget_bytes // model_config.kv_bytes_per_token(dtype)
-        else:
-            raise ValueError("give max_total_tokens or a memory budget to size the KV pool")
-        num_pages = num_tokens // page_size + RESERVED_PAGES
-        if num_pages <= RESERVED_PAGES:
-            raise ValueError(
-                f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens; "
-                "raise max_total_tokens or the memory budget"
-            )
-        shape = PoolShape(
-            num_layers=model_config.num_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-        )
-        return cls(shape, dtype, device)
+        per_token = model_config.kv_bytes_per_token(dtype)
+        return cls(pool_shape(model_config, cache_config, per_token, budget_bytes), dtype, device)
 
     @property
     def capacity_tokens(self) -> int:
@@ -173,6 +187,8 @@ class KVPool:
     def zero_pages(self, pages: torch.Tensor) -> None:
         """Zeroes the K/V of `pages` (a page id tensor) in every layer."""
         pages = pages.to(self.device)
+        if self.k.numel() == 0:  # a pool of no layers (every layer slides: swa_pool.py)
+            return
         for buf in (self.k, self.v):
             buf.view(buf.shape[0], -1, self.page_size * buf.shape[2] * buf.shape[3]).index_fill_(
                 1, pages, 0

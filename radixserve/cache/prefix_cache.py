@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.cache.kv_pool import RESERVED_PAGES, PageAllocator
+from radixserve.cache.swa_pool import HybridPageAllocator
 from radixserve.cache.tree_summary import TreeSummary, summarize_tree, tree_outline
 
 
@@ -71,6 +72,16 @@ class PrefixCache(ABC):
         Does not lock: call `lock(result.node)` before anything can evict.
         """
 
+    def match_usable(
+        self,
+        token_ids: Sequence[int],
+        namespace: str | None = None,
+        max_tokens: int | None = None,
+    ) -> MatchResult:
+        """`match_prefix` cut to what a request can resume from: with a sliding page space,
+        the longest match whose last window has its sliding K/V (swa_radix_cache.py)."""
+        return self.match_prefix(token_ids, namespace, max_tokens)
+
     @abstractmethod
     def insert(
         self,
@@ -115,7 +126,8 @@ class PrefixCache(ABC):
         return match
 
     def tier_stats(self) -> dict[str, int]:
-        """Counters of a second tier (sizes, bytes moved each way); none without one."""
+        """Counters of a second tier (sizes, bytes moved each way) or of the sliding page
+        space (swa_radix_cache.py); none without one."""
         return {}
 
     def close(self) -> None:
@@ -240,6 +252,28 @@ def check_page_accounting(
     shared = torch.nonzero(counts > 1).flatten()
     if leaked.numel() or shared.numel():
         raise CacheIntegrityError(_accounting_message(leaked.tolist(), shared.tolist(), owners))
+    if isinstance(allocator, HybridPageAllocator):
+        check_sliding_accounting(allocator)
+
+
+def check_sliding_accounting(allocator: HybridPageAllocator) -> None:
+    """Raises CacheIntegrityError unless each sliding page is exactly one of free or the
+    sliding K/V of one page in use (held by a request or the tree: checked above)."""
+    table = allocator.sliding_page
+    used = torch.nonzero(table).flatten()
+    if bool(allocator.is_free_mask()[used].any()):
+        raise CacheIntegrityError("a free page still has a sliding page")
+    sliding = allocator.sliding
+    everything = torch.cat([table[used], sliding.free_pages()])
+    _check_page_range(everything.tolist(), sliding.num_pages)
+    counts = torch.bincount(everything, minlength=sliding.num_pages)[RESERVED_PAGES:]
+    if bool((counts != 1).any()):
+        leaked = (torch.nonzero(counts == 0).flatten() + RESERVED_PAGES).tolist()
+        shared = (torch.nonzero(counts > 1).flatten() + RESERVED_PAGES).tolist()
+        raise CacheIntegrityError(
+            f"sliding page accounting broken: {len(leaked)} leaked (neither free nor any "
+            f"page's) {leaked[:10]}; several owners: {shared[:10]}"
+        )
 
 
 def _check_page_range(pages: list[int], num_pages: int) -> None:

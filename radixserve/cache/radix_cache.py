@@ -32,6 +32,7 @@ from radixserve.cache.prefix_cache import (
     check_enough_pages,
     check_page_accounting,
 )
+from radixserve.cache.swa_pool import HybridPageAllocator
 from radixserve.cache.tree_node import (
     RootNode,
     TreeNode,
@@ -364,10 +365,19 @@ class RadixCache(PrefixCache):
 
 
 def create_prefix_cache(
-    disable: bool, allocator: PageAllocator, page_size: int, events: KVEventSink | None = None
+    disable: bool,
+    allocator: PageAllocator,
+    page_size: int,
+    events: KVEventSink | None = None,
+    window: int | None = None,
 ) -> PrefixCache:
-    """A RadixCache (reporting to `events`, if given), or a NoPrefixCache when the radix cache
-    is disabled (it caches nothing, so it has no events)."""
+    """A RadixCache (reporting to `events`, if given; over a HybridPageAllocator the
+    SWARadixCache, exact for layers sliding over `window`), or a NoPrefixCache when the radix
+    cache is disabled (it caches nothing, so it has no events)."""
     if disable:
         return NoPrefixCache(allocator, page_size)
+    if isinstance(allocator, HybridPageAllocator):
+        from radixserve.cache.swa_radix_cache import SWARadixCache
+
+        return SWARadixCache(allocator, page_size, window, events)
     return RadixCache(allocator, page_size, events)

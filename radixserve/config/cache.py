@@ -55,10 +55,22 @@ class CacheConfig:
     pyzmq: the kv-events extra), bound on tcp://127.0.0.1:5557 unless "endpoint" (vLLM's
     rule: a "*" host binds, others connect) or "bind" (ours: bound as given) says otherwise;
     "include_token_ids": false sends hashes only. Default: off."""
+    swa_full_tokens_ratio: float = 0.8
+    """Sliding-window models (Gemma 3, Mistral, Qwen2 with use_sliding_window): tokens of the
+    sliding layers' K/V space as a fraction of the global layers' (SGLang's flag and default),
+    in (0, 1]. The sliding space keeps only what some window still needs (see
+    docs/architecture.md, "Sliding windows and the KV pool")."""
+    disable_hybrid_swa_memory: bool = False
+    """Keep every layer's K/V of every cached page, sliding layers included, in one pool (as
+    for a model without sliding windows): more memory, no sliding page space (SGLang's flag)."""
 
     def __post_init__(self) -> None:
         if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
             raise ValueError(f"--cpu-kv-cache-gb must be > 0; got {self.cpu_kv_cache_gb}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(
+                f"--swa-full-tokens-ratio must be in (0, 1]; got {self.swa_full_tokens_ratio}"
+            )
         if self.torch_compile_max_bs < 1:
             raise ValueError(
                 f"--torch-compile-max-bs must be >= 1; got {self.torch_compile_max_bs}"

@@ -114,7 +114,7 @@ class Admission:
 
     def _match(self, req: Req) -> MatchResult:
         limit = cacheable_len(req)
-        return self.cache.match_prefix(self._seq_key(req), req.namespace, max_tokens=limit)
+        return self.cache.match_usable(self._seq_key(req), req.namespace, max_tokens=limit)
 
     def _seq_key(self, req: Req) -> tuple[int, ...]:
         """The request's sequence as a tuple, kept while it waits: lpm matches it every step.

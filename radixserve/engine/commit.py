@@ -3,8 +3,8 @@
 A plain request gets its sampled token (or, mid-prefill, none), a speculating one the
 accepted prefix of its draft plus the target's token; then logprobs, finish checks and
 jump-forward. A request that goes on keeps its K/V in step with its tokens (computed full
-pages offered to the tree, a rejected draft's pages trimmed); one that finished is left to
-the scheduler, which takes it out of the batch.
+pages offered to the tree, a rejected draft's pages trimmed, sliding K/V before its window
+freed); one that finished is left to the scheduler, which takes it out of the batch.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class Committer:
             req.finish(FinishReason.of_length(0))
         if not req.finished and w.num_new > 1:
             self.pages.cache_unfinished(req)
+        if not req.finished:
+            self.pages.free_out_of_window(req)
 
     def commit_verified(self, w: Work, verified: Verified, rows: torch.Tensor) -> None:
         """Appends the accepted drafts and the target's token, up to the first that ends the
@@ -128,6 +130,7 @@ class Committer:
         self.jumps.after_token(req, rows[num_emitted - 1])
         if not req.finished:
             self.pages.trim(req)
+            self.pages.free_out_of_window(req)
 
     def _compact_path(self, w: Work, path: list[int]) -> None:
         """A tree's node j was computed at position root + j; the kept drafts, path[d - 1]

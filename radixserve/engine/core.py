@@ -123,6 +123,7 @@ class EngineCore:
             medium = device_medium(pool.device.type)
             with_ids = publisher.config.include_token_ids
             events = KVEventSink(pool.page_size, medium, publisher.publish, with_ids)
+        _check_sliding_space(pool, hicache_config, disaggregation_config)
         cache = _create_cache(loaded, pool, scheduler_config, hicache_config, events)
         eos_ids = set(loaded.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -302,6 +303,25 @@ def _attach_lora(
     loaded.model.use_lora(weights)
 
 
+def _check_sliding_space(
+    pool: KVPool, hicache: HiCacheConfig, disaggregation: DisaggregationConfig
+) -> None:
+    """Refuses what copies whole pages when a sliding-window model's K/V lives in two page
+    spaces (cache/swa_pool.py)."""
+    if pool.sliding_window is None:
+        return
+    if hicache.enable_hierarchical_cache:
+        raise ValueError(
+            "--enable-hierarchical-cache does not cover a sliding-window model's second page "
+            "space yet; add --disable-hybrid-swa-memory (every layer's K/V in one pool)"
+        )
+    if disaggregation.disaggregation_mode != "null":
+        raise ValueError(
+            f"--disaggregation-mode {disaggregation.disaggregation_mode} does not send a "
+            "sliding-window model's second page space yet; add --disable-hybrid-swa-memory"
+        )
+
+
 def _create_cache(
     loaded: LoadedModel,
     pool: KVPool,
@@ -312,7 +332,8 @@ def _create_cache(
     """The radix cache (over two tiers with --enable-hierarchical-cache), or none."""
     if not hicache_config.enable_hierarchical_cache:
         disable = scheduler_config.disable_radix_cache
-        return create_prefix_cache(disable, pool.allocator, pool.page_size, events)
+        window = pool.sliding_window
+        return create_prefix_cache(disable, pool.allocator, pool.page_size, events, window)
     if scheduler_config.disable_radix_cache:
         raise ValueError(
             "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"

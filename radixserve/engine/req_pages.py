@@ -19,6 +19,11 @@ admitted (its own match then locks them) or leaves; so LRU eviction never takes 
 give way, newest first, only when eviction alone cannot free the pages an allocation needs
 (before any retraction, before pins), so they can never starve admission or decodes.
 
+Sliding-window models (a HybridKVPool, cache/swa_pool.py): after each step a request frees
+the sliding K/V of its own pages that end before its last `window` positions
+(`free_out_of_window`), so it holds at most window / page_size + 1 sliding pages of its own
+between steps; those pages reach the tree tombstoned.
+
 A speculating request's own pages may, for one step, reach past its sequence to hold draft
 tokens' K/V (`grow_from_free`); after verification `trim` frees the pages past what it
 computed, so only committed tokens ever reach the tree.
@@ -31,6 +36,8 @@ from radixserve.cache.prefix_cache import MatchResult, PrefixCache
 from radixserve.cache.retention import PinTable, session_pin_key
 from radixserve.engine.request import Req
 from radixserve.engine.stats import EngineStats
+
+UNBOUNDED = 1 << 62  # max_chunk_tokens without a sliding page space: no bound of its own
 
 
 class ReqPages:
@@ -60,6 +67,7 @@ class ReqPages:
         req.num_tree_pages = len(match.pages)
         req.last_node = match.node
         req.num_computed = match.num_tokens
+        req.num_sliding_freed = 0
         if req.session_id is not None:
             self.pins.unpin(session_pin_key(req.session_id), req.namespace)
 
@@ -143,6 +151,32 @@ class ReqPages:
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.page_table, req.num_tree_pages, req.last_node = [], 0, None
+        req.num_sliding_freed = 0
+
+    def max_chunk_tokens(self) -> int:
+        """The longest prefill chunk the pool can always take: with a sliding page space, a
+        chunk's pages need their sliding pages at once, beside the window above its match
+        (and one page of slack), so a lone request never waits for pages that cannot exist."""
+        window = self.pool.sliding_window
+        if window is None:
+            return UNBOUNDED
+        size = self.pool.page_size
+        return (self.pool.allocator.sliding.capacity - -(-window // size) - 2) * size
+
+    def free_out_of_window(self, req: Req) -> None:
+        """Frees the sliding K/V of the request's own pages that end before its window (the
+        positions its next token reads); nothing without a sliding page space."""
+        window = self.pool.sliding_window
+        if window is None:
+            return
+        size = self.pool.page_size
+        end = (req.num_computed - window) // size  # pages [0, end) end before the window
+        start = max(req.num_tree_pages, req.num_sliding_freed)
+        if end > start:
+            self.pool.allocator.free_sliding(req.page_table[start:end])
+            req.num_sliding_freed = end
+        held = len(req.page_table) - max(start, end)
+        self.stats.max_req_sliding_pages = max(self.stats.max_req_sliding_pages, held)
 
     def retain(self, req: Req) -> None:
         """Pins a finished request's cached sequence, if it asked for retention."""

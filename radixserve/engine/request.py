@@ -78,6 +78,7 @@ class Req:
     num_tree_pages: int = 0
     last_node: Any = None
     num_computed: int = 0
+    num_sliding_freed: int = 0  # page-table entries before this have no sliding K/V (swa_pool)
 
     # results and accounting
     cached_tokens: int = 0

@@ -286,7 +286,7 @@ class Scheduler:
 
     def _prefill_budget(self) -> int:
         chunk = self.config.chunked_prefill_size
-        limit = self.config.max_prefill_tokens
+        limit = min(self.config.max_prefill_tokens, self.pages.max_chunk_tokens())
         return limit if chunk < 0 else min(chunk, limit)
 
     def _schedule_decodes(self) -> tuple[list[Work], list[Req]]:

@@ -25,6 +25,8 @@ class EngineStats:
     kv_bytes_received: int = 0
     kv_transfer_failures: int = 0  # decode: requests ended because their KV did not arrive
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended unsampled
+    max_req_sliding_pages: int = 0  # most sliding-window pages one running request held
+    # between steps (a sliding-window model's second page space: cache/swa_pool.py)
 
     @property
     def cache_hit_rate(self) -> float:

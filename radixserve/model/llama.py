@@ -100,8 +100,9 @@ class LlamaAttention(nn.Module):
     ) -> None:
         """The fused op: qk norms and RoPE in place in `qkv`, k and v into the pool."""
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        kv, out_slots = attn.store_target(self.layer, batch)
         self.ops.rope_store(
-            qkv, rotary.cos, rotary.sin, attn.pool.layer_kv(self.layer), batch.out_slots,
+            qkv, rotary.cos, rotary.sin, kv, out_slots,
             (self.num_heads, self.num_kv_heads, self.head_dim), qk_norm, self.eps,
         )  # fmt: skip
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -22,6 +22,7 @@ from radixserve.attention import (
     default_backend,
 )
 from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.swa_pool import create_kv_pool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.forward_batch import ForwardBatch
@@ -84,6 +85,8 @@ class ModelRunner:
         take the rank's shard of the heads, and all ranks agree on the smallest pool."""
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
+        if loaded.model.tp.size > 1:  # each rank would need rank 0's sliding page table
+            cache_config = replace(cache_config, disable_hybrid_swa_memory=True)
         device, dtype = load_config.torch_device(), loaded.dtype
         local = loaded.model.layout.local_config()  # this rank's heads (all, without TP)
         graphs = device.type == "cuda" and not cache_config.disable_cuda_graph
@@ -97,7 +100,7 @@ class ModelRunner:
         if budget is not None:
             budget = loaded.model.tp.min_int(budget, device)
         kv_dtype = kv_cache_dtype(cache_config, dtype, device)
-        pool = KVPool.for_model(local, cache_config, kv_dtype, device, budget_bytes=budget)
+        pool = create_kv_pool(local, cache_config, kv_dtype, device, budget_bytes=budget)
         attn = create_model_attention(
             cache_config.attention_backend,
             pool,

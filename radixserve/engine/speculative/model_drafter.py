@@ -92,6 +92,7 @@ def load_draft_runner(
         max_total_tokens=target.pool.capacity_tokens,
         disable_cuda_graph=True,
         enable_torch_compile=False,  # not measured for drafts yet
+        disable_hybrid_swa_memory=True,  # own pages per request, never past their windows
     )
     return ModelRunner.from_loaded(loaded, load_config, draft_cache)
 
