@@ -16,6 +16,7 @@ from radixserve.fleet.autoscale_scrape import (
 )
 from radixserve.server.metrics import ServerMetrics
 
+
 def policy(**overrides) -> ScalingPolicy:
     args = dict(min_workers=1, max_workers=3, queue_per_worker=2, idle_s=10, cooldown_s=5)
     return ScalingPolicy(**(args | overrides))
@@ -25,6 +26,7 @@ def sample(t: float, *queues: tuple[float, ...], starting: int = 0) -> FleetSamp
     """Workers w0, w1, ... with (waiting, running[, first tokens, slow first tokens]) each."""
     workers = tuple(WorkerSample(f"w{i}", *q) for i, q in enumerate(queues))
     return FleetSample(t, workers, starting)
+
 
 # ---- the policy ------------------------------------------------------------------------------
 
@@ -192,4 +194,3 @@ def test_ttft_window_counts_only_recent_requests():
     window.add(16, ((0.1, 1000.0), (5.0, 1100.0), (float("inf"), 1100.0)))  # 1000 fast
     window.add(20, ((0.1, 1000.0), (5.0, 1100.0), (float("inf"), 1100.0)))
     assert window.p99() < 0.1  # the slow ones came before the window
-

@@ -17,8 +17,8 @@ from torch import nn
 from conftest import greedy_generate
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig
 from radixserve.distributed.group import TPGroup
-from radixserve.model.quant import QuantizationError
 from radixserve.model.loader import load_model
+from radixserve.model.quant import QuantizationError
 from radixserve.model.quant.fp8_linear import Fp8Linear
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.quant.quantize import _quantize_row_shard

@@ -92,7 +92,9 @@ class FleetState:
                 slot.ttft.add(now, metrics.ttft_buckets)
             first, slow = slot.ttft.since_last(self.ttft_target_s or None)
             name = slot.child.name
-            workers.append(WorkerSample(name, metrics.num_waiting, metrics.num_running, first, slow))
+            workers.append(
+                WorkerSample(name, metrics.num_waiting, metrics.num_running, first, slow)
+            )
         sample = FleetSample(now, tuple(workers), len(self.in_state("starting")))
         with self.lock:
             self.timeline.append((now, len(workers), sample.num_waiting))

@@ -55,12 +55,10 @@ class FleetCollector:
                 count = snap["num_decisions"].get(f"{action}/{rule}", 0)
                 decisions.add_metric([action, rule], count)
         yield decisions
-        for key, name, doc in (
-            ("num_waiting", "num_requests_waiting", "Requests waiting, summed over serving workers"),
-            ("num_running", "num_requests_running", "Requests running, summed over serving workers"),
-        ):
-            total = sum(w[key] or 0 for w in snap["workers"])
-            yield GaugeMetricFamily(PREFIX + name, doc, value=total)
+        for what in ("waiting", "running"):
+            total = sum(w[f"num_{what}"] or 0 for w in snap["workers"])
+            doc = f"Requests {what}, summed over serving workers"
+            yield GaugeMetricFamily(PREFIX + f"num_requests_{what}", doc, value=total)
         if snap["ttft_slow_fraction"] is not None:
             yield GaugeMetricFamily(
                 PREFIX + "ttft_slow_fraction",

@@ -42,6 +42,7 @@ from radixserve.model.tp_worker import RankSpec, build_rank
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class TPModelRunner:
     loaded: LoadedModel  # rank 0's shard, with the full model's config and tokenizer

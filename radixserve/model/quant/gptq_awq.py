@@ -167,9 +167,9 @@ def load_packed_weights(
 
 
 def check_packed_shards(fmt: PackedFormat, layout: ShardLayout) -> None:
-    """Refuses (the loader, before any weight is read) a --tp-size whose row-parallel slices would cut
-    the checkpoint's groups (each rank must hold whole groups of o_proj's and down_proj's
-    inputs)."""
+    """Refuses (the loader, before any weight is read) a --tp-size whose row-parallel
+    slices would cut the checkpoint's groups (each rank must hold whole groups of o_proj's
+    and down_proj's inputs)."""
     if layout.size == 1:
         return
     config = layout.config
@@ -196,7 +196,9 @@ def shard_part(part: Int4Part, module: str, layout: ShardLayout) -> Int4Part:
     dim, start, stop = index
     if dim == 0:
         bias = None if part.bias is None else part.bias[start:stop]
-        return Int4Part(part.codes[start:stop], part.scales[start:stop], part.zeros[start:stop], bias)
+        return Int4Part(
+            part.codes[start:stop], part.scales[start:stop], part.zeros[start:stop], bias
+        )
     group_size = part.codes.shape[1] // part.scales.shape[1]
     first, last = start // group_size, stop // group_size
     bias = part.bias
