@@ -83,6 +83,15 @@ def test_an_oscillating_load_does_not_flap():
     assert UP_SAMPLES >= 2
 
 
+def test_a_worker_whose_metrics_did_not_answer_still_counts():
+    """A loaded worker's /metrics timing out must not read as a missing worker (an up at
+    --max-workers, or one below --min-workers)."""
+    p = policy(max_workers=2, min_workers=2)
+    queued = FleetSample(0, (WorkerSample("w0", 4, 1),), num_unanswered=1)
+    assert p.decide(queued).action == "hold"  # 2 workers: at --min and --max
+    assert p.decide(FleetSample(1, queued.workers, num_unanswered=1)).action == "hold"
+
+
 def test_policy_from_config_takes_the_flags():
     config = FleetConfig(min_workers=1, max_workers=4, scale_up_queue_per_worker=3)
     p = ScalingPolicy.from_config(config)

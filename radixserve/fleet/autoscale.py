@@ -54,11 +54,14 @@ class WorkerSample:
 
 @dataclass(frozen=True)
 class FleetSample:
-    """The fleet at one scrape: its serving workers, and how many are still starting."""
+    """The fleet at one scrape: its serving workers that answered, how many are still
+    starting, and how many serving ones did not answer this scrape (a loaded worker's
+    /metrics timing out: still counted as workers, their queue unknown)."""
 
     time: float
     workers: tuple[WorkerSample, ...]
     num_starting: int = 0
+    num_unanswered: int = 0
 
     @property
     def num_waiting(self) -> float:
@@ -142,7 +145,7 @@ class ScalingPolicy:
                 self.idle_since.setdefault(w.name, sample.time)
 
     def _decide(self, sample: FleetSample) -> Decision:
-        current = len(sample.workers) + sample.num_starting
+        current = len(sample.workers) + sample.num_starting + sample.num_unanswered
         t = sample.time
         if current < self.min_workers:
             return Decision(t, "up", current + 1, "below --min-workers", rule="min-workers")

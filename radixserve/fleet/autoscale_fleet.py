@@ -80,11 +80,13 @@ class FleetState:
         return [s for s in self.slots if s.state == state]
 
     def scrape(self, now: float) -> FleetSample:
-        """Reads every serving worker's /metrics; one that does not answer is left out."""
-        workers = []
+        """Reads every serving worker's /metrics; one that does not answer counts as a
+        worker whose queue is unknown (FleetSample.num_unanswered)."""
+        workers, unanswered = [], 0
         for slot in self.in_state("serving"):
             body = http_get(slot.child.url + "/metrics")
             if body is None:
+                unanswered += 1
                 continue
             metrics = parse_worker_metrics(body.decode())
             with self.lock:
@@ -95,9 +97,9 @@ class FleetState:
             workers.append(
                 WorkerSample(name, metrics.num_waiting, metrics.num_running, first, slow)
             )
-        sample = FleetSample(now, tuple(workers), len(self.in_state("starting")))
+        sample = FleetSample(now, tuple(workers), len(self.in_state("starting")), unanswered)
         with self.lock:
-            self.timeline.append((now, len(workers), sample.num_waiting))
+            self.timeline.append((now, len(workers) + unanswered, sample.num_waiting))
             self.ttft_slow_fraction = sample.ttft_slow_fraction
         return sample
 
