@@ -90,6 +90,11 @@ def test_a_worker_whose_metrics_did_not_answer_still_counts():
     queued = FleetSample(0, (WorkerSample("w0", 4, 1),), num_unanswered=1)
     assert p.decide(queued).action == "hold"  # 2 workers: at --min and --max
     assert p.decide(FleetSample(1, queued.workers, num_unanswered=1)).action == "hold"
+    p = policy(ttft_target_s=0.5, cooldown_s=0, max_workers=2)  # busy one silent, new one idle
+    p.decide(sample(0, (3, 1, 4, 4), (0, 0)))
+    quiet = FleetSample(20, (WorkerSample("w1", 0, 0),), num_unanswered=1)
+    assert (p.decide(quiet).rule, p.decide(quiet).rule) == ("unanswered", "unanswered")
+    assert p.last_slow_fraction == 1  # kept: nothing is known of the silent worker
 
 
 def test_policy_from_config_takes_the_flags():

@@ -11,7 +11,8 @@
         a worker with nothing waiting or running for
             --scale-down-idle-s, above --min-workers,
             neither up signal high                                 -> down (that one) idle
-        otherwise, or within --scale-cooldown-s of a change        -> hold
+        otherwise, within --scale-cooldown-s of a change, or
+            (no down) while a serving worker's /metrics did not answer -> hold
 
 The signals are the workers' own metrics: radixserve:num_requests_waiting (the queue),
 radixserve:num_requests_running (a worker running anything is not idle) and the growth of the
@@ -156,6 +157,9 @@ class ScalingPolicy:
         if self.num_high >= UP_SAMPLES and current < self.max_workers:
             rule, reason = self._high_signals(sample)[0]
             return Decision(t, "up", current + 1, reason, rule=rule)
+        if sample.num_unanswered:  # its queue unknown: no worker is drained on a guess
+            reason = f"{sample.num_unanswered} serving worker(s) did not answer /metrics"
+            return Decision(t, "hold", current, reason, rule="unanswered")
         idle = self._idlest(sample)
         if idle is not None and current > self.min_workers and self.num_high == 0:
             reason = f"{idle} idle {t - self.idle_since[idle]:.0f} s >= --scale-down-idle-s"
@@ -178,14 +182,14 @@ class ScalingPolicy:
 
     def _ttft_high(self, sample: FleetSample) -> bool:
         """The share of slow first tokens at the threshold; a scrape in which no first token
-        came keeps the last share while requests wait (long answers in front of the queue),
-        and reads low with none waiting."""
+        came keeps the last share while requests wait (long answers in front of the queue)
+        or a worker did not answer, and reads low with none waiting."""
         if self.ttft_target_s <= 0:
             return False
         slow = sample.ttft_slow_fraction
         if slow is not None:
             self.last_slow_fraction = slow
-        elif sample.num_waiting == 0:
+        elif sample.num_waiting == 0 and not sample.num_unanswered:
             self.last_slow_fraction = 0.0
         return self.last_slow_fraction >= self.ttft_slow_fraction
 
