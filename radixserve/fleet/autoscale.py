@@ -69,10 +69,6 @@ class FleetSample:
         return sum(w.num_waiting for w in self.workers)
 
     @property
-    def num_running(self) -> float:
-        return sum(w.num_running for w in self.workers)
-
-    @property
     def ttft_slow_fraction(self) -> float | None:
         """The share of first tokens since the last scrape slower than the target; None
         when none came."""
@@ -86,7 +82,7 @@ class FleetSample:
 class Decision:
     """What the policy decided at one sample: `up` (start a worker), `down` (drain
     `worker`) or `hold`; `desired` is the worker count it aims at; `rule` the rule that
-    decided (UP_RULES, DOWN_RULES; a hold: starting | cool-down | steady), `reason` the same
+    decided (UP_RULES, DOWN_RULES; a hold: starting | cool-down | unanswered | steady), `reason` the same
     in words with the numbers."""
 
     time: float
