@@ -131,14 +131,21 @@ def test_the_ttft_signal_under_its_fraction_or_with_no_first_tokens_is_low():
     assert sample(0, (0, 1)).ttft_slow_fraction is None
 
 
-def test_a_scrape_without_first_tokens_keeps_the_slow_share_while_requests_wait():
-    """Long answers ahead of a short queue: no first token between two scrapes, still slow."""
+def test_a_scrape_without_first_tokens_keeps_the_slow_share_until_all_is_idle():
+    """Answers longer than a scrape interval: no first token between two scrapes, still slow
+    while anything runs (a new worker the router has not used yet is not drained then)."""
+    p = policy(ttft_target_s=0.5, queue_per_worker=100, cooldown_s=0, idle_s=1, max_workers=2)
+    p.decide(sample(0, (0, 1, 4, 4), (0, 0)))
+    for t in (1, 2, 3):  # nothing came, nothing waits, w0 runs one: still high, w1 kept
+        assert p.decide(sample(t, (0, 1), (0, 0))).action == "hold"
+        assert p.num_high == t + 1
     p = policy(ttft_target_s=0.5, queue_per_worker=100)
     p.decide(sample(0, (1, 2, 4, 4)))
     assert p.decide(sample(1, (1, 2))).rule == "ttft"  # nothing came, one waits: still high
     p = policy(ttft_target_s=0.5, queue_per_worker=100)
     p.decide(sample(0, (1, 2, 4, 4)))
-    assert p.decide(sample(1, (0, 2))).action == "hold"  # nothing waits: low
+    assert p.decide(sample(1, (0, 0))).action == "hold"  # all idle: low
+    assert p.num_high == 0
 
 
 def test_a_high_ttft_signal_keeps_an_idle_worker_and_a_queue_is_named_first():

@@ -7,7 +7,8 @@
             waiting / serving >= --scale-up-queue-per-worker       -> up              queue
             or (with --scale-up-ttft-target-s) the share of first
             tokens since the last scrape slower than the target
-            >= --scale-up-ttft-slow-fraction                       -> up              ttft
+            >= --scale-up-ttft-slow-fraction (a scrape with no
+            first token keeps the last share until all is idle)   -> up              ttft
         a worker with nothing waiting or running for
             --scale-down-idle-s, above --min-workers,
             neither up signal high                                 -> down (that one) idle
@@ -82,8 +83,8 @@ class FleetSample:
 class Decision:
     """What the policy decided at one sample: `up` (start a worker), `down` (drain
     `worker`) or `hold`; `desired` is the worker count it aims at; `rule` the rule that
-    decided (UP_RULES, DOWN_RULES; a hold: starting | cool-down | unanswered | steady), `reason` the same
-    in words with the numbers."""
+    decided (UP_RULES, DOWN_RULES; a hold: starting | cool-down | unanswered | steady),
+    `reason` the same in words with the numbers."""
 
     time: float
     action: str  # up | down | hold
@@ -178,14 +179,15 @@ class ScalingPolicy:
 
     def _ttft_high(self, sample: FleetSample) -> bool:
         """The share of slow first tokens at the threshold; a scrape in which no first token
-        came keeps the last share while requests wait (long answers in front of the queue)
-        or a worker did not answer, and reads low with none waiting."""
+        came keeps the last share while any request runs or waits (long answers take more
+        than a scrape interval) or a worker did not answer, and reads low once every worker
+        is idle."""
         if self.ttft_target_s <= 0:
             return False
         slow = sample.ttft_slow_fraction
         if slow is not None:
             self.last_slow_fraction = slow
-        elif sample.num_waiting == 0 and not sample.num_unanswered:
+        elif not sample.num_unanswered and all(w.idle for w in sample.workers):
             self.last_slow_fraction = 0.0
         return self.last_slow_fraction >= self.ttft_slow_fraction
 
