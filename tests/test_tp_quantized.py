@@ -91,8 +91,12 @@ def test_gptq_groups_that_would_straddle_ranks_are_refused_naming_tp_size(tiny_m
     """gptq-sym has groups of 64; o_proj's 64 inputs over two ranks are 32 each."""
     folder = tmp_path / "gptq-sym"
     write_checkpoint(tiny_models["llama"], folder, tmp_path / "twin", CASES["gptq-sym"])
-    with pytest.raises(QuantizationError, match="--tp-size 2: o_proj keeps 32 input columns"):
+    message = "--tp-size 2: o_proj keeps 32 input columns"
+    with pytest.raises(QuantizationError, match=message):
         load_model(LoadConfig(model=str(folder), device="cpu"), _TwoRanks(rank=0, size=2))
+    explicit = LoadConfig(model=str(folder), device="cpu", quantization="gptq")
+    with pytest.raises(QuantizationError, match=message):  # before any rank starts
+        TPModelRunner.create(explicit, CacheConfig(), ParallelConfig(tp_size=2))
 
 
 class _TwoRanks(TPGroup):

@@ -84,10 +84,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     load_config = resolve_quantization(load_config, hf_config)
     config = ModelConfig.from_hf_dict(hf_config)
     refuse_moe_options(load_config, config)
-    layout = ShardLayout(config, tp.rank, tp.size)
-    if load_config.quantization in PACKED_METHODS:
-        check_packed_shards(PackedFormat.from_hf_config(hf_config), layout)
-    check_quantization(load_config, layout.local_config())
+    check_rank_quantization(load_config, ShardLayout(config, tp.rank, tp.size))
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
     if load_config.load_format == "dummy":
@@ -197,6 +194,15 @@ def _load_gguf_as_is(
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     tokenizer_path = tokenizer_folder(source.path) if has_vocab else None
     return _loaded(model, config, tokenizer_path, source.name, load_config)
+
+
+def check_rank_quantization(load_config: LoadConfig, layout: ShardLayout) -> None:
+    """Every start-up check of --quantization (resolved, not `auto`) for one rank's shard: a
+    GPTQ / AWQ checkpoint's groups whole on each rank (naming --tp-size), then the method's
+    own checks on the shard's shapes."""
+    if load_config.quantization in PACKED_METHODS:
+        check_packed_shards(PackedFormat.from_hf_config(layout.config.hf_config), layout)
+    check_quantization(load_config, layout.local_config())
 
 
 MOE_METHODS = ("none", "auto", "int8", "int4", "gguf")
