@@ -12,6 +12,11 @@ fleet of N), so each has its fleet port, whose /fleet/stats is sampled every SAM
 worker-seconds = the integral of running workers (starting, serving or draining) over the
 run. TTFT is the time to the first streamed token, measured by the client through the router.
 
+For the autoscaled fleet it also reports where its time went (from the fleet port's decisions
+and scrapes): burst start -> up decision, up -> the new worker serving, burst end -> down
+decision, burst end -> back at --min-workers, and the P99 TTFT of the requests sent before
+the second worker served against those sent after.
+
 Workers are capacity-limited on purpose (--max-running-requests, one core each) so that a
 burst queues on a small machine; the numbers say how the policy follows a queue, not how
 fast a model is.
@@ -50,7 +55,8 @@ IDLE_BEFORE_S = 20.0
 IDLE_AFTER_S = 20.0
 """Idle after the autoscaled fleet is back at --min-workers (every fleet idles as long)."""
 SAMPLE_S = 0.5
-SCALE_FLAGS = ["--scale-up-queue-per-worker", "2", "--scale-down-idle-s", "8"]
+SCALE_FLAGS = ["--scale-up-queue-per-worker", "2", "--scale-down-idle-s", "4"]
+SCALE_FLAGS += ["--scale-up-ttft-target-s", "0.5", "--scale-up-ttft-slow-fraction", "0.1"]
 SCALE_FLAGS += ["--scale-interval-s", "1", "--scale-cooldown-s", "4"]
 WORKER_FLAGS = ["--max-running-requests", "2", "--max-total-tokens", "16384"]
 FLEETS = {"fixed-1": (1, 1), "fixed-2": (2, 2), "autoscaled 1-2": (1, 2)}
@@ -69,6 +75,14 @@ class RunResult:
     duration_s: float
     max_workers_seen: int
     idle_after_s: float  # after the burst
+    # where the autoscaled fleet's time goes (None for the fixed ones), from its fleet port's
+    # decisions and scrapes (the fleet's clock is this one: both CLOCK_MONOTONIC)
+    up_after_s: float | None = None  # burst start -> the up decision
+    worker_start_s: float | None = None  # up decision -> the new worker scraped as serving
+    down_after_s: float | None = None  # burst end -> the down decision
+    back_at_min_s: float | None = None  # burst end -> min workers, none starting or draining
+    p99_ttft_one_worker_s: float | None = None  # requests sent before the second served
+    p99_ttft_two_workers_s: float | None = None  # the rest
 
 
 class Fleet:
@@ -151,12 +165,13 @@ async def agent_session(session, url: str, seed: int, ttfts: list, fails: list) 
                 if line.startswith(b"data: {"):
                     first = first or time.perf_counter()
                     last = line
-        ttfts.append(first - start)
+        ttfts.append((start, first - start))
         context += json.loads(last[len(b"data: ") :])["output_ids"]
 
 
-async def burst(url: str) -> tuple[list[float], list[int]]:
-    ttfts: list[float] = []
+async def burst(url: str) -> tuple[list[tuple[float, float]], list[int]]:
+    """(sent at, TTFT) of every turn; the statuses of the failed ones."""
+    ttfts: list[tuple[float, float]] = []
     fails: list[int] = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -177,17 +192,20 @@ def run_one(model: str, name: str, idle_after_s: float | None) -> RunResult:
     try:
         clock, start = WorkerClock(fleet), time.monotonic()
         time.sleep(IDLE_BEFORE_S)
-        ttfts, fails = asyncio.run(burst(fleet.url))
+        burst_start = time.monotonic()
+        sent, fails = asyncio.run(burst(fleet.url))
         burst_end = time.monotonic()
         if idle_after_s is None:
             while fleet.running() > low and time.monotonic() - burst_end < DRAIN_WAIT_S:
                 time.sleep(SAMPLE_S)
+            back_at_min_s = time.monotonic() - burst_end
             time.sleep(IDLE_AFTER_S)
         else:
             time.sleep(idle_after_s)
         clock.stop()
         duration = time.monotonic() - start
-        return RunResult(
+        ttfts = [ttft for _, ttft in sent]
+        result = RunResult(
             fleet=name,
             num_requests=len(ttfts) + len(fails),
             num_failed=len(fails),
@@ -198,8 +216,33 @@ def run_one(model: str, name: str, idle_after_s: float | None) -> RunResult:
             max_workers_seen=clock.max_seen,
             idle_after_s=time.monotonic() - burst_end,
         )
+        if low < high:
+            result.back_at_min_s = back_at_min_s
+            where_time_went(result, fleet.stats(), sent, burst_start, burst_end, low)
+        return result
     finally:
         fleet.stop()
+
+
+def where_time_went(
+    result: RunResult, stats: dict, sent: list, burst_start: float, burst_end: float, low: int
+) -> None:
+    """Fills the autoscaled run's lags from its fleet port: decisions and per-scrape
+    (time, serving workers, waiting) points, and splits the TTFTs at the second worker."""
+    ups = [d["time"] for d in stats["decisions"] if d["action"] == "up"]
+    downs = [d["time"] for d in stats["decisions"] if d["action"] == "down"]
+    timeline = stats["timeline"]
+    if ups:
+        result.up_after_s = ups[0] - burst_start
+        served = [t for t, n, _ in timeline if t >= ups[0] and n > low]
+        if served:
+            result.worker_start_s = served[0] - ups[0]
+            before = [ttft for at, ttft in sent if at < served[0]]
+            after = [ttft for at, ttft in sent if at >= served[0]]
+            result.p99_ttft_one_worker_s = quantile(before, 0.99)
+            result.p99_ttft_two_workers_s = quantile(after, 0.99)
+    if downs:
+        result.down_after_s = downs[-1] - burst_end
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.fleet:<16}{r.num_requests:>9}{r.num_failed:>7}{r.p50_ttft_s:>10.3f}"
               f"{r.p99_ttft_s:>10.3f}{r.worker_seconds:>10.1f}{r.duration_s:>8.1f}"
               f"{r.max_workers_seen:>6}")  # fmt: skip
+    lags = ("up_after_s", "worker_start_s", "down_after_s", "back_at_min_s")
+    lags += ("p99_ttft_one_worker_s", "p99_ttft_two_workers_s")
+    print("autoscaled: " + ", ".join(f"{k} {getattr(auto, k)}" for k in lags))
     report = {"agents": AGENTS, "turns": TURNS, "burst_s": BURST_S, "idle_before_s": IDLE_BEFORE_S}
     report |= {"idle_after_s": IDLE_AFTER_S, "runs": [asdict(r) for r in results]}
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -94,11 +94,12 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused(tiny_models):
         tp_runner(tiny_models["llama"], tp_size=3)
 
 
-def test_quantization_with_tp_is_refused_naming_both_flags(tiny_models):
+def test_fp8_with_tp_on_cpu_is_refused_before_any_rank_starts(tiny_models):
+    """fp8 is sharded under --tp-size (test_tp_quantized.py) but needs CUDA: refused at once."""
     from radixserve.model.quant.quantize import QuantizationError
 
     config = LoadConfig(model=str(tiny_models["llama"]), device="cpu", quantization="fp8")
-    with pytest.raises(QuantizationError, match="--quantization fp8.*--tp-size 2"):
+    with pytest.raises(QuantizationError, match="--quantization fp8 needs a CUDA GPU"):
         TPModelRunner.create(config, CacheConfig(), ParallelConfig(tp_size=2))
 
 

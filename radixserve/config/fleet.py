@@ -29,6 +29,14 @@ class FleetConfig:
     """Autoscaling: a worker is added when the waiting requests
     (radixserve:num_requests_waiting, summed) per serving worker reach this, two scrapes in
     a row."""
+    scale_up_ttft_target_s: float = 0.0
+    """Autoscaling: a time-to-first-token target (s). A worker is also added when, of the
+    requests that got their first token since the last scrape (the growth of the workers'
+    radixserve:time_to_first_token_seconds histogram buckets), the share slower than this
+    reaches --scale-up-ttft-slow-fraction, two scrapes in a row. 0: the queue alone."""
+    scale_up_ttft_slow_fraction: float = 0.1
+    """Autoscaling with --scale-up-ttft-target-s: the share of first tokens over the target
+    (0 < f <= 1) at which a worker is added."""
     scale_down_idle_s: float = 60.0
     """Autoscaling: a worker with nothing waiting or running for this long is drained
     (SIGTERM: it leaves the router, finishes what it runs, exits)."""
@@ -119,6 +127,15 @@ class FleetConfig:
                 raise ValueError(f"{flag} must be > 0; got {getattr(self, name)}")
         if self.scale_cooldown_s < 0:
             raise ValueError(f"--scale-cooldown-s must be >= 0; got {self.scale_cooldown_s}")
+        if self.scale_up_ttft_target_s < 0:
+            raise ValueError(
+                f"--scale-up-ttft-target-s must be >= 0 (0: off); got {self.scale_up_ttft_target_s}"
+            )
+        if not 0 < self.scale_up_ttft_slow_fraction <= 1:
+            raise ValueError(
+                "--scale-up-ttft-slow-fraction must be > 0 and <= 1; got "
+                f"{self.scale_up_ttft_slow_fraction}"
+            )
 
     @property
     def autoscale(self) -> bool:

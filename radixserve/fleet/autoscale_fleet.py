@@ -65,40 +65,50 @@ class WorkerSlot:
 class FleetState:
     """The slots, the decisions taken and a timeline; read by the fleet port's thread."""
 
-    def __init__(self, workers: list[Child], desired: int) -> None:
+    def __init__(self, workers: list[Child], desired: int, ttft_target_s: float = 0.0) -> None:
         self.slots = [WorkerSlot(child) for child in workers]
+        self.ttft_target_s = ttft_target_s  # first tokens slower than this count as slow
         self.desired = desired
         self.decisions: deque[Decision] = deque(maxlen=DECISION_HISTORY)
         self.timeline: deque[tuple[float, int, float]] = deque(maxlen=TIMELINE_POINTS)
-        self.num_decisions: Counter[str] = Counter()
+        self.num_decisions: Counter[tuple[str, str]] = Counter()  # (action, rule)
+        self.last: Decision | None = None
+        self.ttft_slow_fraction: float | None = None
         self.lock = threading.Lock()
 
     def in_state(self, state: str) -> list[WorkerSlot]:
         return [s for s in self.slots if s.state == state]
 
     def scrape(self, now: float) -> FleetSample:
-        """Reads every serving worker's /metrics; one that does not answer is left out."""
-        workers = []
+        """Reads every serving worker's /metrics; one that does not answer counts as a
+        worker whose queue is unknown (FleetSample.num_unanswered)."""
+        workers, unanswered = [], 0
         for slot in self.in_state("serving"):
             body = http_get(slot.child.url + "/metrics")
             if body is None:
+                unanswered += 1
                 continue
             metrics = parse_worker_metrics(body.decode())
             with self.lock:
                 slot.metrics = metrics
                 slot.ttft.add(now, metrics.ttft_buckets)
-            workers.append(WorkerSample(slot.child.name, metrics.num_waiting, metrics.num_running))
-        sample = FleetSample(now, tuple(workers), len(self.in_state("starting")))
+            first, slow = slot.ttft.since_last(self.ttft_target_s or None)
+            name = slot.child.name
+            workers.append(
+                WorkerSample(name, metrics.num_waiting, metrics.num_running, first, slow)
+            )
+        sample = FleetSample(now, tuple(workers), len(self.in_state("starting")), unanswered)
         with self.lock:
-            self.timeline.append((now, len(workers), sample.num_waiting))
+            self.timeline.append((now, len(workers) + unanswered, sample.num_waiting))
+            self.ttft_slow_fraction = sample.ttft_slow_fraction
         return sample
 
     def record(self, decision: Decision) -> None:
         with self.lock:
-            self.desired = decision.desired
+            self.desired, self.last = decision.desired, decision
             if decision.action != "hold":
                 self.decisions.append(decision)
-                self.num_decisions[decision.action] += 1
+                self.num_decisions[decision.action, decision.rule] += 1
 
     def snapshot(self) -> dict[str, Any]:
         """What the fleet port serves: workers side by side, decisions, timeline."""
@@ -107,7 +117,10 @@ class FleetState:
                 "desired_workers": self.desired,
                 "workers": [s.view() for s in self.slots],
                 "num_workers": {state: len(self.in_state(state)) for state in STATES},
-                "num_decisions": dict(self.num_decisions),
+                "num_decisions": {f"{a}/{r}": n for (a, r), n in self.num_decisions.items()},
+                "last_decision": None if self.last is None else vars(self.last),
+                "ttft_target_s": self.ttft_target_s or None,
+                "ttft_slow_fraction": self.ttft_slow_fraction,
                 "decisions": [vars(d) for d in self.decisions],
                 "timeline": list(self.timeline),
             }
@@ -180,9 +193,10 @@ class Autoscaler:
 
     def act(self, decision: Decision, now: float) -> None:
         if decision.action == "hold":
+            logger.debug("hold at %d workers (%s)", decision.desired, decision.reason)
             return
         print(f"radixserve fleet: scale {decision.action} to {decision.desired} workers "
-              f"({decision.reason})", flush=True)  # fmt: skip
+              f"[{decision.rule}] ({decision.reason})", flush=True)  # fmt: skip
         if decision.action == "up":
             stopped = self.state.in_state("stopped")
             if stopped:
@@ -219,7 +233,8 @@ def run_autoscaled(
     """The router first (it answers with no worker), then --min-workers workers, then the
     autoscaler (and the fleet port, keyed with --api-key, if --fleet-port) until a stop
     signal; the workers are stopped (drained) before the caller stops the router."""
-    state = FleetState(autoscaled_children(workers, router), config.min_workers)
+    children = autoscaled_children(workers, router)
+    state = FleetState(children, config.min_workers, config.scale_up_ttft_target_s)
     drain_timeout_s = server.drain_timeout + STOP_MARGIN_S
     autoscaler = Autoscaler(config, state, router, drain_timeout_s)
     deadline = time.monotonic() + config.startup_timeout_s

@@ -1,5 +1,6 @@
-"""Reading a worker's /metrics: its queue, hit rate and TTFT histogram, and the P99 TTFT of
-the last TTFT_WINDOW_S from the histogram's growth (the buckets are cumulative since start)."""
+"""Reading a worker's /metrics: its queue, hit rate and TTFT histogram; from the histogram's
+growth (the buckets are cumulative since start) the P99 TTFT of the last TTFT_WINDOW_S, and
+how many first tokens came since the previous scrape and how many of them after a target."""
 
 from __future__ import annotations
 
@@ -63,6 +64,32 @@ def histogram_quantile(buckets: tuple[tuple[float, float], ...], q: float) -> fl
     return lower_bound
 
 
+def count_over(buckets: tuple[tuple[float, float], ...], target_s: float) -> float:
+    """Observations above `target_s` in cumulative `buckets` (sorted, +Inf last): those up
+    to it are interpolated linearly inside the bucket that holds it, as histogram_quantile
+    reads a bucket; past the largest finite bound every observation in +Inf counts."""
+    if not buckets:
+        return 0.0
+    total = buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if math.isinf(bound):
+            break
+        if target_s <= bound:
+            share = (target_s - lower_bound) / (bound - lower_bound) if bound > lower_bound else 1
+            return total - (lower_count + (count - lower_count) * share)
+        lower_bound, lower_count = bound, count
+    return total - lower_count
+
+
+def grown(
+    old: tuple[tuple[float, float], ...], new: tuple[tuple[float, float], ...]
+) -> tuple[tuple[float, float], ...]:
+    """The observations in `new` that `old` (an earlier scrape of the same histogram) lacks."""
+    before = dict(old)
+    return tuple((bound, count - before.get(bound, 0.0)) for bound, count in new)
+
+
 class TTFTWindow:
     """One worker's TTFT histograms over the last TTFT_WINDOW_S; p99 of their difference."""
 
@@ -79,6 +106,13 @@ class TTFTWindow:
         """P99 TTFT (s) of the requests seen between the oldest and newest sample."""
         if len(self.samples) < 2:
             return None
-        old, new = dict(self.samples[0][1]), self.samples[-1][1]
-        grown = tuple((bound, count - old.get(bound, 0.0)) for bound, count in new)
-        return histogram_quantile(grown, 0.99)
+        return histogram_quantile(grown(self.samples[0][1], self.samples[-1][1]), 0.99)
+
+    def since_last(self, target_s: float | None) -> tuple[float, float]:
+        """(first tokens, of them slower than `target_s`; 0 without a target) between the
+        two newest samples; (0, 0) before the second one."""
+        if len(self.samples) < 2:
+            return 0.0, 0.0
+        last = grown(self.samples[-2][1], self.samples[-1][1])
+        num_slow = count_over(last, target_s) if target_s else 0.0
+        return (last[-1][1] if last else 0.0), num_slow

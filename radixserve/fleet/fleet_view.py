@@ -2,7 +2,8 @@
 
     GET /              the dashboard (fleet_dashboard.html: one file, no external assets)
     GET /fleet/stats   JSON: workers side by side, decisions, timeline (FleetState.snapshot)
-    GET /metrics       Prometheus: radixserve_fleet:* (workers by state, desired, decisions)
+    GET /metrics       Prometheus: radixserve_fleet:* (workers by state, desired, decisions
+                       by action and rule, waiting / running, TTFT slow share)
 
 With a fleet key (--api-key) /fleet/stats and /metrics need `Authorization: Bearer KEY`; the
 page itself holds no data and sends the key it is given after `#key=` in its address (the
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+
+from radixserve.fleet.autoscale import DOWN_RULES, UP_RULES
 
 if TYPE_CHECKING:
     from radixserve.fleet.autoscale_fleet import FleetState
@@ -43,16 +46,25 @@ class FleetCollector:
         desired = snap["desired_workers"]
         yield GaugeMetricFamily(PREFIX + "desired_workers", "Workers aimed at", value=desired)
         decisions = CounterMetricFamily(
-            PREFIX + "scaling_decisions", "Workers added (up) and drained (down)", labels=["action"]
+            PREFIX + "scaling_decisions",
+            "Workers added (up) and drained (down), by the rule that decided",
+            labels=["action", "rule"],
         )
-        for action in ("up", "down"):
-            decisions.add_metric([action], snap["num_decisions"].get(action, 0))
+        for action, rules in (("up", UP_RULES), ("down", DOWN_RULES)):
+            for rule in rules:
+                count = snap["num_decisions"].get(f"{action}/{rule}", 0)
+                decisions.add_metric([action, rule], count)
         yield decisions
-        waiting = GaugeMetricFamily(
-            PREFIX + "num_requests_waiting", "Requests waiting, summed over serving workers"
-        )
-        waiting.add_metric([], sum(w["num_waiting"] or 0 for w in snap["workers"]))
-        yield waiting
+        for what in ("waiting", "running"):
+            total = sum(w[f"num_{what}"] or 0 for w in snap["workers"])
+            doc = f"Requests {what}, summed over serving workers"
+            yield GaugeMetricFamily(PREFIX + f"num_requests_{what}", doc, value=total)
+        if snap["ttft_slow_fraction"] is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "ttft_slow_fraction",
+                "Share of first tokens since the last scrape slower than --scale-up-ttft-target-s",
+                value=snap["ttft_slow_fraction"],
+            )
 
 
 class FleetView:

@@ -27,7 +27,12 @@ from radixserve.model.quant.gguf_weights import (
     read_gguf,
     why_not_as_is,
 )
-from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, load_packed_weights
+from radixserve.model.quant.gptq_awq import (
+    PACKED_METHODS,
+    PackedFormat,
+    check_packed_shards,
+    load_packed_weights,
+)
 from radixserve.model.quant.quantize import (
     QuantizationError,
     check_quantization,
@@ -77,10 +82,9 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     folder = _hf_folder(source, load_config.load_format)
     hf_config = builtin_config(source.name) if folder is None else read_hf_config(folder)
     load_config = resolve_quantization(load_config, hf_config)
-    refuse_sharded_quantization(load_config.quantization, tp.size)
     config = ModelConfig.from_hf_dict(hf_config)
     refuse_moe_options(load_config, config)
-    check_quantization(load_config, ShardLayout(config, tp.rank, tp.size).local_config())
+    check_rank_quantization(load_config, ShardLayout(config, tp.rank, tp.size))
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
     if load_config.load_format == "dummy":
@@ -192,18 +196,13 @@ def _load_gguf_as_is(
     return _loaded(model, config, tokenizer_path, source.name, load_config)
 
 
-SHARDED_METHODS = ("none", "auto", "int8", "int4", "gguf")
-"""What --tp-size > 1 loads: int8 / int4 quantize each rank's shard on load (quantize.py),
-gguf cuts it from the file's blocks (quant/gguf_shard.py)."""
-
-
-def refuse_sharded_quantization(method: str, tp_size: int) -> None:
-    """fp8 and the GPTQ / AWQ packed layouts are not sharded yet."""
-    if tp_size > 1 and method not in SHARDED_METHODS:
-        raise QuantizationError(
-            f"--quantization {method} is not supported with --tp-size {tp_size} yet (its packed "
-            "weights are not sharded); use --quantization none, int8, int4 or gguf, or --tp-size 1"
-        )
+def check_rank_quantization(load_config: LoadConfig, layout: ShardLayout) -> None:
+    """Every start-up check of --quantization (resolved, not `auto`) for one rank's shard: a
+    GPTQ / AWQ checkpoint's groups whole on each rank (naming --tp-size), then the method's
+    own checks on the shard's shapes."""
+    if load_config.quantization in PACKED_METHODS:
+        check_packed_shards(PackedFormat.from_hf_config(layout.config.hf_config), layout)
+    check_quantization(load_config, layout.local_config())
 
 
 MOE_METHODS = ("none", "auto", "int8", "int4", "gguf")

@@ -25,7 +25,7 @@ import torch
 
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig, split_engine_kwargs
 from radixserve.distributed.group import RankFailedError, TPGroup
-from radixserve.model.loader import peek_model_config, refuse_sharded_quantization
+from radixserve.model.loader import peek_model_config
 from radixserve.model.tp_batch import HEADER_LEN, BatchHeader, header_from_tensor
 from radixserve.model.tp_local import (
     LocalRank,
@@ -62,7 +62,6 @@ def node_spec(
     parallel.verify()
     if parallel.nnodes == 1 or parallel.node_rank == 0:
         raise ValueError("--node-rank R > 0 with --nnodes > 1 runs a node's ranks alone")
-    refuse_sharded_quantization(load.quantization, parallel.tp_size)
     parallel.torch_backend(load.torch_device())
     check_tp_size(peek_model_config(load), parallel.tp_size)
     return RankSpec(

@@ -25,7 +25,7 @@ from radixserve.distributed.group import RankFailedError
 from radixserve.distributed.rendezvous import listen_for_ranks
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.loader import LoadedModel, peek_model_config, refuse_sharded_quantization
+from radixserve.model.loader import LoadedModel, check_rank_quantization, peek_model_config
 from radixserve.model.moe import check_ep_size
 from radixserve.model.runner import LogitsOutput, ModelRunner
 from radixserve.model.tp_batch import header_tensor, pack_batch
@@ -37,10 +37,11 @@ from radixserve.model.tp_local import (
     stop_ranks,
     wait_for,
 )
-from radixserve.model.tp_shard import check_tp_size
+from radixserve.model.tp_shard import ShardLayout, check_tp_size
 from radixserve.model.tp_worker import RankSpec, build_rank
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class TPModelRunner:
@@ -72,12 +73,12 @@ class TPModelRunner:
                 f"--node-rank {parallel_config.node_rank}: only node 0 runs the engine; "
                 "the others run their ranks alone (`radixserve serve --node-rank R`)"
             )
-        # refused before any process starts; `auto` resolving to a packed method is refused
-        # by every rank's loader
-        refuse_sharded_quantization(load_config.quantization, parallel_config.tp_size)
         parallel_config.torch_backend(load_config.torch_device())  # nccl off CUDA: refused
         model_config = peek_model_config(load_config)
         check_tp_size(model_config, parallel_config.tp_size)
+        if load_config.quantization != "auto":  # `auto` resolves in each rank's loader
+            layout = ShardLayout(model_config, 0, parallel_config.tp_size)
+            check_rank_quantization(load_config, layout)  # before any rank starts
         check_ep_size(model_config, parallel_config.tp_size, parallel_config.ep_size)
         # rank 0 listens before any rank starts: the others get the port it got
         listen_socket, init_addr = listen_for_ranks(parallel_config.dist_init_addr)

@@ -26,9 +26,12 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.float().reshape(1, out_features))
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> Fp8Linear:
+    def from_float(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Fp8Linear:
+        """Each row scaled by its largest |weight| (`absmax` given: the whole layer's, for a
+        row-parallel shard under tensor parallelism, quant/quantize.py)."""
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+        absmax = weight.abs().amax(dim=1) if absmax is None else absmax.float()
+        scales = absmax.clamp(min=1e-12) / FP8_MAX
         qweight = (weight / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return cls(qweight, scales, bias_of(linear))
 

@@ -19,6 +19,14 @@ Both read w = (q - zero) * scale (nibble j = bits 4j..4j+3). Ours reads w = (q -
 so s = scale and z = (8 - zero) * scale. A v1 zero of 0 is stored as -1, whose nibble is 15;
 the zero is read back modulo 16, as AutoGPTQ does.
 
+Under tensor parallelism (--tp-size > 1) each rank keeps its part of every projection, cut
+from the unpacked codes, scales and zeros as the fp weight would be (model/tp_shard.py):
+column-parallel layers (q/k/v, gate/up) along output columns (codes' rows, scales' and
+zeros' rows, the bias); row-parallel ones (o_proj, down_proj) along whole groups of the
+input (codes' columns, a slice of the groups), refused naming --tp-size where a rank's
+inputs would cut a group. Act-order checkpoints (g_idx that regroups inputs) are refused at
+every --tp-size (below). Every rank reads the whole packed checkpoint and keeps its part.
+
 Read from quantization_config, anything else refused naming the option: `bits` 4,
 `group_size` 32 | 64 | 128 (the int4 kernel's); GPTQ `desc_act` false (g_idx must then be
 input // group_size), `sym` true or false (both read through qzeros), `checkpoint_format`
@@ -40,6 +48,7 @@ from torch import nn
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant.linear import INT4_GROUP_SIZES, INT4_MID, Int4WeightOnlyLinear
 from radixserve.model.source import ModelLoadError
+from radixserve.model.tp_shard import ShardLayout
 
 PACKED_METHODS = ("gptq", "awq")
 BITS = 4
@@ -137,17 +146,67 @@ def load_packed_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedFormat
 ) -> None:
     """Puts one Int4WeightOnlyLinear per fused projection into `model`, then loads the fp
-    tensors (embedding, norms, LM head) through the model's own loader."""
+    tensors (embedding, norms, LM head) through the model's own loader; a tensor-parallel
+    rank (`model.layout`) keeps its part of each."""
+    layout: ShardLayout = model.layout
     packed, fp_weights = split_packed(weights)
     for i, layer in enumerate(model.layers):
         for path, parts in FUSED_PARTS.items():
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
             prefix = f"model.layers.{i}"
-            hf_parts = [read_part(packed, f"{prefix}.{part}", fmt) for part in parts]
+            hf_parts = [
+                shard_part(read_part(packed, f"{prefix}.{part}", fmt), f"{prefix}.{part}", layout)
+                for part in parts
+            ]
             int4 = packed_layer(hf_parts, getattr(owner, attr), fmt, f"{prefix}.{path}")
             setattr(owner, attr, int4)
+    if layout.size > 1:
+        fp_weights = [(name, layout.select(name, tensor)) for name, tensor in fp_weights]
     model.load_weights(fp_weights)
+
+
+def check_packed_shards(fmt: PackedFormat, layout: ShardLayout) -> None:
+    """Refuses (the loader, before any weight is read) a --tp-size whose row-parallel
+    slices would cut the checkpoint's groups (each rank must hold whole groups of o_proj's
+    and down_proj's inputs)."""
+    if layout.size == 1:
+        return
+    config = layout.config
+    widths = {
+        "o_proj": layout.num_heads * config.head_dim,
+        "down_proj": layout.intermediate_size,
+    }
+    for name, per_rank in widths.items():
+        if per_rank % fmt.group_size:
+            raise QuantizationError(
+                f"--tp-size {layout.size}: {name} keeps {per_rank} input columns per rank, "
+                f"which cut the checkpoint's groups of {fmt.group_size} (quantization_config "
+                f"group_size); use a --tp-size that leaves whole groups per rank, or --tp-size 1"
+            )
+
+
+def shard_part(part: Int4Part, module: str, layout: ShardLayout) -> Int4Part:
+    """This rank's part of one HF projection (module docstring): output rows of a
+    column-parallel one, whole groups of the input of a row-parallel one (whose bias only
+    rank 0 keeps: the all-reduce sums it once)."""
+    index = layout.hf_index(module + ".weight")
+    if index is None:
+        return part
+    dim, start, stop = index
+    if dim == 0:
+        bias = None if part.bias is None else part.bias[start:stop]
+        return Int4Part(
+            part.codes[start:stop], part.scales[start:stop], part.zeros[start:stop], bias
+        )
+    group_size = part.codes.shape[1] // part.scales.shape[1]
+    first, last = start // group_size, stop // group_size
+    bias = part.bias
+    if bias is not None and layout.zeroed(module + ".bias"):
+        bias = torch.zeros_like(bias)
+    return Int4Part(
+        part.codes[:, start:stop], part.scales[:, first:last], part.zeros[:, first:last], bias
+    )
 
 
 def packed_layer(

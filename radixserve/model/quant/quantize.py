@@ -349,12 +349,13 @@ def configure_int_layers(model: nn.Module, load_config: LoadConfig) -> None:
 
 def _quantize_row_shard(linear: nn.Linear, method: str, load_config: LoadConfig, tp) -> nn.Module:
     """A row-parallel shard (a slice of the input columns), quantized as its slice of the
-    whole layer would be at tp 1: int8 with each row's scale over every rank's columns
-    (max of the ranks' max), int4 with the group size of the whole input, whose groups
-    then fall whole inside each rank's slice."""
-    if method == "int8":
+    whole layer would be at tp 1: int8 and fp8 with each row's scale over every rank's
+    columns (max of the ranks' max), int4 with the group size of the whole input, whose
+    groups then fall whole inside each rank's slice."""
+    if method in ("int8", "fp8"):
         absmax = tp.all_reduce_max(linear.weight.detach().abs().amax(dim=1).float())
-        return Int8WeightOnlyLinear.from_float(linear, absmax)
+        layer = Int8WeightOnlyLinear if method == "int8" else Fp8Linear
+        return layer.from_float(linear, absmax)
     if method != "int4":
         raise QuantizationError(f"--quantization {method} is not sharded over --tp-size")
     requested = load_config.quantization_group_size
