@@ -63,7 +63,7 @@ class _Model(nn.Module):
         self.proj = layer
 
 
-def test_the_prefill_dtype_is_the_measured_one_for_large_models_only(cpu_ops, monkeypatch, tmp_path):
+def test_the_prefill_dtype_is_measured_for_large_models_only(cpu_ops, monkeypatch, tmp_path):
     calls = []
 
     def fake_probe():

@@ -26,7 +26,7 @@ QWEN3 = (
 )
 QWEN3_NO_THINKING = "The capital of France is Paris."
 GPT_OSS = (
-    "<|channel|>analysis<|message|>User asks: \"What is 2+2?\" Simple: 4.<|end|>"
+    '<|channel|>analysis<|message|>User asks: "What is 2+2?" Simple: 4.<|end|>'
     "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4."
 )
 CASES = [

@@ -38,7 +38,9 @@ def panel_rows(out_features: int, in_features: int) -> int:
     return min(rows, out_features)
 
 
-def panel_matmul(x: torch.Tensor, out_features: int, dequantize_into: DequantizeInto) -> torch.Tensor:
+def panel_matmul(
+    x: torch.Tensor, out_features: int, dequantize_into: DequantizeInto
+) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, out_features] fp32, W dequantized panel by panel."""
     x = x.float().contiguous()
     out = x.new_empty(x.shape[0], out_features)

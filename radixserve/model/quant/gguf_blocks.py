@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from radixserve.model.gguf_file import GGUFTensor
+from radixserve.model.quant.base_linear import fixed_dense_layer
 from radixserve.model.quant.kquant import (
     KQUANT_TYPES,
     KQuantLinear,
     kquant_dequantize,
     kquant_ops_available,
 )
-from radixserve.model.quant.base_linear import fixed_dense_layer
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.quant.stacked_linear import StackedLinear
 from radixserve.model.source import ModelLoadError

@@ -116,7 +116,8 @@ class KQuantLinear(QuantizedLinear):
         return out if order is None else out.index_select(1, order)
 
     def _panel_source(self) -> tuple[DequantizeInto, torch.Tensor | None]:
-        into = partial(torch.ops.radixserve_cpu.kquant_dequantize_into, self._buffers["blocks"], self.qtype)
+        ops = torch.ops.radixserve_cpu
+        into = partial(ops.kquant_dequantize_into, self._buffers["blocks"], self.qtype)
         return into, self._buffers["row_order"]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
