@@ -4,8 +4,9 @@
 
     prompts --Engine.generate--> prompt ids + response ids        (the model's own answers)
     counts of response tokens --> draft vocabulary (most frequent, as SpecForge's)
-    ModelRunner forward, aux layers set --> aux [T, 3 * hidden] bf16, logits over the draft
-                                           vocabulary at response positions [R, V_d] fp16
+    ModelRunner forward, aux layers set --> aux [T, 3 * hidden] bf16, final hidden states
+        @ the target's LM head rows of the draft vocabulary --> logits [R, V_d] fp16 at the
+        positions that predict answer tokens
 """
 
 from __future__ import annotations
@@ -50,14 +51,15 @@ class Sequences:
 @dataclass
 class Captured:
     """One sequence as the trainer reads it. `targets[j]`: the target's logits over the
-    draft vocabulary at position `prompt_len - 1 + j` (predicting response token j);
-    `in_vocab[j]`: the target's top token there is in the draft vocabulary."""
+    draft vocabulary at position `prompt_len - 1 + j` (predicting answer token j);
+    `in_vocab[j]`: answer token j is in the draft vocabulary (for greedy answers: the
+    target's top token there, SpecForge's mask)."""
 
     ids: torch.Tensor  # [T] int64
     prompt_len: int
     aux: torch.Tensor  # [T, 3 * hidden] bf16
-    targets: torch.Tensor  # [T - prompt_len + 1, V_d] fp16
-    in_vocab: torch.Tensor  # [T - prompt_len + 1] bool
+    targets: torch.Tensor  # [T - prompt_len, V_d] fp16
+    in_vocab: torch.Tensor  # [T - prompt_len] bool
 
 
 def generate(
@@ -96,11 +98,13 @@ def draft_vocabulary(seqs: Sequences, size: int, vocab_size: int) -> torch.Tenso
 
 @torch.inference_mode()
 def capture(
-    runner: ModelRunner, seqs: Sequences, hot: torch.Tensor, max_batch_tokens: int = 1024
+    runner: ModelRunner, seqs: Sequences, hot: torch.Tensor, max_batch_tokens: int = 2048
 ) -> list[Captured]:
     """One forward per group of sequences (up to `max_batch_tokens`), capturing the aux
-    hidden states at SGLang's default layers and the logits at every position."""
+    hidden states at SGLang's default layers and the final hidden states, whose logits are
+    computed over the draft vocabulary only, at the positions that predict answer tokens."""
     runner.aux_layers = default_aux_layers(runner.config.num_layers)
+    head_rows = target_head_weight(runner.model)[hot.to(runner.device)].float()
     pool, out = runner.pool, []
     order = list(range(len(seqs.ids)))
     while order:
@@ -112,28 +116,35 @@ def capture(
         try:
             batch = ForwardBatch.build(
                 [seqs.ids[i] for i in group], [0] * len(group), tables, pool.page_size,
-                runner.device, return_all_logits=True,
+                runner.device,
             )  # fmt: skip
-            logits = runner.forward(batch)
+            hidden, aux = runner.forward_hidden(batch)
         finally:
             for table in tables:
                 pool.allocator.free(table)
         start = 0
         for i in group:
-            length, prompt_len = len(seqs.ids[i]), seqs.prompt_lens[i]
-            rows = logits.all[start + prompt_len - 1 : start + length]
+            ids, prompt_len = seqs.ids[i], seqs.prompt_lens[i]
+            rows = hidden[start + prompt_len - 1 : start + len(ids) - 1].float()
             out.append(
                 Captured(
-                    ids=torch.tensor(seqs.ids[i], dtype=torch.int64),
+                    ids=torch.tensor(ids, dtype=torch.int64),
                     prompt_len=prompt_len,
-                    aux=logits.aux_hidden[start : start + length].to(torch.bfloat16).cpu(),
-                    targets=rows[:, hot.to(rows.device)].to(torch.float16).cpu(),
-                    in_vocab=torch.isin(rows.argmax(-1).cpu(), hot),
+                    aux=aux[start : start + len(ids)].to(torch.bfloat16).cpu(),
+                    targets=(rows @ head_rows.t()).to(torch.float16).cpu(),
+                    in_vocab=torch.isin(torch.tensor(ids[prompt_len:]), hot),
                 )
             )
-            start += length
+            start += len(ids)
     runner.aux_layers = ()
     return out
+
+
+def target_head_weight(model) -> torch.Tensor:
+    """The target's LM head as a [vocab, hidden] matrix (tied: its embedding table)."""
+    if model.lm_head is None:
+        return model.embed_tokens.weight.detach()
+    return model.lm_head.dequantize().detach()
 
 
 def capture_runner(engine: Engine, load_config: LoadConfig, max_tokens: int) -> ModelRunner:

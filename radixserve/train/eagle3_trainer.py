@@ -22,7 +22,14 @@ from radixserve.config import ModelConfig, TrainEagleConfig, split_engine_kwargs
 from radixserve.engine.speculative.eagle import EAGLE3_WINDOW
 from radixserve.model.eagle3 import Eagle3Head, default_aux_layers
 from radixserve.model.runner import ModelRunner
-from radixserve.train.distill import Captured, capture, capture_runner, draft_vocabulary, generate
+from radixserve.train.distill import (
+    Captured,
+    capture,
+    capture_runner,
+    draft_vocabulary,
+    generate,
+    target_head_weight,
+)
 from radixserve.train.prompts import SOURCE, build_prompts
 from radixserve.train.ttt import Chunk, ttt_loss
 
@@ -80,10 +87,7 @@ def new_head(runner: ModelRunner, hot: torch.Tensor, intermediate: int | None) -
     head = Eagle3Head(head_cfg, cfg.hidden_size, len(hot), target)
     head.hot_ids = hot.clone()
     with torch.no_grad():
-        weight = (
-            target.embed_tokens.weight if target.lm_head is None else target.lm_head.dequantize()
-        )
-        head.lm_head.weight.copy_(weight[hot].float())
+        head.lm_head.weight.copy_(target_head_weight(target)[hot].float())
         head.norm.weight.copy_(target.norm.weight.float())
     return head.float().train()
 
@@ -182,8 +186,9 @@ def _chunk(seqs: list[Captured], steps: int) -> Chunk:
         positions.append(pos)
         seq_ids.append(torch.full((length - first,), s, dtype=torch.int64))
         aux.append(seq.aux[first:])
-        rel = pos - (seq.prompt_len - 1)
-        target_row.append(torch.where(rel >= 0, rel + offset, -1))
+        rel = pos - (seq.prompt_len - 1)  # the row of seq.targets, where there is one
+        has = (rel >= 0) & (rel < len(seq.targets))
+        target_row.append(torch.where(has, rel + offset, -1))
         targets.append(seq.targets)
         in_vocab.append(seq.in_vocab)
         offset += len(seq.targets)
