@@ -2,7 +2,8 @@
 CLI generates the model's own answers, captures its aux hidden states, trains a head with
 the training-time test and writes it in SGLang's llama_eagle3 layout; the Engine loads it
 and keeps greedy outputs identical. The unrolled training forward is checked against the
-head recomputed from scratch as the drafter runs it;."""
+head recomputed from scratch as the drafter runs it; the default model gets the shipped
+head (EAGLE3 without a path), any other target still needs the flag."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
 from radixserve.cli import main
-from radixserve.config import ModelConfig
+from radixserve.config import LoadConfig, ModelConfig, SchedulerConfig
+from radixserve.engine.speculative import with_default_head
 from radixserve.model.eagle3 import Eagle3Head
+from radixserve.model.source import default_eagle3_head
 from radixserve.train.ttt import Chunk, ttt_loss
 
 DRAFT_VOCAB = 256
@@ -110,3 +113,13 @@ def test_the_unrolled_training_forward_is_the_drafters_chain():
             torch.testing.assert_close(logits[k][i], step.logits[0], rtol=1e-4, atol=1e-4)
             hidden = torch.cat([hidden, step.hidden[:, -1:]], dim=1)
             tokens = torch.cat([tokens, ids[i + 2 + k].view(1, 1)], dim=1)
+
+
+def test_eagle3_without_a_path_takes_the_shipped_head_on_the_default_model_only(trained):
+    eagle = SchedulerConfig(speculative_algorithm="EAGLE3")
+    default = with_default_head(LoadConfig(), eagle)
+    assert default.speculative_draft_model_path == str(default_eagle3_head())
+    assert (default_eagle3_head() / "config.json").is_file()
+    assert with_default_head(LoadConfig(model=trained["target"]), eagle) is eagle
+    with pytest.raises(ValueError, match="EAGLE3 needs --speculative-draft-model-path"):
+        make_engine(trained["target"], speculative_algorithm="EAGLE3")
