@@ -1,5 +1,6 @@
 """`radixserve` command line: `generate` (offline batch), `serve` (HTTP server), `fleet`
-(workers behind sglang-router), `bench` (the benchmarks, a separate package)."""
+(workers behind sglang-router), `train-eagle` (an EAGLE-3 draft head), `bench` (the
+benchmarks, a separate package)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from radixserve.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    TrainEagleConfig,
     resolve_keys,
 )
 
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(fleet, exclude=("port", "router_url", "advertise_url"))
     pd_title = "prefill/decode disaggregation (with --prefill-workers / --decode-workers)"
     add_dataclass_args(fleet, DisaggregationConfig, pd_title, exclude=("disaggregation_mode",))
+    train = sub.add_parser(
+        "train-eagle",
+        help="train an EAGLE-3 draft head on the model's own answers (training-time test)",
+    )
+    train.add_argument("--log-level", default="info", help="(default: info)")
+    add_train_args(train)
     # listed for --help only: main hands everything after `bench` to radixserve_bench
     sub.add_parser("bench", add_help=False, help="benchmark serving workloads (see `bench -h`)")
     return parser
@@ -73,6 +81,14 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     add_dataclass_args(parser, SchedulerConfig, "scheduler")
     add_dataclass_args(parser, HiCacheConfig, "hierarchical cache")
     add_dataclass_args(parser, LoraConfig, "LoRA adapters")
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """`train-eagle`: the model (its seed is the training's), the KV cache, the training."""
+    add_dataclass_args(parser, LoadConfig, "model", exclude=("seed",))
+    parser.add_argument("--model-path", dest="model", help="alias of --model")
+    add_dataclass_args(parser, CacheConfig, "KV cache")
+    add_dataclass_args(parser, TrainEagleConfig, "training")
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:
@@ -153,6 +169,24 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_train_eagle(args: argparse.Namespace) -> int:
+    from radixserve.train.eagle3_trainer import train_eagle3
+
+    config = TrainEagleConfig(**{n: getattr(args, n) for n in field_names(TrainEagleConfig)})
+    try:
+        record = train_eagle3(config, engine_args_from(args))
+    except ValueError as exc:
+        raise SystemExit(f"radixserve train-eagle: {exc}") from None
+    last = record["epoch_losses"][-1] if record["epoch_losses"] else {}
+    print(
+        f"wrote {config.output}: {record['num_sequences']} answers, "
+        f"{record['response_tokens']} tokens (sha256 {record['data_sha256'][:16]}), "
+        f"last epoch {last}, {record['cpu_seconds']['total']} CPU s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def verify_parallel(args: argparse.Namespace) -> None:
     """Bad parallelism flags (--nnodes, --node-rank, ...) end the command before any load."""
     config = ParallelConfig(**{name: getattr(args, name) for name in field_names(ParallelConfig)})
@@ -202,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     if args.command == "fleet":
         return run_fleet(args)
+    if args.command == "train-eagle":
+        return run_train_eagle(args)
     return 2
 
 

@@ -1,6 +1,6 @@
-"""Imports point down: (server, frontend_lang) -> client -> engine -> cache / model / attention /
-sampling -> native (the C++ kernels' builder). A request reaches the core through client/ and
-never climbs back into server/."""
+"""Imports point down: (server, frontend_lang, train) -> client -> engine -> cache / model /
+attention / sampling -> native (the C++ kernels' builder). A request reaches the core through
+client/ and never climbs back into server/."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 ABOVE = {
     "reasoning": ("engine", "client", "server", "frontend_lang", "sampling", "model", "cache"),
     "client": ("server", "frontend_lang"),
+    "train": ("server", "frontend_lang"),  # train-eagle drives an Engine, serves nothing
     "engine": ("client", "server", "frontend_lang"),
     "cache": ("engine", "client", "server", "frontend_lang"),
     "model": ("engine", "client", "server", "frontend_lang"),

@@ -21,6 +21,7 @@ ALGORITHMS = {
     "NGRAM": {"speculative_algorithm": "NGRAM"},
     "SELF": {"speculative_algorithm": "SELF", "speculative_self_layers": 6},
     "STANDALONE": {"speculative_algorithm": "STANDALONE"},  # the model drafting itself
+    "EAGLE3": {"speculative_algorithm": "EAGLE3"},  # the head shipped for the default model
 }
 
 

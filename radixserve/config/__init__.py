@@ -12,6 +12,7 @@ text (see cli_args.py); callers import every public name from here.
     server          ServerConfig (HTTP)
     keys            resolve_keys (API keys from flag, file or environment), redact_secrets
     fleet           FleetConfig (`radixserve fleet`)
+    train           TrainEagleConfig (`radixserve train-eagle`)
     engine_args     split_engine_kwargs (flat engine keywords -> the dataclasses above)
 """
 
@@ -50,6 +51,7 @@ from radixserve.config.scheduler import (
     SchedulerConfig,
 )
 from radixserve.config.server import ServerConfig
+from radixserve.config.train import TrainEagleConfig
 
 __all__ = [
     "ADMIN_API_KEY_ENV",
@@ -78,6 +80,7 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "TrainEagleConfig",
     "UnsupportedModelError",
     "is_secret_field",
     "offset_endpoint",

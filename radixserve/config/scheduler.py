@@ -237,8 +237,9 @@ class SchedulerConfig:
             )
         path = self.speculative_draft_model_path
         if algorithm in DRAFT_PATH_ALGORITHMS and path is None:
+            shipped = " (a head ships for the default model only)" if algorithm == "EAGLE3" else ""
             raise ValueError(
-                f"speculative_algorithm {algorithm} needs --speculative-draft-model-path"
+                f"speculative_algorithm {algorithm} needs --speculative-draft-model-path{shipped}"
             )
         if algorithm not in (*DRAFT_PATH_ALGORITHMS, "AUTO") and path is not None:
             raise ValueError(

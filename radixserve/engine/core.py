@@ -24,7 +24,7 @@ from radixserve.config import (
 )
 from radixserve.config.lora import check_lora_name
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.speculative import create_drafter
+from radixserve.engine.speculative import create_drafter, with_default_head
 from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.lora import LoraWeights, load_lora_weights
@@ -60,6 +60,7 @@ class EngineCore:
         hicache_config: HiCacheConfig | None = None,
         lora_config: LoraConfig | None = None,
     ) -> EngineCore:
+        scheduler_config = with_default_head(load_config, scheduler_config)
         scheduler_config.verify()
         parallel_config = parallel_config or ParallelConfig()
         parallel_config.verify()

@@ -192,6 +192,18 @@ class ModelRunner:
             verify = self.model.compute_logits(hidden[batch.verify_indices])
         return LogitsOutput(last=last, all=all_logits, verify=verify)
 
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager forward without logits: every token's final (normed) hidden state
+        [num_tokens, hidden] and, with `aux_layers` set, their aux hidden states (EAGLE-3
+        training reads both; a head's logits over a few thousand ids cost far less than
+        the full vocabulary's)."""
+        self.attn.init_forward(batch)
+        aux: list[torch.Tensor] = []
+        model = self.model
+        hidden = model.forward_layers(batch, self.attn, model.layers, self.aux_layers, aux)
+        return hidden, torch.cat(aux, dim=-1) if aux else None
+
     def _forward_capturing(self, batch: ForwardBatch) -> LogitsOutput:
         """The eager forward, plus the hidden states of `aux_layers` (EAGLE heads)."""
         self.attn.init_forward(batch)

