@@ -86,9 +86,15 @@ TINY_CONFIGS = {
 }
 
 
-def save_tiny_model(arch: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
+def save_tiny_model(
+    arch: str, folder: Path, seed: int = 0, vocab_size: int | None = None, **save_kwargs
+) -> Path:
+    """TINY_CONFIGS[arch] with random weights (seeded), optionally another vocabulary size."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32).eval()
+    config = TINY_CONFIGS[arch]()
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(folder, **save_kwargs)
     return folder
 

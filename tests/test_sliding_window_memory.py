@@ -7,10 +7,8 @@ with output equal to a cold run, a tiny sliding space retracts and recovers, and
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import TINY_CONFIGS, VOCAB, greedy, make_engine
+from conftest import VOCAB, greedy, make_engine, save_tiny_model
 
 PAGE = 4
 WINDOWS = {"gemma3": 12, "mistral": 24}  # conftest's tiny configs
@@ -19,15 +17,8 @@ SYSTEM = [(i * 7 + 3) % 256 for i in range(48)]
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
-    folders = {}
-    for arch in WINDOWS:
-        torch.manual_seed(0)
-        config = TINY_CONFIGS[arch]()
-        config.vocab_size = VOCAB
-        folder = tmp_path_factory.mktemp(arch)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-        folders[arch] = str(folder)
-    return folders
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(save_tiny_model(arch, root / arch, vocab_size=VOCAB)) for arch in WINDOWS}
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import TINY_CONFIGS, VOCAB, greedy, hf_model, make_engine
+from conftest import VOCAB, greedy, hf_model, make_engine, save_tiny_model
 from radixserve.config import ModelConfig
 from radixserve.config.model import UnsupportedModelError
 from radixserve.model.source import builtin_config
@@ -26,15 +25,8 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """conftest's tiny configs with SmolLM2's vocabulary (the Engine borrows its tokenizer)."""
-    folders = {}
-    for arch in ARCHS:
-        torch.manual_seed(0)
-        config = TINY_CONFIGS[arch]()
-        config.vocab_size = VOCAB
-        folder = tmp_path_factory.mktemp(arch)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-        folders[arch] = str(folder)
-    return folders
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(save_tiny_model(arch, root / arch, vocab_size=VOCAB)) for arch in ARCHS}
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from radixserve.client.engine import Engine
 from radixserve.config import ModelConfig, TrainEagleConfig, split_engine_kwargs
-from radixserve.engine.speculative.eagle import EAGLE3_WINDOW
+from radixserve.engine.speculative.eagle import EAGLE_WINDOW
 from radixserve.model.eagle3 import Eagle3Head, default_aux_layers
 from radixserve.model.runner import ModelRunner
 from radixserve.train.distill import (
@@ -137,7 +137,7 @@ def _train(head: Eagle3Head, data: list[Captured], config: TrainEagleConfig) -> 
             if i % 25 == 0:
                 logger.info("epoch %d: chunk %d of %d (%.0f CPU s)", epoch, i, len(chunks),
                             _cpu_seconds())  # fmt: skip
-            stats = ttt_loss(head, chunk, config.ttt_steps, EAGLE3_WINDOW)
+            stats = ttt_loss(head, chunk, config.ttt_steps, EAGLE_WINDOW)
             optimizer.zero_grad(set_to_none=True)
             stats.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -173,7 +173,7 @@ def pack(data: list[Captured], config: TrainEagleConfig, epoch: int) -> list[Chu
 
 
 def _first_row(seq: Captured, steps: int) -> int:
-    return max(0, seq.prompt_len - 1 - EAGLE3_WINDOW - steps)
+    return max(0, seq.prompt_len - 1 - EAGLE_WINDOW - steps)
 
 
 def _chunk(seqs: list[Captured], steps: int) -> Chunk:
