@@ -30,6 +30,7 @@ namespace {
 
 using namespace radixserve_cpu::simd;
 using radixserve_cpu::activations_f32;
+using radixserve_cpu::check_panel;
 
 constexpr int64_t kBlock = 32;  // inputs per weight block (GGUF's QK4_0 / QK4_1 / QK8_0)
 constexpr int64_t kHalf = kBlock / 2;
@@ -255,14 +256,6 @@ at::Tensor int8_block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Te
 // Weight rows row0 .. row0 + out.size(0), dequantized as the kernels read them, into `out`
 // [rows, K] fp32: prefill's dense matmul takes a weight panel by panel through one buffer
 // it reuses (dense_panels.py), so no call pays for fresh pages.
-void check_panel(const at::Tensor& out, int64_t row0, int64_t N, int64_t K, const char* op) {
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
-                  out.is_contiguous() && out.size(1) == K,
-              op, ": out must be a contiguous float32 [rows, ", K, "] CPU tensor");
-  TORCH_CHECK(row0 >= 0 && row0 + out.size(0) <= N, op, ": rows ", row0, " + ", out.size(0),
-              " exceed the weight's ", N);
-}
-
 template <typename W>
 void dequantize_into(const W& weights, int64_t row0, int64_t num_blocks, at::Tensor& out) {
   float* o = out.data_ptr<float>();

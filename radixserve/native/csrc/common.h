@@ -88,4 +88,16 @@ inline void check_q_pools_and_table(const at::Tensor& q, const at::Tensor& k_poo
               "page_table must be a contiguous int64 [num_rows, max_pages] tensor");
 }
 
+// The buffer a `*_dequantize_into` op writes weight rows row0 .. row0 + out.size(0) of an
+// [N, K] weight into (prefill's dense matmul, panel by panel): contiguous fp32 [rows, K] CPU,
+// within the weight's rows.
+inline void check_panel(const at::Tensor& out, int64_t row0, int64_t N, int64_t K,
+                        const char* op) {
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.is_contiguous() && out.size(1) == K,
+              op, ": out must be a contiguous float32 [rows, ", K, "] CPU tensor");
+  TORCH_CHECK(row0 >= 0 && row0 + out.size(0) <= N, op, ": rows ", row0, " + ", out.size(0),
+              " exceed the weight's ", N);
+}
+
 }  // namespace radixserve_cpu

@@ -238,12 +238,8 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
 // buffer (dense_panels.py).
 void kquant_dequantize_into(const at::Tensor& blocks, int64_t qtype, int64_t row0, at::Tensor out) {
   const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_dequantize_into");
-  const int64_t N = blocks.size(0), K = num_super * kSuper;
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
-                  out.is_contiguous() && out.size(1) == K,
-              "kquant_dequantize_into: out must be a contiguous float32 [rows, ", K, "] tensor");
-  TORCH_CHECK(row0 >= 0 && row0 + out.size(0) <= N, "kquant_dequantize_into: rows ", row0,
-              " + ", out.size(0), " exceed the weight's ", N);
+  radixserve_cpu::check_panel(out, row0, blocks.size(0), num_super * kSuper,
+                              "kquant_dequantize_into");
   float* o = out.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>() + row0 * blocks.size(1);
   by_format(qtype, [&](auto format) {
