@@ -86,6 +86,14 @@ TINY_CONFIGS = {
 }
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a `slow` test first, in their order, then the rest: under `make test`'s two
+    workers (xdist, whole files per worker) the long files start early instead of finishing
+    last on one worker while the other idles. The order is the same in every worker."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's own order
+
+
 def save_tiny_model(
     arch: str, folder: Path, seed: int = 0, vocab_size: int | None = None, **save_kwargs
 ) -> Path:
