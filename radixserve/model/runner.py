@@ -106,6 +106,7 @@ class ModelRunner:
             loaded.config.layer_windows(),
             num_heads=local.num_heads,
             deterministic=load_config.enable_deterministic_inference,
+            logit_cap=loaded.config.attn_logit_cap,
         )
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
         if device.type == "cpu" and {dtype, kv_dtype} <= set(LAYER_OPS_DTYPES):
