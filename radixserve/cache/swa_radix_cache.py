@@ -51,6 +51,7 @@ class SWARadixCache(RadixCache):
         events: KVEventSink | None = None,
     ):
         self.window = window
+        self._window_pages = -(-window // page_size)  # the pages a hit's window reads, at most
         super().__init__(allocator, page_size, events)
         self.num_tombstoned = 0  # sliding pages tombstoned, ever
 
@@ -171,9 +172,21 @@ class SWARadixCache(RadixCache):
     def _num_ending_pages(self, leaf: TreeNode) -> int:
         """How many of `leaf`'s pages lead up to the last hit that can end in it (match_usable:
         its window's sliding K/V all there); 0: no hit ends in it."""
+        if bool(self.allocator.is_live(self._last_pages(leaf, self._window_pages)).all()):
+            return len(leaf.pages)  # the common case: a hit ends at the leaf's end
         path = self._path_pages(leaf)
         above = len(path) - len(leaf.pages)
         return max(0, self._resumable_pages(path) - above)
+
+    @staticmethod
+    def _last_pages(node: TreeNode, num: int) -> list[int]:
+        """The last `num` pages of the path from the root to `node` (fewer if it is shorter)."""
+        runs: list[list[int]] = []
+        while node.parent is not None and num > 0:
+            runs.append(node.pages[-num:])
+            num -= len(runs[-1])
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
 
     def _spared(self) -> dict[TreeNode, int]:
         """For each node holding part of the window above a lock's or pin's end: the index

@@ -1,6 +1,6 @@
 """A ForwardBatch sent from rank 0 to the other tensor-parallel ranks.
 
-A small header (six ints) travels over each local worker's pipe, which also wakes it (to the
+A small header (eight ints) travels over each local worker's pipe, which also wakes it (to the
 leaders of other nodes: over the group's `headers` broadcast, as an int64 tensor); the token
 ids, positions, slots, page table, and rank 0's page bookkeeping since the last batch
 (`PageUpdates`: pages to zero before use; with a sliding-window pool, the sliding-page table
