@@ -25,8 +25,13 @@ logger = logging.getLogger(__name__)
 IMPORTED_BY_PID = os.getpid()
 """The process that imported the engine: the core itself when spawned, the server process
 (whose modules a forked core reuses) when forked."""
-HEAVY_MODULES = ("torch", "torch._dynamo", "transformers", "transformers.activations")
-HEAVY_MODULES += ("radixserve.engine.core",)
+HEAVY_MODULES = (
+    "torch",
+    "torch._dynamo",
+    "transformers",
+    "transformers.activations",
+    "radixserve.engine.core",
+)
 """Imports that cost a start seconds of CPU; `core_start` lists those the core made itself."""
 
 

@@ -103,7 +103,9 @@ class WorkerTemplate:
     def can_run(command: list[str]) -> bool:
         return command[: len(WORKER_COMMAND)] == WORKER_COMMAND
 
-    def start(self, command: list[str], env: dict[str, str], cores: list[int] | None):
+    def start(
+        self, command: list[str], env: dict[str, str], cores: list[int] | None
+    ) -> ForkedProcess:
         """Forks a worker running `command` with `env` added, pinned to `cores`."""
         argv = command[len(WORKER_COMMAND) :]
         with self._lock:
