@@ -30,7 +30,7 @@ def core_start(server, key: str | None = None) -> dict:
 
 def test_the_core_forks_and_imports_nothing_heavy_again(server):
     start = core_start(server)
-    assert start["start_method"] == "fork" and start["reason"] == ""
+    assert start["start_method"] == "fork" and start["reason"] == "", start
     assert start["engine_imported_in"] == "parent"
     # torch, transformers (with what a tokenizer load pulls in) and the engine: all inherited
     assert start["heavy_modules_imported"] == []
