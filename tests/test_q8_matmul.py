@@ -11,7 +11,14 @@ from test_kquant_matmul import random_blocks, reference_weight
 
 from radixserve.model.quant import QuantizationError, activation_choice
 from radixserve.model.quant.block_matmul import pack_int4_blocks
-from radixserve.model.quant.kquant import KQUANT_TYPES, KQuantLinear
+from radixserve.model.quant.kquant import (
+    KQUANT_TYPES,
+    Q4_K_X8,
+    KQuantLinear,
+    kquant_dequantize,
+    kquant_matmul,
+    q4k_x8_native,
+)
 from radixserve.model.quant.q8_matmul import (
     Q8_BLOCK,
     Q8K_BLOCK,
@@ -103,6 +110,56 @@ def test_bad_inputs_name_the_parameter(cpu_ops):
                              torch.zeros(4, 2, 2))  # fmt: skip
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 768), (64, 512)])
+def test_q4k_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, n, k):
+    """Every op on the repacked bytes (natively with AVX-512, else unpacked group by group):
+    the row layout's results bit for bit, at any number of rows, the tail rows as they lay."""
+    ops = torch.ops.radixserve_cpu
+    blocks = torch.from_numpy(random_blocks(n, k, "Q4_K", n))
+    x8 = ops.kquant_repack_x8(blocks, 12)
+    grouped = n // 8 * 8
+    assert x8.shape == blocks.shape and torch.equal(x8[grouped:], blocks[grouped:])
+    assert not torch.equal(x8[:grouped], blocks[:grouped])
+    for m in (*ROWS, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(kquant_matmul_q8(x, x8, Q4_K_X8), kquant_matmul_q8(x, blocks, 12)), m
+        assert torch.equal(kquant_matmul(x, x8, Q4_K_X8), kquant_matmul(x, blocks, 12)), m
+    weight = kquant_dequantize(blocks, 12)
+    assert torch.equal(kquant_dequantize(x8, Q4_K_X8), weight)
+    panel = torch.empty(n - 14, k)  # starts and ends inside a group
+    ops.kquant_dequantize_into(x8, Q4_K_X8, 5, panel)
+    assert torch.equal(panel, weight[5 : n - 9])
+    with pytest.raises(RuntimeError, match="only Q4_K"):
+        ops.kquant_repack_x8(torch.from_numpy(random_blocks(8, 256, "Q6_K", 0)), 14)
+
+
+def test_int8_repacks_only_q4k_layers_and_keeps_every_output(cpu_ops):
+    if not q4k_x8_native():
+        pytest.skip("repacked Q4_K runs natively with AVX-512 only: never repacked here")
+    n, k = 37, 768
+    blocks = torch.from_numpy(random_blocks(n, k, "Q4_K", 2))
+    order = torch.randperm(n)  # llama.cpp's permuted q / k rows: outputs reordered after
+    rows = KQuantLinear(blocks, "Q4_K", row_order=order)
+    rows.int8_activations = True
+    q6 = KQuantLinear(torch.from_numpy(random_blocks(16, k, "Q6_K", 3)), "Q6_K")
+    model = torch.nn.Sequential(KQuantLinear(blocks, "Q4_K", row_order=order), q6)
+    activation_choice.configure_block_activations(model, "int8", deterministic=False)
+    packed = model[0]
+    assert packed.qtype == Q4_K_X8 and q6.qtype == KQUANT_TYPES["Q6_K"][0]
+    for m in (1, 5, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(packed(x), rows(x)), m
+    assert torch.equal(packed.dequantize(), rows.dequantize())
+    index = torch.tensor([3, 36, 8, 3])
+    assert torch.equal(packed.dequantize_rows(index), rows.dequantize_rows(index))
+    rows.dense_dtype = packed.dense_dtype = torch.float32
+    x = torch.randn(130, k)
+    assert torch.equal(packed._dense_matmul(x), rows._dense_matmul(x))  # fp32 panels
+    assert "rows 8 at a time" in repr(packed)
+    with pytest.raises(ValueError, match="cannot repack"):
+        q6.repack_rows8()
+
+
 def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.nn.Module:
     blocks = torch.from_numpy(random_blocks(n, k, type_name, 1))
     return torch.nn.Sequential(KQuantLinear(blocks, type_name), KQuantLinear(blocks, type_name))
@@ -110,10 +167,12 @@ def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.n
 
 def test_flag_values_set_every_block_layer(cpu_ops):
     model = _kquant_model()
+    rows = model[0].blocks  # the row layout, before int8 may repack the layer
     activation_choice.configure_block_activations(model, "int8", deterministic=False)
     assert all(layer.int8_activations for layer in model)
+    assert all((layer.qtype == Q4_K_X8) == q4k_x8_native() for layer in model)
     x = torch.randn(3, 512)
-    assert torch.equal(model[0](x), kquant_matmul_q8(x, model[0].blocks, 12))
+    assert torch.equal(model[0](x), kquant_matmul_q8(x, rows, 12))
     model = _kquant_model()
     activation_choice.configure_block_activations(model, "auto", deterministic=False)
     assert not any(layer.int8_activations for layer in model)  # tiny: not measured, fp32
