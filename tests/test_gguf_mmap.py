@@ -115,19 +115,20 @@ def test_release_pages_gives_back_a_views_whole_pages_and_leaves_other_tensors(u
     assert release_pages(plain) == 0 and torch.equal(plain, before)
 
 
-def test_int8_repacks_q4k_projections_with_the_same_logits(cpu_ops, untied_gguf, monkeypatch):
-    """--cpu-quant-activation int8 takes the Q4_K projections 8 rows at a time: a copy out of
+def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, monkeypatch):
+    """--cpu-quant-activation int8 takes the Q4_K / Q6_K layers 8 rows at a time: a copy out of
     the map (its pages given back), the embedding's Q4_K table left a view; logits the bits
     of the same run on the row layout."""
-    from radixserve.model.quant.kquant import Q4_K_X8, q4k_x8_native
+    from radixserve.model.quant.kquant import X8_TYPE, kquant_x8_native
 
     _needs_blocks()
-    if not q4k_x8_native():
-        pytest.skip("repacked Q4_K runs natively with AVX-512 only: never repacked here")
+    if not kquant_x8_native():
+        pytest.skip("repacked K-quants run natively with AVX-512 only: never repacked here")
     runner = _runner(untied_gguf, cpu_quant_activation="int8")
     model = runner.model
-    repacked = [layer for layer in kquant_layers(model) if layer.qtype == Q4_K_X8]
-    assert repacked and all(layer.type_name == "Q4_K" for layer in repacked)
+    repacked = [layer for layer in kquant_layers(model) if layer.qtype > X8_TYPE]
+    assert {layer.type_name for layer in repacked} == {"Q4_K", "Q6_K"}
+    assert model.lm_head in repacked  # the Q6_K head
     assert model.embed_tokens.table.qtype == KQUANT_TYPES["Q4_K"][0]
     mappings = file_mappings(untied_gguf)
     for layer in repacked:  # anonymous memory, not the file's pages
@@ -135,5 +136,5 @@ def test_int8_repacks_q4k_projections_with_the_same_logits(cpu_ops, untied_gguf,
         assert not any(m["start"] <= start < m["end"] for m in mappings)
     monkeypatch.setattr(KQuantLinear, "can_repack", lambda self: False)
     rows = _runner(untied_gguf, cpu_quant_activation="int8")
-    assert not any(layer.qtype == Q4_K_X8 for layer in kquant_layers(rows.model))
+    assert not any(layer.qtype > X8_TYPE for layer in kquant_layers(rows.model))
     assert torch.equal(_logits(runner), _logits(rows))

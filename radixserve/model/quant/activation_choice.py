@@ -19,9 +19,9 @@ a shared machine does not count), best of PROBE_REPEATS. The answers are cached 
 (CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so every
 process takes the same paths and a process never changes them.
 
-A Q4_K layer on int8 activations then takes its rows 8 at a time (`repack_int8_kquants`:
-KQuantLinear.repack_rows8, where the build runs that layout natively; the same bits), and the
-probe times int8 on such a twin of its layer.
+A Q4_K / Q6_K layer on int8 activations then takes its rows 8 at a time
+(`repack_int8_kquants`: KQuantLinear.repack_rows8, where the build runs that layout natively;
+the same bits), and the probe times int8 on such a twin of its layer.
 
 Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
 kernels), `auto` takes fp32 (exact to the dequantized weights, no timing-dependent path);
@@ -106,7 +106,7 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     if choice == "int8":
         for layer in layers:
             layer.int8_activations = True
-        repack_int8_kquants(model, layers)
+        repack_int8_kquants(layers)
         return
     head = getattr(model, "lm_head", None)
     projections = [layer.out_features * layer.in_features for layer in layers if layer is not head]
@@ -116,21 +116,21 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     path = cache_root() / TABLE
     table = cached_measurement(probe_key(kinds), partial(probe, kinds), path, required="kinds")
     apply_choice(layers, table["kinds"])
-    repack_int8_kquants(model, layers)
+    repack_int8_kquants(layers)
 
 
-def repack_int8_kquants(model: nn.Module, layers: list[QuantizedLinear]) -> None:
-    """The Q4_K layers on int8 activations -> rows 8 at a time where this build runs that
-    layout natively; not an embedding's table (its rows are looked up one by one)."""
-    table = getattr(getattr(model, "embed_tokens", None), "table", None)
-    repacked = 0
-    for layer in layers:
-        if isinstance(layer, KQuantLinear) and layer.int8_activations and layer is not table:
-            if layer.can_repack():
-                layer.repack_rows8()
-                repacked += 1
+def repack_int8_kquants(layers: list[QuantizedLinear]) -> None:
+    """The Q4_K / Q6_K layers on int8 activations -> rows 8 at a time where this build runs
+    that layout natively (a tied head's embedding lookups then dequantize its rows from it)."""
+    repacked = [
+        layer
+        for layer in layers
+        if isinstance(layer, KQuantLinear) and layer.int8_activations and layer.can_repack()
+    ]
+    for layer in repacked:
+        layer.repack_rows8()
     if repacked:
-        logger.info("int8 activations: %d Q4_K layers repacked 8 rows at a time", repacked)
+        logger.info("int8 activations: %d K-quant layers repacked 8 rows at a time", len(repacked))
 
 
 def configure_dense_dtype(model: nn.Module, dtype: torch.dtype) -> None:
@@ -254,7 +254,7 @@ def dense_crossover(
 
 
 def int8_twin(layer: QuantizedLinear) -> QuantizedLinear:
-    """The layer as int8 activations would run it: a repacked copy of a Q4_K layer that
+    """The layer as int8 activations would run it: a repacked copy of a K-quant layer that
     repack_int8_kquants would repack (the file's pages untouched), else the layer itself."""
     if not isinstance(layer, KQuantLinear) or not layer.can_repack():
         return layer

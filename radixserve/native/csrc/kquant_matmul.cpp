@@ -35,7 +35,7 @@ constexpr int64_t kPrefetchRows = 4;   // weight rows asked for ahead of the one
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
 // ggml's type ids (gguf.GGMLQuantizationType)
-constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // and kQ4KX8, repacked (kquant_blocks.h)
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // and kQ4KX8 / kQ6KX8 (kquant_blocks.h)
 
 
 // One format's view of its super-blocks: bytes, the per-super-block factors, a unit's weights.
@@ -176,9 +176,10 @@ int64_t block_bytes(int64_t qtype) {
     case kQ5K: return Q5K::kBytes;
     case kQ6K: return Q6K::kBytes;
     case kQ4KX8: return Q4K::kBytes;
+    case kQ6KX8: return Q6K::kBytes;
     default:
       TORCH_CHECK(false, "kquant: ggml type ", qtype,
-                  " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked Q4_K (1012)");
+                  " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked Q4_K / Q6_K (1012 / 1014)");
   }
 }
 
@@ -195,7 +196,8 @@ void by_format(int64_t qtype, Fn&& fn) {
 template <typename Fn>
 void over_rows(int64_t qtype, const uint8_t* w, int64_t N, int64_t num_super, int64_t n0,
                int64_t n1, Fn&& fn) {
-  if (qtype == kQ4KX8) return for_rows_unpacked(w, N, num_super, n0, n1, fn);
+  if (qtype == kQ4KX8) return for_rows_unpacked<Q4KX8Layout>(w, N, num_super, n0, n1, fn);
+  if (qtype == kQ6KX8) return for_rows_unpacked<Q6KX8Layout>(w, N, num_super, n0, n1, fn);
   fn(w + n0 * num_super * block_bytes(qtype), n0, n1 - n0);
 }
 
@@ -268,18 +270,20 @@ void kquant_dequantize_into(const at::Tensor& blocks, int64_t qtype, int64_t row
                    row0 + out.size(0), out.data_ptr<float>());
 }
 
-// The same bytes repacked 8 rows at a time (Q4_K only, kquant_blocks.h): a new tensor.
+// The same bytes repacked 8 rows at a time (Q4_K and Q6_K, kquant_blocks.h): a new tensor.
 at::Tensor kquant_repack_x8(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4K, "kquant_repack_x8: only Q4_K (12) repacks; got ggml type ", qtype);
+  TORCH_CHECK(qtype == kQ4K || qtype == kQ6K,
+              "kquant_repack_x8: only Q4_K (12) and Q6_K (14) repack; got ggml type ", qtype);
   const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_repack_x8");
   const int64_t N = blocks.size(0), row_bytes = blocks.size(1), grouped = N / kX8Rows * kX8Rows;
   at::Tensor out = at::empty(blocks.sizes(), blocks.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, grouped / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t at = g * kX8Rows * row_bytes;
-      repack_q4k_x8_group(w + at, o + at, num_super);
+    for (int64_t at = g0 * kX8Rows * row_bytes; at < g1 * kX8Rows * row_bytes;
+         at += kX8Rows * row_bytes) {
+      if (qtype == kQ4K) repack_x8_group<Q4KX8Layout>(w + at, o + at, num_super);
+      else repack_x8_group<Q6KX8Layout>(w + at, o + at, num_super);
     }
   });
   std::memcpy(o + grouped * row_bytes, w + grouped * row_bytes, (N - grouped) * row_bytes);
