@@ -59,19 +59,35 @@ inline __m256 x8_finish(const X8Acc& acc) {
   return _mm256_add_ps(_mm256_add_ps(dots, _mm256_setzero_ps()), acc.mins);
 }
 
-// out[0..7] = activation row m against the group at `group` (nb x8 super-blocks of F).
-template <typename F>
-void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m, float* out) {
-  X8Acc acc;
-  for (int s = 0; s < 2; ++s)
-    for (int c = 0; c < 4; ++c) acc.sets[s][c] = _mm512_setzero_ps();
-  acc.mins = _mm256_setzero_ps();
-  const int64_t nb = a.num_blocks, ab = m * nb;
-  const int8_t* xq = a.qs + m * a.K;
+// One super-block's activation rows m0 .. m0 + R - 1: codes, d_x, sums per 16.
+template <int R>
+struct X8Rows {
+  const int8_t* xq[R];
+  float dx[R];
+  const int16_t* bsums[R];
+};
+
+// out[r * N + 0..7] = activation row m0 + r (r < R) against the group at `group` (nb x8
+// super-blocks of F): each block's codes decoded once for the R rows.
+template <typename F, int R>
+void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64_t N) {
+  X8Acc acc[R];
+  for (int r = 0; r < R; ++r) {
+    for (int s = 0; s < 2; ++s)
+      for (int c = 0; c < 4; ++c) acc[r].sets[s][c] = _mm512_setzero_ps();
+    acc[r].mins = _mm256_setzero_ps();
+  }
+  const int64_t nb = a.num_blocks;
   auto block = [&](int64_t b, auto set) {
-    for (int c = 0; c < 4; ++c) acc.ints[c] = _mm512_setzero_si512();
-    F::template block<decltype(set)::value>(group + b * F::kBytes, xq + b * kQ8KBlock,
-                                            a.d[ab + b], a.bsums + (ab + b) * 16, acc);
+    X8Rows<R> rows;
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = (m0 + r) * nb + b;
+      rows.xq[r] = a.qs + (m0 + r) * a.K + b * kQ8KBlock;
+      rows.dx[r] = a.d[ab];
+      rows.bsums[r] = a.bsums + ab * 16;
+      for (int c = 0; c < 4; ++c) acc[r].ints[c] = _mm512_setzero_si512();
+    }
+    F::template block<decltype(set)::value, R>(group + b * F::kBytes, rows, acc);
   };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
@@ -79,7 +95,7 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m, float* out) {
     block(b + 1, std::integral_constant<int, 1>{});
   }
   if (b < nb) block(b, std::integral_constant<int, 0>{});
-  _mm256_storeu_ps(out, x8_finish(acc));
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N, x8_finish(acc[r]));
 }
 
 // Word 4r + i of the result = word 4r + k of `words` (row r's k-th scale, 4 copies): an
@@ -120,9 +136,8 @@ struct Q4KX8 {
                                           _mm512_madd_epi16(_mm512_cvtepu8_epi16(mn_hi), hi));
     return _mm512_cvtepi64_epi32(_mm512_add_epi64(prod, _mm512_srli_epi64(prod, 32)));
   }
-  template <int S>
-  static void block(const uint8_t* sb, const int8_t* xq, float dx, const int16_t* bsums,
-                    X8Acc& acc) {
+  template <int S, int R>
+  static void block(const uint8_t* sb, const X8Rows<R>& x, X8Acc* acc) {
     __m256i sc_lo, sc_hi, mn_lo, mn_hi;
     scales(sb, sc_lo, sc_hi, mn_lo, mn_hi);
     const __m512i words_lo = _mm512_cvtepu8_epi16(sc_lo), words_hi = _mm512_cvtepu8_epi16(sc_hi);
@@ -135,27 +150,32 @@ struct Q4KX8 {
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const __m512i raw = _mm512_loadu_si512(sb + 128 + 256 * p + 64 * c);
-        acc.ints[c] = zdot_scaled(acc.ints[c], _mm512_and_si512(raw, nibble),
-                                  x8_codes(xq + 64 * p + 8 * c), scale_a);
-        acc.ints[c] = zdot_scaled(acc.ints[c], _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble),
-                                  x8_codes(xq + 64 * p + 32 + 8 * c), scale_b);
+        const __m512i low = _mm512_and_si512(raw, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          __m512i& ints = acc[r].ints[c];
+          ints = zdot_scaled(ints, low, x8_codes(x.xq[r] + 64 * p + 8 * c), scale_a);
+          ints = zdot_scaled(ints, high, x8_codes(x.xq[r] + 64 * p + 32 + 8 * c), scale_b);
+        }
       }
     }
     // d in lanes 0-7, dmin in 8-15; each times d_x rounded once (as `prod`)
     const __m512 halves = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-    const __m512 both = _mm512_mul_ps(halves, _mm512_set1_ps(dx));
-    const __m256 dd = fopaque(_mm512_castps512_ps256(both));
-    const __m256 dm = fopaque(_mm512_extractf32x8_ps(both, 1));
-    x8_scale_ints<S>(acc, dd);
-    acc.mins = _mm256_fnmadd_ps(dm, _mm256_cvtepi32_ps(min_sums(mn_lo, mn_hi, bsums)), acc.mins);
+    for (int r = 0; r < R; ++r) {
+      const __m512 both = _mm512_mul_ps(halves, _mm512_set1_ps(x.dx[r]));
+      const __m256 dd = fopaque(_mm512_castps512_ps256(both));
+      const __m256 dm = fopaque(_mm512_extractf32x8_ps(both, 1));
+      x8_scale_ints<S>(acc[r], dd);
+      const __m256i msum = min_sums(mn_lo, mn_hi, x.bsums[r]);
+      acc[r].mins = _mm256_fnmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc[r].mins);
+    }
   }
 };
 
 struct Q6KX8 {
   static constexpr int64_t kBytes = 8 * 210;
-  template <int S>
-  static void block(const uint8_t* sb, const int8_t* xq, float dx, const int16_t* bsums,
-                    X8Acc& acc) {
+  template <int S, int R>
+  static void block(const uint8_t* sb, const X8Rows<R>& x, X8Acc* acc) {
     // scales as int16: word 4r + i of words[z] is row r's scale 4z + i
     __m512i words[4];
     for (int z = 0; z < 4; ++z)
@@ -176,22 +196,30 @@ struct Q6KX8 {
           const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * s), two);
           const __m512i codes = zor_shifted(low, high, 4);
           const __m512i scale = x8_spread(words[k / 4], k % 4);
-          acc.ints[c] = zdot_scaled(acc.ints[c], codes, x8_codes(xq + 32 * u + 8 * c), scale);
+          for (int r = 0; r < R; ++r)
+            acc[r].ints[c] = zdot_scaled(acc[r].ints[c], codes, x8_codes(x.xq[r] + 32 * u + 8 * c),
+                                         scale);
         }
       }
     }
-    // row r's sum_k scale[k] bsum[k], exact: bsums 4z .. 4z + 3 against words[z]
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb))));
+    for (int r = 0; r < R; ++r) {
+      const __m256 dd = fopaque(_mm256_mul_ps(_mm512_castps512_ps256(d), _mm256_set1_ps(x.dx[r])));
+      x8_scale_ints<S>(acc[r], dd);
+      const __m256i msum = _mm256_slli_epi32(scale_sums(words, x.bsums[r]), 5);
+      acc[r].mins = _mm256_fnmadd_ps(dd, _mm256_cvtepi32_ps(msum), acc[r].mins);
+    }
+  }
+  // Row r's sum_k scale[k] bsum[k], exact: bsums 4z .. 4z + 3 against words[z].
+  static __m256i scale_sums(const __m512i* words, const int16_t* bsums) {
     __m512i sums = _mm512_setzero_si512();
     for (int z = 0; z < 4; ++z) {
       int64_t four;
       std::memcpy(&four, bsums + 4 * z, sizeof(four));
       sums = _mm512_add_epi32(sums, _mm512_madd_epi16(words[z], _mm512_set1_epi64(four)));
     }
-    const __m256i msum = _mm512_cvtepi64_epi32(_mm512_add_epi64(sums, _mm512_srli_epi64(sums, 32)));
-    const __m512 d = _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb))));
-    const __m256 dd = fopaque(_mm256_mul_ps(_mm512_castps512_ps256(d), _mm256_set1_ps(dx)));
-    x8_scale_ints<S>(acc, dd);
-    acc.mins = _mm256_fnmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_slli_epi32(msum, 5)), acc.mins);
+    return _mm512_cvtepi64_epi32(_mm512_add_epi64(sums, _mm512_srli_epi64(sums, 32)));
   }
 };
 #endif

@@ -172,9 +172,19 @@ at::Tensor run_x8(const at::Tensor& x, const uint8_t* w, int64_t N) {
   const int64_t row_bytes = nb * L::kBytes, grouped = N / kX8Rows * kX8Rows;
 #if defined(RADIXSERVE_Q8_ZMM)
   at::parallel_for(0, grouped / kX8Rows, kGroupGrain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m = 0; m < M; ++m)
-        x8_dot<X>(w + g * kX8Rows * row_bytes, buf.acts, m, o + m * N + g * kX8Rows);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = w + g * kX8Rows * row_bytes;
+      float* og = o + g * kX8Rows;
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows)
+        x8_dot<X, kTileRows>(group, buf.acts, m, og + m * N, N);
+      switch (M - m) {
+        case 3: x8_dot<X, 3>(group, buf.acts, m, og + m * N, N); break;
+        case 2: x8_dot<X, 2>(group, buf.acts, m, og + m * N, N); break;
+        case 1: x8_dot<X, 1>(group, buf.acts, m, og + m * N, N); break;
+        default: break;
+      }
+    }
   });
   if (grouped < N)
     dot_range(Rows{{}, w + grouped * row_bytes}, 0, N - grouped, buf.acts, M, o + grouped, N);
