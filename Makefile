@@ -7,10 +7,11 @@ run:
 	bash scripts/install.sh
 	.venv/bin/radixserve generate --chat "$(PROMPT)"
 
-# Install what tests need, then run the whole suite.
+# Install what tests need, then run the whole suite: two workers (CI has two cores), each
+# taking whole test files, so a file's shared servers and fixtures stay in one process.
 test:
 	bash scripts/install.sh --test
-	.venv/bin/python -m pytest -q --durations=25
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint:
 	.venv/bin/ruff check radixserve radixserve_bench kernels tests benchmarks

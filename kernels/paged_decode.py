@@ -7,6 +7,9 @@ kernel has no minimum tile size and runs the same under TRITON_INTERPRET=1 on CP
 
     q: [num_reqs, num_heads, head_dim]       k_cache, v_cache: [num_slots, kv_heads, head_dim]
     page_table: [num_reqs, max_pages]        seq_lens: [num_reqs]     out: like q
+
+`logit_cap` (Gemma's attn_logit_softcapping): scaled scores -> cap * tanh(score / cap) before
+the softmax; without it the kernel compiles as before (HAS_CAP is a constexpr).
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ import triton.language as tl
 
 
 @triton.jit
+def soft_cap(scores, cap):
+    """cap * tanh(scores / cap); tanh as 2 sigmoid(2x) - 1 (triton.language has no tanh)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * (scores / cap)) - 1.0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
-    sm_scale, split_len,
+    sm_scale, split_len, logit_cap,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr,
 ):  # fmt: skip
     req, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
@@ -46,6 +55,8 @@ def _decode_split_kernel(
         mask2 = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1) * sm_scale
+        if HAS_CAP:
+            scores = soft_cap(scores, logit_cap)
         scores = tl.where(pos_mask, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp(m_i - m_new)
@@ -94,6 +105,7 @@ def paged_decode_attention(
     split_len: int = 256,
     block_n: int = 32,
     num_splits: int | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V. Returns [reqs, heads, dim].
 
@@ -111,11 +123,12 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_reqs, num_heads, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
-        sm_scale, split_len,
+        sm_scale, split_len, logit_cap or 0.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        HAS_CAP=logit_cap is not None,
     )  # fmt: skip
     out = torch.empty(num_reqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
     _decode_merge_kernel[(num_reqs, num_heads)](

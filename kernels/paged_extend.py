@@ -12,7 +12,8 @@ interpreter, and for fp32, the dots run in fp32 (the interpreter's bf16 dot is w
 Draft trees (speculative verification; `trees`, a TreeMasks): a tree request's new tokens see
 the prefix and, among themselves, what its [extend_len, extend_len] ancestor mask allows; each
 new token sits at position prefix + depth (the causal limit and the window count along paths).
-Without trees the kernel compiles as before (HAS_TREE is a constexpr).
+Without trees the kernel compiles as before (HAS_TREE is a constexpr); so without
+`logit_cap` (scores soft-capped as paged_decode's, HAS_CAP).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve_kernels.paged_decode import soft_cap
+
 
 @triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, q_starts_ptr, prefix_ptr, extend_ptr,
-    tree_mask_ptr, tree_off_ptr, depth_ptr, sm_scale, window,
+    tree_mask_ptr, tree_off_ptr, depth_ptr, sm_scale, window, logit_cap,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, HAS_TREE: tl.constexpr,
+    DOT_FP32: tl.constexpr, HAS_TREE: tl.constexpr, HAS_CAP: tl.constexpr,
 ):  # fmt: skip
     req, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(extend_ptr + req)
@@ -74,6 +77,8 @@ def _extend_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
         else:
             scores = tl.dot(q, tl.trans(k)) * sm_scale
+        if HAS_CAP:
+            scores = soft_cap(scores, logit_cap)
         key_pos = pos
         if HAS_TREE:
             new = pos - prefix_len  # index among the new tokens
@@ -148,9 +153,10 @@ def paged_extend_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     trees: TreeMasks | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's new tokens over its paged context (`trees`: draft
-    trees' ancestor masks)."""
+    trees' ancestor masks; `logit_cap`: soft-capped scores)."""
     num_tokens, num_heads, head_dim = q.shape
     block_m, block_n = 16, 32
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -159,11 +165,11 @@ def paged_extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, q_starts, prefix_lens, extend_lens,
         *((q_starts,) * 3 if trees is None else (trees.masks, trees.offsets, trees.depths)),
-        head_dim**-0.5 if sm_scale is None else sm_scale, sliding_window or 0,
+        head_dim**-0.5 if sm_scale is None else sm_scale, sliding_window or 0, logit_cap or 0.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=num_heads // k_cache.shape[1], PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32, HAS_TREE=trees is not None,
+        DOT_FP32=dot_fp32, HAS_TREE=trees is not None, HAS_CAP=logit_cap is not None,
     )  # fmt: skip
     return out.to(q.dtype)

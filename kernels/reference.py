@@ -14,6 +14,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     page_size: int,
     sm_scale: float | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """One query per request over its pages, request by request, in fp32."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -22,9 +23,7 @@ def paged_decode_attention_ref(
         slots = page_table[i, pos // page_size] * page_size + pos % page_size
         k = k_cache[slots].float().transpose(0, 1)  # [kv_heads, len, dim]
         v = v_cache[slots].float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            q[i].float()[:, None, :], k, v, scale=sm_scale, enable_gqa=True
-        )
+        o = _attention(q[i].float()[:, None, :], k, v, None, sm_scale, logit_cap)
         out[i] = o[:, 0, :]
     return out.to(q.dtype)
 
@@ -44,6 +43,7 @@ def paged_extend_attention_ref(
     page_size: int,
     sliding_window: int | None = None,
     tree_masks: dict[int, torch.Tensor] | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """Each request's new tokens over its whole paged context, causal, in fp32.
     `tree_masks`: request -> [extend, extend] bool ancestor mask of a draft tree (its new
@@ -62,16 +62,38 @@ def paged_extend_attention_ref(
             mask[:, prefix:] &= tree.to(q.device)
         if sliding_window:
             mask &= pos[None, :] > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
+        o = _attention(
             q[start : start + extend].float().transpose(0, 1),
             k_cache[slots].float().transpose(0, 1),
             v_cache[slots].float().transpose(0, 1),
-            attn_mask=mask,
-            enable_gqa=True,
+            mask,
+            None,
+            logit_cap,
         )
         out[start : start + extend] = o.transpose(0, 1)
         start += extend
     return out.to(q.dtype)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    logit_cap: float | None,
+) -> torch.Tensor:
+    """q [heads, n, dim] over k, v [kv_heads, len, dim] (GQA); `logit_cap`: scaled scores ->
+    cap * tanh(score / cap) before the mask and softmax (SDPA has no such option)."""
+    if logit_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / logit_cap) * logit_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def int4_matmul_ref(

@@ -86,6 +86,14 @@ TINY_CONFIGS = {
 }
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a `slow` test first, in their order, then the rest: under `make test`'s two
+    workers (xdist, whole files per worker) the long files start early instead of finishing
+    last on one worker while the other idles. The order is the same in every worker."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's own order
+
+
 def save_tiny_model(
     arch: str, folder: Path, seed: int = 0, vocab_size: int | None = None, **save_kwargs
 ) -> Path:
@@ -319,9 +327,14 @@ def stop_running(servers: Sequence[ServerProcess]) -> None:
             proc.stop()
 
 
+FORK_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
+"""OpenMP's variables set at exec, as the fleet's workers have them: the server forks its core
+(client/core_start.py). The keyed server (a key in its environment) spawns it."""
+
+
 @pytest.fixture(scope="session")
 def server(tiny_chat_model):
-    proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny")
+    proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny", env=FORK_ENV)
     yield proc
     proc.stop()
 
@@ -339,7 +352,7 @@ def keyed_server(tiny_chat_model, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-key"
     key_file.write_text(API_KEY + "\n")
     key_file.chmod(0o600)
-    env = {"RADIXSERVE_ADMIN_API_KEY": ADMIN_API_KEY}
+    env = FORK_ENV | {"RADIXSERVE_ADMIN_API_KEY": ADMIN_API_KEY}  # spawns: a key in the env
     proc = ServerProcess(tiny_chat_model, "--api-key-file", str(key_file), env=env)
     yield proc
     assert proc.stop() == 0

@@ -35,6 +35,7 @@ KERNEL_TESTS = [
     "tests/test_cpu_paged_decode.py",
     "tests/test_deterministic_attention.py",
     "tests/test_cpu_tree_extend.py",
+    "tests/test_cpu_softcap.py",
 ]
 LEVELS = {"avx2": "avx2", "default": "portable"}  # ATEN_CPU_CAPABILITY -> our build's path
 CASES = [(200, 72, 9), (576, 576, 5), (130, 1100, 17)]  # (N, K, M)

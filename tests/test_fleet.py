@@ -25,6 +25,7 @@ from radixserve.cli import build_parser, engine_args_from, main, server_config_f
 from radixserve.cli_args import dataclass_flags
 from radixserve.config import CacheConfig, FleetConfig, LoadConfig, SchedulerConfig, ServerConfig
 from radixserve.fleet.launch import fleet_children, worker_children
+from radixserve.fleet.probes import worker_healthy
 from radixserve.fleet.router import router_command
 from radixserve_bench.systems import free_port_run
 
@@ -239,6 +240,34 @@ def test_children_stop_when_the_fleet_is_killed():
     assert not _running(child)
 
 
+def test_template_workers_stop_when_the_fleet_is_killed(tiny_chat_model):
+    """A worker forked from the template is the fleet's child (a subreaper's orphan): it
+    serves, and it and the template go when the fleet is SIGKILLed."""
+    port = free_port_run(1)
+    program = (
+        "import sys, time; from radixserve.fleet.launch import Child; "
+        "from radixserve.fleet.worker_template import fork_from_template; "
+        f"c = Child('x', [sys.executable, '-m', 'radixserve.cli', 'serve', {tiny_chat_model!r}, "
+        f"'--port', '{port}'], ''); t = fork_from_template([c], {{}}); c.start(); "
+        "print(c.proc.pid, t.proc.pid, flush=True); time.sleep(600)"
+    )
+    fleet = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    worker, template = map(int, fleet.stdout.readline().split())
+    try:
+        assert parent_pid(worker) == fleet.pid
+        deadline = time.monotonic() + 300
+        while not worker_healthy(f"http://127.0.0.1:{port}"):
+            assert time.monotonic() < deadline and _running(worker)
+            time.sleep(0.5)
+    finally:
+        fleet.kill()  # SIGKILL: no handler of ours runs
+        fleet.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (_running(worker) or _running(template)):
+        time.sleep(0.2)
+    assert not _running(worker) and not _running(template)
+
+
 def _running(pid: int) -> bool:
     """Whether `pid` is alive (reaped or a zombie counts as gone)."""
     try:
@@ -309,9 +338,10 @@ def test_fleet_behind_the_real_router(tiny_chat_model, server, tmp_path):
     fleet = FleetProcess(tiny_chat_model, 2, "--served-model-name", "tiny", cwd=tmp_path, env=env)
     children = fleet.children()
     try:
-        assert len(children) == 3  # two workers and the router
+        assert len(children) == 4  # two workers, the router and the worker template
         for pid in [fleet.proc.pid, *children]:
             assert FLEET_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert_workers_forked_from_the_template(fleet, children)
         status, _ = run(post(fleet.url + "/generate", {"text": "hi"}, headers=JSON))
         assert status == 401  # the router holds the key
         for url in fleet.worker_urls:  # and the workers too, on loopback
@@ -343,6 +373,37 @@ def test_fleet_behind_the_real_router(tiny_chat_model, server, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no pid, log or other run file left where it ran
 
 
+def assert_workers_forked_from_the_template(fleet: FleetProcess, children: list[int]) -> None:
+    """Each worker was forked from the fleet's pre-imported template (it has the template's
+    command line: never exec'd) and forked its core in turn; neither imported torch,
+    transformers or the engine again. The key reached them on the template's socket pair, so
+    no exec-time environment under the fleet holds it (but the router's, which it is for)."""
+    workers = []
+    for url in fleet.worker_urls:
+        status, info = run(get(url + "/server_info", headers=AUTH))
+        assert status == 200
+        start = info["engine"]["core_start"]
+        assert start["start_method"] == "fork" and start["heavy_modules_imported"] == []
+        workers.append(parent_pid(info["engine"]["pid"]))  # the core's parent: the worker
+        assert FLEET_KEY.encode() not in environ(info["engine"]["pid"])
+    template = [p for p in children if p not in workers and b"worker_template_main" in cmdline(p)]
+    assert len(template) == 1 and set(workers) < set(children)
+    for pid in [*workers, template[0]]:
+        assert cmdline(pid) == cmdline(template[0]) and FLEET_KEY.encode() not in environ(pid)
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1])
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def assert_listening_on_loopback_only(pid: int) -> None:
     """What `ss -ltnp` would show for the fleet and every process under it: loopback only."""
     addresses = {address for p in process_tree(pid) for address in listening_addresses(p)}
@@ -357,7 +418,7 @@ def test_pd_fleet_behind_the_real_router(tiny_chat_model, server):
     fleet = FleetProcess(tiny_chat_model, 2, *flags)
     children = fleet.children()
     try:
-        assert len(children) == 3  # a prefill worker, a decode worker and the router
+        assert len(children) == 4  # a prefill and a decode worker, the router, the template
         assert "1 prefill + 1 decode workers" in "".join(fleet.log)
         body = {"input_ids": prompt_ids(9, 40), "sampling_params": GREEDY}
         status, routed = run(post(fleet.url + "/generate", body, headers=JSON))

@@ -113,3 +113,28 @@ def test_paged_extend_with_draft_trees_matches_reference():
         q, k, v, table, prefix_lens, extend_lens, 16, sliding_window=20, tree_masks=masks
     )
     torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_soft_capped_decode_and_extend_match_reference(dtype):
+    """Scores soft-capped (Gemma's attn_logit_softcapping) at 1.5, with queries large enough
+    that the cap changes the output, in both kernels and a window in the extend."""
+    q, k, v, table, seq_lens = _paged_inputs([1, 7, 40, 129], 16, dtype=dtype)
+    q = (q.float() * 4).to(dtype)
+    got = paged_decode_attention(q, k, v, table, seq_lens, 16, split_len=32, logit_cap=1.5)
+    want = paged_decode_attention_ref(q, k, v, table, seq_lens, 16, logit_cap=1.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+    plain = paged_decode_attention_ref(q, k, v, table, seq_lens, 16)
+    assert (plain.float() - want.float()).abs().max() > 0.1
+    prefix_lens, extend_lens = [0, 13, 40], [9, 1, 20]
+    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    _, k, v, table, _ = _paged_inputs(seq, 16, dtype=dtype)
+    q = (torch.randn(30, 4, 24, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    got = paged_extend_attention(
+        q, k, v, table, torch.tensor([0, 9, 10]), torch.tensor(prefix_lens),
+        torch.tensor(extend_lens), 20, 16, sliding_window=5, logit_cap=1.5,
+    )  # fmt: skip
+    want = paged_extend_attention_ref(
+        q, k, v, table, prefix_lens, extend_lens, 16, sliding_window=5, logit_cap=1.5
+    )
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)

@@ -33,7 +33,7 @@ from radixserve.fleet.register import LEAVE_TIMEOUT_S  # noqa: E402
 from radixserve.fleet.router_main import ROUTER_API_KEY_ENV  # noqa: E402
 from radixserve.server.app import build_app  # noqa: E402
 from radixserve.server.drain import ABORTED_WAIT_S  # noqa: E402
-from radixserve.server.metrics import ENGINE_METRICS  # noqa: E402
+from radixserve.server.metrics import ENGINE_METRICS, ServerMetrics  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 _spec = importlib.util.spec_from_file_location("k8s_validate", DEPLOY / "validate.py")
@@ -315,18 +315,35 @@ def test_router_urls_name_a_router_service_and_port():
     assert pd_urls == {"http://radixserve-pd-router:30000"}
 
 
+TTFT = "radixserve:time_to_first_token_seconds"
+
+
 def adapter_rules() -> list[dict]:
     config = objects("ConfigMap")["adapter-config"]["data"]["config.yaml"]
     return yaml.safe_load(config)["rules"]
 
 
+def exported_series() -> tuple[set[str], set[str]]:
+    """The series a worker's /metrics has (histograms' _bucket / _count / _sum included) and
+    the `le` bounds of its TTFT histogram."""
+    samples = [x for family in ServerMetrics().registry.collect() for x in family.samples]
+    ttft_bounds = {x.labels["le"] for x in samples if x.name == TTFT + "_bucket"}
+    return {x.name for x in samples}, ttft_bounds
+
+
+def family(series: str) -> str:
+    return re.sub(r"_(bucket|count|sum)$", "", series)
+
+
 def test_autoscalers_read_metrics_the_workers_export():
-    exported = {name for name, _, _ in ENGINE_METRICS.values()}
+    exported, ttft_bounds = exported_series()
+    exported |= {name for name, _, _ in ENGINE_METRICS.values()}  # counters without _total
     renamed = {}
     for rule in adapter_rules():
         series = rule["seriesQuery"].split("{")[0].strip("'")
         assert series in exported and re.fullmatch(rule["name"]["matches"], series)
-        renamed[rule["name"]["as"]] = series
+        assert set(re.findall(r"radixserve:\w+", rule["metricsQuery"])) <= exported
+        renamed[rule["name"]["as"]] = family(series)
     assert "radixserve:num_requests_waiting" in renamed.values()
     hpa = objects("HorizontalPodAutoscaler")["radixserve-worker"]["spec"]
     hpa_targets = {
@@ -336,9 +353,17 @@ def test_autoscalers_read_metrics_the_workers_export():
     scaled = objects("ScaledObject")["radixserve-worker"]["spec"]
     keda_targets = {}
     for trigger in scaled["triggers"]:
-        (series,) = set(re.findall(r"radixserve:\w+", trigger["metadata"]["query"])) & exported
-        keda_targets[series] = trigger["metadata"]["threshold"]
+        found = set(re.findall(r"radixserve:\w+", trigger["metadata"]["query"]))
+        assert found <= exported
+        (name,) = {family(series) for series in found}
+        keda_targets[name] = trigger["metadata"]["threshold"]
     assert hpa_targets == keda_targets  # one policy, two ways
+    # the fleet autoscaler's TTFT signal, in both: one target, a bound of the histogram
+    assert TTFT in hpa_targets
+    queries = [r["metricsQuery"] for r in adapter_rules() if TTFT in r["metricsQuery"]]
+    queries += [q for t in scaled["triggers"] if TTFT in (q := t["metadata"]["query"])]
+    (bound,) = {le for query in queries for le in re.findall(r'le="([^"]+)"', query)}
+    assert len(queries) == 2 and bound in ttft_bounds
     deployments = objects("Deployment")
     for ref in (hpa["scaleTargetRef"], scaled["scaleTargetRef"]):
         assert ref["kind"] == "Deployment" and ref["name"] in deployments

@@ -128,7 +128,9 @@ def test_window_layers_follow_transformers_config_rules():
     assert ModelConfig.from_hf_dict(qwen2 | {"sliding_window": 64}).sliding_layers == ()
     unset = qwen2 | {"use_sliding_window": True, "sliding_window": None}
     assert ModelConfig.from_hf_dict(unset).layer_windows() == (None,) * 4
-    for option, value in (("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", 1)):
+    capped = ModelConfig.from_hf_dict(builtin_config("gemma-3-4b") | {"attn_logit_softcapping": 50})
+    assert capped.attn_logit_cap == 50 and gemma.attn_logit_cap is None
+    for option, value in (("attn_logit_softcapping", 0.0), ("use_bidirectional_attention", 1)):
         with pytest.raises(UnsupportedModelError, match=option):
             ModelConfig.from_hf_dict(builtin_config("gemma-3-4b") | {option: value})
     moe = qwen2 | {"architectures": ["Qwen2MoeForCausalLM"], "use_sliding_window": True}

@@ -37,35 +37,52 @@ from radixserve.native.extension import CpuExtensionUnavailable
 
 logger = logging.getLogger(__name__)
 
-BackendFactory = Callable[[KVPool, int, "int | None"], AttentionBackend]
+BackendFactory = Callable[[KVPool, int, "int | None", "float | None"], AttentionBackend]
 
 
-def _torch_native(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
-    return TorchNativeBackend(pool, sliding_window=sliding_window)
+def _torch_native(
+    pool: KVPool, num_heads: int, sliding_window: int | None, logit_cap: float | None
+) -> AttentionBackend:
+    return TorchNativeBackend(pool, sliding_window=sliding_window, logit_cap=logit_cap)
 
 
 def _cpu_fused(
-    pool: KVPool, num_heads: int, sliding_window: int | None, deterministic: bool = False
+    pool: KVPool,
+    num_heads: int,
+    sliding_window: int | None,
+    logit_cap: float | None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     from radixserve.attention.cpu_fused import CpuFusedBackend
 
     try:
-        return CpuFusedBackend(pool, sliding_window=sliding_window, deterministic=deterministic)
+        return CpuFusedBackend(
+            pool, sliding_window=sliding_window, logit_cap=logit_cap, deterministic=deterministic
+        )
     except CpuExtensionUnavailable as exc:
         raise RuntimeError(
             f"attention_backend='cpu_fused': {exc}; use attention_backend='torch_native'"
         ) from exc
 
 
-def _triton(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
+def _triton(
+    pool: KVPool, num_heads: int, sliding_window: int | None, logit_cap: float | None
+) -> AttentionBackend:
     from radixserve.attention.triton_backend import TritonBackend
 
-    return TritonBackend(pool, sliding_window=sliding_window)
+    return TritonBackend(pool, sliding_window=sliding_window, logit_cap=logit_cap)
 
 
-def _flashinfer(pool: KVPool, num_heads: int, sliding_window: int | None) -> AttentionBackend:
+def _flashinfer(
+    pool: KVPool, num_heads: int, sliding_window: int | None, logit_cap: float | None
+) -> AttentionBackend:
     from radixserve.attention.flashinfer_backend import FlashInferBackend
 
+    if logit_cap is not None:
+        raise ValueError(
+            "attention_backend='flashinfer' does not soft-cap attention scores "
+            "(attn_logit_softcapping) here; use --attention-backend triton"
+        )
     return FlashInferBackend(pool, num_heads, sliding_window=sliding_window)
 
 
@@ -95,23 +112,25 @@ def create_attention_backend(
     sliding_window: int | None = None,
     num_heads: int | None = None,
     deterministic: bool = False,
+    logit_cap: float | None = None,
 ) -> AttentionBackend:
     """Builds the backend called `name` (or `auto`); `num_heads` (query heads) for flashinfer;
-    `deterministic`: batch-invariant attention where the backend has it (cpu_fused)."""
+    `deterministic`: batch-invariant attention where the backend has it (cpu_fused);
+    `logit_cap`: scores soft-capped (AttentionBackend)."""
     if name == "auto":
         name = default_backend(device)
         if name == "cpu_fused":
-            return _cpu_fused_or_reference(pool, sliding_window, deterministic)
+            return _cpu_fused_or_reference(pool, sliding_window, logit_cap, deterministic)
     if name not in BACKENDS:
         allowed = ", ".join(BACKENDS)
         raise ValueError(f"attention_backend must be auto or one of {allowed}; got {name!r}")
     if name == "flashinfer" and num_heads is None:
         raise ValueError("attention_backend='flashinfer' needs num_heads (the model's query heads)")
     if name == "cpu_fused":
-        return _cpu_fused(pool, num_heads or 0, sliding_window, deterministic)
+        return _cpu_fused(pool, num_heads or 0, sliding_window, logit_cap, deterministic)
     if deterministic:
         _warn_not_invariant(name)
-    return BACKENDS[name](pool, num_heads or 0, sliding_window)
+    return BACKENDS[name](pool, num_heads or 0, sliding_window, logit_cap)
 
 
 def create_model_attention(
@@ -121,13 +140,16 @@ def create_model_attention(
     layer_windows: Sequence[int | None],
     num_heads: int | None = None,
     deterministic: bool = False,
+    logit_cap: float | None = None,
 ) -> AttentionBackend:
     """`create_attention_backend` for a model whose layer i attends within `layer_windows[i]`
     (None: globally): one backend when all layers agree, else one per window, routed by layer
     (always so over a HybridKVPool, whose sliding layers read its second page space)."""
 
     def build(window: int | None, space: KVPool) -> AttentionBackend:
-        return create_attention_backend(name, space, device, window, num_heads, deterministic)
+        return create_attention_backend(
+            name, space, device, window, num_heads, deterministic, logit_cap
+        )
 
     if len(set(layer_windows)) == 1 and pool.sliding_window is None:
         return build(layer_windows[0], pool)
@@ -143,7 +165,7 @@ def _warn_not_invariant(name: str) -> None:
 
 
 def _cpu_fused_or_reference(
-    pool: KVPool, sliding_window: int | None, deterministic: bool = False
+    pool: KVPool, sliding_window: int | None, logit_cap: float | None, deterministic: bool
 ) -> AttentionBackend:
     """`auto` on CPU: the fused decode kernel when it builds and reads this pool's dtype, else
     the reference, saying why in one log line."""
@@ -151,15 +173,19 @@ def _cpu_fused_or_reference(
 
     if pool.dtype not in KV_DTYPES:
         logger.info("attention: torch_native (cpu_fused reads no %s K/V)", pool.dtype)
-        return _reference(pool, sliding_window, deterministic)
+        return _reference(pool, sliding_window, logit_cap, deterministic)
     try:
-        return CpuFusedBackend(pool, sliding_window=sliding_window, deterministic=deterministic)
+        return CpuFusedBackend(
+            pool, sliding_window=sliding_window, logit_cap=logit_cap, deterministic=deterministic
+        )
     except CpuExtensionUnavailable as exc:
         logger.warning("attention: torch_native, %s", str(exc).splitlines()[0])
-        return _reference(pool, sliding_window, deterministic)
+        return _reference(pool, sliding_window, logit_cap, deterministic)
 
 
-def _reference(pool: KVPool, sliding_window: int | None, deterministic: bool) -> AttentionBackend:
+def _reference(
+    pool: KVPool, sliding_window: int | None, logit_cap: float | None, deterministic: bool
+) -> AttentionBackend:
     if deterministic:
         _warn_not_invariant("torch_native")
-    return TorchNativeBackend(pool, sliding_window=sliding_window)
+    return TorchNativeBackend(pool, sliding_window=sliding_window, logit_cap=logit_cap)

@@ -24,9 +24,14 @@ class AttentionBackend(ABC):
     accepts_stored_kv: bool = False
     """Whether `forward_stored` runs: the model may write K/V itself (its fused CPU op)."""
 
-    def __init__(self, pool: KVPool, sliding_window: int | None = None):
+    def __init__(
+        self, pool: KVPool, sliding_window: int | None = None, logit_cap: float | None = None
+    ):
+        """`logit_cap`: scaled scores soft-capped to cap * tanh(score / cap) before the softmax
+        (Gemma's attn_logit_softcapping); None: plain scores."""
         self.pool = pool
         self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
 
     @abstractmethod
     def init_forward(self, batch: ForwardBatch) -> None:

@@ -37,6 +37,7 @@ from radixserve.native.extension import load_cpu_ops
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
 NO_WINDOW = -1  # the kernel's sliding_window argument when the model has none
+NO_CAP = 0.0  # the kernels' logit_cap argument when scores are not soft-capped
 
 
 def extend_in_place(prefix_len: int, extend_len: int) -> bool:
@@ -92,11 +93,13 @@ class CpuFusedBackend(TorchNativeBackend):
         self,
         pool: KVPool,
         sliding_window: int | None = None,
+        logit_cap: float | None = None,
         ops: Any = None,
         deterministic: bool = False,
     ):
         """`ops`: the loaded torch.ops namespace (default: build or load it now);
-        `deterministic`: every query through paged_extend (batch-invariant attention)."""
+        `deterministic`: every query through paged_extend (batch-invariant attention);
+        `logit_cap`: soft-capped scores (AttentionBackend), in the kernels too."""
         if pool.device.type != "cpu":
             raise ValueError(
                 f"attention_backend='cpu_fused' runs on CPU only (the KV pool is on "
@@ -107,11 +110,12 @@ class CpuFusedBackend(TorchNativeBackend):
                 f"attention_backend='cpu_fused' reads float32 or bfloat16 K/V, not {pool.dtype}; "
                 "use --kv-cache-dtype float32|bfloat16 or --attention-backend torch_native"
             )
-        super().__init__(pool, sliding_window=sliding_window)
+        super().__init__(pool, sliding_window=sliding_window, logit_cap=logit_cap)
         self.ops = ops if ops is not None else load_cpu_ops()
         self._paged_decode = self.ops.paged_decode.default  # positional calls: less dispatch
         self.window = NO_WINDOW if sliding_window is None else sliding_window
         self.scale = 1.0 / math.sqrt(pool.shape.head_dim)  # SDPA's default, as torch_native
+        self.cap = NO_CAP if logit_cap is None else float(logit_cap)
         self.route_extend: Callable[[int, int], bool] = extend_in_place
         self.deterministic = deterministic
 
@@ -188,6 +192,7 @@ class CpuFusedBackend(TorchNativeBackend):
             sliding_window=self.window,
             scale=self.scale,
             tree_parents=ext.tree_parents,
+            logit_cap=self.cap,
         )
         if ext.token_idx is None:
             out.copy_(o)
@@ -230,5 +235,5 @@ class CpuFusedBackend(TorchNativeBackend):
         k_pool, v_pool = self.pool.layer_kv(layer)
         return self._paged_decode(
             q.float().contiguous(), k_pool, v_pool, dec.page_table, dec.seq_lens, page_size,
-            self.window, self.scale, 0, dec.page_rows,
+            self.window, self.scale, 0, dec.page_rows, self.cap,
         )  # fmt: skip

@@ -176,7 +176,7 @@ class TorchNativeBackend(AttentionBackend):
             else:
                 ks = _gather_pages(k_pool, seg.pages, page_size)[: seg.seq_len].to(q.dtype)
                 vs = _gather_pages(v_pool, seg.pages, page_size)[: seg.seq_len].to(q.dtype)
-            out[seg.start : seg.end] = _sdpa(q[seg.start : seg.end], ks, vs, seg.mask)
+            out[seg.start : seg.end] = self._sdpa(q[seg.start : seg.end], ks, vs, seg.mask)
 
     def _forward_decode(
         self, q: torch.Tensor, layer: int, dec: _DecodeGroup, page_size: int, out: torch.Tensor
@@ -190,20 +190,45 @@ class TorchNativeBackend(AttentionBackend):
         # [num_decode, kv_heads, num_pages * page_size, head_dim]
         kd = kd.view(num, -1, *kd.shape[1:]).transpose(1, 2)
         vd = vd.view(num, -1, *vd.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, enable_gqa=True)
+        o = attend(qd, kd, vd, dec.mask, is_causal=False, logit_cap=self.logit_cap)
         out[dec.token_idx] = o.squeeze(2)
 
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One sequence: q [n, heads, dim], k/v [len, kv_heads, dim] -> [n, heads, dim]."""
+        o = attend(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            mask,
+            is_causal=mask is None,
+            logit_cap=self.logit_cap,
+        )
+        return o.squeeze(0).transpose(0, 1)
 
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    logit_cap: float | None,
 ) -> torch.Tensor:
-    """One sequence: q [n, heads, dim], k/v [len, kv_heads, dim] -> [n, heads, dim]."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=True,
-    )
-    return o.squeeze(0).transpose(0, 1)
+    """SDPA of q [b, heads, n, dim] over k, v [b, kv_heads, len, dim] (GQA; mask: True =
+    attend). With `logit_cap` (which SDPA lacks) written out as transformers' eager attention:
+    scaled scores -> cap * tanh(score / cap), masked, softmax in fp32."""
+    if logit_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / logit_cap) * logit_cap
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v

@@ -48,8 +48,8 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_tree_mask = True
 
-    def __init__(self, pool, sliding_window: int | None = None):
-        super().__init__(pool, sliding_window)
+    def __init__(self, pool, sliding_window: int | None = None, logit_cap: float | None = None):
+        super().__init__(pool, sliding_window, logit_cap)
         from radixserve_kernels import kv_store, paged_decode, paged_extend
 
         self._store_kv = kv_store.store_kv
@@ -99,10 +99,10 @@ class TritonBackend(AttentionBackend):
         if meta.use_decode_kernel:
             return self._decode(
                 q, k_pool, v_pool, batch.page_table, meta.seq_lens, batch.page_size,
-                split_len=meta.split_len, num_splits=meta.num_splits,
+                split_len=meta.split_len, num_splits=meta.num_splits, logit_cap=self.logit_cap,
             )  # fmt: skip
         return self._extend(
             q, k_pool, v_pool, batch.page_table, meta.q_starts, meta.prefix_lens,
             meta.extend_lens, meta.max_extend_len, batch.page_size,
-            sliding_window=self.sliding_window, trees=meta.trees,
+            sliding_window=self.sliding_window, trees=meta.trees, logit_cap=self.logit_cap,
         )  # fmt: skip

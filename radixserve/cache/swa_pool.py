@@ -9,6 +9,10 @@ SWAKVPool).
 Allocating a page allocates its sliding page too; freeing a page frees both; `free_sliding`
 tombstones a page (its global K/V stays). Attention translates a batch's page table and
 out slots through `sliding_page` for the sliding layers (attention/layer_windows.py).
+
+Under tensor parallelism the table is rank 0's (its scheduler allocates): `track_changes`
+records the entries it rewrites, and each batch carries them to the other ranks, whose
+tables `apply_changes` keeps equal (model/tp_batch.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from radixserve.cache.kv_pool import (
 from radixserve.config import CacheConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 
 class HybridPageAllocator(PageAllocator):
@@ -40,6 +45,23 @@ class HybridPageAllocator(PageAllocator):
         self.sliding_page = torch.zeros(num_pages, dtype=torch.int64)  # page -> sliding page
         on_host = torch.device(device).type == "cpu"
         self.device_table = self.sliding_page if on_host else self.sliding_page.to(device)
+        self._changed: list[torch.Tensor] | None = None  # pages remapped since take_changes
+
+    def track_changes(self) -> None:
+        """From now on, remember which pages' sliding pages change (for `take_changes`)."""
+        self._changed = []
+
+    def take_changes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages, their sliding pages now) for every page remapped since the last call."""
+        if not self._changed:
+            return _NO_PAGES, _NO_PAGES
+        pages = torch.cat(self._changed).unique()
+        self._changed.clear()
+        return pages, self.sliding_page[pages]
+
+    def apply_changes(self, pages: torch.Tensor, sliding: torch.Tensor) -> None:
+        """Sets `pages`' sliding pages as another rank's `take_changes` reported them."""
+        self._map(pages.cpu(), sliding.cpu())
 
     @property
     def num_free(self) -> int:
@@ -103,6 +125,8 @@ class HybridPageAllocator(PageAllocator):
 
     def _map(self, pages: torch.Tensor, sliding: torch.Tensor) -> None:
         self.sliding_page[pages] = sliding
+        if self._changed is not None:
+            self._changed.append(pages.clone())
         if self.device_table is not self.sliding_page:
             device = self.device_table.device
             self.device_table[pages.to(device)] = sliding.to(device)

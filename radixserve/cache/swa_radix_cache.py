@@ -14,6 +14,12 @@ at length L reads the sliding K/V of positions [L - window, L) only, so:
     evict:        sliding pages first (sparing the window above every lock or pin): the
                   pages before each node's last window, then those last windows (LRU over
                   nodes, inner ones too), then RadixCache's leaf eviction for global pages.
+    dead ends:    after tombstoning, what a leaf holds past the last hit that can end in
+                  it (all of it when none can) leaves the tree with its global pages, then
+                  so may its parent: as SGLang deletes its tombstoned leaves. KV events say
+                  BlockRemoved for those pages, so every path a router sees end is a hit; a
+                  tombstone inside the tree stays silent, as in SGLang (#24718): its pages
+                  still serve the hits that resume past it.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.swa_pool import HybridPageAllocator
-from radixserve.cache.tree_node import TreeNode, evict_key
+from radixserve.cache.tree_node import TreeNode, evict_key, is_evictable
 
 if TYPE_CHECKING:
     from radixserve.cache.kv_events import KVEventSink
@@ -45,6 +51,7 @@ class SWARadixCache(RadixCache):
         events: KVEventSink | None = None,
     ):
         self.window = window
+        self._window_pages = -(-window // page_size)  # the pages a hit's window reads, at most
         super().__init__(allocator, page_size, events)
         self.num_tombstoned = 0  # sliding pages tombstoned, ever
 
@@ -111,12 +118,12 @@ class SWARadixCache(RadixCache):
         `num_pages` more pages with both are free; returns sliding + global pages freed."""
         allocator = self.allocator
         target = allocator.num_free + num_pages
-        tombstoned = 0
+        tombstoned = freed = 0
         if allocator.sliding.num_free < target:
             tombstoned = self._tombstone(target - allocator.sliding.num_free)
-        freed = 0
+            freed = self._drop_dead_ends()
         if allocator.num_free_global < target:
-            freed = super().evict(target - allocator.num_free_global)
+            freed += super().evict(target - allocator.num_free_global)
         return tombstoned + freed
 
     def _tombstone(self, num_pages: int) -> int:
@@ -141,6 +148,45 @@ class SWARadixCache(RadixCache):
         self._num_live_sliding -= freed
         self.num_tombstoned += freed
         return freed
+
+    def _drop_dead_ends(self) -> int:
+        """Detaches what evictable leaves hold past the last hit they can end (all of a leaf
+        that ends none, then its parent if it becomes such a leaf); frees those pages and
+        returns how many."""
+        stack = [leaf for leaf in self._leaves if is_evictable(leaf)]
+        freed: list[int] = []
+        while stack:
+            leaf = stack.pop()
+            keep = self._num_ending_pages(leaf)
+            if keep == len(leaf.pages):
+                continue
+            if keep:
+                self._split(leaf, keep * self.page_size)  # `leaf` keeps the dead end
+            freed += self._detach_leaf(leaf)
+            parent = leaf.parent
+            if not keep and parent in self._leaves and is_evictable(parent):
+                stack.append(parent)
+        self.allocator.free(freed)
+        return len(freed)
+
+    def _num_ending_pages(self, leaf: TreeNode) -> int:
+        """How many of `leaf`'s pages lead up to the last hit that can end in it (match_usable:
+        its window's sliding K/V all there); 0: no hit ends in it."""
+        if bool(self.allocator.is_live(self._last_pages(leaf, self._window_pages)).all()):
+            return len(leaf.pages)  # the common case: a hit ends at the leaf's end
+        path = self._path_pages(leaf)
+        above = len(path) - len(leaf.pages)
+        return max(0, self._resumable_pages(path) - above)
+
+    @staticmethod
+    def _last_pages(node: TreeNode, num: int) -> list[int]:
+        """The last `num` pages of the path from the root to `node` (fewer if it is shorter)."""
+        runs: list[list[int]] = []
+        while node.parent is not None and num > 0:
+            runs.append(node.pages[-num:])
+            num -= len(runs[-1])
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
 
     def _spared(self) -> dict[TreeNode, int]:
         """For each node holding part of the window above a lock's or pin's end: the index

@@ -18,18 +18,12 @@ import time
 from typing import Any
 
 from radixserve.client.client import EngineClient, EngineDeadError
-from radixserve.engine.core_process import run_core
+from radixserve.client.core_start import CORE_ENV_DEFAULTS, choose_start_method
+from radixserve.engine.core_process import run_core, run_forked_core
 from radixserve.engine.protocol import CallResult, Ready, StepOutputs
 from radixserve.engine.wire import decode_from_core, encode
 
 logger = logging.getLogger(__name__)
-
-
-CORE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
-"""Set for the core process unless the user set them. OpenMP threads that spin without end
-while they wait fight the HTTP process and anything else for the cores (2 busy cores: SmolLM2
-4.7 tok/s spinning vs 10.9 passive); a short spin (GOMP_SPINCOUNT) before sleeping keeps the
-idle-machine speed (25 vs 18 tok/s passive). Measurements: docs/performance.md."""
 
 
 class MultiprocessClient(EngineClient):
@@ -44,17 +38,23 @@ class MultiprocessClient(EngineClient):
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Spawns the core and blocks until it has loaded the model; returns its info."""
+        """Starts the core (fork or spawn: client/core_start.py) and blocks until it has
+        loaded the model; returns its info."""
         for name, value in CORE_ENV_DEFAULTS.items():
-            os.environ.setdefault(name, value)  # read by the child's OpenMP at start
-        ctx = mp.get_context("spawn")
+            os.environ.setdefault(name, value)  # read by a spawned child's OpenMP at start
+        choice = choose_start_method()
+        ctx = mp.get_context(choice.method)
         self._conn, child = ctx.Pipe()
         # a daemonic process may not start processes: with --tp-size > 1 the core spawns its
         # ranks, so it is not daemonic then (close() still joins or terminates it)
         daemon = self.engine_kwargs.get("tp_size", 1) == 1
-        self._process = ctx.Process(
-            target=run_core, args=(child, self.engine_kwargs, self.log_level), daemon=daemon
-        )
+        args = (child, self.engine_kwargs, self.log_level)
+        if choice.method == "fork":  # the forked core closes its copy of this process's end
+            target, args = run_forked_core, (self._conn, *args)
+        else:
+            target = run_core
+            logger.info("engine core: spawn (%s)", choice.reason)
+        self._process = ctx.Process(target=target, args=args, daemon=daemon)
         self._process.start()
         child.close()
         deadline = time.monotonic() + timeout_s
@@ -66,6 +66,7 @@ class MultiprocessClient(EngineClient):
         ready = decode_from_core(self._conn.recv_bytes())
         assert isinstance(ready, Ready)
         self.info = ready.info
+        self.info["core_start"]["reason"] = choice.reason  # why not fork, for spawn
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:

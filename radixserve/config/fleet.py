@@ -71,6 +71,11 @@ class FleetConfig:
     --health-check-interval-secs 2" for fast failover."""
     startup_timeout_s: float = 600.0
     """Seconds to wait for every worker, then the router, to get healthy."""
+    worker_template: bool = True
+    """CPU fleets on Linux: start every worker by fork from one process that has imported
+    torch, transformers and radixserve once (fleet/worker_template.py), so that a new worker
+    (an autoscaled one too) only loads its model; --no-worker-template: each worker a fresh
+    `radixserve serve` (seconds of imports each)."""
 
     def __post_init__(self) -> None:
         minimums = {

@@ -74,14 +74,13 @@ class GemmaOptions:
     local_rope_theta: float  # rope_local_base_freq: RoPE base of the sliding layers (no scaling)
     query_scale: float  # query_pre_attn_scalar ** -0.5: the attention's softmax scale
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # scaled scores -> cap * tanh(score / cap)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> GemmaOptions:
-        if cfg.get("attn_logit_softcapping") is not None:
-            raise UnsupportedModelError(
-                "Gemma3ForCausalLM with attn_logit_softcapping is not supported (no attention "
-                "backend here soft-caps attention scores)"
-            )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(name) is not None and not cfg[name] > 0:
+                raise UnsupportedModelError(f"Gemma3ForCausalLM needs {name} > 0 or null")
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModelError(
                 "Gemma3ForCausalLM with use_bidirectional_attention (an embedding model) is "
@@ -97,6 +96,7 @@ class GemmaOptions:
             local_rope_theta=float(theta),
             query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         )
 
 
@@ -178,6 +178,11 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`; None: it attends to every position."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def attn_logit_cap(self) -> float | None:
+        """Soft cap of the attention scores (Gemma's attn_logit_softcapping); None: none."""
+        return self.gemma.attn_logit_softcapping if self.gemma is not None else None
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """`layer_window` of every decoder layer, in order."""

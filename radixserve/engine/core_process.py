@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import socket
+import sys
+import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -20,20 +22,61 @@ from radixserve.engine.protocol import FromCore, Ready, ToCore
 from radixserve.engine.wire import decode_to_core, encode
 
 logger = logging.getLogger(__name__)
+IMPORTED_BY_PID = os.getpid()
+"""The process that imported the engine: the core itself when spawned, the server process
+(whose modules a forked core reuses) when forked."""
+HEAVY_MODULES = (
+    "torch",
+    "torch._dynamo",
+    "transformers",
+    "transformers.activations",
+    "radixserve.engine.core",
+)
+"""Imports that cost a start seconds of CPU; `core_start` lists those the core made itself."""
 
 
-def run_core(conn: Connection, engine_kwargs: dict[str, Any], log_level: str = "warning") -> None:
+def run_forked_core(
+    server_end: Connection, conn: Connection, engine_kwargs: dict[str, Any], log_level: str
+) -> None:
+    """Entry point of a forked core: closes its copy of the server's end of the pipe (or the
+    core would never see that end close), then runs as run_core."""
+    server_end.close()
+    run_core(conn, engine_kwargs, log_level, start_method="fork")
+
+
+def run_core(
+    conn: Connection,
+    engine_kwargs: dict[str, Any],
+    log_level: str = "warning",
+    start_method: str = "spawn",
+) -> None:
     """Process entry point: build the core, announce it, serve until the pipe closes."""
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s core: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(levelname)s core: %(message)s", force=True
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):  # the server process decides when to stop
         signal.signal(sig, signal.SIG_IGN)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    inherited = set(sys.modules) if IMPORTED_BY_PID != os.getpid() else set()
     core = EngineCore.build(*split_engine_kwargs(None, dict(engine_kwargs)))
-    conn.send_bytes(encode(Ready(info=core_info(core))))
+    start = {"start_method": start_method, **start_imports(inherited)}
+    start["cpu_s_to_ready"] = time.process_time()  # this process's: a fork's starts at 0
+    conn.send_bytes(encode(Ready(info=core_info(core) | {"core_start": start})))
     try:
         CoreLoop(core, PipeTransport(conn)).run()
     finally:
         core.close()
+
+
+def start_imports(inherited: set[str]) -> dict[str, Any]:
+    """What this process imported itself (all of it when spawned; what the server process had
+    not, when forked): counts, and which of HEAVY_MODULES."""
+    own = set(sys.modules) - inherited
+    return {
+        "engine_imported_in": "core" if IMPORTED_BY_PID == os.getpid() else "parent",
+        "num_modules_imported": len(own),
+        "heavy_modules_imported": sorted(own.intersection(HEAVY_MODULES)),
+    }
 
 
 def core_info(core: EngineCore) -> dict[str, Any]:

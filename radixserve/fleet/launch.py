@@ -18,7 +18,6 @@ moves to the others); the fleet stops when the router dies or no worker is left.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -49,6 +48,13 @@ from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
 from radixserve.fleet.probes import router_live, router_ready, worker_healthy
 from radixserve.fleet.router import PDWorkers, require_router, router_command
+from radixserve.fleet.worker_template import (
+    ForkedProcess,
+    TemplateError,
+    WorkerTemplate,
+    die_with_parent,
+    fork_from_template,
+)
 from radixserve.native.machine import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -57,7 +63,6 @@ POLL_S = 0.5
 STOP_MARGIN_S = 15.0
 """After SIGTERM a worker drains for up to --drain-timeout (server/drain.py), then exits;
 a child still running this much later is killed."""
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 GiB = 1 << 30
 SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key", "api_key_file", "admin_api_key",
                          "admin_api_key_file", "router_url", "advertise_url")  # fmt: skip
@@ -76,9 +81,17 @@ class Child:
     mode: str | None = None  # a PD fleet's worker: prefill | decode
     bootstrap_port: int | None = None  # a prefill worker's
     cores: list[int] | None = None
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
+    template: WorkerTemplate | None = None  # forks it, where the fleet has one
 
     def start(self) -> None:
+        if self.template is not None and self.template.can_run(self.command):
+            try:
+                self.proc = self.template.start(self.command, self.env, self.cores)
+                return
+            except TemplateError as exc:
+                logger.warning("%s: %s; starting it with exec", self.name, exc)
+                self.template = None
         cores = self.cores
         env = os.environ | self.env
         self.proc = subprocess.Popen(self.command, env=env, preexec_fn=lambda: _setup(cores))
@@ -93,8 +106,7 @@ def _setup(cores: list[int] | None) -> None:
     fleet process dies, even by SIGKILL, so that no worker outlives its fleet."""
     if cores:
         os.sched_setaffinity(0, cores)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
 
 
 def worker_children(
@@ -206,6 +218,8 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
     engine_args = split_cpu_kv_memory(config.num_workers, engine_args)
     with pd_secret_file(config, engine_args) as engine_args:
         workers, router = fleet_children(config, server, engine_args, keys)
+        env = thread_env(config.cpu_cores_per_worker)
+        template = fork_from_template(workers, env) if config.worker_template else None
         stop = install_stop_signals()
         try:
             if config.autoscale:
@@ -218,6 +232,8 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
             return supervise(workers, router, stop)
         finally:
             stop_all([router, *workers], server.drain_timeout + STOP_MARGIN_S)
+            if template is not None:
+                template.close()
 
 
 def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ What differs from LlamaForCausalLM (ModelConfig.gemma carries the options):
 - sliding layers (config.sliding_layers) attend within `sliding_window` and rotate with their
   own RoPE base (rope_local_base_freq, unscaled); the global layers take rope_theta/scaling;
 - embeddings times sqrt(hidden_size) (rounded to the model dtype, as transformers);
-- GeLU (tanh) MLP; logits soft-capped when final_logit_softcapping is set.
+- GeLU (tanh) MLP; logits soft-capped when final_logit_softcapping is set;
+- attention scores soft-capped when attn_logit_softcapping is set: by the attention backend
+  (ModelConfig.attn_logit_cap -> AttentionBackend.logit_cap).
 
 Norm weights are stored as (1 + w) at load time, so the shared RMSNorm (and its fused CPU
 op) computes Gemma's norm: exact in fp32, one rounding of (1 + w) in bf16.

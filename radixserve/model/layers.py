@@ -102,6 +102,10 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_start = vocab_start
         self.tp = tp
 
+    def reset_parameters(self) -> None:
+        """No random init: the weights come from the checkpoint (or dummy weights). On the
+        meta device nn.Embedding's normal_ would import torch._dynamo (~2 s of CPU a start)."""
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)

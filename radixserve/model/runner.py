@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -85,8 +85,6 @@ class ModelRunner:
         take the rank's shard of the heads, and all ranks agree on the smallest pool."""
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
-        if loaded.model.tp.size > 1:  # each rank would need rank 0's sliding page table
-            cache_config = replace(cache_config, disable_hybrid_swa_memory=True)
         device, dtype = load_config.torch_device(), loaded.dtype
         local = loaded.model.layout.local_config()  # this rank's heads (all, without TP)
         graphs = device.type == "cuda" and not cache_config.disable_cuda_graph
@@ -108,6 +106,7 @@ class ModelRunner:
             loaded.config.layer_windows(),
             num_heads=local.num_heads,
             deterministic=load_config.enable_deterministic_inference,
+            logit_cap=loaded.config.attn_logit_cap,
         )
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
         if device.type == "cpu" and {dtype, kv_dtype} <= set(LAYER_OPS_DTYPES):

@@ -50,6 +50,14 @@ def gguf_tokenizer(source: ModelSource):
     return open_tokenizer(path, vocab_size, source.name)
 
 
+def import_tokenizer_library() -> None:
+    """Imports what opening a tokenizer imports (transformers' AutoTokenizer, and through a
+    model config its type validators, activations and hub kernels: ~4 s of CPU on transformers
+    5): the server process does it before it forks its engine core, which opens a tokenizer
+    too and so inherits the imports."""
+    from transformers import AutoTokenizer, LlamaConfig  # noqa: F401
+
+
 def open_tokenizer(path: Path | str | None, vocab_size: int, model_name: str):
     """Loads the tokenizer at `path` (None: the default model's), offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

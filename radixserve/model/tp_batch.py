@@ -1,13 +1,16 @@
 """A ForwardBatch sent from rank 0 to the other tensor-parallel ranks.
 
-A small header (six ints) travels over each local worker's pipe, which also wakes it (to the
+A small header (eight ints) travels over each local worker's pipe, which also wakes it (to the
 leaders of other nodes: over the group's `headers` broadcast, as an int64 tensor); the token
-ids, positions, slots, page table, and the pages to zero before use travel as one int64
-tensor broadcast over the group (on the device, for nccl):
+ids, positions, slots, page table, and rank 0's page bookkeeping since the last batch
+(`PageUpdates`: pages to zero before use; with a sliding-window pool, the sliding-page table
+entries it rewrote and the sliding pages to zero) travel as one int64 tensor broadcast over
+the group (on the device, for nccl):
 
     payload = [extend_lens | prefix_lens | input_ids | positions | out_slots | page_table
-               | new_pages]        (num_reqs, num_reqs, num_tokens x 3, num_reqs x max_pages,
-                                    num_new_pages)
+               | new_pages | remapped pages | their sliding pages | new sliding pages]
+              (num_reqs, num_reqs, num_tokens x 3, num_reqs x max_pages, num_new_pages,
+               num_remapped x 2, num_new_sliding_pages)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixserve.cache.kv_pool import KVPool
 from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
 
@@ -27,6 +31,29 @@ class BatchHeader(NamedTuple):
     page_size: int
     return_all_logits: bool
     num_new_pages: int  # pages handed out for the first time: zeroed before the forward
+    num_remapped: int = 0  # sliding-page table entries rank 0 rewrote (cache/swa_pool.py)
+    num_new_sliding_pages: int = 0  # sliding pages handed out for the first time
+
+
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+class PageUpdates(NamedTuple):
+    """What rank 0's allocator did since the last batch that the other ranks' pools repeat."""
+
+    new_pages: torch.Tensor = _NONE  # zero their K/V before use
+    remapped: torch.Tensor = _NONE  # pages whose sliding page changed ...
+    sliding: torch.Tensor = _NONE  # ... to these (0: tombstoned)
+    new_sliding_pages: torch.Tensor = _NONE  # zero their sliding K/V before use
+
+    def apply_to(self, pool: KVPool) -> None:
+        """Repeats the updates on this rank's pool (a HybridKVPool when any are sliding)."""
+        if self.new_pages.numel():
+            pool.zero_pages(self.new_pages)
+        if self.remapped.numel():
+            pool.allocator.apply_changes(self.remapped, self.sliding)
+        if self.new_sliding_pages.numel():
+            pool.sliding.zero_pages(self.new_sliding_pages)
 
 
 HEADER_LEN = len(BatchHeader._fields)
@@ -49,7 +76,7 @@ def header_from_tensor(values: torch.Tensor) -> BatchHeader | None:
     return header._replace(return_all_logits=bool(header.return_all_logits))
 
 
-def pack_batch(batch: ForwardBatch, new_pages: torch.Tensor) -> tuple[BatchHeader, torch.Tensor]:
+def pack_batch(batch: ForwardBatch, updates: PageUpdates) -> tuple[BatchHeader, torch.Tensor]:
     device = batch.input_ids.device
     lens = torch.tensor([*batch.extend_lens, *batch.prefix_lens], dtype=torch.int64)
     parts = [
@@ -58,7 +85,7 @@ def pack_batch(batch: ForwardBatch, new_pages: torch.Tensor) -> tuple[BatchHeade
         batch.positions,
         batch.out_slots,
         batch.page_table.flatten(),
-        new_pages.to(device),
+        *(part.to(device) for part in updates),
     ]
     header = BatchHeader(
         num_reqs=batch.num_reqs,
@@ -66,21 +93,23 @@ def pack_batch(batch: ForwardBatch, new_pages: torch.Tensor) -> tuple[BatchHeade
         max_pages=int(batch.page_table.shape[1]),
         page_size=batch.page_size,
         return_all_logits=batch.return_all_logits,
-        num_new_pages=int(new_pages.numel()),
+        num_new_pages=int(updates.new_pages.numel()),
+        num_remapped=int(updates.remapped.numel()),
+        num_new_sliding_pages=int(updates.new_sliding_pages.numel()),
     )
     return header, torch.cat(parts)
 
 
 def receive_batch(
     header: BatchHeader, tp: TPGroup, device: torch.device
-) -> tuple[ForwardBatch, torch.Tensor]:
-    """The batch rank 0 broadcasts after sending `header`, and the pages to zero first."""
+) -> tuple[ForwardBatch, PageUpdates]:
+    """The batch rank 0 broadcasts after sending `header`, and the page updates to apply
+    before it runs."""
     r, t, p = header.num_reqs, header.num_tokens, header.max_pages
-    size = 2 * r + 3 * t + r * p + header.num_new_pages
-    payload = tp.broadcast(torch.empty(size, dtype=torch.int64, device=device))
-    lens, ids, positions, slots, table, new_pages = payload.split(
-        [2 * r, t, t, t, r * p, header.num_new_pages]
-    )
+    sizes = [2 * r, t, t, t, r * p, header.num_new_pages]
+    sizes += [header.num_remapped, header.num_remapped, header.num_new_sliding_pages]
+    payload = tp.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=device))
+    lens, ids, positions, slots, table, *updates = payload.split(sizes)
     lens = lens.tolist()
     batch = ForwardBatch(
         input_ids=ids,
@@ -92,4 +121,4 @@ def receive_batch(
         page_size=header.page_size,
         return_all_logits=header.return_all_logits,
     )
-    return batch, new_pages
+    return batch, PageUpdates(*updates)

@@ -5,7 +5,9 @@ worker processes of ranks 1..tp-1. Rank 0's own shard is an ordinary ModelRunner
 forward first sends the batch to the other ranks (tp_batch.py), then runs it, the collectives
 inside the model keeping the ranks in step; the gathered logits land on every rank and rank 0
 samples from them. The allocator lives on rank 0 only, so pages it hands out for the first
-time travel with the next batch to be zeroed everywhere.
+time travel with the next batch to be zeroed everywhere, and with a sliding-window model's
+two page spaces (cache/swa_pool.py) so do the sliding-page table entries it rewrote: every
+rank holds its shard of the heads in the same pages.
 
 Any failure inside a forward (a rank that died, a collective that timed out, a bug on one
 rank) leaves the ranks out of step: it raises RankFailedError, which stops the engine.
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.swa_pool import HybridKVPool
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig
 from radixserve.distributed.group import RankFailedError
 from radixserve.distributed.rendezvous import listen_for_ranks
@@ -28,7 +31,7 @@ from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, check_rank_quantization, peek_model_config
 from radixserve.model.moe import check_ep_size
 from radixserve.model.runner import LogitsOutput, ModelRunner
-from radixserve.model.tp_batch import header_tensor, pack_batch
+from radixserve.model.tp_batch import PageUpdates, header_tensor, pack_batch
 from radixserve.model.tp_local import (
     LocalRank,
     failed_start,
@@ -50,6 +53,7 @@ class TPModelRunner:
     workers: list[LocalRank]  # the other ranks of node 0
     parallel: ParallelConfig
     _new_pages: list[torch.Tensor] = field(default_factory=list)
+    _new_sliding_pages: list[torch.Tensor] = field(default_factory=list)
     _closed: bool = False
 
     @property
@@ -106,7 +110,7 @@ class TPModelRunner:
                 raise
             raise error from exc
         runner = cls(loaded=loaded, local=local, workers=workers, parallel=parallel_config)
-        local.pool.allocator.on_first_use = runner._on_first_use
+        runner._track_pages(local.pool)
         logger.info("tensor parallel: %d ranks ready", parallel_config.tp_size)
         return runner
 
@@ -140,9 +144,7 @@ class TPModelRunner:
         rank is gone or any part of the step fails."""
         self._check_workers()
         try:
-            new_pages = torch.cat(self._new_pages) if self._new_pages else _NO_PAGES
-            self._new_pages.clear()
-            header, payload = pack_batch(batch, new_pages)
+            header, payload = pack_batch(batch, self._take_page_updates())
             send_header(self.workers, tuple(header))
             self.model.tp.broadcast_header(header_tensor(header))  # other nodes' leaders
             self.model.tp.broadcast(payload)
@@ -162,9 +164,31 @@ class TPModelRunner:
             logger.warning("tensor parallel: could not tell the other nodes to stop")
         self.model.tp.close()
 
+    def _track_pages(self, pool: KVPool) -> None:
+        """Records what the other ranks' pools must repeat (PageUpdates)."""
+        pool.allocator.on_first_use = self._on_first_use
+        if isinstance(pool, HybridKVPool):
+            pool.allocator.track_changes()
+            pool.allocator.sliding.on_first_use = self._on_first_sliding_use
+
     def _on_first_use(self, pages: torch.Tensor) -> None:
         self.local.pool.zero_pages(pages)
         self._new_pages.append(pages.clone())
+
+    def _on_first_sliding_use(self, pages: torch.Tensor) -> None:
+        self.local.pool.sliding.zero_pages(pages)
+        self._new_sliding_pages.append(pages.clone())
+
+    def _take_page_updates(self) -> PageUpdates:
+        updates = PageUpdates(new_pages=_take(self._new_pages))
+        pool = self.local.pool
+        if isinstance(pool, HybridKVPool):
+            remapped, sliding = pool.allocator.take_changes()
+            new_sliding = _take(self._new_sliding_pages)
+            updates = updates._replace(
+                remapped=remapped, sliding=sliding, new_sliding_pages=new_sliding
+            )
+        return updates
 
     def _check_workers(self) -> None:
         dead = [w for w in self.workers if not w.process.is_alive()]
@@ -185,6 +209,13 @@ class TPModelRunner:
                 "named in its own log"
             )
         return "tensor-parallel step failed; " + "; ".join(parts)
+
+
+def _take(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The pages in `parts`, as one tensor; empties the list."""
+    pages = torch.cat(parts) if parts else _NO_PAGES
+    parts.clear()
+    return pages
 
 
 _NO_PAGES = torch.empty(0, dtype=torch.int64)

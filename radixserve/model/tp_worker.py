@@ -29,6 +29,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.swa_pool import HybridKVPool
 from radixserve.config import CacheConfig, LoadConfig, ParallelConfig
 from radixserve.distributed.group import TPGroup, init_tp_group
 from radixserve.model.loader import LoadedModel, load_model
@@ -97,6 +99,7 @@ def _check_ranks_agree(
     values = {
         "the model (--model's config.json)": runner.config,
         "--max-total-tokens / --mem-fraction-static (KV pages)": pool.allocator.num_pages,
+        "--swa-full-tokens-ratio (sliding-window pages)": _num_sliding_pages(pool),
         "--page-size": pool.page_size,
         "--dtype / --kv-cache-dtype": (loaded.dtype, pool.dtype),
         "--context-length": context_length,
@@ -107,6 +110,11 @@ def _check_ranks_agree(
             "the tensor-parallel ranks disagree on " + ", ".join(differing) + ": give every "
             "node the same flags"
         )
+
+
+def _num_sliding_pages(pool: KVPool) -> int:
+    """Pages of a HybridKVPool's sliding space; 0 for a pool of one space."""
+    return pool.sliding.allocator.num_pages if isinstance(pool, HybridKVPool) else 0
 
 
 def run_tp_worker(rank: int, spec: RankSpec, conn: Connection) -> None:
@@ -140,9 +148,8 @@ def serve_forwards(runner: ModelRunner, next_header: Callable[[], BatchHeader | 
     """Runs each forward `next_header` announces, until it returns None (stop)."""
     tp = runner.model.tp
     while (header := next_header()) is not None:
-        batch, new_pages = receive_batch(header, tp, runner.device)
-        if new_pages.numel():
-            runner.pool.zero_pages(new_pages)
+        batch, updates = receive_batch(header, tp, runner.device)
+        updates.apply_to(runner.pool)
         runner.forward(batch)
 
 

@@ -12,7 +12,7 @@ from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
 from radixserve.fleet.register import RouterMembership, WorkerRegistration
-from radixserve.model.tokenizer import open_tokenizer
+from radixserve.model.tokenizer import import_tokenizer_library, open_tokenizer
 from radixserve.reasoning import reasoning_format
 from radixserve.server.app import ServerState, build_app
 from radixserve.server.drain import DRAIN_KEY
@@ -40,8 +40,12 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
             reasoning_format(config.reasoning_parser)
     except ValueError as exc:
         raise SystemExit(f"radixserve serve: {exc}") from None
+    import_tokenizer_library()  # needed here anyway; a forked core inherits it
     client = MultiprocessClient(engine_args, config.log_level)
-    info = client.start()
+    try:
+        info = client.start()
+    except ValueError as exc:  # a bad $RADIXSERVE_CORE_START_METHOD
+        raise SystemExit(f"radixserve serve: {exc}") from None
     try:
         return asyncio.run(_serve(client, info, engine_args, config))
     finally:

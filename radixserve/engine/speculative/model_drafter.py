@@ -70,7 +70,12 @@ def self_draft_runner(target: ModelRunner, num_layers: int, attention_backend: s
     config = dataclasses.replace(target.config, num_layers=num_layers)
     pool = _draft_pool(config, target)
     attn = create_model_attention(
-        attention_backend, pool, target.device, config.layer_windows(), config.num_heads
+        attention_backend,
+        pool,
+        target.device,
+        config.layer_windows(),
+        config.num_heads,
+        logit_cap=config.attn_logit_cap,
     )
     model = LayerSkipModel(target.model, num_layers)
     return ModelRunner(model=model, config=config, pool=pool, attn=attn)

@@ -52,6 +52,7 @@ struct Shape {
   int64_t num_queries, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
   int64_t window;  // <= 0: none
   float scale;
+  float cap;  // > 0: scores soft-capped to cap * tanh(score / cap) (Gemma); else plain
 };
 
 // Online-softmax state of one work item: per query head a running max, sum and output.
@@ -133,11 +134,14 @@ void score_block(State& st, const Shape& s, const float* const* krows, int64_t n
   }
 }
 
-// Online softmax over the block per head: new running max, rescale of sum and acc, scores
-// -> weights.
+// Online softmax over the block per head (its scores soft-capped first where s.cap > 0): new
+// running max, rescale of sum and acc, scores -> weights.
 void softmax_block(State& st, const Shape& s, int64_t n) {
   for (int64_t head = 0; head < s.num_heads; ++head) {
     float* sc = st.scores.data() + head * kBlock;
+    if (s.cap > 0.f) {
+      for (int64_t j = 0; j < n; ++j) sc[j] = s.cap * std::tanh(sc[j] / s.cap);
+    }
     float new_max = st.max[head];
     for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sc[j]);
     const float alpha = std::exp(st.max[head] - new_max);
@@ -344,10 +348,12 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& page_table, const at::Tensor& seq_lens,
                         int64_t page_size, int64_t sliding_window, double scale,
-                        int64_t num_splits, const std::optional<at::Tensor>& page_rows) {
+                        int64_t num_splits, const std::optional<at::Tensor>& page_rows,
+                        double logit_cap) {
   check_inputs(q, k_pool, v_pool, page_table, page_rows, seq_lens, page_size);
   Shape s{q.size(0), q.size(1), k_pool.size(1), q.size(2), q.size(1) / k_pool.size(1),
-          page_size, page_table.size(1), sliding_window, static_cast<float>(scale)};
+          page_size, page_table.size(1), sliding_window, static_cast<float>(scale),
+          static_cast<float>(logit_cap)};
   if (s.num_queries == 0) return at::empty(q.sizes(), q.options());
   const int64_t* rows = page_rows.has_value() ? page_rows->data_ptr<int64_t>() : nullptr;
   if (k_pool.scalar_type() == at::kFloat) {
@@ -362,7 +368,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, "
         "Tensor seq_lens, int page_size, int sliding_window, float scale, "
-        "int num_splits=0, Tensor? page_rows=None) -> Tensor");
+        "int num_splits=0, Tensor? page_rows=None, float logit_cap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

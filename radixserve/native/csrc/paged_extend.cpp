@@ -92,6 +92,7 @@ void attend_blocks(Tile& t, const Shape& s, const Keys<T>& kv, int64_t lo, int64
     const int64_t n = std::min(kKeys, end - b);
     load_block(t, s, kv, b, n, [](int64_t pos) { return pos; });
     score_block(t, n, D);
+    if (s.cap > 0.f) cap_block(t, n, s.cap);
     const bool crosses = b + n - 1 > first_pos || (s.window > 0 && b <= last_pos - s.window);
     if (crosses) mask_block(t, b, n, s.window);
     softmax_block(t, n, D);
@@ -145,6 +146,7 @@ void attend_tree_tail(Tile& t, Tile& sub, const Shape& s, const Keys<T>& kv, con
       const int64_t n = std::min(kKeys, last + 1 - b);
       load_block(sub, s, kv, b, n, physical);
       score_block(sub, n, D);
+      if (s.cap > 0.f) cap_block(sub, n, s.cap);
       mask_block(sub, b, n, s.window);
       softmax_block(sub, n, D);
       value_block(sub, n, D);
@@ -293,7 +295,8 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_pool, const at:
                         const at::Tensor& page_table, const at::Tensor& q_starts,
                         const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
                         const at::Tensor& page_rows, int64_t page_size, int64_t sliding_window,
-                        double scale, const std::optional<at::Tensor>& tree_parents) {
+                        double scale, const std::optional<at::Tensor>& tree_parents,
+                        double logit_cap) {
   check_tensors(q, k_pool, v_pool, page_table, {q_starts, prefix_lens, extend_lens, page_rows});
   TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
   const int64_t num_reqs = q_starts.size(0), group = q.size(1) / k_pool.size(1);
@@ -302,7 +305,7 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_pool, const at:
   check_requests(q, page_table, reqs, num_reqs, page_size, k_pool.size(0) / page_size);
   if (tree_parents.has_value()) tree_depths(reqs, q, *tree_parents, num_reqs);
   Shape s{q.size(1), k_pool.size(1), q.size(2), group, page_size, page_table.size(1),
-          sliding_window, static_cast<float>(scale)};
+          sliding_window, static_cast<float>(scale), static_cast<float>(logit_cap)};
   std::vector<Item> items = make_items(reqs, num_reqs, s);
   int64_t total = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
@@ -328,7 +331,8 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_pool, const at:
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("paged_extend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor page_table, "
         "Tensor q_starts, Tensor prefix_lens, Tensor extend_lens, Tensor page_rows, "
-        "int page_size, int sliding_window, float scale, Tensor? tree_parents=None) -> Tensor");
+        "int page_size, int sliding_window, float scale, Tensor? tree_parents=None, "
+        "float logit_cap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("paged_extend", &paged_extend); }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -24,6 +25,7 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
   int64_t window;  // <= 0: none
   float scale;
+  float cap;  // > 0: scores soft-capped to cap * tanh(score / cap) (Gemma); else plain
 };
 
 struct Item {
@@ -70,6 +72,15 @@ inline void score_block(Tile& t, int64_t n, int64_t dim) {
         std::copy(acc[jj], acc[jj] + kLanes, t.scores.data() + (j0 + jj) * P + m0);
       }
     }
+  }
+}
+
+// S -> cap * tanh(S / cap) for the block's n keys (attention soft-capping), before the mask.
+inline void cap_block(Tile& t, int64_t n, float cap) {
+  const int64_t P = t.padded;
+  for (int64_t j = 0; j < n; ++j) {
+    float* s = t.scores.data() + j * P;
+    for (int64_t m = 0; m < P; ++m) s[m] = cap * std::tanh(s[m] / cap);
   }
 }
 

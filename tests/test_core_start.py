@@ -1,0 +1,69 @@
+"""How `serve` starts its engine core (client/core_start.py): forked from the server process,
+which has imported torch, transformers and radixserve already, or spawned, importing them all
+again; what the core imported itself is reported in /server_info's engine.core_start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from test_server_native import get, post, run
+
+from conftest import API_KEY, FORK_ENV
+from radixserve.client.core_start import (
+    START_METHOD_ENV,
+    StartChoice,
+    choose_start_method,
+    exec_environ_names,
+)
+from radixserve.config.keys import ADMIN_API_KEY_ENV
+
+
+def core_start(server, key: str | None = None) -> dict:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    status, info = run(get(server.url + "/server_info", headers=headers))
+    assert status == 200
+    return info["engine"]["core_start"]
+
+
+def test_the_core_forks_and_imports_nothing_heavy_again(server):
+    start = core_start(server)
+    assert start["start_method"] == "fork" and start["reason"] == ""
+    assert start["engine_imported_in"] == "parent"
+    # torch, transformers (with what a tokenizer load pulls in) and the engine: all inherited
+    assert start["heavy_modules_imported"] == []
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 200 and len(out["output_ids"]) == 4
+
+
+def test_a_key_in_the_exec_environment_makes_the_core_spawn(keyed_server):
+    start = core_start(keyed_server, API_KEY)
+    assert start["start_method"] == "spawn" and ADMIN_API_KEY_ENV in start["reason"]
+    assert start["engine_imported_in"] == "core"
+    assert "torch" in start["heavy_modules_imported"]
+
+
+def test_spawn_on_request_and_a_bad_method_named():
+    assert choose_start_method({START_METHOD_ENV: "spawn"}) == StartChoice(
+        "spawn", f"${START_METHOD_ENV}=spawn"
+    )
+    with pytest.raises(ValueError, match=START_METHOD_ENV):
+        choose_start_method({START_METHOD_ENV: "forkserver"})
+
+
+def test_exec_environment_names(tmp_path):
+    block = tmp_path / "environ"
+    block.write_bytes(b"A=1\0OMP_WAIT_POLICY=PASSIVE\0B=x=y\0")
+    assert exec_environ_names(str(block)) == {"A", "OMP_WAIT_POLICY", "B"}
+    assert exec_environ_names(str(tmp_path / "missing")) is None
+
+
+def test_serve_names_a_bad_start_method(tiny_chat_model):
+    env = os.environ | FORK_ENV | {START_METHOD_ENV: "fork-please"}
+    command = [sys.executable, "-m", "radixserve.cli", "serve", tiny_chat_model]
+    done = subprocess.run(command + ["--port", "1"], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"radixserve serve: ${START_METHOD_ENV} must be one of" in done.stderr
