@@ -148,6 +148,7 @@ def test_int8_repacks_q4k_and_q6k_layers_and_keeps_every_output(cpu_ops):
     model = torch.nn.Sequential(*(KQuantLinear(b, t, row_order=o) for b, t, o in weights))
     activation_choice.configure_block_activations(model, "int8", deterministic=False)
     assert [layer.qtype for layer in model] == [Q4_K_X8, Q6_K_X8, 13]  # Q5_K: as it lies
+    assert model[0].row_order is None  # the rows repacked in the outputs' order
     for packed, row in zip(model, rows):
         row.int8_activations = True
         for m in (1, 5, 40):

@@ -161,13 +161,16 @@ class KQuantLinear(QuantizedLinear):
 
     def repack_rows8(self, release_file_pages: bool = True) -> None:
         """Rows -> 8 at a time (kquant_blocks.h), every kernel and dequantizer then reading
-        that layout with the same results. The repacked bytes are a copy (anonymous memory, the
-        weight's size); with `release_file_pages` the old view's pages of a mapped file are
-        given back (gguf_file.release_pages), so a repacked weight costs its size once."""
+        that layout with the same results; the rows go in the outputs' order (`row_order` is
+        applied here, once, not after every matmul). The repacked bytes are a copy (anonymous
+        memory, the weight's size); with `release_file_pages` the old view's pages of a mapped
+        file are given back (gguf_file.release_pages), so a repacked weight costs its size once."""
         if not self.can_repack():
             raise ValueError(f"KQuantLinear.repack_rows8: {self.extra_repr()} cannot repack")
-        old = self._buffers["blocks"]
-        self._buffers["blocks"] = torch.ops.radixserve_cpu.kquant_repack_x8(old, self.qtype)
+        old, order = self._buffers["blocks"], self._buffers["row_order"]
+        rows = old if order is None else old.index_select(0, order)
+        self._buffers["blocks"] = torch.ops.radixserve_cpu.kquant_repack_x8(rows, self.qtype)
+        self._buffers["row_order"] = None
         self.qtype += X8_TYPE
         if release_file_pages:
             release_pages(old)
