@@ -16,6 +16,10 @@ so the profiler's own cost is dropped.
 `--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
 by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
 `--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
+`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K layers
+on int8 activations repacked 8 rows at a time (x8: what serving does on AVX-512) and kept in
+the file's row layout (rows: the int8 kernel before the repack); the same bits, so only the
+time differs. Rows print as e.g. `auto:rows`.
 `--top-ops N` also prints the N ops of most self time per step, by op and input shapes (so
 each projection, and the LM head, shows as its own line).
 `--quantization none,int4` builds one engine per method and alternates their plain passes
@@ -42,6 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Req
+from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.native.machine import describe_cpu
 from radixserve.sampling.params import SamplingParams
 
@@ -89,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="comma-separated --cpu-dense-kernel values run side by side (e.g. torch,packed)",
     )
+    p.add_argument("--q4k-layouts", default="x8",
+                   help="comma-separated: x8 (serving's), rows (Q4_K never repacked)")  # fmt: skip
     p.add_argument("--top-ops", type=int, default=0,
                    help="print the N ops of most self time, by input shapes")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_profile.json"))
@@ -135,6 +142,7 @@ def build_core(
     acts: str,
     quantization: str,
 ) -> EngineCore:
+    quantization, _, layout = quantization.partition(":")
     load = LoadConfig(
         model=args.model,
         quantization=quantization,
@@ -143,17 +151,25 @@ def build_core(
         cpu_quant_activation=acts,
         cpu_dense_kernel=dense,
     )
-    tokens = batch * (args.context + 4 * args.steps + 64) + 1024
+    tokens = batch * (args.context + (args.rounds + 3) * args.steps + 64) + 1024
     cache = CacheConfig(
         max_total_tokens=tokens,
         attention_backend=args.attention_backend,
         enable_torch_compile=compiled,
     )
-    return EngineCore.build(load, cache, SchedulerConfig())
+    if layout != "rows":
+        return EngineCore.build(load, cache, SchedulerConfig())
+    can_repack = KQuantLinear.can_repack
+    KQuantLinear.can_repack = lambda self: False  # this engine's Q4_K stays in rows
+    try:
+        return EngineCore.build(load, cache, SchedulerConfig())
+    finally:
+        KQuantLinear.can_repack = can_repack
 
 
 def add_requests(core: EngineCore, batch: int, args: argparse.Namespace) -> None:
-    params = SamplingParams(temperature=0, max_new_tokens=4 * args.steps + 8, ignore_eos=True)
+    tokens = (args.rounds + 3) * args.steps + 8  # every pass's steps, and the profiled one
+    params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
     for i in range(batch):
         ids = [(i * 131 + j * 17) % 4000 + 200 for j in range(args.context)]
         core.scheduler.add_request(Req(rid=f"r{i}", input_ids=ids, params=params, seed=0))
@@ -261,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    quantizations = args.quantization.split(",")
+    layouts = ["" if layout == "x8" else f":{layout}" for layout in args.q4k_layouts.split(",")]
+    quantizations = [q + layout for q in args.quantization.split(",") for layout in layouts]
     print(f"quantization={args.quantization} context={args.context} threads={args.threads}")
     print("ms per decode step")
     choices = {"off": [False], "on": [True], "both": [False, True]}
@@ -273,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         for d in args.cpu_dense_kernels.split(",")
         for a in args.cpu_quant_activations.split(",")
     ]
-    header = f"{'quant':>6}{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}"
+    header = f"{'quant':>10}{'batch':>6}{'compiled':>9}{'layer_ops':>10}{'kernel':>8}{'dense':>7}"
     header += f"{'acts':>6}"
     print(header + "".join(f"{c:>16}" for c in COLUMNS))
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -304,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["x_first"] = first_step / row["step"]
                 rows.append(row)
                 cells = "".join(f"{row[c]:>16.2f}" for c in COLUMNS)
-                prefix = f"{quantization:>6}{batch:>6}{compiled!s:>9}{layer_ops!s:>10}"
+                prefix = f"{quantization:>10}{batch:>6}{compiled!s:>9}{layer_ops!s:>10}"
                 print(prefix + f"{kernel:>8}{dense:>7}{acts:>6}" + cells, flush=True)
                 for op in prof.get("top_ops", []):
                     row.setdefault("top_ops", []).append(op)

@@ -1,6 +1,7 @@
 """GGUF K-quant matmuls on CPU, fp32 activations (native/csrc/kquant_matmul.cpp) and int8
-activations (q8_matmul.cpp), against torch's F.linear on the dequantized fp32 weight, at a
-Llama-3.2-1B shape.
+activations (q8_matmul.cpp; as the file's rows, and Q4_K / Q6_K repacked 8 rows at a time as
+serving runs them on AVX-512: "x8"), against torch's F.linear on the dequantized fp32 weight,
+at a Llama-3.2-1B shape.
 
 Shapes (K -> N): attention 2048 -> 2048, MLP 2048 -> 8192 and 8192 -> 2048 in Q4_K and Q6_K
 (a Q4_K_M file's two projection types), and the LM head 2048 -> 49152 in Q6_K (what
@@ -46,7 +47,7 @@ CASES = [  # (name, K, N, GGUF type)
 ]
 
 
-CASE_NAMES = ("torch", "kquant", "int8")
+CASE_NAMES = ("torch", "kquant", "int8", "int8_x8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,15 +96,21 @@ def run_case(k: int, n: int, type_name: str, rows: list[int], args) -> list[dict
     int8 = [KQuantLinear(layer.blocks, type_name) for layer in layers]  # the same bytes
     for layer in layers + int8:
         layer.dequant_min_rows = None  # the kernel at every M (decode)
-    for layer in int8:
+    x8 = [KQuantLinear(layer.blocks, type_name) for layer in layers]
+    for layer in int8 + x8:
         layer.int8_activations = True
+        layer.dequant_min_rows = None
+    for layer in x8:  # rows 8 at a time where this build runs them (else as int8)
+        if layer.can_repack():
+            layer.repack_rows8()
     fp32 = [torch.randn(n, k) for _ in range(copies_for(n * k * 4, args.stream_mb))]
     cases = {
         "torch": (dense, fp32, torch.float32),
         "kquant": (call, layers, torch.float32),
         "int8": (call, int8, torch.float32),
+        "int8_x8": (call, x8, torch.float32),
     }
-    byts = {"torch": n * k * 4, "kquant": block_bytes, "int8": block_bytes}
+    byts = {"torch": n * k * 4, "kquant": block_bytes, "int8": block_bytes, "int8_x8": block_bytes}
     results = []
     for m in rows:
         sec = measure(cases, m, args.repeats, k)
@@ -122,16 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     print(machine)
     print("us per call (GB/s of weight read); speedups over torch fp32")
     header = f"{'layer':>6}{'K->N':>13}{'type':>6}{'M':>4}"
-    columns = f"{'torch fp32':>22}{'kquant fp32':>22}{'kquant int8':>22}"
-    print(f"{header}{columns}{'fp32 x':>8}{'int8 x':>8}")
+    columns = f"{'torch fp32':>22}{'kquant fp32':>22}{'kquant int8':>22}{'int8 x8 rows':>22}"
+    print(f"{header}{columns}{'fp32 x':>8}{'int8 x':>8}{'x8 x':>8}")
     out = []
     with torch.inference_mode():
         for name, k, n, type_name in picked:
             for r in run_case(k, n, type_name, rows, args):
-                (t_us, _), (q_us, _), (i_us, _) = r["torch"], r["kquant"], r["int8"]
+                t_us, q_us, i_us, x_us = (r[c][0] for c in CASE_NAMES)
                 cells = "".join(f"{r[c][0]:>14.1f} ({r[c][1]:>5.1f})" for c in CASE_NAMES)
                 label = f"{name:>6}{f'{k}->{n}':>13}{type_name:>6}{r['m']:>4}"
-                print(f"{label}{cells}{t_us / q_us:>7.2f}x{t_us / i_us:>7.2f}x")
+                speedups = f"{t_us / q_us:>7.2f}x{t_us / i_us:>7.2f}x{t_us / x_us:>7.2f}x"
+                print(f"{label}{cells}{speedups}")
                 keys = {"layer": name, "k": k, "n": n, "type": type_name, "m": r["m"]}
                 times = {f"{c}_us": r[c][0] for c in CASE_NAMES}
                 out.append(keys | times | {f"{c}_gb_s": r[c][1] for c in CASE_NAMES})

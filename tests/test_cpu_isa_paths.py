@@ -6,8 +6,9 @@ builds and runs the AVX2 or the portable code of every kernel of ours. There the
 deterministic-inference tests run again, and the batch-invariant dense matmul must give the
 same bits as this process's (best) path: its arithmetic is one fixed FMA chain per output
 on every path, and so must the int8-activation matmuls (q8_matmul.py: exact integer dots,
-the same fp32 ops in the same lane order on VNNI, AVX2 and portable) and the segmented LoRA
-op (lora_segments.cpp: one FMA chain per output, vectors along the outputs)."""
+the same fp32 ops in the same lane order on VNNI, AVX2 and portable; repacked Q4_K / Q6_K's
+8-row kernels too) and the segmented LoRA op (lora_segments.cpp: one FMA chain per output,
+vectors along the outputs)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def _q8_cases() -> list[tuple[str, tuple]]:
     from test_kquant_matmul import random_blocks
 
     from radixserve.model.quant.block_matmul import pack_int4_blocks
-    from radixserve.model.quant.kquant import KQUANT_TYPES
+    from radixserve.model.quant.kquant import KQUANT_TYPES, X8_TYPE
 
     gen = torch.Generator().manual_seed(11)
     n, k = 37, 352  # 11 blocks of 32: a group of 8 and a tail of 3
@@ -81,9 +82,16 @@ def _q8_cases() -> list[tuple[str, tuple]]:
     scales = torch.randn(n, k // 32, generator=gen) * 0.01
     cases = [("int4_block_mm_q8", (x, codes, scale_min)), ("int8_block_mm_q8", (x, qs, scales))]
     xk = torch.randn(6, 768, generator=gen)  # 3 super-blocks: a pair and a tail
+    blocks = {}
     for name, (qtype, _) in KQUANT_TYPES.items():
-        blocks = torch.from_numpy(random_blocks(n, 768, name, seed=qtype))
-        cases.append(("kquant_mm_q8", (xk, blocks, qtype)))
+        blocks[name] = torch.from_numpy(random_blocks(n, 768, name, seed=qtype))
+        cases.append(("kquant_mm_q8", (xk, blocks[name], qtype)))
+    # Q4_K / Q6_K repacked 8 rows at a time (4 groups and a tail of 5): the AVX-512 8-row
+    # kernels here, the lower paths unpack the groups for the row kernels
+    for name in ("Q4_K", "Q6_K"):
+        qtype = KQUANT_TYPES[name][0]
+        repacked = torch.ops.radixserve_cpu.kquant_repack_x8(blocks[name], qtype)
+        cases.append(("kquant_mm_q8", (xk, repacked, qtype + X8_TYPE)))
     return cases
 
 

@@ -92,3 +92,49 @@ def test_forwards_never_write_to_the_map_and_two_loads_agree(two_runners, untied
     assert len(mappings) >= 2  # one map per load
     for mapping in mappings:  # a written page would be copied into the process: anonymous
         assert mapping["Anonymous"] == 0 and mapping["Private_Dirty"] == 0, mapping
+
+
+def _mapping_of(path: Path, tensor: torch.Tensor) -> dict:
+    start = tensor.data_ptr()
+    return next(m for m in file_mappings(path) if m["start"] <= start < m["end"])
+
+
+def test_release_pages_gives_back_a_views_whole_pages_and_leaves_other_tensors(untied_gguf):
+    from radixserve.model.gguf_file import GGUFFile, release_pages
+
+    gguf = GGUFFile(untied_gguf)
+    tensor = max((t for t in gguf.tensors if t.tensor_type.name == "Q4_K"), key=lambda t: t.offset)
+    view = tensor.torch_bytes()
+    before = view.clone()  # reads every page of the view
+    resident = _mapping_of(untied_gguf, view)["Rss"]
+    released = release_pages(view)
+    assert released > 0 and released % 4096 == 0
+    assert _mapping_of(untied_gguf, view)["Rss"] == resident - released // 1024
+    assert torch.equal(view, before)  # read again: the file's bytes, mapped anew
+    plain = before.clone()
+    assert release_pages(plain) == 0 and torch.equal(plain, before)
+
+
+def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, monkeypatch):
+    """--cpu-quant-activation int8 takes the Q4_K / Q6_K layers 8 rows at a time: a copy out of
+    the map (its pages given back), the embedding's Q4_K table left a view; logits the bits
+    of the same run on the row layout."""
+    from radixserve.model.quant.kquant import X8_TYPE, kquant_x8_native
+
+    _needs_blocks()
+    if not kquant_x8_native():
+        pytest.skip("repacked K-quants run natively with AVX-512 only: never repacked here")
+    runner = _runner(untied_gguf, cpu_quant_activation="int8")
+    model = runner.model
+    repacked = [layer for layer in kquant_layers(model) if layer.qtype > X8_TYPE]
+    assert {layer.type_name for layer in repacked} == {"Q4_K", "Q6_K"}
+    assert model.lm_head in repacked  # the Q6_K head
+    assert model.embed_tokens.table.qtype == KQUANT_TYPES["Q4_K"][0]
+    mappings = file_mappings(untied_gguf)
+    for layer in repacked:  # anonymous memory, not the file's pages
+        start = layer.blocks.data_ptr()
+        assert not any(m["start"] <= start < m["end"] for m in mappings)
+    monkeypatch.setattr(KQuantLinear, "can_repack", lambda self: False)
+    rows = _runner(untied_gguf, cpu_quant_activation="int8")
+    assert not any(layer.qtype > X8_TYPE for layer in kquant_layers(rows.model))
+    assert torch.equal(_logits(runner), _logits(rows))

@@ -11,7 +11,16 @@ from test_kquant_matmul import random_blocks, reference_weight
 
 from radixserve.model.quant import QuantizationError, activation_choice
 from radixserve.model.quant.block_matmul import pack_int4_blocks
-from radixserve.model.quant.kquant import KQUANT_TYPES, KQuantLinear
+from radixserve.model.quant.kquant import (
+    KQUANT_TYPES,
+    Q4_K_X8,
+    Q6_K_X8,
+    X8_TYPE,
+    KQuantLinear,
+    kquant_dequantize,
+    kquant_matmul,
+    kquant_x8_native,
+)
 from radixserve.model.quant.q8_matmul import (
     Q8_BLOCK,
     Q8K_BLOCK,
@@ -103,6 +112,59 @@ def test_bad_inputs_name_the_parameter(cpu_ops):
                              torch.zeros(4, 2, 2))  # fmt: skip
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("n", "k"), [(37, 768), (64, 512)])
+def test_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, type_name, n, k):
+    """Every op on the repacked bytes (natively with AVX-512, else unpacked group by group):
+    the row layout's results bit for bit, at any number of rows, the tail rows as they lay."""
+    ops = torch.ops.radixserve_cpu
+    qtype = KQUANT_TYPES[type_name][0]
+    blocks = torch.from_numpy(random_blocks(n, k, type_name, n))
+    x8, x8_type = ops.kquant_repack_x8(blocks, qtype), qtype + X8_TYPE
+    grouped = n // 8 * 8
+    assert x8.shape == blocks.shape and torch.equal(x8[grouped:], blocks[grouped:])
+    assert not torch.equal(x8[:grouped], blocks[:grouped])
+    for m in (*ROWS, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(kquant_matmul_q8(x, x8, x8_type), kquant_matmul_q8(x, blocks, qtype))
+        assert torch.equal(kquant_matmul(x, x8, x8_type), kquant_matmul(x, blocks, qtype)), m
+    weight = kquant_dequantize(blocks, qtype)
+    assert torch.equal(kquant_dequantize(x8, x8_type), weight)
+    panel = torch.empty(n - 14, k)  # starts and ends inside a group
+    ops.kquant_dequantize_into(x8, x8_type, 5, panel)
+    assert torch.equal(panel, weight[5 : n - 9])
+    with pytest.raises(RuntimeError, match="only Q4_K"):
+        ops.kquant_repack_x8(torch.from_numpy(random_blocks(8, 256, "Q5_K", 0)), 13)
+
+
+def test_int8_repacks_q4k_and_q6k_layers_and_keeps_every_output(cpu_ops):
+    if not kquant_x8_native():
+        pytest.skip("repacked K-quants run natively with AVX-512 only: never repacked here")
+    k = 768
+    order = torch.randperm(37)  # llama.cpp's permuted q / k rows: outputs reordered after
+    weights = [(torch.from_numpy(random_blocks(n, k, t, n)), t, o) for n, t, o in
+               ((37, "Q4_K", order), (16, "Q6_K", None), (16, "Q5_K", None))]  # fmt: skip
+    rows = [KQuantLinear(b, t, row_order=o) for b, t, o in weights]
+    model = torch.nn.Sequential(*(KQuantLinear(b, t, row_order=o) for b, t, o in weights))
+    activation_choice.configure_block_activations(model, "int8", deterministic=False)
+    assert [layer.qtype for layer in model] == [Q4_K_X8, Q6_K_X8, 13]  # Q5_K: as it lies
+    assert model[0].row_order is None  # the rows repacked in the outputs' order
+    for packed, row in zip(model, rows):
+        row.int8_activations = True
+        for m in (1, 5, 40):
+            x = torch.randn(m, k)
+            assert torch.equal(packed(x), row(x)), (packed, m)
+        assert torch.equal(packed.dequantize(), row.dequantize())
+        index = torch.tensor([3, 15, 8, 3])
+        assert torch.equal(packed.dequantize_rows(index), row.dequantize_rows(index))
+        row.dense_dtype = packed.dense_dtype = torch.float32
+        x = torch.randn(130, k)
+        assert torch.equal(packed._dense_matmul(x), row._dense_matmul(x))  # fp32 panels
+    assert "rows 8 at a time" in repr(model[0])
+    with pytest.raises(ValueError, match="cannot repack"):
+        model[2].repack_rows8()
+
+
 def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.nn.Module:
     blocks = torch.from_numpy(random_blocks(n, k, type_name, 1))
     return torch.nn.Sequential(KQuantLinear(blocks, type_name), KQuantLinear(blocks, type_name))
@@ -110,10 +172,12 @@ def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.n
 
 def test_flag_values_set_every_block_layer(cpu_ops):
     model = _kquant_model()
+    rows = model[0].blocks  # the row layout, before int8 may repack the layer
     activation_choice.configure_block_activations(model, "int8", deterministic=False)
     assert all(layer.int8_activations for layer in model)
+    assert all((layer.qtype == Q4_K_X8) == kquant_x8_native() for layer in model)
     x = torch.randn(3, 512)
-    assert torch.equal(model[0](x), kquant_matmul_q8(x, model[0].blocks, 12))
+    assert torch.equal(model[0](x), kquant_matmul_q8(x, rows, 12))
     model = _kquant_model()
     activation_choice.configure_block_activations(model, "auto", deterministic=False)
     assert not any(layer.int8_activations for layer in model)  # tiny: not measured, fp32

@@ -11,13 +11,16 @@ The file is mapped copy-on-write (MAP_PRIVATE): its pages are the page cache's, 
 process that maps the file, and nothing written through the map could reach the file.
 A tensor's `torch_bytes` gives its bytes as a torch tensor over the map (no copy), which the loader
 keeps as a layer's weights (K-quant blocks): the weights then cost file-backed pages, not
-anonymous memory.
+anonymous memory. A layer that copies its bytes into another layout (KQuantLinear.repack_rows8)
+gives the old view's pages back with `release_pages`, as llama.cpp unmaps what it repacks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import struct
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,7 @@ _SCALARS = {  # GGUF value type -> struct format
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_MAPS: list[tuple[weakref.ref, int, int]] = []  # every opened file's map: (map, address, size)
 _PLAIN_DTYPES = {  # ggml type -> element dtype (the rest are block-quantized bytes)
     0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
     28: np.float64,
@@ -69,6 +73,8 @@ class GGUFFile:
     def __init__(self, path: Path | str):
         with open(path, "rb") as f:
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        _MAPS[:] = [entry for entry in _MAPS if entry[0]() is not None]
+        _MAPS.append((weakref.ref(self._buf), _address(self._buf), len(self._buf)))
         self._pos = 0
         if self._read(4) != GGUF_MAGIC:
             raise ValueError("not a GGUF file (bad magic)")
@@ -139,3 +145,30 @@ class GGUFFile:
             data = raw.reshape(*np_dims[:-1], np_dims[-1] // block_size * type_size)
         dims_array = np.array(dims, dtype=np.uint64)
         return GGUFTensor(name, ggml_type, dims_array, data, first, self._buf)
+
+
+def _address(buffer: mmap.mmap) -> int:
+    pointer = ctypes.c_char.from_buffer(buffer)  # an export while it lives: dropped at once
+    try:
+        return ctypes.addressof(pointer)
+    finally:
+        del pointer
+
+
+def release_pages(view: torch.Tensor) -> int:
+    """Drops this process's resident pages that lie wholly inside `view`, if it is a view of
+    a GGUF file's map (madvise DONTNEED: the pages are the file's and never written, so a
+    later read maps them again from the page cache); any other tensor is left alone. Returns
+    the bytes released."""
+    start, size = view.data_ptr(), view.numel() * view.element_size()
+    for ref, address, length in _MAPS:
+        buffer = ref()
+        if buffer is None or not address <= start <= start + size <= address + length:
+            continue
+        first = -(-(start - address) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (start + size - address) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first:
+            return 0
+        buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return last - first
+    return 0

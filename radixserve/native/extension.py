@@ -11,6 +11,7 @@ family; each has its Python wrapper beside its caller (simd.h: the matmuls' shar
     dense_matmul.cpp                    batch-invariant matmul    model/quant/batch_invariant.py
     kquant_matmul.cpp (kquant_*.h)      GGUF K-quant matmuls      model/quant/kquant.py
     q8_matmul.cpp (q8_*.h)              int8-activation matmuls   model/quant/q8_matmul.py
+                                        (q8_kquant_x8.h: Q4_K 8 rows at a time)
     moe_experts.cpp                     MoE experts in one call   model/moe.py
     lora_segments.cpp                   multi-LoRA row segments   model/lora_segments.py
 
@@ -61,6 +62,7 @@ HEADERS = [
     CSRC / "kquant_simd.h",
     CSRC / "q8_simd.h",
     CSRC / "q8_formats.h",
+    CSRC / "q8_kquant_x8.h",
 ]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the

@@ -19,6 +19,10 @@ a shared machine does not count), best of PROBE_REPEATS. The answers are cached 
 (CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so every
 process takes the same paths and a process never changes them.
 
+A Q4_K / Q6_K layer on int8 activations then takes its rows 8 at a time
+(`repack_int8_kquants`: KQuantLinear.repack_rows8, where the build runs that layout natively;
+the same bits), and the probe times int8 on such a twin of its layer.
+
 Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
 kernels), `auto` takes fp32 (exact to the dequantized weights, no timing-dependent path);
 `int8` there puts every row count on the int8 kernel. Models whose largest block projection
@@ -58,7 +62,7 @@ MIN_KERNEL_ROWS = DEQUANT_MIN_ROWS
 """Batches below this (decode, verify, short extends) stay on the row-invariant kernels
 whatever the fit says: a short extend then rounds as a decode does, as before this flag."""
 PROBE_REPEATS = 3
-PROBE_VERSION = 2  # part of the cache key: a change to how the probe measures re-measures
+PROBE_VERSION = 3  # part of the cache key: a change to how the probe measures re-measures
 TABLE = "quant_activation_choice.json"
 DTYPE_TABLE = "prefill_dtype_choice.json"
 DTYPE_SHAPE = (256, 2048, 2048)  # rows, out, in: a prefill chunk through a 1B projection
@@ -102,6 +106,7 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     if choice == "int8":
         for layer in layers:
             layer.int8_activations = True
+        repack_int8_kquants(layers)
         return
     head = getattr(model, "lm_head", None)
     projections = [layer.out_features * layer.in_features for layer in layers if layer is not head]
@@ -111,6 +116,21 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     path = cache_root() / TABLE
     table = cached_measurement(probe_key(kinds), partial(probe, kinds), path, required="kinds")
     apply_choice(layers, table["kinds"])
+    repack_int8_kquants(layers)
+
+
+def repack_int8_kquants(layers: list[QuantizedLinear]) -> None:
+    """The Q4_K / Q6_K layers on int8 activations -> rows 8 at a time where this build runs
+    that layout natively (a tied head's embedding lookups then dequantize its rows from it)."""
+    repacked = [
+        layer
+        for layer in layers
+        if isinstance(layer, KQuantLinear) and layer.int8_activations and layer.can_repack()
+    ]
+    for layer in repacked:
+        layer.repack_rows8()
+    if repacked:
+        logger.info("int8 activations: %d K-quant layers repacked 8 rows at a time", len(repacked))
 
 
 def configure_dense_dtype(model: nn.Module, dtype: torch.dtype) -> None:
@@ -198,15 +218,17 @@ def probe_layer(layer: QuantizedLinear) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = (*DECODE_ROWS, *PREFILL_ROWS)
     xs = {m: torch.randn(m, layer.in_features, generator=gen) for m in rows}
+    kernel_layers = {False: layer, True: int8_twin(layer)}
     per_row = {}
     for int8 in (False, True):
-        calls = (partial(_kernel, layer, xs[m], int8) for m in DECODE_ROWS)
+        calls = (partial(_kernel, kernel_layers[int8], xs[m], int8) for m in DECODE_ROWS)
         times = best_times(*calls, repeats=PROBE_REPEATS, clock=time.process_time)
         per_row[int8] = sum(t / m for t, m in zip(times, DECODE_ROWS)) / len(DECODE_ROWS)
     int8 = per_row[True] <= INT8_WIN * per_row[False]
     calls: list[Callable[[], torch.Tensor]] = []
     for m in PREFILL_ROWS:
-        calls += [partial(_kernel, layer, xs[m], int8), partial(layer._dense_matmul, xs[m])]
+        kernel = partial(_kernel, kernel_layers[int8], xs[m], int8)
+        calls += [kernel, partial(layer._dense_matmul, xs[m])]
     times = best_times(*calls, repeats=PROBE_REPEATS, clock=time.process_time)
     kernel_s, dense_s = times[0::2], times[1::2]
     return {
@@ -229,6 +251,17 @@ def dense_crossover(
         return None
     intercept = dense_s[0] - slope * m0
     return max(MIN_KERNEL_ROWS, math.ceil(intercept / (per_row - slope)))
+
+
+def int8_twin(layer: QuantizedLinear) -> QuantizedLinear:
+    """The layer as int8 activations would run it: a repacked copy of a K-quant layer that
+    repack_int8_kquants would repack (the file's pages untouched), else the layer itself."""
+    if not isinstance(layer, KQuantLinear) or not layer.can_repack():
+        return layer
+    row_order = layer._buffers["row_order"]
+    twin = KQuantLinear(layer._buffers["blocks"], layer.type_name, row_order=row_order)
+    twin.repack_rows8(release_file_pages=False)
+    return twin
 
 
 def _kernel(layer: QuantizedLinear, x: torch.Tensor, int8: bool) -> torch.Tensor:

@@ -11,7 +11,10 @@ A weight row is K / 256 super-blocks of 256 weights, the GGUF bytes as they are:
 Each unit is dequantized to fp32 once, exactly as the gguf package's numpy reference does,
 and multiplied into the activation rows with fp32 FMAs in a fixed order: the dequantized
 matmul up to fp32 summation order, each row's result the same whatever rows share the call.
-With int8 activations (activation_choice.py) the kernel is q8_matmul.py's integer dots instead.
+With int8 activations (activation_choice.py) the kernel is q8_matmul.py's integer dots instead,
+and a Q4_K / Q6_K layer there takes its rows 8 at a time (`repack_rows8`: the AVX-512 kernels
+then share each super-block's scale work across 8 rows, as llama.cpp's repacked Q4_K does; the
+same bits as the row layout, at any number of rows).
 `KQuantLinear` is the layer; from `dequant_min_rows` rows on (a prefill chunk) it dequantizes
 (also in C++) and runs one dense matmul, like the other block layers.
 """
@@ -23,6 +26,7 @@ from functools import partial
 
 import torch
 
+from radixserve.model.gguf_file import release_pages
 from radixserve.model.quant import q8_matmul
 from radixserve.model.quant.dense_panels import DequantizeInto
 from radixserve.model.quant.linear import QuantizedLinear
@@ -30,6 +34,10 @@ from radixserve.model.quant.linear import QuantizedLinear
 SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
 # GGUF type name -> (ggml type id, bytes per super-block)
 KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+# Q4_K / Q6_K rows repacked 8 at a time (native/csrc/kquant_blocks.h): ours, ggml's id + 1000
+X8_TYPE = 1000
+Q4_K_X8, Q6_K_X8 = 12 + X8_TYPE, 14 + X8_TYPE
+X8_ROWS = 8
 
 
 @functools.cache
@@ -46,7 +54,8 @@ def load_kquant_ops() -> None:
 
     @torch.library.register_fake("radixserve_cpu::kquant_dequantize")
     def _dequantize_fake(blocks, qtype):
-        bytes_per_block = next(b for t, b in KQUANT_TYPES.values() if t == qtype)
+        ggml_type = qtype - X8_TYPE if qtype in (Q4_K_X8, Q6_K_X8) else qtype
+        bytes_per_block = next(b for t, b in KQUANT_TYPES.values() if t == ggml_type)
         k = blocks.shape[1] // bytes_per_block * SUPER_BLOCK
         return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
 
@@ -61,6 +70,12 @@ def kquant_ops_available() -> bool:
     except CpuExtensionUnavailable:
         return False
     return True
+
+
+@functools.cache
+def kquant_x8_native() -> bool:
+    """True where repacked Q4_K / Q6_K run on their own 8-row kernels (an AVX-512 build)."""
+    return kquant_ops_available() and torch.ops.radixserve_cpu.kquant_x8_native()
 
 
 def kquant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -130,7 +145,36 @@ class KQuantLinear(QuantizedLinear):
         """fp32 rows `index` (1-D) of the weight: only their blocks are read and dequantized."""
         order = self._buffers["row_order"]
         rows = index if order is None else order[index]
-        return kquant_dequantize(self._buffers["blocks"].index_select(0, rows), self.qtype)
+        blocks = self._buffers["blocks"]
+        if self.qtype < X8_TYPE:
+            return kquant_dequantize(blocks.index_select(0, rows), self.qtype)
+        out = torch.empty(len(rows), self.in_features)
+        for i, row in enumerate(rows.tolist()):  # a repacked row is spread over its group
+            torch.ops.radixserve_cpu.kquant_dequantize_into(blocks, self.qtype, row, out[i : i + 1])
+        return out
+
+    def can_repack(self) -> bool:
+        """Whether `repack_rows8` applies: a Q4_K / Q6_K layer of at least 8 rows, on a build
+        whose int8 kernels run the repacked layout natively (AVX-512)."""
+        repackable = self.type_name in ("Q4_K", "Q6_K") and self.qtype < X8_TYPE
+        return repackable and self.out_features >= X8_ROWS and kquant_x8_native()
+
+    def repack_rows8(self, release_file_pages: bool = True) -> None:
+        """Rows -> 8 at a time (kquant_blocks.h), every kernel and dequantizer then reading
+        that layout with the same results; the rows go in the outputs' order (`row_order` is
+        applied here, once, not after every matmul). The repacked bytes are a copy (anonymous
+        memory, the weight's size); with `release_file_pages` the old view's pages of a mapped
+        file are given back (gguf_file.release_pages), so a repacked weight costs its size once."""
+        if not self.can_repack():
+            raise ValueError(f"KQuantLinear.repack_rows8: {self.extra_repr()} cannot repack")
+        old, order = self._buffers["blocks"], self._buffers["row_order"]
+        rows = old if order is None else old.index_select(0, order)
+        self._buffers["blocks"] = torch.ops.radixserve_cpu.kquant_repack_x8(rows, self.qtype)
+        self._buffers["row_order"] = None
+        self.qtype += X8_TYPE
+        if release_file_pages:
+            release_pages(old)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, type={self.type_name}"
+        layout = ", rows 8 at a time" if self.qtype > X8_TYPE else ""
+        return f"{super().extra_repr()}, type={self.type_name}{layout}"

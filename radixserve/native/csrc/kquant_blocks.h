@@ -20,8 +20,10 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -152,6 +154,84 @@ inline void unit_q5_k(const uint8_t* block, int64_t u, const SuperScales& s, flo
 inline void unit_q6_k(const uint8_t* block, int64_t u, const SuperScales& s, float* w) {
   for (int64_t l = 0; l < kUnit; ++l)
     w[l] = s.scale[2 * u + l / 16] * static_cast<float>(code_q6(block, u, l) - 32);
+}
+
+// Q4_K and Q6_K rows repacked 8 at a time (q8_kquant_x8.h's kernels read them): our own type
+// ids (ggml's + 1000). The tensor keeps its shape and bytes: rows 8g .. 8g + 7 (a group) are
+// nb "x8 super-blocks" of 8 x the format's bytes, where the 8 rows' super-blocks b lay; rows
+// past the last full group stay as the file has them. An x8 super-block, row r's parts at:
+//
+//   Q4_K (1152 B)  d[8] f16 | dmin[8] f16 | scale bytes 4w .. 4w + 3 at 32 + 32w + 4r (w < 3) |
+//                  qs: for p, c < 4, 64 bytes: qs[32p + 8c .. + 7] at 8r
+//   Q6_K (1680 B)  d[8] f16 | scales: for z < 4, 32 bytes: scales[4z .. + 3] at 4r |
+//                  for h < 2, c < 4: 3 x 64 bytes: ql[64h + 8c .. + 7], ql[64h + 32 + 8c ..
+//                  + 7], qh[32h + 8c .. + 7], each at 8r
+//
+// so that one 64-byte load holds 8 codes (8c .. 8c + 7 of a unit) of all 8 rows.
+constexpr int64_t kX8Rows = 8;
+constexpr int64_t kX8Type = 1000;  // a repacked format's id: its ggml id + this
+constexpr int64_t kQ4KX8 = 12 + kX8Type, kQ6KX8 = 14 + kX8Type;
+
+// Where row r's bytes of one super-block lie in its x8 super-block: fn(offset there, offset in
+// the file's block, bytes), piece by piece.
+struct Q4KX8Layout {
+  static constexpr int64_t kBytes = 144;
+  template <typename Fn>
+  static void pieces(int64_t r, Fn&& fn) {
+    fn(2 * r, 0, 2);
+    fn(16 + 2 * r, 2, 2);
+    for (int64_t w = 0; w < 3; ++w) fn(32 + 32 * w + 4 * r, 4 + 4 * w, 4);
+    for (int64_t p = 0; p < 4; ++p)
+      for (int64_t c = 0; c < 4; ++c) fn(128 + 256 * p + 64 * c + 8 * r, 16 + 32 * p + 8 * c, 8);
+  }
+};
+struct Q6KX8Layout {
+  static constexpr int64_t kBytes = 210;
+  template <typename Fn>
+  static void pieces(int64_t r, Fn&& fn) {
+    fn(2 * r, 208, 2);
+    for (int64_t z = 0; z < 4; ++z) fn(16 + 32 * z + 4 * r, 192 + 4 * z, 4);
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t c = 0; c < 4; ++c) {
+        const int64_t at = 144 + 192 * (4 * h + c) + 8 * r;  // in the order the kernel reads
+        for (int64_t s = 0; s < 2; ++s) fn(at + 64 * s, 64 * h + 32 * s + 8 * c, 8);
+        fn(at + 128, 128 + 32 * h + 8 * c, 8);
+      }
+  }
+};
+
+// 8 rows of super-blocks (the file's row layout) -> one repacked group, and back.
+template <typename L>
+void repack_x8_group(const uint8_t* rows, uint8_t* group, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < kX8Rows; ++r)
+      L::pieces(r, [&](int64_t at, int64_t from, int64_t n) {
+        std::memcpy(group + (b * kX8Rows) * L::kBytes + at, rows + (r * nb + b) * L::kBytes + from, n);
+      });
+}
+template <typename L>
+void unpack_x8_group(const uint8_t* group, uint8_t* rows, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < kX8Rows; ++r)
+      L::pieces(r, [&](int64_t from, int64_t at, int64_t n) {
+        std::memcpy(rows + (r * nb + b) * L::kBytes + at, group + (b * kX8Rows) * L::kBytes + from, n);
+      });
+}
+
+// Calls fn(rows, first, count) over weight rows [n0, n1) of repacked weights `w` ([N, nb *
+// bytes]) with `rows` holding rows first .. first + count - 1 in the file's row layout (each
+// group unpacked into a buffer): the row-layout kernels' way onto the repacked bytes.
+template <typename L, typename Fn>
+void for_rows_unpacked(const uint8_t* w, int64_t N, int64_t nb, int64_t n0, int64_t n1, Fn&& fn) {
+  const int64_t row_bytes = nb * L::kBytes, grouped = N / kX8Rows * kX8Rows;
+  std::vector<uint8_t> buffer(kX8Rows * row_bytes);
+  for (int64_t g0 = n0 / kX8Rows * kX8Rows; g0 < std::min(n1, grouped); g0 += kX8Rows) {
+    unpack_x8_group<L>(w + g0 * row_bytes, buffer.data(), nb);
+    const int64_t first = std::max(n0, g0), last = std::min(n1, g0 + kX8Rows);
+    fn(buffer.data() + (first - g0) * row_bytes, first, last - first);
+  }
+  const int64_t tail = std::max(n0, grouped);
+  if (n1 > tail) fn(w + tail * row_bytes, tail, n1 - tail);
 }
 
 }  // namespace radixserve_kquant

@@ -20,6 +20,7 @@
 #include "kquant_simd.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -34,7 +35,7 @@ constexpr int64_t kPrefetchRows = 4;   // weight rows asked for ahead of the one
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
 // ggml's type ids (gguf.GGMLQuantizationType)
-constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // and kQ4KX8 / kQ6KX8 (kquant_blocks.h)
 
 
 // One format's view of its super-blocks: bytes, the per-super-block factors, a unit's weights.
@@ -174,17 +175,30 @@ int64_t block_bytes(int64_t qtype) {
     case kQ4K: return Q4K::kBytes;
     case kQ5K: return Q5K::kBytes;
     case kQ6K: return Q6K::kBytes;
+    case kQ4KX8: return Q4K::kBytes;
+    case kQ6KX8: return Q6K::kBytes;
     default:
-      TORCH_CHECK(false, "kquant: ggml type ", qtype, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+      TORCH_CHECK(false, "kquant: ggml type ", qtype,
+                  " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked Q4_K / Q6_K (1012 / 1014)");
   }
 }
 
-// Runs fn.template operator()<F>() for the format of ggml type `qtype`.
+// Runs fn(format) for the format of ggml type `qtype`.
 template <typename Fn>
 void by_format(int64_t qtype, Fn&& fn) {
-  if (qtype == kQ4K) fn(Q4K{});
+  if (qtype == kQ4K || qtype == kQ4KX8) fn(Q4K{});
   else if (qtype == kQ5K) fn(Q5K{});
   else fn(Q6K{});
+}
+
+// fn(rows, first, count) over weight rows [n0, n1) of `w` ([N, K / 256 * bytes]) in the row
+// layout these kernels read: as they lie, or repacked Q4_K unpacked group by group.
+template <typename Fn>
+void over_rows(int64_t qtype, const uint8_t* w, int64_t N, int64_t num_super, int64_t n0,
+               int64_t n1, Fn&& fn) {
+  if (qtype == kQ4KX8) return for_rows_unpacked<Q4KX8Layout>(w, N, num_super, n0, n1, fn);
+  if (qtype == kQ6KX8) return for_rows_unpacked<Q6KX8Layout>(w, N, num_super, n0, n1, fn);
+  fn(w + n0 * num_super * block_bytes(qtype), n0, n1 - n0);
 }
 
 // The number of super-blocks per weight row, after checking `blocks` is [N, that * bytes].
@@ -194,6 +208,20 @@ int64_t super_blocks_per_row(const at::Tensor& blocks, int64_t qtype, const char
                   blocks.is_contiguous() && blocks.size(1) % bytes == 0,
               op, ": blocks must be a contiguous uint8 [N, K / 256 * ", bytes, "] CPU tensor");
   return blocks.size(1) / bytes;
+}
+
+// Weight rows [n0, n1) of `w` (any layout) as fp32 into out ([n1 - n0, K]).
+void dequantize_range(int64_t qtype, const uint8_t* w, int64_t N, int64_t num_super, int64_t n0,
+                      int64_t n1, float* out) {
+  by_format(qtype, [&](auto format) {
+    using F = decltype(format);
+    at::parallel_for(n0, n1, kGrain, [&](int64_t r0, int64_t r1) {
+      over_rows(qtype, w, N, num_super, r0, r1, [&](const uint8_t* rows, int64_t first,
+                                                    int64_t count) {
+        dequantize_rows<F>(rows, 0, count, num_super, out + (first - n0) * num_super * kSuper);
+      });
+    });
+  });
 }
 
 at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
@@ -212,7 +240,10 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   by_format(qtype, [&](auto format) {
     using F = decltype(format);
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      dot_range<F>(w, n0, n1, num_super, xf, M, K, o, N);
+      over_rows(qtype, w, N, num_super, n0, n1, [&](const uint8_t* rows, int64_t first,
+                                                    int64_t count) {
+        dot_range<F>(rows, 0, count, num_super, xf, M, K, o + first, N);
+      });
     });
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
@@ -224,12 +255,7 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
   at::Tensor out = at::empty({N, num_super * kSuper}, blocks.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  by_format(qtype, [&](auto format) {
-    using F = decltype(format);
-    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-      dequantize_rows<F>(w, n0, n1, num_super, o);
-    });
-  });
+  dequantize_range(qtype, w, N, num_super, 0, N, o);
   return out;
 }
 
@@ -240,14 +266,28 @@ void kquant_dequantize_into(const at::Tensor& blocks, int64_t qtype, int64_t row
   const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_dequantize_into");
   radixserve_cpu::check_panel(out, row0, blocks.size(0), num_super * kSuper,
                               "kquant_dequantize_into");
-  float* o = out.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>() + row0 * blocks.size(1);
-  by_format(qtype, [&](auto format) {
-    using F = decltype(format);
-    at::parallel_for(0, out.size(0), kGrain, [&](int64_t n0, int64_t n1) {
-      dequantize_rows<F>(w, n0, n1, num_super, o);
-    });
+  dequantize_range(qtype, blocks.data_ptr<uint8_t>(), blocks.size(0), num_super, row0,
+                   row0 + out.size(0), out.data_ptr<float>());
+}
+
+// The same bytes repacked 8 rows at a time (Q4_K and Q6_K, kquant_blocks.h): a new tensor.
+at::Tensor kquant_repack_x8(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4K || qtype == kQ6K,
+              "kquant_repack_x8: only Q4_K (12) and Q6_K (14) repack; got ggml type ", qtype);
+  const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_repack_x8");
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1), grouped = N / kX8Rows * kX8Rows;
+  at::Tensor out = at::empty(blocks.sizes(), blocks.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, grouped / kX8Rows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t at = g0 * kX8Rows * row_bytes; at < g1 * kX8Rows * row_bytes;
+         at += kX8Rows * row_bytes) {
+      if (qtype == kQ4K) repack_x8_group<Q4KX8Layout>(w + at, o + at, num_super);
+      else repack_x8_group<Q6KX8Layout>(w + at, o + at, num_super);
+    }
   });
+  std::memcpy(o + grouped * row_bytes, w + grouped * row_bytes, (N - grouped) * row_bytes);
+  return out;
 }
 
 }  // namespace
@@ -256,10 +296,12 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("kquant_mm(Tensor x, Tensor blocks, int qtype) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int qtype) -> Tensor");
   m.def("kquant_dequantize_into(Tensor blocks, int qtype, int row0, Tensor(a!) out) -> ()");
+  m.def("kquant_repack_x8(Tensor blocks, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("kquant_mm", &kquant_mm);
   m.impl("kquant_dequantize", &kquant_dequantize);
   m.impl("kquant_dequantize_into", &kquant_dequantize_into);
+  m.impl("kquant_repack_x8", &kquant_repack_x8);
 }

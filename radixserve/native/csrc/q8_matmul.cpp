@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "q8_formats.h"
+#include "q8_kquant_x8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +33,10 @@ constexpr int64_t kPrefetchRows = 4;
 constexpr int64_t kChunkRows = 16;
 constexpr int64_t kL1Bytes = 32 * 1024;
 constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // ggml's type ids
+using radixserve_kquant::kQ4KX8;  // Q4_K / Q6_K repacked 8 rows at a time (ours)
+using radixserve_kquant::kQ6KX8;
+using radixserve_kquant::kX8Rows;
+constexpr int64_t kGroupGrain = 2;  // repacked groups per parallel_for chunk, at least
 
 // Codes of one block: d = max|x| / 127, q = round-half-even(x * (1 / d)) (d = 0: all 0).
 float quantize_block(const float* x, int64_t n, int8_t* q) {
@@ -153,6 +158,47 @@ at::Tensor run(const at::Tensor& x, const F& f, int64_t N) {
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// Repacked Q4_K / Q6_K (kquant_blocks.h; X the 8-row kernel, L the layout, Rows the row
+// kernel): with AVX-512 X on every group and every activation row, the rows past the last group
+// on Rows; else every group unpacked for Rows. The same bits either way.
+template <typename X, typename L, typename Rows>
+at::Tensor run_x8(const at::Tensor& x, const uint8_t* w, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kQ8KBlock;
+  std::vector<float> scratch;
+  Q8Buffers buf;
+  quantize_rows(radixserve_cpu::activations_f32(x, scratch), M, K, kQ8KBlock, buf);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t row_bytes = nb * L::kBytes, grouped = N / kX8Rows * kX8Rows;
+#if defined(RADIXSERVE_Q8_ZMM)
+  at::parallel_for(0, grouped / kX8Rows, kGroupGrain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = w + g * kX8Rows * row_bytes;
+      float* og = o + g * kX8Rows;
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows)
+        x8_dot<X, kTileRows>(group, buf.acts, m, og + m * N, N);
+      switch (M - m) {
+        case 3: x8_dot<X, 3>(group, buf.acts, m, og + m * N, N); break;
+        case 2: x8_dot<X, 2>(group, buf.acts, m, og + m * N, N); break;
+        case 1: x8_dot<X, 1>(group, buf.acts, m, og + m * N, N); break;
+        default: break;
+      }
+    }
+  });
+  if (grouped < N)
+    dot_range(Rows{{}, w + grouped * row_bytes}, 0, N - grouped, buf.acts, M, o + grouped, N);
+#else
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    radixserve_kquant::for_rows_unpacked<L>(
+        w, N, nb, n0, n1, [&](const uint8_t* rows, int64_t first, int64_t count) {
+          dot_range(Rows{{}, rows}, 0, count, buf.acts, M, o + first, N);
+        });
+  });
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 at::Tensor int4_block_mm_q8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale_min) {
   check_x(x, kQ8Block, "int4_block_mm_q8");
   const int64_t N = qs.size(0), K = x.size(1);
@@ -180,14 +226,25 @@ at::Tensor int8_block_mm_q8(const at::Tensor& x, const at::Tensor& qs, const at:
 
 at::Tensor kquant_mm_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   check_x(x, kQ8KBlock, "kquant_mm_q8");
-  TORCH_CHECK(qtype == kQ4K || qtype == kQ5K || qtype == kQ6K, "kquant_mm_q8: ggml type ", qtype,
-              " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
-  const int64_t bytes = qtype == kQ4K ? 144 : (qtype == kQ5K ? 176 : 210);
+  TORCH_CHECK(qtype == kQ4K || qtype == kQ5K || qtype == kQ6K || qtype == kQ4KX8 ||
+                  qtype == kQ6KX8,
+              "kquant_mm_q8: ggml type ", qtype,
+              " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked Q4_K / Q6_K (1012 / 1014)");
+  const int64_t bytes = qtype == kQ5K ? 176 : (qtype == kQ6K || qtype == kQ6KX8 ? 210 : 144);
   const int64_t N = blocks.size(0), K = x.size(1);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
                   blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(1) * kQ8KBlock == K * bytes,
               "kquant_mm_q8: blocks must be a contiguous uint8 [N, K / 256 * ", bytes, "] tensor");
   const uint8_t* w = blocks.data_ptr<uint8_t>();
+  using radixserve_kquant::Q4KX8Layout;
+  using radixserve_kquant::Q6KX8Layout;
+#if defined(RADIXSERVE_Q8_ZMM)
+  if (qtype == kQ4KX8) return run_x8<Q4KX8, Q4KX8Layout, Q4KRows>(x, w, N);
+  if (qtype == kQ6KX8) return run_x8<Q6KX8, Q6KX8Layout, Q6KRows>(x, w, N);
+#else
+  if (qtype == kQ4KX8) return run_x8<void, Q4KX8Layout, Q4KRows>(x, w, N);
+  if (qtype == kQ6KX8) return run_x8<void, Q6KX8Layout, Q6KRows>(x, w, N);
+#endif
   if (qtype == kQ4K) return run(x, Q4KRows{{}, w}, N);
   if (qtype == kQ5K) return run(x, Q5KRows{{}, w}, N);
   return run(x, Q6KRows{{}, w}, N);
@@ -217,6 +274,14 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("q8_quantize(Tensor x, int block) -> (Tensor, Tensor)");
   // Which integer dot the int8-activation kernels were built with (avx512_vnni, avx2, portable).
   m.def("int_dot_level() -> str", [] { return std::string(kIntDot); });
+  // Whether repacked Q4_K / Q6_K (1012 / 1014) run on their 8-row kernels here (AVX-512).
+  m.def("kquant_x8_native() -> bool", [] {
+#if defined(RADIXSERVE_Q8_ZMM)
+    return true;
+#else
+    return false;
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
