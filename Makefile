@@ -14,7 +14,7 @@ test:
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint:
-	.venv/bin/ruff check radixserve radixserve_bench kernels tests benchmarks
+	.venv/bin/ruff check radixserve radixserve_bench radixserve_kernels tests benchmarks
 
 bench-forward:
 	.venv/bin/python benchmarks/forward_micro.py

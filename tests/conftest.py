@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import threading
@@ -14,21 +13,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _import_this_checkouts_kernels() -> None:
-    """radixserve_kernels from this checkout's kernels/: an editable install made in another
-    checkout (git worktrees sharing one venv) would otherwise map it to that one's."""
-    kernels = ROOT / "kernels"
-    spec = importlib.util.spec_from_file_location(
-        "radixserve_kernels", kernels / "__init__.py", submodule_search_locations=[str(kernels)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["radixserve_kernels"] = module
-    spec.loader.exec_module(module)
-
-
-_import_this_checkouts_kernels()
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -301,7 +285,6 @@ class ServerProcess:
 
     def command(self, model: str) -> list[str]:
         """The program line before `--port PORT` and the flags."""
-        import sys
 
         serve = [sys.executable, "-m", "radixserve.cli", "serve", model]
         return [*serve, "--max-total-tokens", "16384"]

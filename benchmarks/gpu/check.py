@@ -560,11 +560,11 @@ def _hf_generate(model, ids: torch.Tensor, new_tokens: int) -> None:
 
 
 def import_kernels_package() -> None:
-    """Makes this checkout's kernels/ importable as radixserve_kernels, installed or not (an
+    """Makes this checkout's radixserve_kernels/ the one imported, installed or not (an
     installed one may be another checkout's)."""
     spec = importlib.util.spec_from_file_location(
-        "radixserve_kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
+        "radixserve_kernels", ROOT / "radixserve_kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "radixserve_kernels")],
     )  # fmt: skip
     module = importlib.util.module_from_spec(spec)
     sys.modules["radixserve_kernels"] = module
