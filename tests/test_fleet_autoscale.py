@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+from test_fleet_router import FleetProcess
 from test_server_native import post
 
 from conftest import prompt_ids
@@ -145,7 +144,7 @@ GROW_TIMEOUT_S = 300.0
 SHRINK_TIMEOUT_S = 60.0
 
 
-class AutoscaledFleet:
+class AutoscaledFleet(FleetProcess):
     """`radixserve fleet --min-workers 1 --max-workers 2` in a subprocess, one request running
     per worker so that a burst queues; scaled up on the TTFT signal alone (a queue threshold
     no burst reaches; the queue rule: test_fleet_autoscale_policy.py); `stats()` reads its
@@ -160,29 +159,10 @@ class AutoscaledFleet:
         command += ["--router-port", str(router_port), "--worker-base-port", str(base)]
         command += ["--fleet-port", str(fleet_port), "--max-total-tokens", "8192"]
         command += ["--max-running-requests", "1", "--router-args", f"--prometheus-port {prom}"]
-        self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.log: list[str] = []
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if "fleet ready at" in line:
-                break
-        else:
-            raise RuntimeError("fleet did not start:\n" + "".join(self.log))
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
+        self._launch(command)
 
     def stats(self) -> dict:
         return json.loads(http(self.fleet_url + "/fleet/stats")[1])
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        return self.proc.wait(90)
 
 
 async def burst_until(fleet: AutoscaledFleet, done, concurrency: int = 4) -> list[int]:

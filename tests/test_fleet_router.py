@@ -97,6 +97,13 @@ class FleetProcess:
         command = [sys.executable, "-m", "radixserve.cli", "fleet", model]
         command += ["--workers", str(workers), "--router-port", str(router_port)]
         command += ["--worker-base-port", str(base), "--max-total-tokens", "16384", *flags]
+        self._launch(command, cwd=cwd, env=env)
+
+    def _launch(
+        self, command: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        """Runs `command` (a `radixserve fleet`) and returns once it is ready; its output
+        goes on into `self.log`."""
         self.proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
