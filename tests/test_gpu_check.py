@@ -50,8 +50,11 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(_problems(results)) == []
-    for name in ("device", "kernels", "quant_kernels", "engine", "shared_prefix", "transformers"):
+    names = ("device", "kernels", "quant_kernels", "model_kernels", "engine", "shared_prefix")
+    for name in (*names, "transformers"):
         assert name in results and "skipped" not in results[name], name
+    for case in ("fused_moe", "lora_segments", "extend_tree", "extend_softcap"):
+        assert results["model_kernels"][case]["rel_err"] < 1e-4, case  # vs the torch reference
     quant = results["quant_kernels"]
     cases = ("int4 g128", "int8 g32", "int8 per-channel", "torch int8 per-channel")
     for shape in ("40x128 m1", "48x256 m17"):
@@ -71,6 +74,7 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
     out = proc.stdout
     assert "=== summary" in out and "=== targets ===" in out
     assert "quantized matmuls (x dense > 1" in out and "int4 g128 48x256 m17" in out
+    assert "model kernels" in out and "extend_softcap" in out
     assert "engine vs HF generate b4, torch_native" in out
     assert "decode steps, torch_native+graphs" in out  # asked for, not captured: shown as n/a
 

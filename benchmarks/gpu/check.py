@@ -7,6 +7,8 @@ Sections (each one skipped with a reason when a dependency is missing or time ru
      decode beside them when it is installed
      quant_kernels: Triton int4 / int8 dequant-GEMMs vs their references, timed beside a bf16
      matmul and torch's int8 kernel, M=1 and 512, weights 576x1536 and 4096x4096 (gpu_quant.py)
+     model_kernels: Triton fused MoE, segmented multi-LoRA, extend with draft trees and with
+     soft-capping, each vs its torch reference (gpu_model_kernels.py)
   3. engine: dummy-weight Llama-3-8B in bf16 per attention backend, with and without CUDA
      graphs: the real scheduler at batch 1/16/64/256 (prefill tok/s, decode tok/s, decode step
      vs its roofline), a bare decode step at batch 1 and 64 x 4k context, an 8k-token prefill step
@@ -45,6 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "gpu")]  # a plain checkout
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels run on CPU, slowly
 
+from gpu_model_kernels import model_kernel_rows  # noqa: E402
 from gpu_quant import quant_matmul_rows  # noqa: E402
 from gpu_report import summary_text  # noqa: E402
 from gpu_roofline import decode_bytes, prefill_flops  # noqa: E402
@@ -258,6 +261,13 @@ def quant_kernels(run: Run) -> dict:
     s = run.shapes
     return quant_matmul_rows(s.quant_weights, s.quant_m, run.device, dtype,
                              lambda fn: timed(fn, run.device))  # fmt: skip
+
+
+@section("model_kernels", min_left_s=30)
+def model_kernels(run: Run) -> dict:
+    dtype = torch.float32 if run.device == "cpu" else torch.bfloat16
+    smoke = run.shapes.model != FULL.model
+    return model_kernel_rows(run.device, dtype, smoke, lambda fn: timed(fn, run.device))
 
 
 # ---- 3. engine ---------------------------------------------------------------------------
@@ -625,8 +635,8 @@ def main() -> None:
         "shapes": "smoke" if args.smoke else "full",
     }
     steps = (
-        device_rates, kernels, quant_kernels, engine, shared_prefix, transformers_generate,
-        tensor_parallel,
+        device_rates, kernels, quant_kernels, model_kernels, engine, shared_prefix,
+        transformers_generate, tensor_parallel,
     )  # fmt: skip
     for step in steps:
         step(run)

@@ -118,6 +118,15 @@ def quant_table(results: dict) -> str:
     return title + "\n" + format_table(headers, rows)
 
 
+def model_kernels_table(results: dict) -> str:
+    """The MoE / LoRA / tree / soft-cap Triton kernels (gpu_model_kernels.py)."""
+    rows = [[key, r["ms"], r["rel_err"], r["shape"]]
+            for key, r in _ok(results.get("model_kernels")).items() if not _problem(r)]  # fmt: skip
+    if not rows:
+        return "model kernels: -"
+    return "model kernels\n" + format_table(["kernel", "ms", "rel err", "shape"], rows)
+
+
 def scheduler_table(results: dict) -> str:
     hf = _ok(results.get("transformers"))
     rows = []
@@ -256,7 +265,7 @@ def summary_text(results: dict) -> str:
     env = results.get("env", {})
     head = f"=== summary: {env.get('device')}, torch {env.get('torch')}, {env.get('shapes')} ==="
     parts = [head, device_text(results), kernels_table(results), quant_table(results),
-             scheduler_table(results),
+             model_kernels_table(results), scheduler_table(results),
              steps_table(results), shared_prefix_text(results), problems_text(results),
              targets_table(results)]  # fmt: skip
     return "\n\n".join(parts)
