@@ -285,7 +285,6 @@ class ServerProcess:
 
     def command(self, model: str) -> list[str]:
         """The program line before `--port PORT` and the flags."""
-
         serve = [sys.executable, "-m", "radixserve.cli", "serve", model]
         return [*serve, "--max-total-tokens", "16384"]
 
