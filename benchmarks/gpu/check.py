@@ -57,6 +57,7 @@ from gpu_run import (  # noqa: E402
     Run,
     Shapes,
     free_memory,
+    paged_kv,
     section,
     skip_reason_flashinfer,
     sync,
@@ -82,17 +83,6 @@ def device_rates(run: Run) -> dict:
 # ---- 2. kernels --------------------------------------------------------------------------
 
 
-def _paged(num_reqs, seq_len, page_size, heads, kv_heads, dim, device, dtype):
-    pages = -(-seq_len // page_size)
-    perm = torch.randperm(num_reqs * pages, device=device) + 1
-    table = perm.view(num_reqs, pages)
-    slots = (num_reqs * pages + 1) * page_size
-    k = torch.randn(slots, kv_heads, dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    lens = torch.full((num_reqs,), seq_len, device=device)
-    return table, k, v, lens
-
-
 @section("kernels", min_left_s=30)
 def kernels(run: Run) -> dict:
     from radixserve.attention.triton_backend import graph_decode_splits
@@ -100,7 +90,7 @@ def kernels(run: Run) -> dict:
 
     reqs, seq, ps, heads, kv_heads, dim, ext = run.shapes.kernel
     dtype = torch.float32 if run.device == "cpu" else torch.bfloat16
-    table, k, v, lens = _paged(reqs, seq, ps, heads, kv_heads, dim, run.device, dtype)
+    table, k, v, lens = paged_kv(reqs, seq, ps, kv_heads, dim, run.device, dtype)
     q = torch.randn(reqs, heads, dim, device=run.device, dtype=dtype)
     want = reference.paged_decode_attention_ref(q, k, v, table, lens, ps).float()
     kv_bytes = 2 * reqs * seq * kv_heads * dim * k.element_size()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from gpu_run import paged_kv
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -89,12 +90,8 @@ def _paged_extend(
 
     reqs, prefix, ext, ps = (2, 40, 16, 16) if smoke else (16, 2048, 16, 16)
     heads, kv_heads, dim = (4, 2, 64) if smoke else (32, 8, 128)
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    pages_per = -(-(prefix + ext) // ps)
-    table = torch.randperm(reqs * pages_per, generator=gen).view(reqs, pages_per).to(device)
-    k = torch.randn(reqs * pages_per * ps, kv_heads, dim, generator=gen).to(device, dtype)
-    v = torch.randn(reqs * pages_per * ps, kv_heads, dim, generator=gen).to(device, dtype)
-    q = torch.randn(reqs * ext, heads, dim, generator=gen).to(device, dtype)
+    table, k, v, _ = paged_kv(reqs, prefix + ext, ps, kv_heads, dim, device, dtype)
+    q = torch.randn(reqs * ext, heads, dim, device=device, dtype=dtype)
     starts = torch.arange(reqs, device=device) * ext
     prefixes, extends = [prefix] * reqs, [ext] * reqs
     masks = None

@@ -127,3 +127,17 @@ def skip_reason_flashinfer(device: str) -> str | None:
     if importlib.util.find_spec("flashinfer") is None:
         return "flashinfer not installed (pip install flashinfer-python)"
     return None
+
+
+def paged_kv(num_reqs: int, seq_len: int, page_size: int, kv_heads: int, dim: int, device: str,
+             dtype: torch.dtype) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A random paged K/V cache: each request's `seq_len` positions on shuffled pages of its
+    own (page 0 unused) -> (page table, k, v, seq lens)."""
+    pages = -(-seq_len // page_size)
+    perm = torch.randperm(num_reqs * pages, device=device) + 1
+    table = perm.view(num_reqs, pages)
+    slots = (num_reqs * pages + 1) * page_size
+    k = torch.randn(slots, kv_heads, dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    lens = torch.full((num_reqs,), seq_len, device=device)
+    return table, k, v, lens
