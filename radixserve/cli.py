@@ -105,6 +105,9 @@ def engine_args_from(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from radixserve.client.core_start import set_openmp_defaults
+
+    set_openmp_defaults()  # before torch loads, so that the engine core can fork
     from radixserve.server.launch import serve
 
     try:

@@ -309,14 +309,11 @@ def stop_running(servers: Sequence[ServerProcess]) -> None:
             proc.stop()
 
 
-FORK_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
-"""OpenMP's variables set at exec, as the fleet's workers have them: the server forks its core
-(client/core_start.py). The keyed server (a key in its environment) spawns it."""
-
-
 @pytest.fixture(scope="session")
 def server(tiny_chat_model):
-    proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny", env=FORK_ENV)
+    """A plain `radixserve serve`: it forks its core (client/core_start.py); the keyed server
+    (a key in its environment) spawns it."""
+    proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny")
     yield proc
     proc.stop()
 
@@ -334,7 +331,7 @@ def keyed_server(tiny_chat_model, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-key"
     key_file.write_text(API_KEY + "\n")
     key_file.chmod(0o600)
-    env = FORK_ENV | {"RADIXSERVE_ADMIN_API_KEY": ADMIN_API_KEY}  # spawns: a key in the env
+    env = {"RADIXSERVE_ADMIN_API_KEY": ADMIN_API_KEY}  # spawns: a key in the env
     proc = ServerProcess(tiny_chat_model, "--api-key-file", str(key_file), env=env)
     yield proc
     assert proc.stop() == 0

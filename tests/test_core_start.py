@@ -11,12 +11,14 @@ import sys
 import pytest
 from test_server_native import get, post, run
 
-from conftest import API_KEY, FORK_ENV
+from conftest import API_KEY
 from radixserve.client.core_start import (
+    CORE_ENV_DEFAULTS,
     START_METHOD_ENV,
     StartChoice,
     choose_start_method,
     exec_environ_names,
+    openmp_loaded,
 )
 from radixserve.config.keys import ADMIN_API_KEY_ENV
 
@@ -29,6 +31,9 @@ def core_start(server, key: str | None = None) -> dict:
 
 
 def test_the_core_forks_and_imports_nothing_heavy_again(server):
+    # a plain `radixserve serve`: OpenMP's variables were not in its exec environment; the
+    # command line set them before torch loaded
+    assert not set(CORE_ENV_DEFAULTS) & set(os.environ)
     start = core_start(server)
     assert start["start_method"] == "fork" and start["reason"] == "", start
     assert start["engine_imported_in"] == "parent"
@@ -62,8 +67,42 @@ def test_exec_environment_names(tmp_path):
 
 
 def test_serve_names_a_bad_start_method(tiny_chat_model):
-    env = os.environ | FORK_ENV | {START_METHOD_ENV: "fork-please"}
+    env = os.environ | {START_METHOD_ENV: "fork-please"}
     command = [sys.executable, "-m", "radixserve.cli", "serve", tiny_chat_model]
     done = subprocess.run(command + ["--port", "1"], env=env, capture_output=True, text=True)
     assert done.returncode != 0
     assert f"radixserve serve: ${START_METHOD_ENV} must be one of" in done.stderr
+
+
+def test_openmp_loaded_reads_the_memory_map(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n")
+    assert openmp_loaded(str(maps)) is False
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /site-packages/torch/lib/libgomp.so.1\n")
+    assert openmp_loaded(str(maps)) is True
+    assert openmp_loaded(str(tmp_path / "missing")) is None
+
+
+FORK_PROBE = """
+import sys
+import radixserve.cli  # the command line's imports: no torch, no OpenMP yet
+from radixserve.client.core_start import choose_start_method, set_openmp_defaults
+loaded_first = "{first}" == "torch"
+if loaded_first:
+    import torch
+print(set_openmp_defaults(), "torch" in sys.modules)
+import torch
+print(choose_start_method())
+"""
+
+
+@pytest.mark.parametrize("first", ["cli", "torch"])
+def test_serve_sets_openmp_before_torch_so_the_core_may_fork(first):
+    env = {k: v for k, v in os.environ.items() if k not in CORE_ENV_DEFAULTS}
+    probe = [sys.executable, "-c", FORK_PROBE.format(first=first)]
+    done = subprocess.run(probe, env=env, capture_output=True, text=True, check=True)
+    read, choice = done.stdout.splitlines()
+    if first == "cli":  # the defaults are set before OpenMP loads: it reads them, fork is safe
+        assert read == "True False" and choice == "StartChoice(method='fork', reason='')"
+    else:  # torch (and its OpenMP) loaded before: the defaults came too late
+        assert read == "False True" and "OpenMP started without" in choice and "spawn" in choice

@@ -6,7 +6,9 @@ fork is chosen only where the forked core is the process spawn would have made:
 - nothing else runs in this process yet (one thread; CUDA not initialized), so no lock or
   thread pool is copied half-held;
 - OpenMP read CORE_ENV_DEFAULTS (or the user's values) when torch loaded: libgomp reads its
-  variables once, at load, and a forked core keeps the parent's reading;
+  variables once, at load, and a forked core keeps the parent's reading. They were in the
+  exec environment, or `radixserve serve` set them before any OpenMP runtime loaded
+  (set_openmp_defaults: the command line does not load torch before it; radixserve/__init__.py);
 - no API key was in this process's environment at exec: a forked child's /proc/PID/environ
   shows its parent's exec-time environment, popped variables included (config/keys.py drops
   the key variables so that the core never carries them).
@@ -29,6 +31,30 @@ CORE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
 while they wait fight the HTTP process and anything else for the cores (2 busy cores: SmolLM2
 4.7 tok/s spinning vs 10.9 passive); a short spin (GOMP_SPINCOUNT) before sleeping keeps the
 idle-machine speed (25 vs 18 tok/s passive). Measurements: docs/performance.md."""
+
+
+OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
+_openmp_read_defaults = False  # set_openmp_defaults ran before any OpenMP runtime loaded
+
+
+def openmp_loaded(maps_path: str = "/proc/self/maps") -> bool | None:
+    """Whether an OpenMP runtime is mapped into this process (None: the map cannot be read)."""
+    try:
+        with open(maps_path) as maps:
+            return any(name in line for line in maps for name in OPENMP_LIBRARIES)
+    except OSError:
+        return None
+
+
+def set_openmp_defaults() -> bool:
+    """Sets CORE_ENV_DEFAULTS in this process's environment where unset; returns whether the
+    OpenMP runtime will read them, i.e. none is loaded yet (then the core may fork)."""
+    global _openmp_read_defaults
+    for name, value in CORE_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    if openmp_loaded() is False:
+        _openmp_read_defaults = True
+    return _openmp_read_defaults
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,7 @@ def _fork_unsafe_reason() -> str:
         return "/proc/self/environ cannot be read"
     if keys := [s.env for s in KEY_SOURCES if s.env in names]:
         return f"{', '.join(keys)} was in the exec environment"
-    if missing := [name for name in CORE_ENV_DEFAULTS if name not in names]:
+    missing = [name for name in CORE_ENV_DEFAULTS if name not in names]
+    if missing and not _openmp_read_defaults:
         return f"OpenMP started without {', '.join(missing)} (set it to fork)"
     return ""

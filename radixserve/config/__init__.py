@@ -35,7 +35,7 @@ from radixserve.config.keys import (
     resolve_keys,
 )
 from radixserve.config.kv_events import KV_EVENT_PUBLISHERS, KVEventsConfig, offset_endpoint
-from radixserve.config.load import TORCH_DTYPES, LoadConfig
+from radixserve.config.load import DTYPE_NAMES, LoadConfig
 from radixserve.config.lora import LoraConfig, parse_lora_path
 from radixserve.config.model import (
     SUPPORTED_ARCHITECTURES,
@@ -58,6 +58,7 @@ __all__ = [
     "API_KEY_ENV",
     "DISAGGREGATION_MODES",
     "DIST_BACKENDS",
+    "DTYPE_NAMES",
     "DRAFT_MODEL_ALGORITHMS",
     "HICACHE_WRITE_POLICIES",
     "KV_EVENT_PUBLISHERS",
@@ -67,7 +68,6 @@ __all__ = [
     "SPECULATIVE_ALGORITHMS",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_ROPE_TYPES",
-    "TORCH_DTYPES",
     "TRANSFER_BACKENDS",
     "CacheConfig",
     "DisaggregationConfig",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixserve.config.kv_events import KVEventsConfig
-from radixserve.config.load import TORCH_DTYPES
+from radixserve.config.load import dtype_named
+
+if TYPE_CHECKING:
+    import torch
 
 CPU_KV_MEMORY_FRACTION = 0.4
 """Of the memory available after the weights load: the CPU KV pool's default share (the rest
@@ -87,12 +89,7 @@ class CacheConfig:
         """The KV pool's dtype for a model computing in `model_dtype`."""
         if self.kv_cache_dtype == "auto":
             return model_dtype
-        if self.kv_cache_dtype not in TORCH_DTYPES:
-            allowed = ", ".join(TORCH_DTYPES)
-            raise ValueError(
-                f"--kv-cache-dtype must be auto or one of {allowed}; got {self.kv_cache_dtype!r}"
-            )
-        return TORCH_DTYPES[self.kv_cache_dtype]
+        return dtype_named(self.kv_cache_dtype, "--kv-cache-dtype")
 
 
 HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")  # SGLang's

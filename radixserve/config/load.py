@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the engine, not with the configs (radixserve/__init__.py)
+    import torch
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def dtype_named(name: str, flag: str) -> torch.dtype:
+    """The torch dtype `name` (one of DTYPE_NAMES); a ValueError naming `flag` otherwise."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        allowed = ", ".join(DTYPE_NAMES)
+        raise ValueError(f"{flag} must be auto or one of {allowed}; got {name!r}")
+    return getattr(torch, name)
 
 
 @dataclass
@@ -71,11 +83,15 @@ class LoadConfig:
     warning)."""
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def quant_compute_dtype(self) -> torch.dtype:
+        import torch
+
         """The dtype int8 / int4 kernels compute in: with --dtype auto on CPU, bfloat16 (torch's
         int kernels are fast in bfloat16 only) under an fp32 model; else the model's dtype."""
         if self.dtype == "auto" and self.torch_device().type == "cpu":
@@ -83,10 +99,9 @@ class LoadConfig:
         return self.torch_dtype()
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             on_cuda = self.torch_device().type == "cuda"
             return torch.bfloat16 if on_cuda else torch.float32
-        if self.dtype not in TORCH_DTYPES:
-            allowed = ", ".join(TORCH_DTYPES)
-            raise ValueError(f"dtype must be one of auto, {allowed}; got {self.dtype!r}")
-        return TORCH_DTYPES[self.dtype]
+        return dtype_named(self.dtype, "dtype")

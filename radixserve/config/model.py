@@ -12,9 +12,10 @@ replaced by a routed set of experts; `MoEConfig` carries their shapes and routin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -195,7 +196,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token occupies across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 

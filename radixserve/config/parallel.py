@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 DEFAULT_INIT_ADDR = "127.0.0.1:0"  # loopback, a port the kernel picks
