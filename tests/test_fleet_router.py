@@ -66,6 +66,40 @@ def test_template_workers_stop_when_the_fleet_is_killed(tiny_chat_model):
     assert not _running(worker) and not _running(template)
 
 
+REAPER_PROGRAM = """
+import os, subprocess, sys, time
+from radixserve.fleet.worker_template import OrphanReaper, become_subreaper
+assert become_subreaper()
+own = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])  # the fleet's own child
+read, write = os.pipe()
+middle = os.fork()
+if middle == 0:  # a worker that dies before its child (the engine core): it is orphaned
+    orphan = os.fork()
+    if orphan == 0:
+        time.sleep(0.5)
+        os._exit(0)
+    os.write(write, str(orphan).encode())
+    os._exit(0)
+os.waitpid(middle, 0)
+orphan = int(os.read(read, 32))
+parent = open(f"/proc/{orphan}/stat").read().rsplit(")", 1)[1].split()[1]
+time.sleep(1.0)  # both exited: zombies, children of this subreaper
+reaper = OrphanReaper(lambda: [own.pid], interval_s=0.2)
+first = reaper.tick(10.0)  # the first look only notes them
+second = reaper.tick(10.5)
+print(parent == str(os.getpid()), first, second == [orphan], os.path.exists(f"/proc/{orphan}"))
+print(own.poll())  # the fleet's own child was left to its Popen: its exit code is intact
+"""
+
+
+def test_orphans_adopted_by_the_fleet_are_reaped_and_its_own_children_left_alone():
+    done = subprocess.run(
+        [sys.executable, "-c", REAPER_PROGRAM], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["True [] True False", "3"]
+
+
 def _running(pid: int) -> bool:
     """Whether `pid` is alive (reaped or a zombie counts as gone)."""
     try:

@@ -27,6 +27,7 @@ from radixserve.fleet.autoscale_scrape import TTFTWindow, WorkerMetrics, parse_w
 from radixserve.fleet.fleet_view import FleetView
 from radixserve.fleet.launch import STOP_MARGIN_S, Child, stop_all, wait_until
 from radixserve.fleet.probes import http_get, router_live, router_ready
+from radixserve.fleet.worker_template import OrphanReaper
 
 logger = logging.getLogger(__name__)
 DECISION_HISTORY = 200
@@ -130,9 +131,15 @@ class Autoscaler:
     """Runs the fleet: slot transitions, the policy each interval, and acting on it."""
 
     def __init__(
-        self, config: FleetConfig, state: FleetState, router: Child, stop_timeout_s: float
+        self,
+        config: FleetConfig,
+        state: FleetState,
+        router: Child,
+        stop_timeout_s: float,
+        reaper: OrphanReaper | None = None,
     ) -> None:
         self.config = config
+        self.reaper = reaper  # the workers' orphaned descendants (worker_template.py)
         self.state = state
         self.router = router
         self.stop_timeout_s = stop_timeout_s  # a drained worker still running then is killed
@@ -160,6 +167,8 @@ class Autoscaler:
                 return 1
             now = time.monotonic()
             self.refresh(now)
+            if self.reaper is not None:
+                self.reaper.tick(now)
             decision = self.policy.decide(self.state.scrape(now))
             self.state.record(decision)
             self.act(decision, now)
@@ -229,6 +238,7 @@ def run_autoscaled(
     router: Child,
     stop: threading.Event,
     server: ServerConfig,
+    reaper: OrphanReaper | None = None,
 ) -> int:
     """The router first (it answers with no worker), then --min-workers workers, then the
     autoscaler (and the fleet port, keyed with --api-key, if --fleet-port) until a stop
@@ -236,7 +246,7 @@ def run_autoscaled(
     children = autoscaled_children(workers, router)
     state = FleetState(children, config.min_workers, config.scale_up_ttft_target_s)
     drain_timeout_s = server.drain_timeout + STOP_MARGIN_S
-    autoscaler = Autoscaler(config, state, router, drain_timeout_s)
+    autoscaler = Autoscaler(config, state, router, drain_timeout_s, reaper)
     deadline = time.monotonic() + config.startup_timeout_s
     router.start()
     if not wait_until(router, lambda: router_live(router.url), deadline, stop):

@@ -50,10 +50,12 @@ from radixserve.fleet.probes import router_live, router_ready, worker_healthy
 from radixserve.fleet.router import PDWorkers, require_router, router_command
 from radixserve.fleet.worker_template import (
     ForkedProcess,
+    OrphanReaper,
     TemplateError,
     WorkerTemplate,
     die_with_parent,
     fork_from_template,
+    own_pids,
 )
 from radixserve.native.machine import available_memory_bytes
 
@@ -222,14 +224,15 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
         template = fork_from_template(workers, env) if config.worker_template else None
         stop = install_stop_signals()
         try:
+            reaper = OrphanReaper(lambda: own_pids([c.proc for c in (router, *workers)], template))
             if config.autoscale:
                 from radixserve.fleet.autoscale_fleet import run_autoscaled
 
-                return run_autoscaled(config, workers, router, stop, server)
+                return run_autoscaled(config, workers, router, stop, server, reaper)
             if not start_all(workers, router, config, stop, keys):
                 return 0 if stop.is_set() else 1
             print(f"radixserve fleet ready at {router.url} ({describe(config)})", flush=True)
-            return supervise(workers, router, stop)
+            return supervise(workers, router, stop, reaper)
         finally:
             stop_all([router, *workers], server.drain_timeout + STOP_MARGIN_S)
             if template is not None:
@@ -359,10 +362,13 @@ def wait_until(child: Child, ready, deadline: float, stop: threading.Event) -> b
     return True
 
 
-def supervise(workers: list[Child], router: Child, stop: threading.Event) -> int:
+def supervise(
+    workers: list[Child], router: Child, stop: threading.Event, reaper: OrphanReaper
+) -> int:
     """Waits for a stop signal; a worker's exit is logged (the router routes around it)."""
     reported: set[str] = set()
     while not stop.wait(POLL_S):
+        reaper.tick(time.monotonic())
         if not router.alive:
             logger.error("the router exited with code %s; stopping", router.proc.returncode)
             return 1

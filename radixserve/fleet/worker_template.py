@@ -9,10 +9,13 @@ start"). The worker then forks its engine core too (client/core_start.py).
 
 The fleet is a child subreaper (Linux prctl), so the orphaned worker becomes its child: the
 fleet waits for it, signals it and reads its exit code as for any other child
-(`ForkedProcess`, Popen's methods that the fleet uses). The keys a worker gets travel on the
-socket pair, never in an exec-time environment, so its /proc/PID/environ (the template's)
-holds none. CPU fleets on Linux only: a GPU worker's CUDA_VISIBLE_DEVICES must be read by a
-fresh process (--no-worker-template, or any GPU fleet, starts every worker with exec).
+(`ForkedProcess`, Popen's methods that the fleet uses). A subreaper adopts every orphaned
+descendant, not only workers (a worker's engine core when the worker was killed first):
+`OrphanReaper` reaps those, so that no zombie outlives its second look. The keys a worker
+gets travel on the socket pair, never in an exec-time environment, so its /proc/PID/environ
+(the template's) holds none. CPU fleets on Linux only: a GPU worker's CUDA_VISIBLE_DEVICES
+must be read by a fresh process (--no-worker-template, or any GPU fleet, starts every worker
+with exec).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 
 from radixserve.client.core_start import CORE_ENV_DEFAULTS
 
@@ -175,3 +179,65 @@ def die_with_parent() -> None:
     """On Linux, this process gets SIGTERM when its parent dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class OrphanReaper:
+    """Reaps the exited children this process did not start: descendants it adopted as a
+    subreaper. `own()`: the pids it waits for itself (workers, router, template), never
+    touched. A zombie is reaped on its second look, `interval_s` or more after the first,
+    so that a child that some other code waits for at once is never taken from it."""
+
+    def __init__(self, own: Callable[[], Iterable[int]], interval_s: float = 1.0):
+        self.own, self.interval_s = own, interval_s
+        self._seen: set[int] = set()  # zombies at the last look
+        self._last = 0.0
+
+    def tick(self, now: float) -> list[int]:
+        """Looks at most once per interval; returns the pids it reaped."""
+        if now - self._last < self.interval_s:
+            return []
+        self._last = now
+        zombies = {pid for pid in child_pids() if is_zombie(pid)} - set(self.own())
+        reaped = []
+        for pid in zombies & self._seen:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if done:
+                reaped.append(pid)
+        if reaped:
+            logger.info("reaped %d orphaned process(es): %s", len(reaped), sorted(reaped))
+        self._seen = zombies - set(reaped)
+        return reaped
+
+
+def own_pids(procs: Iterable, template: WorkerTemplate | None) -> list[int]:
+    """The pids the fleet waits for itself: its children's (`procs`, None where not started)
+    and the template's."""
+    pids = [proc.pid for proc in procs if proc is not None]
+    return pids + ([template.proc.pid] if template is not None else [])
+
+
+def child_pids() -> set[int]:
+    """This process's children (of all its threads; empty where /proc does not list them)."""
+    pids: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as file:
+                pids.update(int(pid) for pid in file.read().split())
+        except OSError:
+            continue
+    return pids
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
