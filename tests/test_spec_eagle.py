@@ -86,18 +86,18 @@ def _random_head(folder, hidden: int = HIDDEN, target_hidden: int = HIDDEN) -> s
     return _save_head(folder, tensors, _head_config(hidden))
 
 
-def _echo_head(folder) -> str:
+def _echo_head(folder, num_layers: int = NUM_LAYERS) -> str:
     """A head whose midlayer adds nothing and whose fc passes the target's final residual
-    stream through (aux layer id L - 1: after the last layer), with the target's LM head
-    (none of its own): it drafts the target's token at the previous position, so it is
-    accepted wherever the target repeats a token."""
+    stream through (aux layer id L - 1: after the last layer; L = `num_layers`, the
+    target's), with the target's LM head (none of its own): it drafts the target's token at
+    the previous position, so it is accepted wherever the target repeats a token."""
     tensors = _midlayer(HIDDEN, 0.1)
     tensors["midlayer.self_attn.o_proj.weight"].zero_()
     tensors["midlayer.mlp.down_proj.weight"].zero_()
     fc = torch.zeros(HIDDEN, 3 * HIDDEN)
     fc[:, 2 * HIDDEN :] = torch.eye(HIDDEN)
     tensors |= {"fc.weight": fc, "norm.weight": torch.ones(HIDDEN)}
-    layer_ids = {"eagle_aux_hidden_state_layer_ids": [0, 1, NUM_LAYERS - 1]}
+    layer_ids = {"eagle_aux_hidden_state_layer_ids": [0, 1, num_layers - 1]}
     config = _head_config(HIDDEN, draft_vocab_size=None, eagle_config=layer_ids)
     return _save_head(folder, tensors, config)
 

@@ -10,7 +10,7 @@ import torch
 from test_spec_eagle import _echo_head, _random_head, _save_target
 from test_speculative import CHI2_999, _chi_square
 
-from conftest import greedy, make_engine, prompt_ids
+from conftest import VOCAB, greedy, make_engine, prompt_ids, save_tiny_model
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.engine.request import Req
 from radixserve.engine.speculative import Draft, Verifier
@@ -131,6 +131,29 @@ def test_tree_drafting_keeps_greedy_outputs_cold_and_warm(
         assert stats["spec_accepted_tokens"] > 0 and moves
     spec.check_integrity()
     assert spec.flush_cache() and spec.runner.pool.allocator.num_free == initial_free
+
+
+def test_trees_on_a_hybrid_sliding_window_model(tmp_path):
+    """Gemma 3 (two sliding layers, window 12, and a global one) over the hybrid pool: the
+    per-layer backends mask the tree with each window along its paths; accepted nodes' K/V
+    move in both page spaces. Greedy outputs equal plain decoding cold and warm, prompts
+    longer than the window."""
+    target = str(save_tiny_model("gemma3", tmp_path / "gemma3", vocab_size=VOCAB))
+    head = _echo_head(tmp_path / "echo", num_layers=3)
+    expected = _ids(make_engine(target).generate(input_ids=PROMPTS, sampling_params=greedy(30)))
+    spec = make_engine(target, **_tree(head, 2, 6))
+    assert type(spec.runner.attn).__name__ == "LayerWindowBackend"
+    assert spec.runner.pool.sliding_window == 12  # the hybrid pool: a sliding page space
+    pool, moves = spec.runner.pool, []
+    copy_slots = pool.copy_slots
+    pool.copy_slots = lambda src, dst: (moves.append(len(src)), copy_slots(src, dst))
+    initial_free = pool.allocator.num_free
+    cold = spec.generate(input_ids=PROMPTS, sampling_params=greedy(30))
+    warm = spec.generate(input_ids=PROMPTS, sampling_params=greedy(30))
+    assert _ids(cold) == _ids(warm) == expected
+    assert spec.get_stats()["spec_accepted_tokens"] > 0 and moves
+    spec.check_integrity()
+    assert spec.flush_cache() and pool.allocator.num_free == initial_free
 
 
 @torch.inference_mode()

@@ -56,6 +56,9 @@ class LayerWindowBackend(AttentionBackend):
         self.layer_windows = tuple(layer_windows)
         self._index = [windows.index(w) for w in layer_windows]
         self.supports_cuda_graph = all(b.supports_cuda_graph for b in self.backends)
+        # a draft tree's mask is the batch's (tree_masks), and each backend counts its own
+        # window along the tree's paths; accepted nodes' K/V move in both spaces (copy_slots)
+        self.supports_tree_mask = all(b.supports_tree_mask for b in self.backends)
         self.accepts_stored_kv = all(b.accepts_stored_kv for b in self.backends)
 
     def init_forward(self, batch: ForwardBatch) -> None:

@@ -337,7 +337,7 @@ def create_eagle_drafter(
 
 def check_tree_backend(topk: int, attn) -> None:
     """Tree drafting needs an attention backend that masks a draft tree (torch_native,
-    cpu_fused, triton, flashinfer; not yet the per-layer windows of hybrid models)."""
+    cpu_fused, triton, flashinfer, and hybrid models' per-layer windows over those)."""
     if topk > 1 and not getattr(attn, "supports_tree_mask", False):
         raise ValueError(
             f"--speculative-eagle-topk {topk} verifies a draft tree, which the "
