@@ -16,8 +16,8 @@ so the profiler's own cost is dropped.
 `--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
 by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
 `--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
-`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K layers
-on int8 activations repacked 8 rows at a time (x8: what serving does on AVX-512) and kept in
+`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K / Q6_K /
+Q4_0 / Q4_1 layers on int8 activations repacked 8 rows at a time (x8: what serving does on AVX-512) and kept in
 the file's row layout (rows: the int8 kernel before the repack); the same bits, so only the
 time differs. Rows print as e.g. `auto:rows`.
 `--top-ops N` also prints the N ops of most self time per step, by op and input shapes (so
@@ -46,7 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Req
-from radixserve.model.quant.kquant import KQuantLinear
+from radixserve.model.quant.activation_choice import REPACKABLE
 from radixserve.native.machine import describe_cpu
 from radixserve.sampling.params import SamplingParams
 
@@ -159,12 +159,14 @@ def build_core(
     )
     if layout != "rows":
         return EngineCore.build(load, cache, SchedulerConfig())
-    can_repack = KQuantLinear.can_repack
-    KQuantLinear.can_repack = lambda self: False  # this engine's Q4_K stays in rows
+    saved = {cls: cls.can_repack for cls in REPACKABLE}
+    for cls in REPACKABLE:  # this engine's Q4_K / Q6_K / Q4_0 / Q4_1 stay in rows
+        cls.can_repack = lambda self: False
     try:
         return EngineCore.build(load, cache, SchedulerConfig())
     finally:
-        KQuantLinear.can_repack = can_repack
+        for cls, can_repack in saved.items():
+            cls.can_repack = can_repack
 
 
 def add_requests(core: EngineCore, batch: int, args: argparse.Namespace) -> None:
