@@ -56,6 +56,7 @@ BLOCK_MATMUL_OPS = (  # our C++ matmuls (GGUF blocks, K-quants, the packed dense
     "radixserve_cpu::int8_block_mm",
     "radixserve_cpu::kquant_mm",
     "radixserve_cpu::int4_block_mm_q8",  # the same blocks with int8 activations
+    "radixserve_cpu::int4_x8_mm_q8",  # Q4_0 / Q4_1 repacked 8 rows at a time
     "radixserve_cpu::int8_block_mm_q8",
     "radixserve_cpu::kquant_mm_q8",
     "radixserve_cpu::dense_mm",
