@@ -14,11 +14,10 @@
 // so that a full chunk's codes start on a 64-byte line. Rows past the last group lie per row
 // and block as d f16 | (Q4_1) m f16 | 16 nibble bytes (GGUF's own block order).
 //
-// Bits: each row's integer lanes (codes 4j .. 4j + 3 of a block: lane j), its fp32 lane sets
-// (block b into set b % 2), its offsets (block b into lane b % 8, each m * (d_x sum q_x)
-// rounded once) and the final reduction are q8_formats.h's Int4Rows', and an fp16 scale is
-// the fp32 value the row layout holds, so a repacked weight gives the row layout's bits at
-// any number of rows: the tests compare them. Without AVX-512 (and for the rows past the
+// Bits: each row's block sums (exact integers), its fp32 steps per block (into lane b % 8:
+// fma(d_w d_x, sum, acc) + m_w d_x sum q_x, each product rounded once) and the final reduction
+// are q8_formats.h's Int4Rows', and an fp16 scale is the fp32 value the row layout holds, so a
+// repacked weight gives the row layout's bits at any number of rows: the tests compare them. Without AVX-512 (and for the rows past the
 // last group) the bytes are unpacked to the row layout for Int4Rows (for_int4_rows_unpacked).
 #pragma once
 
@@ -134,81 +133,79 @@ inline __m512 x8_halves(const uint8_t* p, int64_t n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
-// Lanes 2i, 2i + 1 = lane 8h + i of v (row i's value of block h of a pair).
-inline __m512 x8_pairs_of(__m512 v, int h) {
-  const __m512i index = _mm512_add_epi32(
-      _mm512_set1_epi32(8 * h), _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-  return _mm512_permutexvar_ps(index, v);
-}
 // Lanes 0-7 = v[i], lanes 8-15 = v[j].
 inline __m512 x8_split(__m512 v, int i, int j) {
   return _mm512_permutexvar_ps(
       _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(j), 1), v);
 }
 
+// Integer lanes of 8 codes (xq) against 8 codes of each row (w): row r's at lanes 2r, 2r + 1.
+inline __m512i x8_dot_acc(__m512i acc, __m512i w, const int8_t* xq) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, x8_codes(xq));
+#else
+  return _mm512_add_epi32(acc, dual_dot_us(w, x8_codes(xq)));
+#endif
+}
+
 // out[r * N + 0..7] = activation row m0 + r (r < R) against the group at `group`: each
-// block's codes decoded once for the R rows. kMin: Q4_1.
+// block's codes decoded once for the R rows. kMin: Q4_1. Row r's block sums go as Int4Rows
+// adds them: block b into lane b % 8 (here lanes 0-7 of acc[r][(b % 8) / 2] for even b, lanes
+// 8-15 for odd b, row i at lane i), fma(d_w d_x, sum, acc) + m_w d_x sum q_x.
 template <bool kMin, int R>
 void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64_t N) {
-  X8Acc acc[R];
-  __m512 offs[R][4];  // offsets of blocks b % 8 = 2i in lanes 0-7 (row r at r), 2i + 1 at 8-15
-  for (int r = 0; r < R; ++r) {
-    for (int s = 0; s < 2; ++s)
-      for (int c = 0; c < 4; ++c) acc[r].sets[s][c] = _mm512_setzero_ps();
-    for (int i = 0; i < 4; ++i) offs[r][i] = _mm512_setzero_ps();
-    acc[r].mins = _mm256_setzero_ps();
-  }
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
   const int64_t nb = a.num_blocks, bytes = kMin ? 20 : 18;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // row i's even / odd lanes of two blocks' sums -> [block 0 rows 0-7 | block 1 rows 0-7]
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
     const int64_t n = std::min(kX8Chunk, nb - b0);
     const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
-    const __m512 d[2] = {x8_halves(chunk, n), x8_halves(chunk + 32, n - 2)};
-    __m512 m[2];
-    for (int h = 0; h < 2; ++h)
-      m[h] = kMin ? x8_halves(chunk + 16 * n + 32 * h, n - 2 * h)
-                  : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_set1_ps(8.f), d[h]));
     const uint8_t* codes = chunk + (kMin ? 32 : 16) * n;
-    __m512 dd[R][2];
-    for (int r = 0; r < R; ++r) {  // (d_x, d_x sum q_x) of the chunk's blocks: 2n floats
-      const __mmask16 mask = static_cast<__mmask16>((1u << (2 * n)) - 1);
-      const __m512 p = _mm512_maskz_loadu_ps(mask, a.pairs + 2 * ((m0 + r) * nb + b0));
-      for (int h = 0; h < 2; ++h) {
-        dd[r][h] = zopaque(_mm512_mul_ps(d[h], x8_split(p, 4 * h, 4 * h + 2)));
-        const __m512 off = zopaque(_mm512_mul_ps(m[h], x8_split(p, 4 * h + 1, 4 * h + 3)));
-        __m512& slot = offs[r][(b0 % 8) / 2 + h];
-        if (h == 0 || n > 2) slot = _mm512_add_ps(slot, off);
+    for (int h = 0; 2 * h < n; ++h) {  // blocks j = 2h, 2h + 1 of the chunk (the second may not be)
+      const int64_t blocks = std::min<int64_t>(2, n - 2 * h);
+      const __m512 d = x8_halves(chunk + 32 * h, blocks);
+      const __m512 m = kMin ? x8_halves(chunk + 16 * n + 32 * h, blocks)
+                            : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_set1_ps(8.f), d));
+      __m512i w[2][4];
+      for (int e = 0; e < blocks; ++e) {
+        const __m512i lo = _mm512_loadu_si512(codes + 128 * (2 * h + e));
+        const __m512i hi = _mm512_loadu_si512(codes + 128 * (2 * h + e) + 64);
+        w[e][0] = _mm512_and_si512(lo, nibble);
+        w[e][1] = _mm512_and_si512(hi, nibble);
+        w[e][2] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble);
+        w[e][3] = _mm512_and_si512(_mm512_srli_epi16(hi, 4), nibble);
       }
-    }
-    auto block = [&](int64_t j, auto set) {
-      constexpr int S = decltype(set)::value;
-      const __m512i lo = _mm512_loadu_si512(codes + 128 * j);
-      const __m512i hi = _mm512_loadu_si512(codes + 128 * j + 64);
-      const __m512i w[4] = {_mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble),
-                            _mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
-                            _mm512_and_si512(_mm512_srli_epi16(hi, 4), nibble)};
+      const int slot = static_cast<int>((b0 % 8) / 2 + h);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xq = a.qs + (m0 + r) * a.K + (b0 + j) * kQ8Block;
-        const __m512 scale = x8_pairs_of(dd[r][j / 2], static_cast<int>(j % 2));
-        for (int c = 0; c < 4; ++c) {
-          const __m512i ints = dual_dot_us(w[c], x8_codes(xq + 8 * c));
-          acc[r].sets[S][c] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), acc[r].sets[S][c]);
+        const int64_t b = b0 + 2 * h;
+        __m512i ints[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int e = 0; e < blocks; ++e) {
+          const int8_t* xq = a.qs + (m0 + r) * a.K + (b + e) * kQ8Block;
+          for (int c = 0; c < 4; ++c) ints[e] = x8_dot_acc(ints[e], w[e][c], xq + 8 * c);
         }
+        const __m512i sums = _mm512_add_epi32(_mm512_permutex2var_epi32(ints[0], even, ints[1]),
+                                              _mm512_permutex2var_epi32(ints[0], odd, ints[1]));
+        // (d_x, d_x sum q_x) of the two blocks, 0 past the chunk
+        const __mmask16 mask = static_cast<__mmask16>((1u << (2 * blocks)) - 1);
+        const __m512 p = _mm512_maskz_loadu_ps(mask, a.pairs + 2 * ((m0 + r) * nb + b));
+        const __m512 dd = zopaque(_mm512_mul_ps(d, x8_split(p, 0, 2)));
+        const __m512 off = zopaque(_mm512_mul_ps(m, x8_split(p, 1, 3)));
+        acc[r][slot] = _mm512_add_ps(_mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(sums), acc[r][slot]), off);
       }
-    };
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {  // b0 is a multiple of 4: block b0 + j's set is j % 2
-      block(j, std::integral_constant<int, 0>{});
-      block(j + 1, std::integral_constant<int, 1>{});
     }
-    if (j < n) block(j, std::integral_constant<int, 0>{});
   }
-  for (int r = 0; r < R; ++r) {  // ((o0 + o1) + (o2 + o3)) + ((o4 + o5) + (o6 + o7)), odd_sum's
+  const X8Acc zero{};
+  for (int r = 0; r < R; ++r) {  // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): odd_sum's
     __m256 pair[4];
     for (int i = 0; i < 4; ++i)
-      pair[i] = _mm256_add_ps(_mm512_castps512_ps256(offs[r][i]), _mm512_extractf32x8_ps(offs[r][i], 1));
+      pair[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][i]), _mm512_extractf32x8_ps(acc[r][i], 1));
     const __m256 sum = _mm256_add_ps(_mm256_add_ps(pair[0], pair[1]), _mm256_add_ps(pair[2], pair[3]));
-    _mm256_storeu_ps(out + r * N, x8_finish(acc[r], sum));
+    _mm256_storeu_ps(out + r * N, x8_finish(zero, sum));  // (0 + sum) + 0, as dot_rows
   }
 }
 #endif
