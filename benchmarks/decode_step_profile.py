@@ -16,10 +16,10 @@ so the profiler's own cost is dropped.
 `--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
 by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
 `--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
-`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K / Q6_K /
-Q4_0 / Q4_1 layers on int8 activations repacked 8 rows at a time (x8: what serving does on AVX-512) and kept in
-the file's row layout (rows: the int8 kernel before the repack); the same bits, so only the
-time differs. Rows print as e.g. `auto:rows`.
+`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K /
+Q6_K / Q4_0 / Q4_1 layers on int8 activations repacked 8 rows at a time (x8: what serving does
+on AVX-512) and kept in the file's row layout (rows: the int8 kernel before the repack); the
+same bits, so only the time differs. Rows print as e.g. `auto:rows`.
 `--top-ops N` also prints the N ops of most self time per step, by op and input shapes (so
 each projection, and the LM head, shows as its own line).
 `--quantization none,int4` builds one engine per method and alternates their plain passes

@@ -11,7 +11,6 @@ from test_kquant_matmul import random_blocks, reference_weight
 
 from radixserve.model.quant import QuantizationError, activation_choice
 from radixserve.model.quant.block_matmul import pack_int4_blocks
-from radixserve.model.quant.linear import Int4WeightOnlyLinear
 from radixserve.model.quant.kquant import (
     KQUANT_TYPES,
     Q4_K_X8,
@@ -22,6 +21,7 @@ from radixserve.model.quant.kquant import (
     kquant_matmul,
     kquant_x8_native,
 )
+from radixserve.model.quant.linear import Int4WeightOnlyLinear
 from radixserve.model.quant.q8_matmul import (
     Q4_0_X8,
     Q4_1_X8,

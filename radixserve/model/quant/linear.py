@@ -283,7 +283,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         instead of 24), for the int8-activation kernel; every other path unpacks it to the
         row layout. The same results everywhere."""
         if not self.can_repack():
-            raise ValueError(f"Int4WeightOnlyLinear.repack_rows8: {self.extra_repr()} cannot repack")
+            raise ValueError(f"Int4WeightOnlyLinear: {self.extra_repr()} cannot repack")
         qtype = block_matmul.int4_x8_type(self._buffers["scale_min"])
         qs, scale_min = self._buffers.pop("qs"), self._buffers.pop("scale_min")
         self.register_buffer("x8", torch.ops.radixserve_cpu.int4_repack_x8(qs, scale_min, qtype))
