@@ -14,7 +14,9 @@ and the fp32 ones run in a fixed order per row on every SIMD level (AVX512-VNNI,
 portable: the same bits; with AVX-512 two blocks share one 512-bit dot and fma, the two
 8-lane sets of the other levels side by side), so a row's result does not depend on the
 other rows of the call. Against the fp32 path the difference is the activations' rounding,
-~0.3% of a dot's size. Which path a layer takes: activation_choice.py.
+~0.3% of a dot's size. Which path a layer takes: activation_choice.py; on AVX-512 builds it
+repacks Q4_K / Q6_K (kquant.py) and Q4_0 / Q4_1 (linear.py's Int4WeightOnlyLinear) 8 rows at a
+time for their own kernels (X8_TYPE), with the row layout's bits.
 """
 
 from __future__ import annotations
