@@ -236,6 +236,11 @@ def test_int8_repacks_gguf_int4_layers_and_keeps_every_output(cpu_ops, qtype):
     assert torch.equal(packed(x[:3]), row(x[:3]))
     with pytest.raises(ValueError, match="cannot repack"):
         model[1].repack_rows8()
+    twin = activation_choice.int8_twin(row)  # what `auto` times int8 on: a repacked copy
+    assert twin.x8_type == qtype and row.x8_type is None and torch.equal(row.qs, qs)
+    assert torch.equal(
+        activation_choice._kernel(twin, x, True), activation_choice._kernel(row, x, True)
+    )
 
 
 def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.nn.Module:
