@@ -1,5 +1,7 @@
 """Per-linear cost of GGUF-block matmuls on CPU: torch's int kernels vs the C++ block kernels
-with fp32 activations (block_matmul.cpp) and with int8 activations (q8_matmul.cpp).
+with fp32 activations (block_matmul.cpp) and with int8 activations (q8_matmul.cpp), on the row
+layout and (Q4_0) repacked 8 rows at a time ("int8 x8", the AVX-512 layout with fp16 scales;
+"x8 x" is its speed-up over "blocks int8").
 
 `--shapes smollm2` (default): SmolLM2-135M's (qkv 576->960, o 576->576, gate_up 576->3072,
 down 1536->576 as Q4_1; the tied LM head 576->49152 as the dense fp32 matrix torch's path
@@ -34,7 +36,7 @@ SHAPE_SETS = {
                  "down": (8192, 2048)},
 }  # fmt: skip
 HEADS = {"smollm2": (576, 49152), "llama-1b": (2048, 49152)}
-BACKENDS = ("torch", "blocks", "int8")
+BACKENDS = ("torch", "blocks", "int8", "x8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,15 +51,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def int4_layers(k: int, n: int, count: int, backend: str) -> list[Int4WeightOnlyLinear]:
+    """Q4_0 blocks as the loader holds them (fp16 scales, zero 0); backend "x8": "blocks"
+    repacked 8 rows at a time (what int8 activations run on AVX-512)."""
     gen = torch.Generator().manual_seed(k * n)
     layers = []
     for _ in range(count):
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
-        scales = torch.rand(n, k // 32, generator=gen) * 0.01
-        zeros = torch.randn(n, k // 32, generator=gen) * 0.01
-        layer = Int4WeightOnlyLinear(codes, scales, zeros, 32, backend=backend)
+        scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+        zeros = torch.zeros(n, k // 32)
+        kernel = "blocks" if backend == "x8" else backend
+        layer = Int4WeightOnlyLinear(codes, scales, zeros, 32, backend=kernel)
         if backend == "torch":
             layer.set_compute_dtype(torch.bfloat16)  # what --dtype auto runs
+        if backend == "x8":
+            layer.repack_rows8()
         layers.append(layer)
     return layers
 
@@ -131,22 +138,25 @@ def main(argv: list[str] | None = None) -> None:
     machine = f"{describe_cpu()}; build {ops.simd_level()}, int dot {ops.int_dot_level()}"
     print(f"{machine}; threads={args.threads} layers={args.layers}")
     print("us per call (GB/s of weights read); speedups over torch's int kernels")
-    columns = "".join(f"{c:>20}" for c in ("torch", "blocks fp32", "blocks int8"))
-    print(f"{'layer':>8}{'K->N':>12}{'M':>4}{columns}{'fp32 x':>8}{'int8 x':>8}")
+    columns = "".join(f"{c:>20}" for c in ("torch", "blocks fp32", "blocks int8", "int8 x8"))
+    print(f"{'layer':>8}{'K->N':>12}{'M':>4}{columns}{'fp32 x':>8}{'int8 x':>8}{'x8 x':>8}")
     with torch.inference_mode():
         for name, (k, n) in SHAPE_SETS[args.shapes].items():
             torch_layers = int4_layers(k, n, args.layers, "torch")
             block_layers = int4_layers(k, n, args.layers, "blocks")
+            x8_layers = int4_layers(k, n, args.layers, "x8")
             cases = {
                 "torch": (call, torch_layers, torch.bfloat16),
                 "blocks": (call, block_layers, torch.float32),
                 "int8": (call, with_int8_activations(block_layers), torch.float32),
+                "x8": (call, with_int8_activations(x8_layers), torch.float32),
             }
             block_bytes = weight_bytes(block_layers[0])
             byts = {
                 "torch": weight_bytes(torch_layers[0]),
                 "blocks": block_bytes,
                 "int8": block_bytes,
+                "x8": weight_bytes(x8_layers[0]),
             }
             results += report(name, k, n, rows, cases, byts, args.repeats)
         k, n = HEADS[args.shapes]
@@ -170,8 +180,12 @@ def report(name, k, n, rows, cases, byts, repeats) -> list[dict]:
     out = []
     for m in rows:
         sec = measure(cases, m, repeats, k)
-        cells = "".join(f"{sec[c] * 1e6:>12.1f} ({byts[c] / sec[c] / 1e9:>5.1f})" for c in BACKENDS)
+        cells = "".join(
+            f"{sec[c] * 1e6:>12.1f} ({byts[c] / sec[c] / 1e9:>5.1f})" if c in sec else f"{'-':>20}"
+            for c in BACKENDS
+        )
         ratios = f"{sec['torch'] / sec['blocks']:>7.2f}x{sec['torch'] / sec['int8']:>7.2f}x"
+        ratios += f"{sec['int8'] / sec['x8']:>7.2f}x" if "x8" in sec else ""
         print(f"{name:>8}{f'{k}->{n}':>12}{m:>4}{cells}{ratios}")
         us = {f"{c}_us": sec[c] * 1e6 for c in sec}
         gbs = {f"{c}_gb_s": byts[c] / sec[c] / 1e9 for c in sec}

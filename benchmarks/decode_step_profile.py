@@ -16,10 +16,10 @@ so the profiler's own cost is dropped.
 `--torch-compile both` runs each batch eagerly and then with --enable-torch-compile, side
 by side, and reports the one-off compile time of the batch's padded size (`compile_s`).
 `--layer-ops both` likewise runs each batch without, then with the fused C++ CPU layer ops.
-`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K layers
-on int8 activations repacked 8 rows at a time (x8: what serving does on AVX-512) and kept in
-the file's row layout (rows: the int8 kernel before the repack); the same bits, so only the
-time differs. Rows print as e.g. `auto:rows`.
+`--q4k-layouts x8,rows` builds each engine twice, alternated like `--quantization`: Q4_K /
+Q6_K / Q4_0 / Q4_1 layers on int8 activations repacked 8 rows at a time (x8: what serving does
+on AVX-512) and kept in the file's row layout (rows: the int8 kernel before the repack); the
+same bits, so only the time differs. Rows print as e.g. `auto:rows`.
 `--top-ops N` also prints the N ops of most self time per step, by op and input shapes (so
 each projection, and the LM head, shows as its own line).
 `--quantization none,int4` builds one engine per method and alternates their plain passes
@@ -46,7 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 from radixserve.config import CacheConfig, LoadConfig, SchedulerConfig
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Req
-from radixserve.model.quant.kquant import KQuantLinear
+from radixserve.model.quant.activation_choice import REPACKABLE
 from radixserve.native.machine import describe_cpu
 from radixserve.sampling.params import SamplingParams
 
@@ -56,6 +56,7 @@ BLOCK_MATMUL_OPS = (  # our C++ matmuls (GGUF blocks, K-quants, the packed dense
     "radixserve_cpu::int8_block_mm",
     "radixserve_cpu::kquant_mm",
     "radixserve_cpu::int4_block_mm_q8",  # the same blocks with int8 activations
+    "radixserve_cpu::int4_x8_mm_q8",  # Q4_0 / Q4_1 repacked 8 rows at a time
     "radixserve_cpu::int8_block_mm_q8",
     "radixserve_cpu::kquant_mm_q8",
     "radixserve_cpu::dense_mm",
@@ -159,12 +160,14 @@ def build_core(
     )
     if layout != "rows":
         return EngineCore.build(load, cache, SchedulerConfig())
-    can_repack = KQuantLinear.can_repack
-    KQuantLinear.can_repack = lambda self: False  # this engine's Q4_K stays in rows
+    saved = {cls: cls.can_repack for cls in REPACKABLE}
+    for cls in REPACKABLE:  # this engine's Q4_K / Q6_K / Q4_0 / Q4_1 stay in rows
+        cls.can_repack = lambda self: False
     try:
         return EngineCore.build(load, cache, SchedulerConfig())
     finally:
-        KQuantLinear.can_repack = can_repack
+        for cls, can_repack in saved.items():
+            cls.can_repack = can_repack
 
 
 def add_requests(core: EngineCore, batch: int, args: argparse.Namespace) -> None:

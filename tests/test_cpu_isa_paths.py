@@ -7,8 +7,8 @@ deterministic-inference tests run again, and the batch-invariant dense matmul mu
 same bits as this process's (best) path: its arithmetic is one fixed FMA chain per output
 on every path, and so must the int8-activation matmuls (q8_matmul.py: exact integer dots,
 the same fp32 ops in the same lane order on VNNI, AVX2 and portable; repacked Q4_K / Q6_K's
-8-row kernels too) and the segmented LoRA op (lora_segments.cpp: one FMA chain per output,
-vectors along the outputs)."""
+and Q4_0 / Q4_1's 8-row kernels too) and the segmented LoRA op (lora_segments.cpp: one FMA
+chain per output, vectors along the outputs)."""
 
 from __future__ import annotations
 
@@ -69,9 +69,11 @@ def _skip_without(capability: str) -> None:
 def _q8_cases() -> list[tuple[str, tuple]]:
     """(op name, arguments) of the int8-activation matmuls: every format, block tails."""
     from test_kquant_matmul import random_blocks
+    from test_q8_matmul import gguf_int4_blocks
 
     from radixserve.model.quant.block_matmul import pack_int4_blocks
     from radixserve.model.quant.kquant import KQUANT_TYPES, X8_TYPE
+    from radixserve.model.quant.q8_matmul import Q4_0_X8, Q4_1_X8
 
     gen = torch.Generator().manual_seed(11)
     n, k = 37, 352  # 11 blocks of 32: a group of 8 and a tail of 3
@@ -92,6 +94,10 @@ def _q8_cases() -> list[tuple[str, tuple]]:
         qtype = KQUANT_TYPES[name][0]
         repacked = torch.ops.radixserve_cpu.kquant_repack_x8(blocks[name], qtype)
         cases.append(("kquant_mm_q8", (xk, repacked, qtype + X8_TYPE)))
+    # Q4_0 / Q4_1 repacked (fp16 scales; 11 blocks: chunks of 4, 4 and 3): likewise
+    for qtype in (Q4_0_X8, Q4_1_X8):
+        repacked = torch.ops.radixserve_cpu.int4_repack_x8(*gguf_int4_blocks(n, k, qtype, 3), qtype)
+        cases.append(("int4_x8_mm_q8", (x, repacked, qtype)))
     return cases
 
 

@@ -117,9 +117,11 @@ def test_release_pages_gives_back_a_views_whole_pages_and_leaves_other_tensors(u
 
 def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, monkeypatch):
     """--cpu-quant-activation int8 takes the Q4_K / Q6_K layers 8 rows at a time: a copy out of
-    the map (its pages given back), the embedding's Q4_K table left a view; logits the bits
-    of the same run on the row layout."""
+    the map (its pages given back), the embedding's Q4_K table left a view; and the Q4_0 layer
+    (fp16 scales again); logits the bits of the same run on the row layout."""
     from radixserve.model.quant.kquant import X8_TYPE, kquant_x8_native
+    from radixserve.model.quant.linear import Int4WeightOnlyLinear
+    from radixserve.model.quant.q8_matmul import Q4_0_X8
 
     _needs_blocks()
     if not kquant_x8_native():
@@ -134,7 +136,11 @@ def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, 
     for layer in repacked:  # anonymous memory, not the file's pages
         start = layer.blocks.data_ptr()
         assert not any(m["start"] <= start < m["end"] for m in mappings)
+    int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
+    assert [layer.x8_type for layer in int4] == [Q4_0_X8]  # layer 1's o_proj
     monkeypatch.setattr(KQuantLinear, "can_repack", lambda self: False)
+    monkeypatch.setattr(Int4WeightOnlyLinear, "can_repack", lambda self: False)
     rows = _runner(untied_gguf, cpu_quant_activation="int8")
     assert not any(layer.qtype > X8_TYPE for layer in kquant_layers(rows.model))
+    assert not any(getattr(m, "x8_type", None) for m in rows.model.modules())
     assert torch.equal(_logits(runner), _logits(rows))

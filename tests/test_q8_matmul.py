@@ -21,10 +21,14 @@ from radixserve.model.quant.kquant import (
     kquant_matmul,
     kquant_x8_native,
 )
+from radixserve.model.quant.linear import Int4WeightOnlyLinear
 from radixserve.model.quant.q8_matmul import (
+    Q4_0_X8,
+    Q4_1_X8,
     Q8_BLOCK,
     Q8K_BLOCK,
     int4_block_matmul_q8,
+    int4_x8_matmul_q8,
     int8_block_matmul_q8,
     kquant_matmul_q8,
     quantize_activations,
@@ -163,6 +167,80 @@ def test_int8_repacks_q4k_and_q6k_layers_and_keeps_every_output(cpu_ops):
     assert "rows 8 at a time" in repr(model[0])
     with pytest.raises(ValueError, match="cannot repack"):
         model[2].repack_rows8()
+
+
+def gguf_int4_blocks(n: int, k: int, qtype: int, seed: int):
+    """(qs, scale_min) as the loader holds a GGUF Q4_0 (offset -8 x the scale) or Q4_1
+    (fp16 offsets): fp16 scales, codes 0..15."""
+    gen = torch.Generator().manual_seed(seed)
+    qs = pack_int4_blocks(torch.randint(0, 16, (n, k), generator=gen))
+    scales = (0.01 + torch.rand(n, k // 32, generator=gen) * 0.04).half().float()
+    if qtype == Q4_0_X8:
+        offsets = 0 - 8 * scales
+    else:  # a block's minimum, about -8 scales: (m + 8 d) - 8 d is m again in fp32
+        offsets = (-8 * scales * (0.5 + torch.rand(n, k // 32, generator=gen))).half().float()
+    return qs, torch.stack([scales, offsets], dim=-1).contiguous()
+
+
+@pytest.mark.parametrize("qtype", [Q4_0_X8, Q4_1_X8])
+@pytest.mark.parametrize(("n", "k"), [(37, 352), (64, 576), (16, 128)])
+def test_repacked_q4_0_and_q4_1_give_the_row_layouts_bits(cpu_ops, qtype, n, k):
+    """Q4_0 / Q4_1 8 rows at a time with fp16 scales (natively with AVX-512, else unpacked):
+    the row layout's bits at any number of rows; unpacked, the row layout's values."""
+    ops = torch.ops.radixserve_cpu
+    qs, scale_min = gguf_int4_blocks(n, k, qtype, seed=n + k)
+    x8 = ops.int4_repack_x8(qs, scale_min, qtype)
+    assert x8.shape == (n, k // 32 * (18 if qtype == Q4_0_X8 else 20))
+    for m in (*ROWS, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(int4_x8_matmul_q8(x, x8, qtype), int4_block_matmul_q8(x, qs, scale_min))
+    rows = torch.tensor([n - 1, 0, 9, 3])  # a tail row, rows of two groups
+    unpacked_qs, unpacked_scale_min = ops.int4_unpack_x8(x8, qtype, rows)
+    assert torch.equal(unpacked_qs, qs[rows]) and torch.equal(unpacked_scale_min, scale_min[rows])
+    inexact = scale_min.clone()
+    inexact[3, 1, 0] += 1e-6  # not an fp16 value
+    with pytest.raises(RuntimeError, match="is not an fp16"):
+        ops.int4_repack_x8(qs, inexact, qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q4_0_X8, Q4_1_X8])
+def test_int8_repacks_gguf_int4_layers_and_keeps_every_output(cpu_ops, qtype):
+    if not kquant_x8_native():
+        pytest.skip("repacked int4 runs natively with AVX-512 only: never repacked here")
+    n, k = 37, 352
+    qs, scale_min = gguf_int4_blocks(n, k, qtype, seed=1)
+    codes = torch.stack([qs.view(n, -1, 16) & 0x0F, qs.view(n, -1, 16) >> 4], 2).reshape(n, k)
+    scales, offsets = scale_min.unbind(-1)
+
+    def layer(offsets=offsets):
+        zeros = offsets + 8 * scales  # the loader's: w = q * scale + (zero - 8 * scale)
+        return Int4WeightOnlyLinear(codes.int(), scales, zeros, 32, backend="blocks")
+
+    model = torch.nn.Sequential(layer(), layer(offsets + 1e-4))  # the second: fp32 offsets
+    row = layer()
+    assert torch.equal(row.qs, qs) and torch.equal(row.scale_min, scale_min)
+    activation_choice.configure_block_activations(model, "int8", deterministic=False)
+    assert [m.x8_type for m in model] == [qtype, None]  # fp32 offsets: as they lie
+    packed = model[0]
+    row.int8_activations = True
+    for m in (1, 5, 40):
+        x = torch.randn(m, k)
+        assert torch.equal(packed(x), row(x)), m
+    assert torch.equal(packed.dequantize(), row.dequantize())
+    index = torch.tensor([3, 36, 8, 3])
+    assert torch.equal(packed.dequantize_rows(index), row.dequantize_rows(index))
+    row.dense_dtype = packed.dense_dtype = torch.float32
+    x = torch.randn(130, k)
+    assert torch.equal(packed._dense_matmul(x), row._dense_matmul(x))  # fp32 panels
+    packed.int8_activations = row.int8_activations = False  # fp32 activations: unpacked
+    assert torch.equal(packed(x[:3]), row(x[:3]))
+    with pytest.raises(ValueError, match="cannot repack"):
+        model[1].repack_rows8()
+    twin = activation_choice.int8_twin(row)  # what `auto` times int8 on: a repacked copy
+    assert twin.x8_type == qtype and row.x8_type is None and torch.equal(row.qs, qs)
+    assert torch.equal(
+        activation_choice._kernel(twin, x, True), activation_choice._kernel(row, x, True)
+    )
 
 
 def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.nn.Module:

@@ -63,6 +63,7 @@ HEADERS = [
     CSRC / "q8_simd.h",
     CSRC / "q8_formats.h",
     CSRC / "q8_kquant_x8.h",
+    CSRC / "q8_int4_x8.h",
 ]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
 # Per SIMD level torch picked for this CPU (torch.backends.cpu.get_cpu_capability()); the

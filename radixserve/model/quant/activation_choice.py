@@ -19,8 +19,8 @@ a shared machine does not count), best of PROBE_REPEATS. The answers are cached 
 (CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so every
 process takes the same paths and a process never changes them.
 
-A Q4_K / Q6_K layer on int8 activations then takes its rows 8 at a time
-(`repack_int8_kquants`: KQuantLinear.repack_rows8, where the build runs that layout natively;
+A Q4_K / Q6_K / Q4_0 / Q4_1 layer on int8 activations then takes its rows 8 at a time
+(`repack_int8_layers`: the layers' repack_rows8, where the build runs that layout natively;
 the same bits), and the probe times int8 on such a twin of its layer.
 
 Both kernels are row-invariant. Under --enable-deterministic-inference (every row count on the
@@ -33,6 +33,7 @@ the two kernels are within noise of each other, measured: the choice would follo
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -62,7 +63,7 @@ MIN_KERNEL_ROWS = DEQUANT_MIN_ROWS
 """Batches below this (decode, verify, short extends) stay on the row-invariant kernels
 whatever the fit says: a short extend then rounds as a decode does, as before this flag."""
 PROBE_REPEATS = 3
-PROBE_VERSION = 3  # part of the cache key: a change to how the probe measures re-measures
+PROBE_VERSION = 4  # part of the cache key: a change to how the probe measures re-measures
 TABLE = "quant_activation_choice.json"
 DTYPE_TABLE = "prefill_dtype_choice.json"
 DTYPE_SHAPE = (256, 2048, 2048)  # rows, out, in: a prefill chunk through a 1B projection
@@ -106,7 +107,7 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     if choice == "int8":
         for layer in layers:
             layer.int8_activations = True
-        repack_int8_kquants(layers)
+        repack_int8_layers(layers)
         return
     head = getattr(model, "lm_head", None)
     projections = [layer.out_features * layer.in_features for layer in layers if layer is not head]
@@ -116,21 +117,25 @@ def configure_block_activations(model: nn.Module, choice: str, deterministic: bo
     path = cache_root() / TABLE
     table = cached_measurement(probe_key(kinds), partial(probe, kinds), path, required="kinds")
     apply_choice(layers, table["kinds"])
-    repack_int8_kquants(layers)
+    repack_int8_layers(layers)
 
 
-def repack_int8_kquants(layers: list[QuantizedLinear]) -> None:
-    """The Q4_K / Q6_K layers on int8 activations -> rows 8 at a time where this build runs
-    that layout natively (a tied head's embedding lookups then dequantize its rows from it)."""
+REPACKABLE = (KQuantLinear, Int4WeightOnlyLinear)  # the layers with repack_rows8
+
+
+def repack_int8_layers(layers: list[QuantizedLinear]) -> None:
+    """The Q4_K / Q6_K / Q4_0 / Q4_1 layers on int8 activations -> rows 8 at a time where this
+    build runs that layout natively (a tied head's embedding lookups then dequantize its rows
+    from it)."""
     repacked = [
         layer
         for layer in layers
-        if isinstance(layer, KQuantLinear) and layer.int8_activations and layer.can_repack()
+        if isinstance(layer, REPACKABLE) and layer.int8_activations and layer.can_repack()
     ]
     for layer in repacked:
         layer.repack_rows8()
     if repacked:
-        logger.info("int8 activations: %d K-quant layers repacked 8 rows at a time", len(repacked))
+        logger.info("int8 activations: %d block layers repacked 8 rows at a time", len(repacked))
 
 
 def configure_dense_dtype(model: nn.Module, dtype: torch.dtype) -> None:
@@ -255,9 +260,14 @@ def dense_crossover(
 
 def int8_twin(layer: QuantizedLinear) -> QuantizedLinear:
     """The layer as int8 activations would run it: a repacked copy of a K-quant layer that
-    repack_int8_kquants would repack (the file's pages untouched), else the layer itself."""
-    if not isinstance(layer, KQuantLinear) or not layer.can_repack():
+    repack_int8_layers would repack (the file's pages untouched), else the layer itself."""
+    if not isinstance(layer, REPACKABLE) or not layer.can_repack():
         return layer
+    if isinstance(layer, Int4WeightOnlyLinear):  # a copy of its own row-layout buffers
+        twin = copy.copy(layer)
+        twin._buffers = dict(layer._buffers)
+        twin.repack_rows8()
+        return twin
     row_order = layer._buffers["row_order"]
     twin = KQuantLinear(layer._buffers["blocks"], layer.type_name, row_order=row_order)
     twin.repack_rows8(release_file_pages=False)

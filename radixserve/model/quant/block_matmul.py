@@ -11,7 +11,9 @@ depend on how many rows share the call (--enable-deterministic-inference may use
     int8    qs [N, K] int8                      scales [N, K / 32] fp32: w = q * d
 
 With int8 activations (q8_matmul.py, chosen by activation_choice.py) the same blocks meet
-activations quantized to int8 blocks in integer dots, as llama.cpp computes them.
+activations quantized to int8 blocks in integer dots, as llama.cpp computes them; on AVX-512
+builds an int4 layer of a GGUF Q4_0 / Q4_1 then takes its rows 8 at a time, with fp16 scales
+(`int4_x8_type`, Int4WeightOnlyLinear.repack_rows8: the same bits).
 
 Chosen at load time (`--cpu-quant-kernel`, `resolve_cpu_quant_kernel`): only where the
 extension builds with AVX2 or AVX512 intrinsics; its portable build is correct but slower
@@ -81,6 +83,18 @@ def unpack_int4_blocks(qs: torch.Tensor) -> torch.Tensor:
     n, half = qs.shape
     blocks = qs.reshape(n, half * 2 // BLOCK, BLOCK // 2)
     return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, half * 2)
+
+
+def int4_x8_type(scale_min: torch.Tensor) -> int | None:
+    """The repacked type int4 blocks take (q8_int4_x8.h): Q4_0_X8 where every scale is an fp16
+    value and every offset -8 x its scale (a GGUF Q4_0's), Q4_1_X8 where scales and offsets
+    are fp16 values (a GGUF Q4_1's), else None (the repacked bytes keep fp16 only)."""
+    scales, offsets = scale_min.unbind(-1)
+    if not torch.equal(scales.half().float(), scales):
+        return None
+    if torch.equal(offsets, 0 - 8 * scales):
+        return q8_matmul.Q4_0_X8
+    return q8_matmul.Q4_1_X8 if torch.equal(offsets.half().float(), offsets) else None
 
 
 def int4_block_matmul(

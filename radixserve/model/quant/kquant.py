@@ -30,14 +30,13 @@ from radixserve.model.gguf_file import release_pages
 from radixserve.model.quant import q8_matmul
 from radixserve.model.quant.dense_panels import DequantizeInto
 from radixserve.model.quant.linear import QuantizedLinear
+from radixserve.model.quant.q8_matmul import X8_ROWS, X8_TYPE, x8_native
 
 SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
 # GGUF type name -> (ggml type id, bytes per super-block)
 KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
-# Q4_K / Q6_K rows repacked 8 at a time (native/csrc/kquant_blocks.h): ours, ggml's id + 1000
-X8_TYPE = 1000
+# Q4_K / Q6_K rows repacked 8 at a time (native/csrc/kquant_blocks.h)
 Q4_K_X8, Q6_K_X8 = 12 + X8_TYPE, 14 + X8_TYPE
-X8_ROWS = 8
 
 
 @functools.cache
@@ -72,10 +71,7 @@ def kquant_ops_available() -> bool:
     return True
 
 
-@functools.cache
-def kquant_x8_native() -> bool:
-    """True where repacked Q4_K / Q6_K run on their own 8-row kernels (an AVX-512 build)."""
-    return kquant_ops_available() and torch.ops.radixserve_cpu.kquant_x8_native()
+kquant_x8_native = x8_native  # repacked Q4_K / Q6_K run natively here (AVX-512)
 
 
 def kquant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from radixserve.model.quant import block_matmul
+from radixserve.model.quant import block_matmul, q8_matmul
 from radixserve.model.quant.base_linear import (
     DEQUANT_MIN_ROWS,
     QuantizedLinear,
@@ -180,6 +180,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
         self.backend = _backend(backend, codes.device)
+        self.x8_type: int | None = None  # Q4_0_X8 / Q4_1_X8 once repacked (repack_rows8)
         _check_blocks(self.backend, group_size, "Int4WeightOnlyLinear")
         if self.backend == "triton":
             self._store_for_triton(codes, scales, zeros)
@@ -233,7 +234,10 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             kernels = _quant_kernels()
             return kernels.int4_matmul(x, self.packed, self.scales, self.zeros, self.group_size)
         if self.backend == "blocks" and not self._dequantizes(x):
-            return block_matmul.int4_block_matmul(x, self.qs, self.scale_min, self.int8_activations)
+            if self.x8_type is not None and self.int8_activations:
+                return q8_matmul.int4_x8_matmul_q8(x, self.x8, self.x8_type)
+            qs, scale_min = self._row_blocks()
+            return block_matmul.int4_block_matmul(x, qs, scale_min, self.int8_activations)
         if self._dequantizes(x) and (self.backend == "blocks" or packing_format() is not None):
             return self._dense_matmul(x)
         return self._cpu_kernel_matmul(x)
@@ -248,12 +252,47 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         if self.backend != "blocks":
             return None
         ops = torch.ops.radixserve_cpu
-        return partial(ops.int4_block_dequantize_into, self.qs, self.scale_min), None
+        if self.x8_type is None:
+            return partial(ops.int4_block_dequantize_into, self.qs, self.scale_min), None
+        return self._dequantize_x8_into, None
+
+    def _dequantize_x8_into(self, row0: int, out: torch.Tensor) -> None:
+        rows = self._row_blocks(torch.arange(row0, row0 + out.shape[0]))
+        torch.ops.radixserve_cpu.int4_block_dequantize_into(*rows, 0, out)
+
+    def _row_blocks(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `index` (all: None) as qs [n, in / 2] and scale_min [n, in / 32, 2]: the row
+        layout, unpacked from a repacked layer's bytes (the same values)."""
+        if self.x8_type is None:
+            qs, scale_min = self._buffers["qs"], self._buffers["scale_min"]
+            return (qs, scale_min) if index is None else (qs[index], scale_min[index])
+        index = torch.arange(self.out_features) if index is None else index
+        return torch.ops.radixserve_cpu.int4_unpack_x8(self.x8, self.x8_type, index.long())
+
+    def can_repack(self) -> bool:
+        """Whether `repack_rows8` applies: a "blocks" layer of at least 8 rows whose scales are
+        a GGUF Q4_0's or Q4_1's (fp16), on a build running that layout natively (AVX-512)."""
+        if self.backend != "blocks" or self.x8_type is not None:
+            return False
+        if self.out_features < q8_matmul.X8_ROWS or not q8_matmul.x8_native():
+            return False
+        return block_matmul.int4_x8_type(self._buffers["scale_min"]) is not None
+
+    def repack_rows8(self) -> None:
+        """Rows -> 8 at a time with fp16 scales (q8_int4_x8.h: 18 / 20 bytes a block and row
+        instead of 24), for the int8-activation kernel; every other path unpacks it to the
+        row layout. The same results everywhere."""
+        if not self.can_repack():
+            raise ValueError(f"Int4WeightOnlyLinear: {self.extra_repr()} cannot repack")
+        qtype = block_matmul.int4_x8_type(self._buffers["scale_min"])
+        qs, scale_min = self._buffers.pop("qs"), self._buffers.pop("scale_min")
+        self.register_buffer("x8", torch.ops.radixserve_cpu.int4_repack_x8(qs, scale_min, qtype))
+        self.x8_type = qtype
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 rows `index` (1-D) of the weight, only those dequantized (backend "blocks")."""
         _check_rows_backend(self.backend, "Int4WeightOnlyLinear")
-        return self._blocks_weight(self.qs[index], self.scale_min[index])
+        return self._blocks_weight(*self._row_blocks(index))
 
     def _blocks_weight(self, qs: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
         """fp32 weight rows of GGUF-style blocks: qs [n, k / 2], scale_min [n, k / 32, 2]."""
@@ -265,7 +304,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype or torch.float32
         if self.backend == "blocks":
-            return self._blocks_weight(self.qs, self.scale_min).to(dtype)
+            return self._blocks_weight(*self._row_blocks()).to(dtype)
         if self.backend == "triton":
             codes = _quant_kernels().unpack_int4(self.packed)
             weight = dequantize_int4(codes, self.scales.t(), self.zeros.t(), self.group_size)

@@ -14,7 +14,9 @@ and the fp32 ones run in a fixed order per row on every SIMD level (AVX512-VNNI,
 portable: the same bits; with AVX-512 two blocks share one 512-bit dot and fma, the two
 8-lane sets of the other levels side by side), so a row's result does not depend on the
 other rows of the call. Against the fp32 path the difference is the activations' rounding,
-~0.3% of a dot's size. Which path a layer takes: activation_choice.py.
+~0.3% of a dot's size. Which path a layer takes: activation_choice.py; on AVX-512 builds it
+repacks Q4_K / Q6_K (kquant.py) and Q4_0 / Q4_1 (linear.py's Int4WeightOnlyLinear) 8 rows at a
+time for their own kernels (X8_TYPE), with the row layout's bits.
 """
 
 from __future__ import annotations
@@ -25,6 +27,24 @@ import torch
 
 Q8_BLOCK = 32  # activation block of Q4_0 / Q4_1 / Q8_0 (llama.cpp's QK8_0)
 Q8K_BLOCK = 256  # activation block of the K-quants (QK_K)
+# Weights repacked 8 rows at a time for the AVX-512 kernels (native/csrc/kquant_blocks.h,
+# q8_int4_x8.h): a repacked format's id is its ggml type id + X8_TYPE (ours)
+X8_TYPE = 1000
+X8_ROWS = 8
+Q4_0_X8, Q4_1_X8 = 2 + X8_TYPE, 3 + X8_TYPE
+
+
+@functools.cache
+def x8_native() -> bool:
+    """True where repacked weights run on their own 8-row kernels (an AVX-512 build); other
+    builds would unpack them group by group, so layers are not repacked there."""
+    from radixserve.native.extension import CpuExtensionUnavailable
+
+    try:
+        load_q8_ops()
+    except CpuExtensionUnavailable:
+        return False
+    return bool(torch.ops.radixserve_cpu.kquant_x8_native())
 
 
 @functools.cache
@@ -42,6 +62,10 @@ def load_q8_ops() -> None:
     def _int8_fake(x, qs, scales):
         return x.new_empty(x.shape[0], qs.shape[0])
 
+    @torch.library.register_fake("radixserve_cpu::int4_x8_mm_q8")
+    def _int4_x8_fake(x, blocks, qtype):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
     @torch.library.register_fake("radixserve_cpu::kquant_mm_q8")
     def _kquant_fake(x, blocks, qtype):
         return x.new_empty(x.shape[0], blocks.shape[0])
@@ -52,6 +76,12 @@ def int4_block_matmul_q8(
 ) -> torch.Tensor:
     """[M, K] fp32 / bf16 @ int4 blocks.T with int8 activations -> [M, N] in x's dtype."""
     return torch.ops.radixserve_cpu.int4_block_mm_q8(x.contiguous(), qs, scale_min)
+
+
+def int4_x8_matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """[M, K] fp32 / bf16 @ repacked Q4_0 / Q4_1 (Q4_0_X8 / Q4_1_X8) blocks.T with int8
+    activations -> [M, N] in x's dtype: int4_block_matmul_q8's bits on the row layout."""
+    return torch.ops.radixserve_cpu.int4_x8_mm_q8(x.contiguous(), blocks, qtype)
 
 
 def int8_block_matmul_q8(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,13 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "q8_int4_x8.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -296,6 +298,61 @@ void int8_block_dequantize_into(const at::Tensor& qs, const at::Tensor& scales, 
   dequantize_into(weights, row0, scales.size(1), out);
 }
 
+// The row layout (qs [N, K / 2] uint8, scale_min [N, K / 32, 2] fp32) repacked 8 rows at a
+// time as Q4_0 (1002: every offset -8 x its scale) or Q4_1 (1003); every scale and offset
+// must be an fp16 value (a GGUF file's are).
+at::Tensor int4_repack_x8(const at::Tensor& qs, const at::Tensor& scale_min, int64_t qtype) {
+  TORCH_CHECK(qtype == radixserve_q8::kQ40X8 || qtype == radixserve_q8::kQ41X8, "int4_repack_x8: qtype ", qtype,
+              " is not repacked Q4_0 (1002) or Q4_1 (1003)");
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 &&
+                  scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+                  scale_min.dim() == 3 && scale_min.size(0) == qs.size(0) &&
+                  scale_min.size(1) * 16 == qs.size(1) && scale_min.size(2) == 2,
+              "int4_repack_x8: qs must be uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]");
+  const int64_t N = qs.size(0);
+  const radixserve_q8::Int4X8Layout L{qtype == radixserve_q8::kQ41X8, scale_min.size(1)};
+  const float* sm = scale_min.data_ptr<float>();
+  for (int64_t i = 0; i < N * L.nb; ++i) {
+    const float d = sm[2 * i], m = sm[2 * i + 1];
+    const bool exact = static_cast<float>(c10::Half(d)) == d &&
+                       (L.has_min ? static_cast<float>(c10::Half(m)) == m : m == 0.f - 8.f * d);
+    TORCH_CHECK(exact, "int4_repack_x8: block ", i, "'s scale / offset (", d, ", ", m,
+                ") is not ", L.has_min ? "an fp16 pair" : "an fp16 scale with offset -8 x it");
+  }
+  at::Tensor out = at::empty({N, L.row_bytes()}, qs.options());
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    radixserve_q8::repack_int4_rows(qs.data_ptr<uint8_t>(), sm, L, N, n0, n1, out.data_ptr<uint8_t>());
+  });
+  return out;
+}
+
+// Rows `rows` (int64, 1-D) of repacked Q4_0 / Q4_1 in the row layout: (qs, scale_min).
+std::tuple<at::Tensor, at::Tensor> int4_unpack_x8(const at::Tensor& blocks, int64_t qtype,
+                                                  const at::Tensor& rows) {
+  TORCH_CHECK(qtype == radixserve_q8::kQ40X8 || qtype == radixserve_q8::kQ41X8, "int4_unpack_x8: qtype ", qtype,
+              " is not repacked Q4_0 (1002) or Q4_1 (1003)");
+  const radixserve_q8::Int4X8Layout L{qtype == radixserve_q8::kQ41X8, 1};
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(1) % L.block_bytes() == 0,
+              "int4_unpack_x8: blocks must be a contiguous uint8 [N, K / 32 * ",
+              L.block_bytes(), "] tensor");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "int4_unpack_x8: rows must be a contiguous int64 [n] tensor");
+  const int64_t N = blocks.size(0), count = rows.size(0);
+  const radixserve_q8::Int4X8Layout layout{L.has_min, blocks.size(1) / L.block_bytes()};
+  const int64_t* index = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(0 <= index[i] && index[i] < N, "int4_unpack_x8: row ", index[i], " of ", N);
+  at::Tensor qs = at::empty({count, layout.nb * 16}, blocks.options());
+  at::Tensor sm = at::empty({count, layout.nb, 2}, blocks.options().dtype(at::kFloat));
+  at::parallel_for(0, count, kGrain, [&](int64_t i0, int64_t i1) {
+    radixserve_q8::unpack_int4_rows(blocks.data_ptr<uint8_t>(), layout, N, index + i0, i1 - i0,
+                     qs.data_ptr<uint8_t>() + i0 * layout.nb * 16,
+                     sm.data_ptr<float>() + i0 * layout.nb * 2);
+  });
+  return {qs, sm};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
@@ -303,6 +360,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("int8_block_mm(Tensor x, Tensor qs, Tensor scales) -> Tensor");
   m.def("int4_block_dequantize_into(Tensor qs, Tensor scale_min, int row0, Tensor(a!) out) -> ()");
   m.def("int8_block_dequantize_into(Tensor qs, Tensor scales, int row0, Tensor(a!) out) -> ()");
+  m.def("int4_repack_x8(Tensor qs, Tensor scale_min, int qtype) -> Tensor");
+  m.def("int4_unpack_x8(Tensor blocks, int qtype, Tensor rows) -> (Tensor, Tensor)");
   // Which SIMD path the extension was built with (avx512, avx2, portable): every kernel
   // file follows the same build flags. No tensor argument: a catch-all.
   m.def("simd_level() -> str", [] { return std::string(kSimd); });
@@ -313,4 +372,6 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("int8_block_mm", &int8_block_mm);
   m.impl("int4_block_dequantize_into", &int4_block_dequantize_into);
   m.impl("int8_block_dequantize_into", &int8_block_dequantize_into);
+  m.impl("int4_repack_x8", &int4_repack_x8);
+  m.impl("int4_unpack_x8", &int4_unpack_x8);
 }

@@ -11,7 +11,7 @@
 // codes) for the 32-wide formats, blocks of 256 (Q8_K: d, and the codes' sums per 16) for the
 // K-quants. A block's dot is then one integer dot and one or two fp32 fmas:
 //
-//   Int4:  d_w d_x * sum(q_w q_x) + m_w * (d_x sum q_x)
+//   Int4:  d_w d_x * sum(q_w q_x) + m_w * (d_x sum q_x)   (each block's sum reduced first)
 //   Int8:  d_w d_x * sum(q_w q_x)
 //   Q4_K / Q5_K:  (d d_x) * sum_u sc_u sum(q q_x)  -  (dmin d_x) * sum_u m_u sum_u(q_x)
 //   Q6_K:  (d d_x) * sum_j sc_j sum(q q_x)  -  (d d_x) * 32 sum_j sc_j sum_j(q_x)
@@ -64,9 +64,15 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 // Int4 / Int8 take their blocks 8 at a time (a group): one vector product gives the 8
-// blocks' d_w d_x (and, Int4, m_w * d_x sum q_x beside each), then one fma per block.
+// blocks' d_w d_x (and, Int4, m_w * d_x sum q_x beside each), then one fma per block (Int8: on
+// the 8 lanes of its dot; Int4: on its dot's sum).
 constexpr int kGroup = 8;
 
+// Int4 sums each block's integer dot first (exact), then per block k of a group, in lane
+// 2k + 1 of the row's `offsets`: acc = fma(d_w d_x, sum(q_w q_x), acc) + m_w (d_x sum q_x),
+// the two products rounded once each; odd_sum then adds the 8 lanes in one fixed order. The
+// lanes' integer sums may be reduced in any order (exact), so every SIMD level and the
+// repacked layout (q8_int4_x8.h) give the same bits.
 struct Int4Rows {
   static constexpr int64_t kBlock = kQ8Block;
   static constexpr int kBlocksPerGroup = kGroup;
@@ -76,48 +82,46 @@ struct Int4Rows {
     prefetch(qs + n * nb * 16, nb * 16);
     prefetch(scale_min + n * nb * 2, nb * 2 * sizeof(float));
   }
-  // Blocks b0 .. b0 + count - 1 (count <= kGroup; b0 even): block k's (d_w d_x, m_w s_x) in
-  // lanes 2k, 2k + 1 of the product; its dot into lane set k % 2; the offsets stay in their
-  // lanes until the row's end.
+  // Blocks b0 .. b0 + count - 1 (count <= kGroup; b0 a multiple of kGroup): lanes 2k, 2k + 1
+  // of the products hold block k's (d_w d_x, m_w d_x sum q_x); block k's sum goes to lane
+  // 2k + 1 of `offsets` (the even lanes carry values nothing reads).
   template <int64_t R>
   void group(int64_t n, int64_t b0, int count, const Q8Acts& a, int64_t r0, RowAcc* acc) const {
     const int64_t wb0 = n * a.num_blocks + b0;
     const Pairs sm = load_pairs(scale_min + 2 * wb0, 2 * count);
-    Pairs p[R];
-    for (int64_t r = 0; r < R; ++r) {
-      p[r] = pmul(sm, load_pairs(a.pairs + 2 * ((r0 + r) * a.num_blocks + b0), 2 * count));
-      acc[r].offsets = padd(acc[r].offsets, p[r]);
-    }
-    int k = 0;
 #if defined(RADIXSERVE_Q8_ZMM)
-    __m512 wide[R];
-    for (int64_t r = 0; r < R; ++r)
-      wide[r] = _mm512_insertf32x8(_mm512_castps256_ps512(p[r].lo), p[r].hi, 1);
-#pragma GCC unroll 4
-    for (; k + 2 <= count; k += 2) {
-      const __m512i w = dual_nibbles(qs + (wb0 + k) * 16);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
-        acc[r].lanes = dual_fma(acc[r].lanes, wide[r], 2 * k, 2, dual_dot_us(w, x));
+    __m512i w[4];  // blocks 2i, 2i + 1 (0 past count)
+    for (int i = 0; i < 4; ++i) {
+      const int k = 2 * i;
+      w[i] = k + 1 < count ? dual_nibbles(qs + (wb0 + k) * 16)
+             : k < count   ? _mm512_zextsi256_si512(nibbles16(qs + (wb0 + k) * 16))
+                           : _mm512_setzero_si512();
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* x = a.qs + (r0 + r) * a.K + b0 * kBlock;
+      __m512i d[4];
+      for (int i = 0; i < 4; ++i) {
+        const int k = 2 * i;
+        const __m512i xs = k + 1 < count ? _mm512_loadu_si512(x + 32 * k)
+                           : k < count   ? _mm512_zextsi256_si512(load_bytes(x + 32 * k))
+                                         : _mm512_setzero_si512();
+        d[i] = dual_dot_us(w[i], xs);
       }
+      const Pairs p = pmul(sm, load_pairs(a.pairs + 2 * ((r0 + r) * a.num_blocks + b0), 2 * count));
+      acc[r].offsets = add_block_sums(acc[r].offsets, p, zblock_sums(d));
     }
 #else
-#pragma GCC unroll 4
-    for (; k + 2 <= count; k += 2) {
-      one<R, 0>(wb0, b0, k, a, r0, p, acc);
-      one<R, 1>(wb0, b0, k + 1, a, r0, p, acc);
+    Bytes w[kGroup];
+    for (int k = 0; k < kGroup; ++k) w[k] = k < count ? nibbles16(qs + (wb0 + k) * 16) : Bytes{};
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* x = a.qs + (r0 + r) * a.K + b0 * kBlock;
+      Ints d[kGroup];
+      for (int k = 0; k < kGroup; ++k)
+        d[k] = k < count ? dot_us(izero(), w[k], load_bytes(x + 32 * k)) : izero();
+      const Pairs p = pmul(sm, load_pairs(a.pairs + 2 * ((r0 + r) * a.num_blocks + b0), 2 * count));
+      acc[r].offsets = add_block_sums(acc[r].offsets, p, block_sums(d));
     }
 #endif
-    if (k < count) one<R, 0>(wb0, b0, k, a, r0, p, acc);
-  }
-  template <int64_t R, int S>
-  void one(int64_t wb0, int64_t b0, int k, const Q8Acts& a, int64_t r0, const Pairs* p,
-           RowAcc* acc) const {
-    const Bytes w = nibbles16(qs + (wb0 + k) * 16);
-    for (int64_t r = 0; r < R; ++r) {
-      const Bytes x = load_bytes(a.qs + (r0 + r) * a.K + (b0 + k) * kBlock);
-      acc[r].lanes = dfma<S>(acc[r].lanes, lane16(p[r], 2 * k), dot_us(izero(), w, x));
-    }
   }
 };
 

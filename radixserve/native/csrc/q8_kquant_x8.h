@@ -48,15 +48,16 @@ inline void x8_scale_ints(X8Acc& acc, __m256 dd) {
     acc.sets[S][c] = _mm512_fmadd_ps(dd2, _mm512_cvtepi32_ps(acc.ints[c]), acc.sets[S][c]);
 }
 
-// The 8 rows' results: dsum's order per row, then + 0 (odd_sum of no offsets) + min terms.
-inline __m256 x8_finish(const X8Acc& acc) {
+// The 8 rows' results: dsum's order per row, then + the offsets' sums (Int4; 0 for the
+// K-quants) + the min terms (the K-quants; 0 for Int4), as dot_rows adds them.
+inline __m256 x8_finish(const X8Acc& acc, __m256 offsets) {
   __m512 t[4];
   for (int c = 0; c < 4; ++c) t[c] = _mm512_add_ps(acc.sets[0][c], acc.sets[1][c]);
   const __m512 u = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
   const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));  // + the pair's other lane
   const __m256 dots = _mm512_castps512_ps256(_mm512_permutexvar_ps(
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), v));
-  return _mm256_add_ps(_mm256_add_ps(dots, _mm256_setzero_ps()), acc.mins);
+  return _mm256_add_ps(_mm256_add_ps(dots, offsets), acc.mins);
 }
 
 // One super-block's activation rows m0 .. m0 + R - 1: codes, d_x, sums per 16.
@@ -95,7 +96,8 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
     block(b + 1, std::integral_constant<int, 1>{});
   }
   if (b < nb) block(b, std::integral_constant<int, 0>{});
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N, x8_finish(acc[r]));
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(out + r * N, x8_finish(acc[r], _mm256_setzero_ps()));
 }
 
 // Word 4r + i of the result = word 4r + k of `words` (row r's k-th scale, 4 copies): an

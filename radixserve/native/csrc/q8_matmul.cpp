@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "q8_formats.h"
+#include "q8_int4_x8.h"
 #include "q8_kquant_x8.h"
 
 #include <algorithm>
@@ -158,6 +159,25 @@ at::Tensor run(const at::Tensor& x, const F& f, int64_t N) {
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// dot(tile, group, m) over every group of 8 weight rows and every tile of activation rows
+// (tile: std::integral_constant of its rows, up to kTileRows).
+template <typename Dot>
+void over_x8_groups(int64_t M, int64_t num_groups, Dot&& dot) {
+  at::parallel_for(0, num_groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows)
+        dot(std::integral_constant<int, kTileRows>{}, g, m);
+      switch (M - m) {
+        case 3: dot(std::integral_constant<int, 3>{}, g, m); break;
+        case 2: dot(std::integral_constant<int, 2>{}, g, m); break;
+        case 1: dot(std::integral_constant<int, 1>{}, g, m); break;
+        default: break;
+      }
+    }
+  });
+}
+
 // Repacked Q4_K / Q6_K (kquant_blocks.h; X the 8-row kernel, L the layout, Rows the row
 // kernel): with AVX-512 X on every group and every activation row, the rows past the last group
 // on Rows; else every group unpacked for Rows. The same bits either way.
@@ -171,20 +191,9 @@ at::Tensor run_x8(const at::Tensor& x, const uint8_t* w, int64_t N) {
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = nb * L::kBytes, grouped = N / kX8Rows * kX8Rows;
 #if defined(RADIXSERVE_Q8_ZMM)
-  at::parallel_for(0, grouped / kX8Rows, kGroupGrain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = w + g * kX8Rows * row_bytes;
-      float* og = o + g * kX8Rows;
-      int64_t m = 0;
-      for (; m + kTileRows <= M; m += kTileRows)
-        x8_dot<X, kTileRows>(group, buf.acts, m, og + m * N, N);
-      switch (M - m) {
-        case 3: x8_dot<X, 3>(group, buf.acts, m, og + m * N, N); break;
-        case 2: x8_dot<X, 2>(group, buf.acts, m, og + m * N, N); break;
-        case 1: x8_dot<X, 1>(group, buf.acts, m, og + m * N, N); break;
-        default: break;
-      }
-    }
+  over_x8_groups(M, grouped / kX8Rows, [&](auto tile, int64_t g, int64_t m) {
+    float* og = o + g * kX8Rows + m * N;
+    x8_dot<X, decltype(tile)::value>(w + g * kX8Rows * row_bytes, buf.acts, m, og, N);
   });
   if (grouped < N)
     dot_range(Rows{{}, w + grouped * row_bytes}, 0, N - grouped, buf.acts, M, o + grouped, N);
@@ -210,6 +219,46 @@ at::Tensor int4_block_mm_q8(const at::Tensor& x, const at::Tensor& qs, const at:
                   scale_min.size(1) * kQ8Block == K && scale_min.size(2) == 2,
               "int4_block_mm_q8: scale_min must be a contiguous float32 [N, K / 32, 2] tensor");
   return run(x, Int4Rows{qs.data_ptr<uint8_t>(), scale_min.data_ptr<float>()}, N);
+}
+
+// Repacked Q4_0 / Q4_1 (q8_int4_x8.h): with AVX-512 the 8-row kernel on every group, the rows
+// past the last group unpacked for Int4Rows; else every row unpacked for Int4Rows.
+at::Tensor int4_x8_mm_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  check_x(x, kQ8Block, "int4_x8_mm_q8");
+  TORCH_CHECK(qtype == kQ40X8 || qtype == kQ41X8, "int4_x8_mm_q8: qtype ", qtype,
+              " is not repacked Q4_0 (1002) or Q4_1 (1003)");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  const Int4X8Layout L{qtype == kQ41X8, K / kQ8Block};
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) == L.row_bytes(),
+              "int4_x8_mm_q8: blocks must be a contiguous uint8 [N, K / 32 * ", L.block_bytes(),
+              "] tensor");
+  std::vector<float> scratch;
+  Q8Buffers buf;
+  quantize_rows(radixserve_cpu::activations_f32(x, scratch), M, K, kQ8Block, buf);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  auto rows = [&](int64_t n0, int64_t n1) {
+    for_int4_rows_unpacked(w, L, N, n0, n1, [&](const uint8_t* qs, const float* sm, int64_t first,
+                                                int64_t count) {
+      dot_range(Int4Rows{qs, sm}, 0, count, buf.acts, M, o + first, N);
+    });
+  };
+  const int64_t grouped = N / kX8Rows * kX8Rows;
+#if defined(RADIXSERVE_Q8_ZMM)
+  over_x8_groups(M, grouped / kX8Rows, [&](auto tile, int64_t g, int64_t m) {
+    constexpr int R = decltype(tile)::value;
+    const uint8_t* group = w + g * kX8Rows * L.row_bytes();
+    float* og = o + g * kX8Rows + m * N;
+    if (L.has_min) int4_x8_dot<true, R>(group, buf.acts, m, og, N);
+    else int4_x8_dot<false, R>(group, buf.acts, m, og, N);
+  });
+  rows(grouped, N);
+#else
+  at::parallel_for(0, N, kGrain, rows);
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 at::Tensor int8_block_mm_q8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales) {
@@ -271,10 +320,11 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("int4_block_mm_q8(Tensor x, Tensor qs, Tensor scale_min) -> Tensor");
   m.def("int8_block_mm_q8(Tensor x, Tensor qs, Tensor scales) -> Tensor");
   m.def("kquant_mm_q8(Tensor x, Tensor blocks, int qtype) -> Tensor");
+  m.def("int4_x8_mm_q8(Tensor x, Tensor blocks, int qtype) -> Tensor");
   m.def("q8_quantize(Tensor x, int block) -> (Tensor, Tensor)");
   // Which integer dot the int8-activation kernels were built with (avx512_vnni, avx2, portable).
   m.def("int_dot_level() -> str", [] { return std::string(kIntDot); });
-  // Whether repacked Q4_K / Q6_K (1012 / 1014) run on their 8-row kernels here (AVX-512).
+  // Whether repacked Q4_K / Q6_K / Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512).
   m.def("kquant_x8_native() -> bool", [] {
 #if defined(RADIXSERVE_Q8_ZMM)
     return true;
@@ -288,5 +338,6 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("int4_block_mm_q8", &int4_block_mm_q8);
   m.impl("int8_block_mm_q8", &int8_block_mm_q8);
   m.impl("kquant_mm_q8", &kquant_mm_q8);
+  m.impl("int4_x8_mm_q8", &int4_x8_mm_q8);
   m.impl("q8_quantize", &q8_quantize);
 }

@@ -135,6 +135,28 @@ inline void store_pairs(const Pairs& p, float* out) {
   _mm256_storeu_ps(out, p.lo);
   _mm256_storeu_ps(out + 8, p.hi);
 }
+// Int4's per-block integer sums: block k's in lane 2k + 1 of 16 (lo: k < 4, hi: k >= 4).
+struct BlockSums {
+  Ints lo, hi;
+};
+// The 8 sums of d[k]'s lanes (exact; pairs, then quads by hadd, then the 128-bit halves).
+inline BlockSums block_sums(const Ints* d) {
+  __m128i four[2];
+  for (int h = 0; h < 2; ++h) {
+    const Ints* q = d + 4 * h;
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    four[h] = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  }
+  return BlockSums{_mm256_slli_epi64(_mm256_cvtepu32_epi64(four[0]), 32),
+                   _mm256_slli_epi64(_mm256_cvtepu32_epi64(four[1]), 32)};
+}
+// acc's odd lanes 2k + 1 = fma(p[2k], sum k, acc) + p[2k + 1] (p: d_w d_x, m_w d_x sum q_x).
+inline __m256 add_block_sums8(__m256 acc, __m256 p, Ints sums) {
+  return _mm256_add_ps(_mm256_fmadd_ps(_mm256_moveldup_ps(p), _mm256_cvtepi32_ps(sums), acc), p);
+}
+inline Pairs add_block_sums(Pairs acc, Pairs p, BlockSums s) {
+  return Pairs{add_block_sums8(acc.lo, p.lo, s.lo), add_block_sums8(acc.hi, p.hi, s.hi)};
+}
 #else
 struct Bytes {
   uint8_t v[32];
@@ -258,6 +280,20 @@ inline Pairs padd(Pairs a, Pairs b) {
 inline Floats lane8(Floats v, int i) { return fset1(v.v[i]); }
 inline Floats lane16(const Pairs& p, int i) { return fset1(p.v[i]); }
 inline void store_pairs(const Pairs& p, float* out) { std::memcpy(out, p.v, sizeof(p.v)); }
+struct BlockSums {
+  int32_t v[8];
+};
+inline BlockSums block_sums(const Ints* d) {
+  BlockSums s{};
+  for (int k = 0; k < 8; ++k)
+    for (int j = 0; j < 8; ++j) s.v[k] += d[k].v[j];
+  return s;
+}
+inline Pairs add_block_sums(Pairs acc, Pairs p, BlockSums s) {
+  for (int k = 0; k < 8; ++k)
+    acc.v[2 * k + 1] = std::fma(p.v[2 * k], static_cast<float>(s.v[k]), acc.v[2 * k + 1]) + p.v[2 * k + 1];
+  return acc;
+}
 #endif
 
 // The two lane sets of a row's dots (even blocks, odd blocks). With AVX-512 one 512-bit
@@ -354,6 +390,26 @@ inline __m512i zwords_i8(const int8_t* p) {
 inline Dual dual_fma(Dual acc, __m512 v, int i, int step, __m512i dot) {
   const __m512i index = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + step), 1);
   return _mm512_fmadd_ps(_mm512_permutexvar_ps(index, v), _mm512_cvtepi32_ps(dot), acc);
+}
+// The sums of the 8 blocks whose lanes d[i] holds (blocks 2i in lanes 0-7, 2i + 1 in 8-15):
+// block k's in lanes 2k and 2k + 1 (exact; 128-bit quarters by a transposing add, then halves).
+inline __m512i zblock_sums(const __m512i* d) {
+  const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+  const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+  // lane 4q + i: d[i]'s quarter q; quarters 0 + 1 are block 2i, 2 + 3 block 2i + 1
+  const __m512i s = _mm512_add_epi32(c, _mm512_shuffle_i32x4(c, c, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 0, 8, 8, 1, 1, 9, 9, 2, 2, 10, 10, 3, 3, 11, 11), s);
+}
+// acc's lanes 2k + 1 = fma(p[2k], sums[2k + 1], acc) + p[2k + 1], as add_block_sums below.
+inline __m512 zadd_block_sums(__m512 acc, __m512 p, __m512i sums) {
+  return _mm512_add_ps(_mm512_fmadd_ps(_mm512_moveldup_ps(p), _mm512_cvtepi32_ps(sums), acc), p);
+}
+inline Pairs add_block_sums(Pairs acc, Pairs p, __m512i sums) {
+  const __m512 wide = zadd_block_sums(_mm512_insertf32x8(_mm512_castps256_ps512(acc.lo), acc.hi, 1),
+                                      _mm512_insertf32x8(_mm512_castps256_ps512(p.lo), p.hi, 1), sums);
+  return Pairs{_mm512_castps512_ps256(wide), _mm512_extractf32x8_ps(wide, 1)};
 }
 #else
 struct Dual {
