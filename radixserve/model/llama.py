@@ -23,6 +23,7 @@ from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.layers import (
+    DirectCallModule,
     GatedMLP,
     RMSNorm,
     RotaryAt,
@@ -36,7 +37,7 @@ from radixserve.model.quant.linear import UnquantizedLinear
 from radixserve.model.tp_shard import ShardLayout
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCallModule):
     def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
         super().__init__()
         self.layer = layer
@@ -107,7 +108,7 @@ class LlamaAttention(nn.Module):
         )  # fmt: skip
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCallModule):
     local_rope = False  # True: RoPE of the model's `local_rotary` (Gemma 3's sliding layers)
 
     def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
