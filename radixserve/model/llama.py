@@ -74,10 +74,9 @@ class LlamaAttention(DirectCallModule):
         qkv = self.qkv_proj(hidden)
         if batch.lora is not None:
             self.lora.qkv.add_to(qkv, hidden, batch.lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # [num_tokens, heads + 2 * kv_heads, head_dim] -> q, k, v views: two ops, not four
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.ops is not None and attn.accepts_stored_kv and not torch.compiler.is_compiling():
             self._rope_store(qkv, batch, rotary, attn)  # q, k (views of qkv) rotated in place
             if self.q_scale is not None:
