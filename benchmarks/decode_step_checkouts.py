@@ -10,6 +10,11 @@ workers in turn, `--rounds` times, so a loaded machine slows them alike. Per pas
 CPU ms per `scheduler.step()` and per model forward (median of the pass's steps); printed:
 the median over the rounds, and each checkout's step over the first's.
 
+`--stub-kernels` replaces the GGUF block matmuls and the paged decode attention with
+stand-ins that only allocate their outputs: what is left is the step around its kernels
+(the Python forward, the small ops, the scheduler), which the weights' streaming time, the
+noisiest part of a step on a shared machine, would otherwise hide.
+
 Run:  OMP_NUM_THREADS=1 python benchmarks/decode_step_checkouts.py --checkouts /path/a,/path/b \
           --model model.gguf --quantization auto
 """
@@ -34,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per pass")
     p.add_argument("--rounds", type=int, default=5, help="passes per checkout, alternated")
+    stub = "block matmuls and decode attention only allocate their outputs"
+    p.add_argument("--stub-kernels", action="store_true", help=stub)
     p.add_argument("--out", type=Path, default=Path("bench_results/decode_step_checkouts.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -54,12 +61,33 @@ def worker(args: argparse.Namespace) -> None:
     profile.add_requests(core, args.batch, opts)
     with torch.inference_mode():
         profile.until_all_decode(core)
+        if args.stub_kernels:
+            stub_kernels(core)
         print("ready", flush=True)
         for line in sys.stdin:
             if line.strip() != "run":
                 break
             print(json.dumps(profile.plain_pass(core, args.steps)), flush=True)
     core.close()
+
+
+def stub_kernels(core) -> None:
+    """The block matmuls (their Python entry points, looked up at each call) and the decode
+    attention kernel -> stand-ins returning uninitialized outputs of the right shape."""
+    import torch
+
+    from radixserve.model.quant import block_matmul, kquant, q8_matmul
+
+    def matmul(x, weight, *args):  # [M, K], [N, ...] -> [M, N]
+        return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+
+    for module, names in ((block_matmul, ("int4_block_matmul", "int8_block_matmul")),
+                          (q8_matmul, ("int4_block_matmul_q8", "int8_block_matmul_q8",
+                                       "kquant_matmul_q8")),
+                          (kquant, ("kquant_matmul",))):  # fmt: skip
+        for name in names:
+            setattr(module, name, matmul)
+    core.scheduler.runner.attn._paged_decode = lambda q, *args: torch.empty(q.shape)
 
 
 def start_worker(checkout: str, argv: list[str]) -> subprocess.Popen:
@@ -89,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     checkouts = args.checkouts.split(",")
     forwarded = ["--checkouts", args.checkouts, "--quantization", args.quantization]
+    forwarded += ["--stub-kernels"] if args.stub_kernels else []
     for flag in ("batch", "context", "steps", "rounds"):
         forwarded += [f"--{flag}", str(getattr(args, flag))]
     if args.model is not None:
