@@ -113,3 +113,17 @@ def test_pages_are_zeroed_on_first_use_only():
     assert again == [first[0]] and bool((pool.k[:, first[0] * 16] == 5.0).all())
     rest = pool.allocator.allocate(pool.allocator.num_free).tolist()
     assert all(bool((page_kv(p) == 0).all()) for p in rest)
+
+
+def test_layer_kv_views_are_made_once_and_alias_the_pool():
+    """An eager forward asks for a layer's K/V twice a layer: the views are made at start-up
+    (the same objects every call), and writes through them land in the pool's tensors."""
+    pool = KVPool.for_model(
+        _smollm_config(), CacheConfig(max_total_tokens=64, page_size=16), torch.float32, "cpu"
+    )
+    k, v = pool.layer_kv(2)
+    assert pool.layer_kv(2)[0] is k and pool.layer_kv(2)[1] is v
+    k[17].fill_(3.0)
+    v[17].fill_(4.0)
+    assert bool((pool.k[2, 17] == 3.0).all()) and bool((pool.v[2, 17] == 4.0).all())
+    assert not bool((pool.k[1, 17] == 3.0).any())

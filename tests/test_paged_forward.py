@@ -86,3 +86,24 @@ def test_mixed_batch_matches_each_request_alone(tiny_models, arch):
     assert [len(t) for t in new_tokens] == [30, 28, 1, 1, 1]
     for i, expected in enumerate(alone):
         torch.testing.assert_close(mixed[i], expected, atol=1e-4, rtol=0)
+
+
+def test_decode_forward_calls_layer_modules_directly(tiny_models, monkeypatch):
+    """The Llama layers, attention, MLP and norms (DirectCallModule) run their forward
+    without nn.Module.__call__'s hook dispatch, ~9 calls a layer of a decode step; only the
+    embedding and the projections go through it. The logits are the same either way."""
+    runner = make_runner(tiny_models["llama"], page_size=16)
+    table = runner.pool.extend_page_table([], len(PROMPT))
+    _forward(runner, [PROMPT[:-1]], [0], [table])
+    dispatched: list[str] = []
+    call_impl = torch.nn.Module._call_impl
+
+    def counting(module, *args, **kwargs):
+        dispatched.append(type(module).__name__)
+        return call_impl(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "_call_impl", counting)
+    logits = _forward(runner, [PROMPT[-1:]], [len(PROMPT) - 1], [table]).last[0]
+    direct = {"LlamaDecoderLayer", "LlamaAttention", "GatedMLP", "RMSNorm"}
+    assert dispatched and not direct & set(dispatched)
+    torch.testing.assert_close(logits, _one_go(runner, PROMPT)[-1], atol=1e-4, rtol=0)

@@ -152,6 +152,8 @@ class KVPool:
         # included) never meets a NaN.
         self.k = torch.empty(dims, dtype=dtype, device=self.device)
         self.v = torch.empty(dims, dtype=dtype, device=self.device)
+        # each layer's (K, V) views, made once: an eager forward asks for them twice a layer
+        self._layer_views = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.allocator = PageAllocator(shape.num_pages)
         self.allocator.on_first_use = self.zero_pages
         self.zero_pages(torch.arange(RESERVED_PAGES))
@@ -196,7 +198,9 @@ class KVPool:
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each [num_slots, num_kv_heads, head_dim]."""
-        return self.k[layer], self.v[layer]
+        if torch.compiler.is_compiling():  # traced: index the pool, no stored views as inputs
+            return self.k[layer], self.v[layer]
+        return self._layer_views[layer]
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """A copy of the K/V of `pages`, all layers: [num, 2, layers, page_size, kv_heads,

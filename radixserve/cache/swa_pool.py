@@ -148,7 +148,7 @@ class LayerSubsetPool(KVPool):
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._index[layer]
-        return self.k[i], self.v[i]
+        return (self.k[i], self.v[i]) if torch.compiler.is_compiling() else self._layer_views[i]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = self.layer_kv(layer)

@@ -23,6 +23,7 @@ from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.layers import (
+    DirectCallModule,
     GatedMLP,
     RMSNorm,
     RotaryAt,
@@ -36,7 +37,7 @@ from radixserve.model.quant.linear import UnquantizedLinear
 from radixserve.model.tp_shard import ShardLayout
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCallModule):
     def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):
         super().__init__()
         self.layer = layer
@@ -73,10 +74,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if batch.lora is not None:
             self.lora.qkv.add_to(qkv, hidden, batch.lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # [num_tokens, heads + 2 * kv_heads, head_dim] -> q, k, v views: two ops, not four
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.ops is not None and attn.accepts_stored_kv and not torch.compiler.is_compiling():
             self._rope_store(qkv, batch, rotary, attn)  # q, k (views of qkv) rotated in place
             if self.q_scale is not None:
@@ -107,7 +107,7 @@ class LlamaAttention(nn.Module):
         )  # fmt: skip
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCallModule):
     local_rope = False  # True: RoPE of the model's `local_rotary` (Gemma 3's sliding layers)
 
     def __init__(self, config: ModelConfig, layer: int, layout: ShardLayout, tp: TPGroup):

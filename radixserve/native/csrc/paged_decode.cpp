@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,13 +56,16 @@ struct Shape {
   float cap;  // > 0: scores soft-capped to cap * tanh(score / cap) (Gemma); else plain
 };
 
-// Online-softmax state of one work item: per query head a running max, sum and output.
+// Online-softmax state of one work item: per query head a running max, sum and output;
+// kbuf / vbuf the block's K / V rows widened to fp32, for a bf16 pool only (an fp32 pool is
+// read in place: zeroing 2 x 64 KB of unused buffers cost a few us a call).
 struct State {
   std::vector<float> q, acc, max, sum, scores, kbuf, vbuf;
-  explicit State(const Shape& s)
+  State(const Shape& s, bool widens)
       : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), max(s.num_heads),
         sum(s.num_heads), scores(s.num_heads * kBlock),
-        kbuf(kBlock * s.num_kv_heads * s.head_dim), vbuf(kBlock * s.num_kv_heads * s.head_dim) {}
+        kbuf(widens ? kBlock * s.num_kv_heads * s.head_dim : 0),
+        vbuf(widens ? kBlock * s.num_kv_heads * s.head_dim : 0) {}
   void reset() {
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(max.begin(), max.end(), kNegInf);
@@ -253,7 +257,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   float* op = out.data_ptr<float>();
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    State st(s);
+    State st(s, !std::is_same_v<T, float>);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / splits, split = item % splits, len = lens[r];
       int64_t lo = split * split_len, hi = std::min(len, lo + split_len);
