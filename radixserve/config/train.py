@@ -13,6 +13,8 @@ class TrainEagleConfig:
     """how many of the shipped prompts the target answers (None: all)"""
     max_new_tokens: int = 192
     """length of each self-distilled answer"""
+    generate_batch: int = 64
+    """prompts the target answers together (one batched forward per decode step)"""
     temperature: float = 0.0
     """sampling temperature of the answers (0: greedy)"""
     draft_vocab_size: int = 2048
