@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
 from radixserve.cli import main
-from radixserve.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
+from radixserve.config import (
+    CacheConfig,
+    LoadConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TrainEagleConfig,
+)
 from radixserve.engine.speculative import with_default_head
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.eagle3 import Eagle3Head, default_aux_layers
@@ -101,6 +107,22 @@ def test_answers_capture_what_a_separate_forward_over_them_computes(trained):
         close = {"rtol": 2e-2, "atol": 2e-2}
         torch.testing.assert_close(seq.aux[:-1].float(), aux[:-1], **close)
         torch.testing.assert_close(seq.final.float(), final[seq.prompt_len - 1 : -1], **close)
+
+
+def test_bad_training_options_fail_naming_the_flag():
+    with pytest.raises(ValueError, match="--generate-batch must be >= 1"):
+        TrainEagleConfig(generate_batch=0)
+    with pytest.raises(ValueError, match="--chunk-tokens must be >= 1"):
+        TrainEagleConfig(chunk_tokens=0)
+
+
+def test_sampled_answers_follow_the_seed(trained):
+    runner = ModelRunner.create(LoadConfig(model=trained["target"]),
+                                CacheConfig(max_total_tokens=1024, page_size=16))  # fmt: skip
+    prompts = [prompt_ids(i, 11) for i in range(2)]
+    runs = [answer_and_capture(runner, prompts, 10, 1.0, seed, (), 2) for seed in (3, 3, 4)]
+    ids = [[s.ids.tolist() for s in run] for run in runs]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
 
 
 def _tiny_head() -> Eagle3Head:

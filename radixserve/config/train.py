@@ -27,7 +27,13 @@ class TrainEagleConfig:
     """passes over the captured data"""
     learning_rate: float = 1e-3
     """AdamW's peak learning rate (5% warm-up, cosine decay)"""
-    chunk_tokens: int = 1024
-    """tokens packed into one optimizer step"""
+    chunk_tokens: int = 128
+    """tokens packed into one optimizer step (small chunks, many steps: docs/performance.md)"""
     seed: int = 0
     """seeds the prompt order, sampling, initialisation and shuffling"""
+
+    def __post_init__(self) -> None:
+        for name in ("generate_batch", "chunk_tokens", "epochs", "ttt_steps", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 1; got {getattr(self, name)}")
