@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 ABOVE = {
     "reasoning": ("engine", "client", "server", "frontend_lang", "sampling", "model", "cache"),
     "client": ("server", "frontend_lang"),
-    "train": ("server", "frontend_lang"),  # train-eagle drives an Engine, serves nothing
+    "train": ("server", "frontend_lang"),  # train-eagle drives a ModelRunner, serves nothing
     "engine": ("client", "server", "frontend_lang"),
     "cache": ("engine", "client", "server", "frontend_lang"),
     "model": ("engine", "client", "server", "frontend_lang"),

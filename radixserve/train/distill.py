@@ -1,12 +1,15 @@
-"""Self-distilled training data for an EAGLE-3 head: the target answers the prompts itself
-(radixserve.Engine), then one capturing forward per sequence records what the head reads
-(the hidden states entering the three aux layers) and what it learns (the target's logits).
+"""Self-distilled training data for an EAGLE-3 head, captured while the target answers: a
+batched greedy (or sampled) generation loop over the target's ModelRunner whose every
+forward also returns what the head reads (the hidden states entering the three aux layers)
+and the final hidden states (what the target's logits come from), so no second forward
+over the finished sequences is needed.
 
-    prompts --Engine.generate--> prompt ids + response ids        (the model's own answers)
+    prompts --prefill + decode steps, aux layers + FINAL_HIDDEN captured-->
+        ids (prompt + answer), aux [T, 3 * hidden] bf16, final [T - prompt_len, hidden] bf16
     counts of response tokens --> draft vocabulary (most frequent, as SpecForge's)
-    ModelRunner forward, aux layers set --> aux [T, 3 * hidden] bf16, final hidden states
-        @ the target's LM head rows of the draft vocabulary --> logits [R, V_d] fp16 at the
-        positions that predict answer tokens
+    final @ the target's LM head rows of the draft vocabulary --> the target's logits over
+        the draft vocabulary at the positions that predict answer tokens (per chunk, when
+        the trainer reads it: train/eagle3_trainer.py)
 """
 
 from __future__ import annotations
@@ -19,76 +22,129 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.client.engine import Engine
-from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.eagle3 import default_aux_layers
+from radixserve.model.llama import FINAL_HIDDEN
 from radixserve.model.runner import ModelRunner
 from radixserve.model.tokenizer import chat_prompt_text
 
 logger = logging.getLogger(__name__)
 
-GENERATE_BATCH = 64  # prompts per Engine.generate call (progress is logged after each)
-
-
-@dataclass
-class Sequences:
-    """The generated conversations: token ids of each (prompt + response), prompt lengths."""
-
-    ids: list[list[int]]
-    prompt_lens: list[int]
-
-    def digest(self) -> str:
-        """sha256 of the token ids: the data a head was trained on, for its README."""
-        blob = json.dumps([self.ids, self.prompt_lens], separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()
-
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(len(s) - p for s, p in zip(self.ids, self.prompt_lens))
-
 
 @dataclass
 class Captured:
-    """One sequence as the trainer reads it. `targets[j]`: the target's logits over the
-    draft vocabulary at position `prompt_len - 1 + j` (predicting answer token j);
-    `in_vocab[j]`: answer token j is in the draft vocabulary (for greedy answers: the
-    target's top token there, SpecForge's mask)."""
+    """One answered prompt as the trainer reads it. `aux[i]`: what enters the aux layers at
+    token i (the last token's row is zeros: it never enters the target, and no row that
+    reads it has a target); `final[j]`: the target's final hidden state at position
+    `prompt_len - 1 + j`, whose logits predict answer token j."""
 
     ids: torch.Tensor  # [T] int64
     prompt_len: int
     aux: torch.Tensor  # [T, 3 * hidden] bf16
-    targets: torch.Tensor  # [T - prompt_len, V_d] fp16
-    in_vocab: torch.Tensor  # [T - prompt_len] bool
+    final: torch.Tensor  # [T - prompt_len, hidden] bf16
 
 
-def generate(
-    engine: Engine, prompts: list[str], max_new_tokens: int, temperature: float, seed: int
-) -> Sequences:
-    """The target's own answers to `prompts` (chat-formatted where the tokenizer can)."""
-    tokenizer = engine.tokenizer
+@dataclass
+class _Answer:
+    """A request of the generation loop: its tokens so far, pages and captured rows."""
+
+    ids: list[int]
+    prompt_len: int
+    pages: list[int]
+    aux: list[torch.Tensor]
+    final: list[torch.Tensor]
+
+    def captured(self) -> Captured:
+        aux = torch.cat(self.aux)
+        pad = aux.new_zeros(len(self.ids) - aux.shape[0], aux.shape[1])
+        return Captured(torch.tensor(self.ids, dtype=torch.int64), self.prompt_len,
+                        torch.cat([aux, pad]), torch.cat(self.final))  # fmt: skip
+
+
+def digest(data: list[Captured]) -> str:
+    """sha256 of the token ids and prompt lengths: the data a head was trained on."""
+    blob = [[s.ids.tolist() for s in data], [s.prompt_len for s in data]]
+    return hashlib.sha256(json.dumps(blob, separators=(",", ":")).encode()).hexdigest()
+
+
+def num_response_tokens(data: list[Captured]) -> int:
+    return sum(len(s.ids) - s.prompt_len for s in data)
+
+
+def prompt_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """The prompts as the target's chat template renders them (plain text without one)."""
     chat = getattr(tokenizer, "chat_template", None) is not None
     texts = [chat_prompt_text(tokenizer, p) if chat else p for p in prompts]
-    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    params = [
-        {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampling_seed": seed + i}
-        for i in range(len(prompts))
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+@torch.inference_mode()
+def answer_and_capture(
+    runner: ModelRunner,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_ids: tuple[int, ...],
+    batch_size: int,
+) -> list[Captured]:
+    """The target's own answers to `prompt_ids`, `batch_size` at a time, each with the rows
+    it captured (empty answers dropped); greedy where `temperature` is 0."""
+    generator = torch.Generator().manual_seed(seed)
+    runner.aux_layers = default_aux_layers(runner.config.num_layers) + (FINAL_HIDDEN,)
+    out: list[Captured] = []
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            group = prompt_ids[start : start + batch_size]
+            out += _answer_group(runner, group, max_new_tokens, temperature, generator, eos_ids)
+            logger.info("answered %d of %d prompts", start + len(group), len(prompt_ids))
+    finally:
+        runner.aux_layers = ()
+    return out
+
+
+def _answer_group(runner, prompts, max_new_tokens, temperature, generator, eos_ids):
+    pool, hidden = runner.pool, runner.config.hidden_size
+    reqs = [
+        _Answer(list(p), len(p), pool.extend_page_table([], len(p) + max_new_tokens), [], [])
+        for p in prompts
     ]
-    outputs = []
-    for start in range(0, len(prompts), GENERATE_BATCH):
-        part = slice(start, start + GENERATE_BATCH)
-        outputs += engine.generate(input_ids=prompt_ids[part], sampling_params=params[part],
-                                   progress_bar=False)  # fmt: skip
-        logger.info("answered %d of %d prompts", len(outputs), len(prompts))
-    ids = [p + o["output_ids"] for p, o in zip(prompt_ids, outputs)]
-    keep = [i for i, o in enumerate(outputs) if o["output_ids"]]
-    return Sequences([ids[i] for i in keep], [len(prompt_ids[i]) for i in keep])
+    try:
+        live, new = reqs, [list(p) for p in prompts]
+        while live:
+            prefix_lens = [len(r.ids) - len(n) for r, n in zip(live, new)]
+            pages = [r.pages for r in live]
+            batch = ForwardBatch.build(new, prefix_lens, pages, pool.page_size, runner.device)
+            logits = runner.forward(batch)
+            aux = logits.aux_hidden.to(torch.bfloat16).cpu()  # [num_tokens, 4 * hidden]
+            tokens = _pick(logits.last, temperature, generator).tolist()
+            rows = aux.split(batch.extend_lens)
+            for req, row, token in zip(live, rows, tokens):
+                req.aux.append(row[:, : 3 * hidden])
+                req.final.append(row[-1:, 3 * hidden :])
+                req.ids.append(token)
+            live = [
+                r for r in live
+                if r.ids[-1] not in eos_ids and len(r.ids) - r.prompt_len < max_new_tokens
+            ]  # fmt: skip
+            new = [[r.ids[-1]] for r in live]
+    finally:
+        for req in reqs:
+            pool.allocator.free(req.pages)
+    return [r.captured() for r in reqs]
 
 
-def draft_vocabulary(seqs: Sequences, size: int, vocab_size: int) -> torch.Tensor:
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).flatten()
+
+
+def draft_vocabulary(data: list[Captured], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` most frequent response tokens (ties: the lower id; too few distinct tokens:
     filled with the lowest unused ids), sorted: draft id i is target id hot[i]."""
-    counts = Counter(t for s, p in zip(seqs.ids, seqs.prompt_lens) for t in s[p:])
+    counts = Counter(t for s in data for t in s.ids[s.prompt_len :].tolist())
     size = min(size, vocab_size)
     chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
     fill = (t for t in range(vocab_size) if t not in counts)
@@ -96,60 +152,8 @@ def draft_vocabulary(seqs: Sequences, size: int, vocab_size: int) -> torch.Tenso
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
-@torch.inference_mode()
-def capture(
-    runner: ModelRunner, seqs: Sequences, hot: torch.Tensor, max_batch_tokens: int = 2048
-) -> list[Captured]:
-    """One forward per group of sequences (up to `max_batch_tokens`), capturing the aux
-    hidden states at SGLang's default layers and the final hidden states, whose logits are
-    computed over the draft vocabulary only, at the positions that predict answer tokens."""
-    runner.aux_layers = default_aux_layers(runner.config.num_layers)
-    head_rows = target_head_weight(runner.model)[hot.to(runner.device)].float()
-    pool, out = runner.pool, []
-    order = list(range(len(seqs.ids)))
-    while order:
-        group, used = [], 0
-        while order and (not group or used + len(seqs.ids[order[0]]) <= max_batch_tokens):
-            used += len(seqs.ids[order[0]])
-            group.append(order.pop(0))
-        tables = [pool.extend_page_table([], len(seqs.ids[i])) for i in group]
-        try:
-            batch = ForwardBatch.build(
-                [seqs.ids[i] for i in group], [0] * len(group), tables, pool.page_size,
-                runner.device,
-            )  # fmt: skip
-            hidden, aux = runner.forward_hidden(batch)
-        finally:
-            for table in tables:
-                pool.allocator.free(table)
-        start = 0
-        for i in group:
-            ids, prompt_len = seqs.ids[i], seqs.prompt_lens[i]
-            rows = hidden[start + prompt_len - 1 : start + len(ids) - 1].float()
-            out.append(
-                Captured(
-                    ids=torch.tensor(ids, dtype=torch.int64),
-                    prompt_len=prompt_len,
-                    aux=aux[start : start + len(ids)].to(torch.bfloat16).cpu(),
-                    targets=(rows @ head_rows.t()).to(torch.float16).cpu(),
-                    in_vocab=torch.isin(torch.tensor(ids[prompt_len:]), hot),
-                )
-            )
-            start += len(ids)
-    runner.aux_layers = ()
-    return out
-
-
 def target_head_weight(model) -> torch.Tensor:
     """The target's LM head as a [vocab, hidden] matrix (tied: its embedding table)."""
     if model.lm_head is None:
         return model.embed_tokens.weight.detach()
     return model.lm_head.dequantize().detach()
-
-
-def capture_runner(engine: Engine, load_config: LoadConfig, max_tokens: int) -> ModelRunner:
-    """A runner over the engine's loaded model (no second load) with a pool of its own for
-    the capturing forwards; call it once the engine has finished generating."""
-    return ModelRunner.from_loaded(
-        engine.core.loaded, load_config, CacheConfig(max_total_tokens=max_tokens)
-    )

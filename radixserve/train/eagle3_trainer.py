@@ -11,23 +11,25 @@ import math
 import random
 import resource
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from radixserve.client.engine import Engine
 from radixserve.config import ModelConfig, TrainEagleConfig, split_engine_kwargs
 from radixserve.engine.speculative.eagle import EAGLE_WINDOW
 from radixserve.model.eagle3 import Eagle3Head, default_aux_layers
+from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
+from radixserve.model.tokenizer import load_tokenizer
 from radixserve.train.distill import (
     Captured,
-    capture,
-    capture_runner,
+    answer_and_capture,
+    digest,
     draft_vocabulary,
-    generate,
+    num_response_tokens,
+    prompt_token_ids,
     target_head_weight,
 )
 from radixserve.train.prompts import SOURCE, build_prompts
@@ -37,44 +39,56 @@ logger = logging.getLogger(__name__)
 
 
 def train_eagle3(config: TrainEagleConfig, engine_args: dict) -> dict:
-    """Generates, captures, trains and saves; returns the run's record (training.json)."""
+    """Answers and captures in one pass, trains and saves; returns the run's record
+    (training.json)."""
     torch.manual_seed(config.seed)
     cpu0, wall0 = _cpu_seconds(), time.perf_counter()
-    engine = Engine(**engine_args)
+    load_config, cache_config = split_engine_kwargs(None, engine_args)[:2]
+    loaded = load_model(load_config)
+    tokenizer = load_tokenizer(loaded)
     prompts = build_prompts(config.num_prompts, config.seed)
-    seqs = generate(engine, prompts, config.max_new_tokens, config.temperature, config.seed)
+    prompt_ids = prompt_token_ids(tokenizer, prompts)
+    batch = min(config.generate_batch, len(prompt_ids))
+    longest = max(map(len, prompt_ids)) + config.max_new_tokens + cache_config.page_size
+    pool = replace(cache_config, max_total_tokens=batch * longest)  # one batch's answers
+    runner = ModelRunner.from_loaded(loaded, load_config, pool)
+    eos = eos_token_ids(loaded, tokenizer)
+    data = answer_and_capture(
+        runner, prompt_ids, config.max_new_tokens, config.temperature, config.seed, eos, batch
+    )
     cpu_gen = _cpu_seconds() - cpu0
-    logger.info("generated %d answers, %d tokens (%.0f CPU s)", len(seqs.ids),
-                seqs.num_response_tokens, cpu_gen)  # fmt: skip
-    vocab = engine.core.loaded.config.vocab_size
-    hot = draft_vocabulary(seqs, config.draft_vocab_size, vocab)
-    load_config = split_engine_kwargs(None, engine_args)[0]
-    engine.shutdown()
-    runner = capture_runner(engine, load_config, max_tokens=4096)
-    data = capture(runner, seqs, hot)
-    cpu_capture = _cpu_seconds() - cpu0 - cpu_gen
-    logger.info("captured %d sequences (%.0f CPU s)", len(data), cpu_capture)
+    logger.info("answered and captured %d prompts, %d answer tokens (%.0f CPU s)", len(data),
+                num_response_tokens(data), cpu_gen)  # fmt: skip
+    hot = draft_vocabulary(data, config.draft_vocab_size, loaded.config.vocab_size)
     head = new_head(runner, hot, config.intermediate_size)
-    losses = _train(head, data, config)
+    head_rows = target_head_weight(runner.model)[hot].float()
+    losses = _train(head, data, head_rows, config)
     folder = save_head(head, hot, runner, Path(config.output))
     record = {
         "config": asdict(config),
         "model": engine_args.get("model") or "default (SmolLM2-135M-Instruct)",
         "prompts": {"source": SOURCE, "count": len(prompts)},
-        "data_sha256": seqs.digest(),
-        "num_sequences": len(seqs.ids),
-        "response_tokens": seqs.num_response_tokens,
+        "data_sha256": digest(data),
+        "num_sequences": len(data),
+        "response_tokens": num_response_tokens(data),
         "epoch_losses": losses,
         "cpu_seconds": {
-            "generate": round(cpu_gen),
-            "capture": round(cpu_capture),
+            "generate_and_capture": round(cpu_gen),
             "total": round(_cpu_seconds() - cpu0),
-        },  # fmt: skip
+        },
         "wall_seconds": round(time.perf_counter() - wall0),
         "torch_threads": torch.get_num_threads(),
     }
     (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+def eos_token_ids(loaded: LoadedModel, tokenizer) -> tuple[int, ...]:
+    """Where an answer ends: the model config's EOS ids and the tokenizer's (as the engine)."""
+    ids = set(loaded.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
 
 
 def new_head(runner: ModelRunner, hot: torch.Tensor, intermediate: int | None) -> Eagle3Head:
@@ -118,25 +132,28 @@ def head_config_dict(cfg, draft_vocab: int, intermediate: int | None) -> dict:
     }
 
 
-def _train(head: Eagle3Head, data: list[Captured], config: TrainEagleConfig) -> list[dict]:
+def _train(
+    head: Eagle3Head, data: list[Captured], head_rows: torch.Tensor, config: TrainEagleConfig
+) -> list[dict]:
     """AdamW over packed chunks, `epochs` passes; returns per-epoch loss and top-1 accuracy
     of each unrolled step (the head's top draft = the target's top token)."""
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=0.0)  # fmt: skip
     per_epoch = [pack(data, config, epoch) for epoch in range(config.epochs)]
-    total = sum(len(chunks) for chunks in per_epoch)
+    total = sum(len(groups) for groups in per_epoch)
     warmup = max(1, total // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * s / total)))
     )
     history = []
-    for epoch, chunks in enumerate(per_epoch):
+    for epoch, groups in enumerate(per_epoch):
         loss_sum, correct, counted = 0.0, [0] * config.ttt_steps, [0] * config.ttt_steps
-        for i, chunk in enumerate(chunks):
-            if i % 25 == 0:
-                logger.info("epoch %d: chunk %d of %d (%.0f CPU s)", epoch, i, len(chunks),
+        for i, group in enumerate(groups):
+            if i % 100 == 0:
+                logger.info("epoch %d: chunk %d of %d (%.0f CPU s)", epoch, i, len(groups),
                             _cpu_seconds())  # fmt: skip
+            chunk = make_chunk([data[j] for j in group], head.hot_ids, head_rows, config.ttt_steps)
             stats = ttt_loss(head, chunk, config.ttt_steps, EAGLE_WINDOW)
             optimizer.zero_grad(set_to_none=True)
             stats.loss.backward()
@@ -147,37 +164,41 @@ def _train(head: Eagle3Head, data: list[Captured], config: TrainEagleConfig) -> 
             correct = [a + b for a, b in zip(correct, stats.correct)]
             counted = [a + b for a, b in zip(counted, stats.counted)]
         accuracy = [round(c / max(n, 1), 4) for c, n in zip(correct, counted)]
-        history.append({"epoch": epoch, "loss": round(loss_sum / max(len(chunks), 1), 4),
+        history.append({"epoch": epoch, "loss": round(loss_sum / max(len(groups), 1), 4),
                         "step_accuracy": accuracy})  # fmt: skip
         logger.info("epoch %d: loss %.4f, top-1 accuracy per step %s (%.0f CPU s so far)",
                     epoch, history[-1]["loss"], accuracy, _cpu_seconds())  # fmt: skip
     return history
 
 
-def pack(data: list[Captured], config: TrainEagleConfig, epoch: int) -> list[Chunk]:
-    """The sequences in a seeded order per epoch, packed into chunks of about
-    `chunk_tokens` rows; a prompt keeps only the rows the response's window can read."""
+def pack(data: list[Captured], config: TrainEagleConfig, epoch: int) -> list[list[int]]:
+    """The sequences in a seeded order per epoch, grouped into chunks of about
+    `chunk_tokens` rows (indices into `data`; a chunk is built when it is trained on)."""
     order = list(range(len(data)))
     random.Random(config.seed * 1000 + epoch).shuffle(order)
-    chunks, group, used = [], [], 0
+    groups, group, used = [], [], 0
     for i in order:
         keep = len(data[i].ids) - _first_row(data[i], config.ttt_steps)
         if group and used + keep > config.chunk_tokens:
-            chunks.append(_chunk([data[j] for j in group], config.ttt_steps))
+            groups.append(group)
             group, used = [], 0
         group.append(i)
         used += keep
-    if group:
-        chunks.append(_chunk([data[j] for j in group], config.ttt_steps))
-    return chunks
+    return groups + [group] if group else groups
 
 
 def _first_row(seq: Captured, steps: int) -> int:
+    """A prompt keeps only the rows the answer's window can read."""
     return max(0, seq.prompt_len - 1 - EAGLE_WINDOW - steps)
 
 
-def _chunk(seqs: list[Captured], steps: int) -> Chunk:
-    ids, positions, seq_ids, aux, target_row, targets, in_vocab = [], [], [], [], [], [], []
+def make_chunk(
+    seqs: list[Captured], hot: torch.Tensor, head_rows: torch.Tensor, steps: int
+) -> Chunk:
+    """`seqs` packed end to end, with the target's logits over the draft vocabulary `hot`
+    (`head_rows` [V_d, hidden]: its LM head's rows) where a row predicts an answer token;
+    in_vocab: the answer token is drafted (for greedy answers: the target's top token)."""
+    ids, positions, seq_ids, aux, target_row, final = [], [], [], [], [], []
     offset = 0
     for s, seq in enumerate(seqs):
         first, length = _first_row(seq, steps), len(seq.ids)
@@ -186,16 +207,17 @@ def _chunk(seqs: list[Captured], steps: int) -> Chunk:
         positions.append(pos)
         seq_ids.append(torch.full((length - first,), s, dtype=torch.int64))
         aux.append(seq.aux[first:])
-        rel = pos - (seq.prompt_len - 1)  # the row of seq.targets, where there is one
-        has = (rel >= 0) & (rel < len(seq.targets))
+        rel = pos - (seq.prompt_len - 1)  # the row of seq.final, where there is one
+        has = (rel >= 0) & (rel < len(seq.final))
         target_row.append(torch.where(has, rel + offset, -1))
-        targets.append(seq.targets)
-        in_vocab.append(seq.in_vocab)
-        offset += len(seq.targets)
+        final.append(seq.final)
+        offset += len(seq.final)
+    targets = torch.cat(final).float() @ head_rows.t()  # [R, V_d]
+    answers = torch.cat([seq.ids[seq.prompt_len :] for seq in seqs])
     return Chunk(
         ids=torch.cat(ids), positions=torch.cat(positions), seq=torch.cat(seq_ids),
         aux=torch.cat(aux).float(), target_row=torch.cat(target_row),
-        targets=torch.cat(targets), in_vocab=torch.cat(in_vocab),
+        targets=targets, in_vocab=torch.isin(answers, hot),
     )  # fmt: skip
 
 

@@ -49,9 +49,7 @@ def ttt_loss(head: Eagle3Head, chunk: Chunk, steps: int, window: int) -> StepSta
     """The head unrolled `steps` times over `chunk` (see the module docstring)."""
     n = chunk.ids.shape[0]
     rows = torch.arange(n)
-    same = chunk.seq[:, None] == chunk.seq[None, :]
-    back = rows[:, None] - rows[None, :]
-    base_mask = same & (back >= 0) & (back < window)  # [N, N]: step 0's keys
+    base_mask = window_mask(chunk.seq, window)
     hidden = head.fuse(chunk.aux)  # [N, hidden]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -83,11 +81,39 @@ def ttt_loss(head: Eagle3Head, chunk: Chunk, steps: int, window: int) -> StepSta
     return StepStats(total, correct, counted)
 
 
+def window_mask(seq: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys step 0 lets each row read, in blocks of `window` rows: block b's rows see
+    rows (b - 1) * window .. (b + 1) * window - 1 (the block before and their own), of
+    them those of the same sequence, causal, at most `window` back (the padding rows past
+    the chunk read each other, so no row's softmax is empty).
+    [num_blocks, window, 2 * window] bool."""
+    n = seq.shape[0]
+    num_blocks = -(-n // window)
+    rows = torch.arange(num_blocks * window).view(num_blocks, window, 1)
+    cols = (torch.arange(num_blocks) * window - window).view(-1, 1, 1)
+    cols = cols + torch.arange(2 * window).view(1, 1, -1)  # [B, 1, 2W]: each block's keys
+    back = rows - cols
+    seq_of = torch.cat([seq, seq.new_full((num_blocks * window - n,), -1)])  # padding: -1
+    same = seq_of[rows] == seq_of[cols.clamp(min=0)]
+    return (cols >= 0) & (back >= 0) & (back < window) & same
+
+
+def _blocks(x: torch.Tensor, window: int, num_blocks: int) -> torch.Tensor:
+    """[H, N, D] -> [H, B, 2W, D]: each block's keys (the block before it and its own),
+    zero rows where there is none (masked)."""
+    h, n, d = x.shape
+    padded = torch.nn.functional.pad(x, (0, 0, window, num_blocks * window - n))
+    blocks = padded.view(h, num_blocks + 1, window, d)
+    return torch.cat([blocks[:, :-1], blocks[:, 1:]], dim=2)
+
+
 def _layer(head: Eagle3Head, embeds, hidden, positions, keys, values, base_mask):
-    """The midlayer over all rows at one step: its output, residual and this step's K/V."""
+    """The midlayer over all rows at one step: its output, residual and this step's K/V.
+    Step 0's K/V is read in blocks of the window (`base_mask`), the chain's row by row."""
     layer = head.midlayer
     attn = layer.self_attn
     n = embeds.shape[0]
+    num_blocks, window = base_mask.shape[0], base_mask.shape[1]
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = q.reshape(n, attn.num_heads, attn.head_dim)
@@ -99,7 +125,10 @@ def _layer(head: Eagle3Head, embeds, hidden, positions, keys, values, base_mask)
     q = q.transpose(0, 1)  # [H, N, D]
     k0 = (keys[0] if keys else k).repeat_interleave(groups, dim=1).transpose(0, 1)
     v0 = (values[0] if values else v).repeat_interleave(groups, dim=1).transpose(0, 1)
-    scores = (q @ k0.transpose(1, 2)) * scale  # [H, N, N]
+    pad = num_blocks * window - n
+    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(q.shape[0], num_blocks, window, -1)
+    k_blocks, v_blocks = _blocks(k0, window, num_blocks), _blocks(v0, window, num_blocks)
+    scores = (q_blocks @ k_blocks.transpose(-1, -2)) * scale  # [H, B, W, 2W]
     scores = scores.masked_fill(~base_mask, float("-inf"))
     chain_k = [*keys[1:], k] if keys else []  # steps 1 .. k: each row's own chain
     chain_v = [*values[1:], v] if values else []
@@ -107,11 +136,13 @@ def _layer(head: Eagle3Head, embeds, hidden, positions, keys, values, base_mask)
         (q * ck.repeat_interleave(groups, dim=1).transpose(0, 1)).sum(-1, keepdim=True) * scale
         for ck in chain_k
     ]  # each [H, N, 1]
+    diag = [torch.nn.functional.pad(d, (0, 0, 0, pad)).view(*scores.shape[:3], 1) for d in diag]
     probs = torch.cat([scores, *diag], dim=-1).softmax(-1)
-    out = probs[..., :n] @ v0  # [H, N, D]
+    out = (probs[..., : 2 * window] @ v_blocks).reshape(q.shape[0], -1, q.shape[2])[:, :n]
     for j, cv in enumerate(chain_v):
         cv = cv.repeat_interleave(groups, dim=1).transpose(0, 1)
-        out = out + probs[..., n + j : n + j + 1] * cv
+        p = probs[..., 2 * window + j].reshape(q.shape[0], -1, 1)[:, :n]
+        out = out + p * cv
     out = attn.o_proj(out.transpose(0, 1).reshape(n, attn.q_size))
     out, residual = layer.post_attention_layernorm(out, hidden)
     return layer.mlp(out), residual, k, v
