@@ -189,6 +189,18 @@ def make_core(model, **kwargs):
     return EngineCore.build(*split_engine_kwargs(model, kwargs))
 
 
+def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """`got` = x @ weight.T computed in fp32 in any order: each entry within fp32's rounding
+    bound for its sum (K * eps * sum |x w|) of the fp64 product. Kernels and BLAS vendors
+    block their sums differently, so bits are not compared; a wrong row, offset or scale is
+    off by the size of the sum itself."""
+    x, weight = x.double(), weight.double()
+    expected = x @ weight.t()
+    bound = x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().t())
+    excess = (got.double() - expected).abs() - bound
+    assert (excess <= 0).all(), f"off by {excess.max().item():.3g} past fp32's rounding bound"
+
+
 def greedy(max_new_tokens=16, **extra):
     return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True} | extra
 
