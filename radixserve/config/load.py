@@ -90,10 +90,10 @@ class LoadConfig:
         return torch.device(self.device)
 
     def quant_compute_dtype(self) -> torch.dtype:
-        import torch
-
         """The dtype int8 / int4 kernels compute in: with --dtype auto on CPU, bfloat16 (torch's
         int kernels are fast in bfloat16 only) under an fp32 model; else the model's dtype."""
+        import torch
+
         if self.dtype == "auto" and self.torch_device().type == "cpu":
             return torch.bfloat16
         return self.torch_dtype()
