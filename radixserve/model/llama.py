@@ -21,6 +21,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig
 from radixserve.distributed.group import TPGroup
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.cpu_decode_stack import CpuDecodeStack
 from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.layers import (
     DirectCallModule,
@@ -148,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     local_rotary: RotaryEmbedding | None = None  # Gemma 3: the sliding layers' RoPE
+    decode_stack: CpuDecodeStack | None = None  # pure decode batches' layers in one C++ call
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
@@ -188,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         rotary = self.rotary.at(batch.positions)
         local = rotary if self.local_rotary is None else self.local_rotary.at(batch.positions)
+        if self.decode_stack is not None and layers is self.layers and not aux_layers:
+            out = self.decode_stack.run(hidden, batch, rotary.cos, rotary.sin)
+            if out is not None:  # (last MLP output, residual); None: the modules run it
+                return self.norm(out[0], out[1])[0]
         residual = None
         captured: dict[int, torch.Tensor] = {}
         num_layers = 0

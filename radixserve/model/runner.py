@@ -27,6 +27,7 @@ from radixserve.config import CacheConfig, LoadConfig, ModelConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.cpu_compile import CompiledDecodeRunner, compile_unavailable_reason
+from radixserve.model.cpu_decode_stack import check_cpu_decode_stack, use_cpu_decode_stack
 from radixserve.model.cpu_layer_ops import LAYER_OPS_DTYPES, load_cpu_layer_ops
 from radixserve.model.cuda_graph import (
     DecodeGraphRunner,
@@ -85,6 +86,7 @@ class ModelRunner:
         take the rank's shard of the heads, and all ranks agree on the smallest pool."""
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
+        check_cpu_decode_stack(load_config.cpu_decode_stack)
         device, dtype = load_config.torch_device(), loaded.dtype
         local = loaded.model.layout.local_config()  # this rank's heads (all, without TP)
         graphs = device.type == "cuda" and not cache_config.disable_cuda_graph
@@ -111,6 +113,8 @@ class ModelRunner:
         runner = cls(model=loaded.model, config=loaded.config, pool=pool, attn=attn)
         if device.type == "cpu" and {dtype, kv_dtype} <= set(LAYER_OPS_DTYPES):
             loaded.model.use_cpu_layer_ops(load_cpu_layer_ops())
+            if not cache_config.enable_torch_compile:
+                use_cpu_decode_stack(loaded.model, attn, load_config.cpu_decode_stack)
         if graphs and not attn.supports_cuda_graph:
             logger.info("CUDA graphs off: the %s backend has none", type(attn).__name__)
         elif graphs:

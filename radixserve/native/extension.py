@@ -14,6 +14,7 @@ family; each has its Python wrapper beside its caller (simd.h: the matmuls' shar
                                         (q8_kquant_x8.h: Q4_K 8 rows at a time)
     moe_experts.cpp                     MoE experts in one call   model/moe.py
     lora_segments.cpp                   multi-LoRA row segments   model/lora_segments.py
+    decode_stack.cpp                    a decode step's layers    model/cpu_decode_stack.py
 
 The SIMD flags follow the level torch itself detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`, never assumed), so a cached build never runs on a
@@ -53,6 +54,7 @@ SOURCES = [
     CSRC / "q8_matmul.cpp",
     CSRC / "moe_experts.cpp",
     CSRC / "lora_segments.cpp",
+    CSRC / "decode_stack.cpp",
 ]
 HEADERS = [
     CSRC / "common.h",
