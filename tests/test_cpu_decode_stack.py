@@ -1,10 +1,10 @@
 """--cpu-decode-stack: a pure decode batch's layers as one C++ call (model/cpu_decode_stack.py)
 give the modules' logits bit for bit (the same ops, in the same order) on every projection
-kind it runs: fp layers with and without bias (Llama, Qwen2), Qwen3's q/k norms, and a GGUF
-file of every block type (Q4_K / Q5_K / Q6_K / Q4_0 / Q8_0) on fp32 and on int8 activations
-(8-row repacked where AVX-512 has them); prefill and mixed steps stay on the modules, and
-models it does not cover (sliding windows, Gemma 3, deterministic inference) say why and run
-the modules."""
+kind it runs: fp layers with and without bias (Llama, Qwen2; torch's matmul and the packed
+kernel), Qwen3's q/k norms, and a GGUF file of every block type (Q4_K / Q5_K / Q6_K / Q4_0 /
+Q8_0) on fp32 and on int8 activations (8-row repacked where AVX-512 has them); prefill and
+mixed steps stay on the modules, and models it does not cover (sliding windows, Gemma 3,
+deterministic inference) say why and run the modules."""
 
 from __future__ import annotations
 
@@ -68,6 +68,14 @@ def test_fp_models_decode_the_modules_bits(tiny_models, cpu_ops, arch):
     prompts = [_ids(0, 5), _ids(1, 19), _ids(2, 30)]
     _assert_stack_is_the_modules(runner, prompts, steps=6)
     _assert_stack_is_the_modules(runner, prompts[:1], steps=3)
+
+
+def test_the_packed_dense_kernel_decodes_the_modules_bits(tiny_models, cpu_ops):
+    """--cpu-dense-kernel packed (auto's choice on AMD EPYC at real sizes): its fp layers."""
+    load = LoadConfig(model=str(tiny_models["qwen2"]), device="cpu", cpu_dense_kernel="packed")
+    runner = ModelRunner.create(load, CacheConfig(max_total_tokens=1024))
+    assert type(runner.model.layers[0].self_attn.qkv_proj).__name__ == "BatchInvariantLinear"
+    _assert_stack_is_the_modules(runner, [_ids(6, 7), _ids(7, 18)], steps=4)
 
 
 @pytest.fixture(scope="module")

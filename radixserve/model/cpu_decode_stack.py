@@ -9,8 +9,9 @@ batch in one call: the same ops, in the same order, on the same tensors, so the 
 
 It covers the common case only, and `build_decode_stack` says why when it does not apply:
 a float32 Llama / Qwen / Mistral on the fused CPU ops and the `cpu_fused` attention backend,
-one rank, dense SiLU MLPs, projections that are fp layers or GGUF-block layers (K-quants,
-Q4_0 / Q4_1 / Q8_0, repacked or not). Per step `run` falls back to the modules (returns
+one rank, dense SiLU MLPs, projections that are fp layers (torch's matmul or the packed
+kernel of --cpu-dense-kernel) or GGUF-block layers (K-quants, Q4_0 / Q4_1 / Q8_0, repacked or
+not). Per step `run` falls back to the modules (returns
 None) for anything but a pure decode batch below every layer's dense-matmul row count, a
 LoRA batch, SELF speculation's layer subset or EAGLE's captured hidden states.
 """
@@ -25,6 +26,7 @@ from torch import nn
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.quant.base_linear import QuantizedLinear, UnquantizedLinear
+from radixserve.model.quant.batch_invariant import BatchInvariantLinear
 from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from radixserve.model.quant.stacked_linear import StackedLinear
@@ -32,7 +34,7 @@ from radixserve.model.quant.stacked_linear import StackedLinear
 logger = logging.getLogger(__name__)
 
 # decode_stack.cpp's PartKind (its Projection: the index in build_decode_stack's tuple)
-DENSE, KQUANT, KQUANT_Q8, INT4, INT4_Q8, INT4_X8_Q8, INT8, INT8_Q8 = range(8)
+DENSE, KQUANT, KQUANT_Q8, INT4, INT4_Q8, INT4_X8_Q8, INT8, INT8_Q8, PACKED = range(9)
 CPU_DECODE_STACK_CHOICES = ("auto", "off")
 
 
@@ -62,6 +64,9 @@ def linear_parts(linear: nn.Module) -> list[Part]:
         if linear.weight.dtype != torch.float32:
             raise Unsupported(f"a {linear.weight.dtype} fp layer")
         return [Part(DENSE, linear.weight, bias=linear.bias)]
+    if isinstance(linear, BatchInvariantLinear) and linear._kernel:  # --cpu-dense-kernel packed
+        packed, bias = linear._buffers["packed_weight"], linear._buffers["bias"]
+        return [Part(PACKED, packed, None, linear.out_features, bias=bias)]
     if not isinstance(linear, QuantizedLinear) or linear.compute_dtype is not None:
         raise Unsupported(f"{type(linear).__name__} layers")
     buffers, q8 = linear._buffers, linear.int8_activations

@@ -37,8 +37,9 @@ enum PartKind : int64_t {
   kInt4X8Q8 = 5,  // int4_x8_mm_q8(x, a, qtype)
   kInt8 = 6,      // int8_block_mm(x, a = qs, b = scales)
   kInt8Q8 = 7,    // int8_block_mm_q8(x, qs, scales)
+  kPacked = 8,    // dense_mm(x, a = packed weight, qtype = out features): the packed kernel
 };
-constexpr int64_t kNumKinds = 8;
+constexpr int64_t kNumKinds = 9;
 enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 constexpr int64_t kNumProjections = 4;
 
@@ -62,6 +63,7 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 
 // The ops, looked up once (the extension registers them all when it loads).
 struct Ops {
+  c10::TypedOperatorHandle<MmType> dense_mm = find_op<MmType>("radixserve_cpu::dense_mm");
   c10::TypedOperatorHandle<MmType> kquant_mm = find_op<MmType>("radixserve_cpu::kquant_mm");
   c10::TypedOperatorHandle<MmType> kquant_mm_q8 = find_op<MmType>("radixserve_cpu::kquant_mm_q8");
   c10::TypedOperatorHandle<MmType> int4_x8_mm_q8 =
@@ -113,6 +115,7 @@ at::Tensor run_part(const Part& p, const at::Tensor& x) {
     case kInt4Q8: out = o.int4_mm_q8.call(x, p.a, *p.b); break;
     case kInt4X8Q8: out = o.int4_x8_mm_q8.call(x, p.a, p.qtype); break;
     case kInt8: out = o.int8_mm.call(x, p.a, *p.b); break;
+    case kPacked: out = o.dense_mm.call(x, p.a, p.qtype); break;
     default: out = o.int8_mm_q8.call(x, p.a, *p.b); break;
   }
   if (p.row_order.has_value()) out = out.index_select(1, *p.row_order);
