@@ -1,19 +1,20 @@
 """A pure decode step's decoder layers as one C++ call (native/csrc/decode_stack.cpp).
 
-On CPU an eager decode step of a 1B Llama spent ~9 ms of ~51 ms in the Python around its ops
-(docs/performance.md): per layer, a dozen module calls, the quantized layers' checks, the
-attention backend's routing. `CpuDecodeStack` reads, once at start-up, what those modules
-pass to their ops (norm weights, each projection's kernel and weight tensors) into a
-`torch.classes.radixserve_cpu.DecodeStack`, which then runs every layer of a pure decode
-batch in one call: the same ops, in the same order, on the same tensors, so the same bits.
+On CPU an eager decode step pays Python around ~12 ops a layer: a dozen module calls, the
+quantized layers' checks, the attention backend's routing (~2-3 ms of a ~36 ms 1B step, a
+fifth of the default model's; docs/performance.md, "The decode stack"). `CpuDecodeStack`
+reads, once at start-up, what those modules pass to their ops (norm weights, each
+projection's kernel and weight tensors) into a `torch.classes.radixserve_cpu.DecodeStack`,
+which then runs every layer of a pure decode batch in one call: the same ops, in the same
+order, on the same tensors, so the same bits.
 
 It covers the common case only, and `build_decode_stack` says why when it does not apply:
-a float32 Llama / Qwen / Mistral on the fused CPU ops and the `cpu_fused` attention backend,
+a float32 Llama / Qwen (no sliding window) on the fused CPU ops and the `cpu_fused` backend,
 one rank, dense SiLU MLPs, projections that are fp layers (torch's matmul or the packed
 kernel of --cpu-dense-kernel) or GGUF-block layers (K-quants, Q4_0 / Q4_1 / Q8_0, repacked or
-not). Per step `run` falls back to the modules (returns
-None) for anything but a pure decode batch below every layer's dense-matmul row count, a
-LoRA batch, SELF speculation's layer subset or EAGLE's captured hidden states.
+not). Per step `run` falls back to the modules (returns None) for anything but a pure decode
+batch below every layer's dense-matmul row count, a LoRA batch, SELF speculation's layer
+subset or EAGLE's captured hidden states.
 """
 
 from __future__ import annotations
@@ -99,18 +100,12 @@ def _dense_rows(linear: nn.Module) -> int | None:
 class CpuDecodeStack:
     """The model's layers in a DecodeStack; `run` takes a pure decode batch's embeddings."""
 
-    def __init__(self, model: nn.Module, attn, stack, max_rows: int | None):
-        self.model, self.attn, self.stack = model, attn, stack
+    def __init__(self, attn, stack, max_rows: int | None):
+        self.stack = stack
         self.max_rows = max_rows  # rows from which some layer would dequantize instead
-        self._pools: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        kv = [attn.pool.layer_kv(i) for i in range(stack.num_layers())]  # views made at start
+        self.k_pools, self.v_pools = [k for k, _ in kv], [v for _, v in kv]
         self.calls = 0  # steps run by the stack (tests, benchmarks)
-
-    def _layer_pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        pool = self.attn.pool
-        if self._pools is None or self._pools[0] != id(pool):
-            kv = [pool.layer_kv(i) for i in range(self.stack.num_layers())]
-            self._pools = (id(pool), [k for k, _ in kv], [v for _, v in kv])
-        return self._pools[1], self._pools[2]
 
     def run(
         self, hidden: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
@@ -125,9 +120,8 @@ class CpuDecodeStack:
             return None
         if self.max_rows is not None and hidden.shape[0] >= self.max_rows:
             return None
-        k_pools, v_pools = self._layer_pools()
         out = self.stack.forward(
-            hidden, cos, sin, batch.out_slots, k_pools, v_pools,
+            hidden, cos, sin, batch.out_slots, self.k_pools, self.v_pools,
             decode.page_table, decode.seq_lens, batch.page_size,
         )  # fmt: skip
         self.calls += 1
@@ -177,7 +171,7 @@ def build_decode_stack(model: nn.Module, attn) -> CpuDecodeStack:
                 stack.add_part(index, p.kind, p.a, p.b, p.qtype, p.row_order, _detach(p.bias))
             if (rows := _dense_rows(linear)) is not None:
                 dense_rows.append(rows)
-    return CpuDecodeStack(model, attn, stack, min(dense_rows, default=None))
+    return CpuDecodeStack(attn, stack, min(dense_rows, default=None))
 
 
 def _detach(t: torch.Tensor | None) -> torch.Tensor | None:

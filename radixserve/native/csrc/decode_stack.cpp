@@ -1,9 +1,8 @@
 // A pure decode step's decoder layers in one call (model/cpu_decode_stack.py builds it).
 //
-// An eager decode step of a 1B Llama on one core spent ~9 ms of ~51 ms in the Python around
-// its ~12 ops a layer (docs/performance.md, "Quiet baseline on main ecad8ae"): the module
-// calls, the quantized layers' checks, the attention backend's routing, each torch.ops call's
-// argument parsing. DecodeStack holds, per layer, what those modules would pass to their ops
+// An eager decode step pays Python around its ~12 ops a layer: the module calls, the quantized
+// layers' checks, the attention backend's routing, each torch.ops call's argument parsing
+// (~2-3 ms of a ~36 ms 1B step on one core; docs/performance.md, "The decode stack"). DecodeStack holds, per layer, what those modules would pass to their ops
 // (norm weights, each projection's parts: the op and its weight tensors) and calls the same
 // ops, through the dispatcher, in the same order with the same arguments:
 //
