@@ -1,5 +1,9 @@
 """Decode roofline: ms per decode step, torch_native vs cpu_fused, beside the memory bound.
 
+Three rows a case: torch_native, cpu_fused (the layer modules on the fused C++ attention),
+and cpu_fused+stack (the same with the C++ decode stack running the layers: what `serve`
+runs on CPU by default; model/cpu_decode_stack.py).
+
 For each batch x context case (default: batch 1, 16, 64 x context 128, 1,024, 4,096), in one
 run and over the same KV pool and weights (only the runner's attention backend is swapped):
 - attn ms: one layer's attention call (K/V write + attention) on a decode batch;
@@ -53,6 +57,7 @@ from radixserve.attention import AttentionBackend  # noqa: E402
 from radixserve.attention.cpu_fused import CpuFusedBackend  # noqa: E402
 from radixserve.config import CacheConfig, LoadConfig  # noqa: E402
 from radixserve.forward_batch import ForwardBatch  # noqa: E402
+from radixserve.model.cpu_decode_stack import Unsupported, build_decode_stack  # noqa: E402
 from radixserve.model.loader import LoadedModel, load_model  # noqa: E402
 from radixserve.model.runner import ModelRunner  # noqa: E402
 from radixserve.native.extension import CpuExtensionUnavailable  # noqa: E402
@@ -187,12 +192,24 @@ def make_runner(args, loaded: LoadedModel, load_config: LoadConfig, sizes) -> Mo
     return ModelRunner.from_loaded(loaded, load_config, cache_config)
 
 
+STACKS: dict = {}  # backend name -> the decode stack its steps run (none: the modules)
+
+
 def backends(runner: ModelRunner) -> dict[str, AttentionBackend]:
+    """torch_native, cpu_fused, and cpu_fused+stack: cpu_fused with the C++ decode stack
+    running the layers (what `serve` runs on CPU; its attn column is cpu_fused's call)."""
     found: dict[str, AttentionBackend] = {"torch_native": runner.attn}
     try:
-        found["cpu_fused"] = CpuFusedBackend(runner.pool, runner.attn.sliding_window)
+        fused = CpuFusedBackend(runner.pool, runner.attn.sliding_window)
     except CpuExtensionUnavailable as exc:
         print(f"cpu_fused skipped: {str(exc).splitlines()[0]}")
+        return found
+    found["cpu_fused"] = fused
+    try:
+        STACKS["cpu_fused+stack"] = build_decode_stack(runner.model, fused)
+        found["cpu_fused+stack"] = fused
+    except Unsupported as exc:
+        print(f"cpu_fused+stack skipped: {exc}")
     return found
 
 
@@ -210,9 +227,10 @@ def attention_call(backend: AttentionBackend, runner: ModelRunner, batch: Forwar
     return lambda: backend.forward(q, kv, kv, 0, batch)
 
 
-def decode_step(backend: AttentionBackend, runner: ModelRunner, batch: ForwardBatch):
+def decode_step(name: str, backend: AttentionBackend, runner: ModelRunner, batch: ForwardBatch):
     def step() -> None:
         runner.attn = backend
+        runner.model.decode_stack = STACKS.get(name)
         runner.forward(batch)
 
     return step
@@ -227,7 +245,7 @@ def run_case(runner, found, batch: int, context: int, args, bandwidth: float) ->
         calls = {name: attention_call(b, runner, fb) for name, b in found.items()}
         attn = interleaved_medians(calls, args.repeats)
         steps = interleaved_medians(
-            {name: decode_step(b, runner, fb) for name, b in found.items()}, args.repeats
+            {name: decode_step(name, b, runner, fb) for name, b in found.items()}, args.repeats
         )
         read = weight_bytes(runner) + kv_bytes(runner, batch, context)
         roofline_ms, read_mib = read / bandwidth * 1e3, read / 2**20
@@ -313,7 +331,7 @@ def print_row(r: Row) -> None:
     times = (attn, f"{r.step_ms:.1f}", f"{r.roofline_ms:.1f}")
     bound = (f"{r.compute_ms:.1f}", f"{r.bound_ms:.1f}", f"{r.of_bound:.2f}")
     cells = (r.batch, r.context, r.backend, *times, f"{r.of_roofline:.2f}", *bound)
-    print("".join(f"{c:>13}" for c in cells), flush=True)
+    print("".join(f"{c:>{16 if i == 2 else 13}}" for i, c in enumerate(cells)), flush=True)
 
 
 def arithmetic_of(args: argparse.Namespace) -> str:
@@ -353,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         "weight_mib": weight_bytes(runner) / 2**20,
     }
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in meta.items()))
-    print("".join(f"{c:>13}" for c in COLUMNS))
+    print("".join(f"{c:>{16 if i == 2 else 13}}" for i, c in enumerate(COLUMNS)))
     rows = []
     hf = hf_model(loaded, runner.model.norm.weight.dtype) if args.hf else None
     for b, c in kept:

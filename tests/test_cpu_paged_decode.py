@@ -82,7 +82,9 @@ def _ragged_lens(seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (3, 3), (2, 4)])
+# groups 1-8: a KV head's query heads scored together (AVX-512, head_dim of whole vectors;
+# 8: two-chunk V tiles), 16: per head, as head_dim 24 everywhere
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (3, 3), (2, 4), (1, 8), (1, 16)])
 @pytest.mark.parametrize("head_dim", [64, 24, 80])  # 80: a 64-float V tile and a tail
 @pytest.mark.parametrize("window", [None, 24])
 def test_kernel_matches_reference_fp32(ops, page_size, kv_heads, group, head_dim, window):

@@ -60,6 +60,7 @@ HEADERS = [
     CSRC / "common.h",
     CSRC / "simd.h",
     CSRC / "paged_extend_blocks.h",
+    CSRC / "paged_decode_blocks.h",
     CSRC / "kquant_blocks.h",
     CSRC / "kquant_simd.h",
     CSRC / "q8_simd.h",

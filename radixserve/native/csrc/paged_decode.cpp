@@ -7,14 +7,14 @@
 // Work item = (query, split of positions), all heads together: a position's K/V of every
 // KV head is one contiguous run of the pool, read front to back (a page holds page_size such
 // runs back to back), and each KV row is scored against its GQA group of query heads.
-// Positions go in blocks of kBlock: scores for the block, one online-softmax rescale, then
-// the weighted V sum. Scores: per query head, a tile of 16 keys accumulates in 16 vectors
-// across head_dim, reduced together at the end (sum_rows); V sum: 64 floats of a head's output
-// held in registers across the block's keys. When there are fewer queries than threads,
+// Positions go in blocks of kBlock (paged_decode_blocks.h): scores for the block, one
+// online-softmax rescale, then the weighted V sum; a KV head's GQA group of query heads is
+// done together where the build and head_dim allow. Slots are walked page by page, and the
+// next block's K / V rows are prefetched a KV head's part at a time between this block's
+// steps (one burst per block helped less: 16 x 4,096 positions, SmolLM2's heads, one thread,
+// pool out of cache: 18.1 ms, burst 13.1, spread 9.6). When there are fewer queries than threads,
 // positions are split and the splits' partial results merged by their log-sum-exp
-// (num_splits > 0 forces a split count, for tests and benchmarks). Plain loops that -O3 and
-// `omp simd` vectorize for whatever SIMD width the build flags allow, except sum_rows' AVX-512
-// reduction tree (a plain-loop fallback elsewhere).
+// (num_splits > 0 forces a split count, for tests and benchmarks).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,11 +22,9 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "paged_decode_blocks.h"
 
 #include <algorithm>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -38,160 +36,22 @@ namespace {
 
 using radixserve_cpu::axpy;
 using radixserve_cpu::check_q_pools_and_table;
-using radixserve_cpu::exp_nonpositive;
 using radixserve_cpu::kNegInf;
 using radixserve_cpu::row_f32;
 using radixserve_cpu::scale_row;
+using radixserve_decode::Ahead;
+using radixserve_decode::attend_rows;
+using radixserve_decode::kBlock;
+using radixserve_decode::kMinSplitLen;
+using radixserve_decode::Shape;
+using radixserve_decode::State;
 
-constexpr int64_t kBlock = 32;         // positions per online-softmax rescale
-constexpr int64_t kMinSplitLen = 256;  // a split shorter than this costs more than it saves
-constexpr int64_t kLanes = 16;         // floats per accumulator of the score product
-constexpr int64_t kKeyTile = 16;       // keys scored together against one query head
-constexpr int64_t kPvChunks = 4;       // kLanes-float chunks of a head's output in registers
-
-struct Shape {
-  int64_t num_queries, num_heads, num_kv_heads, head_dim, group, page_size, max_pages;
-  int64_t window;  // <= 0: none
-  float scale;
-  float cap;  // > 0: scores soft-capped to cap * tanh(score / cap) (Gemma); else plain
-};
-
-// Online-softmax state of one work item: per query head a running max, sum and output;
-// kbuf / vbuf the block's K / V rows widened to fp32, for a bf16 pool only (an fp32 pool is
-// read in place: zeroing 2 x 64 KB of unused buffers cost a few us a call).
-struct State {
-  std::vector<float> q, acc, max, sum, scores, kbuf, vbuf;
-  State(const Shape& s, bool widens)
-      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), max(s.num_heads),
-        sum(s.num_heads), scores(s.num_heads * kBlock),
-        kbuf(widens ? kBlock * s.num_kv_heads * s.head_dim : 0),
-        vbuf(widens ? kBlock * s.num_kv_heads * s.head_dim : 0) {}
-  void reset() {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    std::fill(max.begin(), max.end(), kNegInf);
-    std::fill(sum.begin(), sum.end(), 0.f);
-  }
-};
-
-// sums[i] = the sum of row i's kLanes floats, for kKeyTile = 16 rows. With AVX-512 a
-// transposing tree (unpack, shuffle, add: 45 instructions for all 16 rows) instead of one
-// horizontal reduction per row, which cost more than the row's dot product itself.
-inline void sum_rows(const float (&acc)[kKeyTile][kLanes], float* sums) {
-#if defined(__AVX512F__)
-  static_assert(kKeyTile == 16 && kLanes == 16, "the tree below sums 16 rows of 16");
-  __m512 a[16], b[8], c[4], d[2];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(acc[i]);
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of 4 rows
-    const __m512 x = b[2 * i], y = b[2 * i + 1];
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {  // 128-bit lanes: [c0 half, c0 half, c1 half, c1 half]
-    const __m512 x = c[2 * i], y = c[2 * i + 1];
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1))));
-#else
-  for (int64_t i = 0; i < kKeyTile; ++i) {
-    float sum = 0.f;
-    for (int64_t l = 0; l < kLanes; ++l) sum += acc[i][l];
-    sums[i] = sum;
-  }
-#endif
-}
-
-// scores[head, j] = q[head] . k[j] for the block's n keys. Per tile of kKeyTile keys and per
-// query head, kKeyTile vector accumulators run across head_dim (the query chunk loaded once
-// for all the tile's keys) and are reduced together at the end (sum_rows).
-void score_block(State& st, const Shape& s, const float* const* krows, int64_t n) {
-  const int64_t D = s.head_dim, wide = D / kLanes * kLanes;
-  for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
-    const int64_t m = std::min(kKeyTile, n - j0);
-    for (int64_t head = 0; head < s.num_heads; ++head) {
-      const int64_t off = (head / s.group) * D;
-      const float* kr[kKeyTile];  // a short tile repeats its last key: no branch in the loop
-      for (int64_t jj = 0; jj < kKeyTile; ++jj) kr[jj] = krows[j0 + std::min(jj, m - 1)] + off;
-      const float* qh = st.q.data() + head * D;
-      float acc[kKeyTile][kLanes];
-      for (int64_t jj = 0; jj < kKeyTile; ++jj) {
-        for (int64_t l = 0; l < kLanes; ++l) acc[jj][l] = 0.f;
-      }
-      for (int64_t d0 = 0; d0 < wide; d0 += kLanes) {
-        for (int64_t jj = 0; jj < kKeyTile; ++jj) {
-#pragma omp simd
-          for (int64_t l = 0; l < kLanes; ++l) acc[jj][l] += kr[jj][d0 + l] * qh[d0 + l];
-        }
-      }
-      for (int64_t d = wide; d < D; ++d) {  // head_dim not a multiple of kLanes
-        for (int64_t jj = 0; jj < kKeyTile; ++jj) acc[jj][0] += kr[jj][d] * qh[d];
-      }
-      float sums[kKeyTile];
-      sum_rows(acc, sums);
-      std::copy_n(sums, m, st.scores.data() + head * kBlock + j0);
-    }
-  }
-}
-
-// Online softmax over the block per head (its scores soft-capped first where s.cap > 0): new
-// running max, rescale of sum and acc, scores -> weights.
-void softmax_block(State& st, const Shape& s, int64_t n) {
-  for (int64_t head = 0; head < s.num_heads; ++head) {
-    float* sc = st.scores.data() + head * kBlock;
-    if (s.cap > 0.f) {
-      for (int64_t j = 0; j < n; ++j) sc[j] = s.cap * std::tanh(sc[j] / s.cap);
-    }
-    float new_max = st.max[head];
-    for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sc[j]);
-    const float alpha = std::exp(st.max[head] - new_max);
-    st.sum[head] *= alpha;
-    scale_row(st.acc.data() + head * s.head_dim, alpha, s.head_dim);
-    float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-    for (int64_t j = 0; j < n; ++j) {
-      sc[j] = exp_nonpositive(sc[j] - new_max);
-      block_sum += sc[j];
-    }
-    st.sum[head] += block_sum;
-    st.max[head] = new_max;
-  }
-}
-
-// acc[head] += sum_j weight[head, j] v[j] over the block's n keys, kPvChunks x kLanes floats of a
-// head's output at a time held in registers across the keys (one load and store per block, not per key).
-void value_block(State& st, const Shape& s, const float* const* vrows, int64_t n) {
-  const int64_t D = s.head_dim;
-  for (int64_t head = 0; head < s.num_heads; ++head) {
-    const int64_t off = (head / s.group) * D;
-    const float* w = st.scores.data() + head * kBlock;
-    float* out = st.acc.data() + head * D;
-    int64_t d0 = 0;
-    for (; d0 + kPvChunks * kLanes <= D; d0 += kPvChunks * kLanes) {
-      float acc[kPvChunks][kLanes];
-      for (int64_t c = 0; c < kPvChunks; ++c) std::copy_n(out + d0 + c * kLanes, kLanes, acc[c]);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vv = vrows[j] + off + d0;
-        for (int64_t c = 0; c < kPvChunks; ++c) {
-#pragma omp simd
-          for (int64_t l = 0; l < kLanes; ++l) acc[c][l] += w[j] * vv[c * kLanes + l];
-        }
-      }
-      for (int64_t c = 0; c < kPvChunks; ++c) std::copy_n(acc[c], kLanes, out + d0 + c * kLanes);
-    }
-    for (int64_t j = 0; j < n && d0 < D; ++j) axpy(out + d0, w[j], vrows[j] + off + d0, D - d0);
-  }
-}
-
-// One block of n positions for every head. A position's K (and V) of all KV heads is one
-// contiguous [num_kv_heads, head_dim] run of the pool (bf16 runs widened into the buffers).
+// One block of n positions for every head, the next block's rows fetched meanwhile. A
+// position's K (and V) of all KV heads is one contiguous [num_kv_heads, head_dim] run of the
+// pool (bf16 runs widened into the buffers).
 template <typename T>
 void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64_t* slots,
-                  int64_t n) {
+                  int64_t n, const Ahead& ahead) {
   const int64_t span = s.num_kv_heads * s.head_dim;
   const float* krows[kBlock];
   const float* vrows[kBlock];
@@ -199,9 +59,22 @@ void attend_block(State& st, const Shape& s, const T* k, const T* v, const int64
     krows[j] = row_f32(k + slots[j] * span, st.kbuf.data() + j * span, span);
     vrows[j] = row_f32(v + slots[j] * span, st.vbuf.data() + j * span, span);
   }
-  score_block(st, s, krows, n);
-  softmax_block(st, s, n);
-  value_block(st, s, vrows, n);
+  attend_rows(st, s, krows, vrows, n, ahead);
+}
+
+// Slots of positions [b, b + n) of a page-table row, walked page by page (no division per
+// position).
+inline void block_slots(const Shape& s, const int64_t* page_row, int64_t b, int64_t n,
+                        int64_t* slots) {
+  int64_t page = b / s.page_size, in_page = b % s.page_size;
+  int64_t base = page_row[page] * s.page_size;
+  for (int64_t j = 0; j < n; ++j) {
+    slots[j] = base + in_page;
+    if (++in_page == s.page_size && j + 1 < n) {
+      in_page = 0;
+      base = page_row[++page] * s.page_size;
+    }
+  }
 }
 
 // Attends positions [lo, hi) for query r; leaves the unnormalized state in `st`.
@@ -212,14 +85,18 @@ void attend_range(State& st, const Shape& s, const float* q, const T* k, const T
   const float* src = q + r * width;
   for (int64_t i = 0; i < width; ++i) st.q[i] = src[i] * s.scale;
   st.reset();
-  int64_t slots[kBlock];
-  for (int64_t b = lo; b < hi; b += kBlock) {
-    const int64_t n = std::min(kBlock, hi - b);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = b + j;
-      slots[j] = page_row[pos / s.page_size] * s.page_size + pos % s.page_size;
-    }
-    attend_block(st, s, k, v, slots, n);
+  int64_t slots[2][kBlock];
+  Ahead ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), nullptr, 0,
+              width / s.group * static_cast<int64_t>(sizeof(T)),
+              s.head_dim * static_cast<int64_t>(sizeof(T))};
+  int64_t n = std::min(kBlock, hi - lo);
+  block_slots(s, page_row, lo, n, slots[0]);
+  for (int64_t b = lo, cur = 0; b < hi; b += kBlock, cur ^= 1) {
+    ahead.n = std::min(kBlock, hi - b - n);
+    if (ahead.n > 0) block_slots(s, page_row, b + n, ahead.n, slots[cur ^ 1]);
+    ahead.slots = slots[cur ^ 1];
+    attend_block(st, s, k, v, slots[cur], n, ahead);
+    n = ahead.n;
   }
 }
 
