@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before radixserve_kernels.quant_matmul loads
 
@@ -21,6 +22,7 @@ from test_quantization_gguf import save_plain_llama, write_tiny_gguf  # noqa: E4
 from radixserve.config import CacheConfig, LoadConfig, ModelConfig  # noqa: E402
 from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.model.quant import linear as quant_linear  # noqa: E402
+from radixserve.model.quant.block_matmul import block_kernels  # noqa: E402
 from radixserve.model.quant.linear import (  # noqa: E402
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
@@ -132,7 +134,8 @@ def _backends(runner: ModelRunner) -> set[str]:
 
 def test_int4_model_on_the_triton_path_matches_the_torch_path(tiny_models, request):
     load = LoadConfig(model=str(tiny_models["llama"]), device="cpu", quantization="int4",
-                      dtype="float32", quantize_lm_head=True)  # fmt: skip
+                      dtype="float32", quantize_lm_head=True,
+                      cpu_quant_kernel="torch")  # fmt: skip
     torch_runner, want = _runner_logits(load)
     request.getfixturevalue("triton_on_cpu")
     triton_runner, got = _runner_logits(load)
@@ -178,9 +181,17 @@ def test_int4_and_gguf_are_accepted_on_cuda(method):
     )
 
 
-def test_cpu_int4_still_needs_out_features_divisible_by_16():
+def test_cpu_int4_on_torchs_kernel_needs_out_features_divisible_by_16():
+    """torch's packer needs it; the block kernels (groups of 32, the default where they
+    build) take any out_features."""
     load = LoadConfig(device="cpu", quantization="int4", quantize_lm_head=True, dtype="bfloat16")
-    with pytest.raises(QuantizationError, match="lm_head has out_features=250"):
+    for torchs in (
+        replace(load, cpu_quant_kernel="torch"),
+        replace(load, quantization_group_size=64),
+    ):
+        with pytest.raises(QuantizationError, match="lm_head has out_features=250"):
+            check_quantization(torchs, ODD_VOCAB)
+    if block_kernels() is not None:
         check_quantization(load, ODD_VOCAB)
 
 

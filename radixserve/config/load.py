@@ -53,9 +53,10 @@ class LoadConfig:
     quantize_lm_head: bool = False
     """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
     cpu_quant_kernel: str = "auto"
-    """gguf on CPU: auto (the C++ block kernels where they build with AVX2 / AVX512: the
-    Q4_0 / Q4_1 / Q8_0 projections as fp32 matmuls over GGUF-style blocks, and a quantized LM
-    head kept as its blocks, not a dense fp copy; else torch's int kernels) | blocks | torch."""
+    """gguf, and int4 in groups of 32, on CPU: auto (the C++ block kernels where they build
+    with AVX2 / AVX512: the Q4_0 / Q4_1 / Q8_0 projections as matmuls over GGUF-style blocks,
+    and a quantized LM head kept as its blocks, not a dense fp copy; else torch's int
+    kernels) | blocks | torch."""
     cpu_quant_activation: str = "auto"
     """gguf layers on the CPU block kernels: auto (per layer shape, fp32 or int8 activations,
     whichever a one-off measurement, cached per machine, finds faster at decode; and from how

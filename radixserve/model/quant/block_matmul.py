@@ -71,6 +71,13 @@ def resolve_cpu_quant_kernel(choice: str) -> str:
     return "torch"
 
 
+def quantized_int4_backend(choice: str, group_size: int) -> str | None:
+    """The backend of a CPU int4 layer quantized on load (--quantization int4): groups of 32
+    (a GGUF Q4_1 block's shape) take the block kernels as gguf's layers do, by
+    --cpu-quant-kernel; None (torch's kernel) for other sizes."""
+    return resolve_cpu_quant_kernel(choice) if group_size == BLOCK else None
+
+
 def pack_int4_blocks(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes 0..15 -> [N, K / 2] uint8 in GGUF's nibble order."""
     n, k = codes.shape

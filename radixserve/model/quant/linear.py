@@ -209,11 +209,13 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())  # [groups, out, 2]
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, group_size: int) -> Int4WeightOnlyLinear:
+    def from_float(
+        cls, linear: nn.Linear, group_size: int, backend: str | None = None
+    ) -> Int4WeightOnlyLinear:
         """Asymmetric min/max quantization per group of `group_size` input channels."""
         codes, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
-        dtype = linear.weight.dtype
-        return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, bias_of(linear))
+        dtype, bias = linear.weight.dtype, bias_of(linear)
+        return cls(codes, scales.to(dtype), zeros.to(dtype), group_size, bias, backend=backend)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:

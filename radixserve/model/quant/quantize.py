@@ -1,10 +1,8 @@
 """Quantize-on-load: the checks made before any weight is read, then the swap of layers.
 
-Quantized: in every decoder layer, the four projections `self_attn.qkv_proj`,
-`self_attn.o_proj`, `mlp.gate_up_proj` and `mlp.down_proj` (~all of the matmul work but the
-LM head). Kept in the model dtype: the token embedding, the RMSNorms, and the LM head unless
-`quantize_lm_head` (int8 / int4; a tied head gets its own quantized copy, the embedding
-lookup stays fp).
+Quantized: every decoder layer's four projections (~all of the matmul work but the LM head).
+Kept in the model dtype: the token embedding, the RMSNorms, and the LM head unless
+`quantize_lm_head` (int8 / int4; a tied head gets its own quantized copy).
 
     method  device     layer                   weights stored as
     none    any        UnquantizedLinear       the model dtype
@@ -22,20 +20,13 @@ lookup stays fp).
 `quantization_config` (gptq / awq), else none; an explicit method must agree with the
 checkpoint (int8 on a GPTQ folder, gptq on a plain one: an error at start).
 
-The kernels by device are in linear.py: torch's on CPU, where torch's int4 packer needs
-out_features divisible by 16; our Triton int4 / group-wise int8 kernels on CUDA (any
-out_features, fp32 / fp16 / bf16; triton must be installed).
-
-int4 groups 32 inputs per scale and zero by default (asymmetric: each group's minimum and
-range), or the size `--quantization-group-size` names; a layer it cannot fit is an error at
-start, not a silent fp fallback, so that the memory and speed one asked for are the ones one
-gets. Why 32 (benchmarks/quant_quality.py on the default model, docs/performance.md
-"Quality"): the default model is a Q4_1 GGUF, 4-bit values with a scale and a minimum per
-block of 32 inputs; groups of 32 take each block's minimum and range again and so rebuild the
-file's own grid (+0.00% perplexity over it), while groups of 64 / 128, the default before,
-put two or four blocks on one grid (+25% at 64, +32% with the old 64 / 128 mix). On CPU
-torch's int4 kernel decodes as fast at 32 as at 64 / 128; the cost is 0.5 bit per weight of
-bf16 scale and zero more than groups of 64.
+Kernels (linear.py): on CPU int4 groups of 32 run our C++ block kernels as a GGUF file's Q4_1
+blocks do (--cpu-quant-kernel, fp32 or int8 activations, the decode stack), other sizes
+torch's (out_features divisible by 16); on CUDA our Triton kernels. A layer the group size
+cannot fit is an error at start, not a silent fp fallback. Why 32 by default (quant_quality.py,
+docs/performance.md "Quality of the defaults"): the default model is a Q4_1 GGUF, whose
+blocks of 32 inputs groups of 32 rebuild exactly (+0.00% perplexity); 64 / 128 put two or four
+blocks on one grid (+25% at 64).
 """
 
 from __future__ import annotations
@@ -58,7 +49,11 @@ from radixserve.model.quant.activation_choice import (
     configure_dense_dtype,
 )
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
-from radixserve.model.quant.block_matmul import CPU_QUANT_KERNELS, block_kernels
+from radixserve.model.quant.block_matmul import (
+    CPU_QUANT_KERNELS,
+    block_kernels,
+    quantized_int4_backend,
+)
 from radixserve.model.quant.dense_choice import check_cpu_dense_kernel, use_packed_dense
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.kquant import KQuantLinear
@@ -165,7 +160,8 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
     if method == "fp8":
         _check_fp8(device, load_config.torch_dtype(), shapes)
     elif method == "int4":
-        _check_int4(device, shapes, load_config.quantization_group_size)
+        blocks = device.type == "cpu" and _on_block_kernels(load_config)
+        _check_int4(device, shapes, load_config.quantization_group_size, blocks)
     elif method == "gguf":
         _check_gguf(device, shapes)
     elif method in PACKED_METHODS:
@@ -173,8 +169,12 @@ def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
 
 
 def _on_block_kernels(load_config: LoadConfig) -> bool:
-    """gguf layers on the C++ block kernels compute in fp32 at full speed."""
-    if load_config.quantization != "gguf" or load_config.cpu_quant_kernel == "torch":
+    """gguf layers, and int4 ones in groups of 32, on the C++ block kernels compute in fp32
+    at full speed."""
+    method, group_size = load_config.quantization, load_config.quantization_group_size
+    if method not in ("gguf", "int4") or load_config.cpu_quant_kernel == "torch":
+        return False
+    if method == "int4" and group_size not in (None, INT4_DEFAULT_GROUP_SIZE):
         return False
     return block_kernels() is not None
 
@@ -205,8 +205,8 @@ def _check_fp8(device: torch.device, dtype: torch.dtype, shapes: dict) -> None:
             )
 
 
-def _check_int4(device: torch.device, shapes: dict, group_size: int | None) -> None:
-    _check_int4_device("int4", device, shapes)
+def _check_int4(device: torch.device, shapes: dict, group_size: int | None, blocks: bool) -> None:
+    _check_int4_device("int4", device, shapes, blocks)
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
         sizes = ", ".join(map(str, INT4_GROUP_SIZES))
         raise QuantizationError(
@@ -222,9 +222,9 @@ def _check_gguf(device: torch.device, shapes: dict) -> None:
     _check_int4_device("gguf", device, shapes)
 
 
-def _check_int4_device(method: str, device: torch.device, shapes: dict) -> None:
-    """int4 layers run torch's CPU kernel (out_features divisible by 16) or, on CUDA, the
-    Triton kernel (triton installed)."""
+def _check_int4_device(method: str, device: torch.device, shapes: dict, blocks=False) -> None:
+    """int4 layers run torch's CPU kernel (out_features divisible by 16), our block kernels
+    (`blocks`: any out_features) or, on CUDA, the Triton kernel (triton installed)."""
     if device.type not in ("cpu", "cuda"):
         raise QuantizationError(
             f"--quantization {method} runs on CPU or CUDA; device is {device.type}"
@@ -236,7 +236,7 @@ def _check_int4_device(method: str, device: torch.device, shapes: dict) -> None:
             "kernels (pip install triton)"
         )
     for name, (out_features, _) in shapes.items():
-        if backend == "torch" and out_features % INT4_OUT_MULTIPLE:
+        if backend == "torch" and not blocks and out_features % INT4_OUT_MULTIPLE:
             raise QuantizationError(
                 f"--quantization {method}: {name} has out_features={out_features}, which "
                 f"torch's CPU int4 kernel needs divisible by {INT4_OUT_MULTIPLE}"
@@ -289,7 +289,7 @@ def quantize_model(model: nn.Module, load_config: LoadConfig) -> None:
     method = load_config.quantization
     if method in NOT_REQUANTIZED:
         return
-    make = _quantizer(method, load_config.quantization_group_size)
+    make = _quantizer(method, load_config)
     tp = getattr(model, "tp", None)
     before = weight_bytes(model)
     for layer in model.layers:
@@ -366,16 +366,24 @@ def _quantize_row_shard(linear: nn.Linear, method: str, load_config: LoadConfig,
             f"per rank hold no whole int4 group of {group_size or requested}; pass a smaller "
             f"--quantization-group-size (one of {', '.join(map(str, INT4_GROUP_SIZES))})"
         )
-    return Int4WeightOnlyLinear.from_float(linear, group_size)
+    return _int4_layer(linear, group_size, load_config)
 
 
-def _quantizer(method: str, group_size: int | None) -> Callable[[nn.Linear], nn.Module]:
+def _int4_layer(linear: nn.Linear, group_size: int, load_config: LoadConfig) -> nn.Module:
+    backend = None  # the device's kernel; on CPU groups of 32 may take the block kernels
+    if quant_linear.matmul_backend(linear.weight.device) == "torch":
+        backend = quantized_int4_backend(load_config.cpu_quant_kernel, group_size)
+    return Int4WeightOnlyLinear.from_float(linear, group_size, backend=backend)
+
+
+def _quantizer(method: str, load_config: LoadConfig) -> Callable[[nn.Linear], nn.Module]:
     if method == "int8":
         return Int8WeightOnlyLinear.from_float
     if method == "fp8":
         return Fp8Linear.from_float
-    return lambda linear: Int4WeightOnlyLinear.from_float(
-        linear, int4_group_size(linear.in_features, group_size)
+    group_size = load_config.quantization_group_size
+    return lambda linear: _int4_layer(
+        linear, int4_group_size(linear.in_features, group_size), load_config
     )
 
 
