@@ -14,6 +14,7 @@ from radixserve.model.quant.block_matmul import pack_int4_blocks
 from radixserve.model.quant.kquant import (
     KQUANT_TYPES,
     Q4_K_X8,
+    Q5_K_X8,
     Q6_K_X8,
     X8_TYPE,
     KQuantLinear,
@@ -116,7 +117,7 @@ def test_bad_inputs_name_the_parameter(cpu_ops):
                              torch.zeros(4, 2, 2))  # fmt: skip
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize(("n", "k"), [(37, 768), (64, 512)])
 def test_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, type_name, n, k):
     """Every op on the repacked bytes (natively with AVX-512, else unpacked group by group):
@@ -138,10 +139,10 @@ def test_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, type_name
     ops.kquant_dequantize_into(x8, x8_type, 5, panel)
     assert torch.equal(panel, weight[5 : n - 9])
     with pytest.raises(RuntimeError, match="only Q4_K"):
-        ops.kquant_repack_x8(torch.from_numpy(random_blocks(8, 256, "Q5_K", 0)), 13)
+        ops.kquant_repack_x8(blocks, x8_type)  # repacked already
 
 
-def test_int8_repacks_q4k_and_q6k_layers_and_keeps_every_output(cpu_ops):
+def test_int8_repacks_k_quant_layers_and_keeps_every_output(cpu_ops):
     if not kquant_x8_native():
         pytest.skip("repacked K-quants run natively with AVX-512 only: never repacked here")
     k = 768
@@ -151,7 +152,7 @@ def test_int8_repacks_q4k_and_q6k_layers_and_keeps_every_output(cpu_ops):
     rows = [KQuantLinear(b, t, row_order=o) for b, t, o in weights]
     model = torch.nn.Sequential(*(KQuantLinear(b, t, row_order=o) for b, t, o in weights))
     activation_choice.configure_block_activations(model, "int8", deterministic=False)
-    assert [layer.qtype for layer in model] == [Q4_K_X8, Q6_K_X8, 13]  # Q5_K: as it lies
+    assert [layer.qtype for layer in model] == [Q4_K_X8, Q6_K_X8, Q5_K_X8]
     assert model[0].row_order is None  # the rows repacked in the outputs' order
     for packed, row in zip(model, rows):
         row.int8_activations = True
@@ -166,7 +167,7 @@ def test_int8_repacks_q4k_and_q6k_layers_and_keeps_every_output(cpu_ops):
         assert torch.equal(packed._dense_matmul(x), row._dense_matmul(x))  # fp32 panels
     assert "rows 8 at a time" in repr(model[0])
     with pytest.raises(ValueError, match="cannot repack"):
-        model[2].repack_rows8()
+        model[2].repack_rows8()  # repacked already
 
 
 def gguf_int4_blocks(n: int, k: int, qtype: int, seed: int):

@@ -19,7 +19,7 @@ a shared machine does not count), best of PROBE_REPEATS. The answers are cached 
 (CPU, SIMD levels, torch, threads, shapes) by dense_choice.py's table machinery, so every
 process takes the same paths and a process never changes them.
 
-A Q4_K / Q6_K / Q4_0 / Q4_1 layer on int8 activations then takes its rows 8 at a time
+A K-quant / Q4_0 / Q4_1 layer on int8 activations then takes its rows 8 at a time
 (`repack_int8_layers`: the layers' repack_rows8, where the build runs that layout natively;
 the same bits), and the probe times int8 on such a twin of its layer.
 
@@ -124,7 +124,7 @@ REPACKABLE = (KQuantLinear, Int4WeightOnlyLinear)  # the layers with repack_rows
 
 
 def repack_int8_layers(layers: list[QuantizedLinear]) -> None:
-    """The Q4_K / Q6_K / Q4_0 / Q4_1 layers on int8 activations -> rows 8 at a time where this
+    """The K-quant / Q4_0 / Q4_1 layers on int8 activations -> rows 8 at a time where this
     build runs that layout natively (a tied head's embedding lookups then dequantize its rows
     from it)."""
     repacked = [

@@ -12,7 +12,7 @@ Each unit is dequantized to fp32 once, exactly as the gguf package's numpy refer
 and multiplied into the activation rows with fp32 FMAs in a fixed order: the dequantized
 matmul up to fp32 summation order, each row's result the same whatever rows share the call.
 With int8 activations (activation_choice.py) the kernel is q8_matmul.py's integer dots instead,
-and a Q4_K / Q6_K layer there takes its rows 8 at a time (`repack_rows8`: the AVX-512 kernels
+and a Q4_K / Q5_K / Q6_K layer there takes its rows 8 at a time (`repack_rows8`: the AVX-512 kernels
 then share each super-block's scale work across 8 rows, as llama.cpp's repacked Q4_K does; the
 same bits as the row layout, at any number of rows).
 `KQuantLinear` is the layer; from `dequant_min_rows` rows on (a prefill chunk) it dequantizes
@@ -35,8 +35,8 @@ from radixserve.model.quant.q8_matmul import X8_ROWS, X8_TYPE, x8_native
 SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
 # GGUF type name -> (ggml type id, bytes per super-block)
 KQUANT_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
-# Q4_K / Q6_K rows repacked 8 at a time (native/csrc/kquant_blocks.h)
-Q4_K_X8, Q6_K_X8 = 12 + X8_TYPE, 14 + X8_TYPE
+# Q4_K / Q5_K / Q6_K rows repacked 8 at a time (native/csrc/kquant_blocks.h)
+Q4_K_X8, Q5_K_X8, Q6_K_X8 = 12 + X8_TYPE, 13 + X8_TYPE, 14 + X8_TYPE
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def load_kquant_ops() -> None:
 
     @torch.library.register_fake("radixserve_cpu::kquant_dequantize")
     def _dequantize_fake(blocks, qtype):
-        ggml_type = qtype - X8_TYPE if qtype in (Q4_K_X8, Q6_K_X8) else qtype
+        ggml_type = qtype - X8_TYPE if qtype > X8_TYPE else qtype
         bytes_per_block = next(b for t, b in KQUANT_TYPES.values() if t == ggml_type)
         k = blocks.shape[1] // bytes_per_block * SUPER_BLOCK
         return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
@@ -71,7 +71,7 @@ def kquant_ops_available() -> bool:
     return True
 
 
-kquant_x8_native = x8_native  # repacked Q4_K / Q6_K run natively here (AVX-512)
+kquant_x8_native = x8_native  # repacked K-quants run natively here (AVX-512)
 
 
 def kquant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -150,9 +150,9 @@ class KQuantLinear(QuantizedLinear):
         return out
 
     def can_repack(self) -> bool:
-        """Whether `repack_rows8` applies: a Q4_K / Q6_K layer of at least 8 rows, on a build
+        """Whether `repack_rows8` applies: a K-quant layer of at least 8 rows, on a build
         whose int8 kernels run the repacked layout natively (AVX-512)."""
-        repackable = self.type_name in ("Q4_K", "Q6_K") and self.qtype < X8_TYPE
+        repackable = self.qtype < X8_TYPE
         return repackable and self.out_features >= X8_ROWS and kquant_x8_native()
 
     def repack_rows8(self, release_file_pages: bool = True) -> None:

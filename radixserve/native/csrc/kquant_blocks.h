@@ -156,13 +156,14 @@ inline void unit_q6_k(const uint8_t* block, int64_t u, const SuperScales& s, flo
     w[l] = s.scale[2 * u + l / 16] * static_cast<float>(code_q6(block, u, l) - 32);
 }
 
-// Q4_K and Q6_K rows repacked 8 at a time (q8_kquant_x8.h's kernels read them): our own type
+// Q4_K, Q5_K and Q6_K rows repacked 8 at a time (q8_kquant_x8.h's kernels read them): our own type
 // ids (ggml's + 1000). The tensor keeps its shape and bytes: rows 8g .. 8g + 7 (a group) are
 // nb "x8 super-blocks" of 8 x the format's bytes, where the 8 rows' super-blocks b lay; rows
 // past the last full group stay as the file has them. An x8 super-block, row r's parts at:
 //
 //   Q4_K (1152 B)  d[8] f16 | dmin[8] f16 | scale bytes 4w .. 4w + 3 at 32 + 32w + 4r (w < 3) |
 //                  qs: for p, c < 4, 64 bytes: qs[32p + 8c .. + 7] at 8r
+//   Q5_K (1408 B)  Q4_K's 1152 bytes, then qh: for c < 4, 64 bytes: qh[8c .. + 7] at 8r
 //   Q6_K (1680 B)  d[8] f16 | scales: for z < 4, 32 bytes: scales[4z .. + 3] at 4r |
 //                  for h < 2, c < 4: 3 x 64 bytes: ql[64h + 8c .. + 7], ql[64h + 32 + 8c ..
 //                  + 7], qh[32h + 8c .. + 7], each at 8r
@@ -170,21 +171,27 @@ inline void unit_q6_k(const uint8_t* block, int64_t u, const SuperScales& s, flo
 // so that one 64-byte load holds 8 codes (8c .. 8c + 7 of a unit) of all 8 rows.
 constexpr int64_t kX8Rows = 8;
 constexpr int64_t kX8Type = 1000;  // a repacked format's id: its ggml id + this
-constexpr int64_t kQ4KX8 = 12 + kX8Type, kQ6KX8 = 14 + kX8Type;
+constexpr int64_t kQ4KX8 = 12 + kX8Type, kQ5KX8 = 13 + kX8Type, kQ6KX8 = 14 + kX8Type;
 
 // Where row r's bytes of one super-block lie in its x8 super-block: fn(offset there, offset in
 // the file's block, bytes), piece by piece.
-struct Q4KX8Layout {
-  static constexpr int64_t kBytes = 144;
+template <bool kFifthBit>  // Q5_K: Q4_K's pieces (its qs 32 bytes later) and qh
+struct K4X8Layout {
+  static constexpr int64_t kBytes = kFifthBit ? 176 : 144;
   template <typename Fn>
   static void pieces(int64_t r, Fn&& fn) {
+    const int64_t qs = kFifthBit ? 48 : 16;
     fn(2 * r, 0, 2);
     fn(16 + 2 * r, 2, 2);
     for (int64_t w = 0; w < 3; ++w) fn(32 + 32 * w + 4 * r, 4 + 4 * w, 4);
     for (int64_t p = 0; p < 4; ++p)
-      for (int64_t c = 0; c < 4; ++c) fn(128 + 256 * p + 64 * c + 8 * r, 16 + 32 * p + 8 * c, 8);
+      for (int64_t c = 0; c < 4; ++c) fn(128 + 256 * p + 64 * c + 8 * r, qs + 32 * p + 8 * c, 8);
+    if (kFifthBit)
+      for (int64_t c = 0; c < 4; ++c) fn(1152 + 64 * c + 8 * r, 16 + 8 * c, 8);
   }
 };
+using Q4KX8Layout = K4X8Layout<false>;
+using Q5KX8Layout = K4X8Layout<true>;
 struct Q6KX8Layout {
   static constexpr int64_t kBytes = 210;
   template <typename Fn>

@@ -35,7 +35,7 @@ constexpr int64_t kPrefetchRows = 4;   // weight rows asked for ahead of the one
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
 // ggml's type ids (gguf.GGMLQuantizationType)
-constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // and kQ4KX8 / kQ6KX8 (kquant_blocks.h)
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // and kQ4KX8 / kQ5KX8 / kQ6KX8 (kquant_blocks.h)
 
 
 // One format's view of its super-blocks: bytes, the per-super-block factors, a unit's weights.
@@ -176,10 +176,11 @@ int64_t block_bytes(int64_t qtype) {
     case kQ5K: return Q5K::kBytes;
     case kQ6K: return Q6K::kBytes;
     case kQ4KX8: return Q4K::kBytes;
+    case kQ5KX8: return Q5K::kBytes;
     case kQ6KX8: return Q6K::kBytes;
     default:
       TORCH_CHECK(false, "kquant: ggml type ", qtype,
-                  " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked Q4_K / Q6_K (1012 / 1014)");
+                  " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked (1012 / 1013 / 1014)");
   }
 }
 
@@ -187,16 +188,17 @@ int64_t block_bytes(int64_t qtype) {
 template <typename Fn>
 void by_format(int64_t qtype, Fn&& fn) {
   if (qtype == kQ4K || qtype == kQ4KX8) fn(Q4K{});
-  else if (qtype == kQ5K) fn(Q5K{});
+  else if (qtype == kQ5K || qtype == kQ5KX8) fn(Q5K{});
   else fn(Q6K{});
 }
 
 // fn(rows, first, count) over weight rows [n0, n1) of `w` ([N, K / 256 * bytes]) in the row
-// layout these kernels read: as they lie, or repacked Q4_K unpacked group by group.
+// layout these kernels read: as they lie, or repacked rows unpacked group by group.
 template <typename Fn>
 void over_rows(int64_t qtype, const uint8_t* w, int64_t N, int64_t num_super, int64_t n0,
                int64_t n1, Fn&& fn) {
   if (qtype == kQ4KX8) return for_rows_unpacked<Q4KX8Layout>(w, N, num_super, n0, n1, fn);
+  if (qtype == kQ5KX8) return for_rows_unpacked<Q5KX8Layout>(w, N, num_super, n0, n1, fn);
   if (qtype == kQ6KX8) return for_rows_unpacked<Q6KX8Layout>(w, N, num_super, n0, n1, fn);
   fn(w + n0 * num_super * block_bytes(qtype), n0, n1 - n0);
 }
@@ -270,10 +272,11 @@ void kquant_dequantize_into(const at::Tensor& blocks, int64_t qtype, int64_t row
                    row0 + out.size(0), out.data_ptr<float>());
 }
 
-// The same bytes repacked 8 rows at a time (Q4_K and Q6_K, kquant_blocks.h): a new tensor.
+// The same bytes repacked 8 rows at a time (Q4_K, Q5_K, Q6_K; kquant_blocks.h): a new tensor.
 at::Tensor kquant_repack_x8(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4K || qtype == kQ6K,
-              "kquant_repack_x8: only Q4_K (12) and Q6_K (14) repack; got ggml type ", qtype);
+  TORCH_CHECK(qtype == kQ4K || qtype == kQ5K || qtype == kQ6K,
+              "kquant_repack_x8: only Q4_K (12), Q5_K (13) and Q6_K (14) repack; got ggml type ",
+              qtype);
   const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_repack_x8");
   const int64_t N = blocks.size(0), row_bytes = blocks.size(1), grouped = N / kX8Rows * kX8Rows;
   at::Tensor out = at::empty(blocks.sizes(), blocks.options());
@@ -283,6 +286,7 @@ at::Tensor kquant_repack_x8(const at::Tensor& blocks, int64_t qtype) {
     for (int64_t at = g0 * kX8Rows * row_bytes; at < g1 * kX8Rows * row_bytes;
          at += kX8Rows * row_bytes) {
       if (qtype == kQ4K) repack_x8_group<Q4KX8Layout>(w + at, o + at, num_super);
+      else if (qtype == kQ5K) repack_x8_group<Q5KX8Layout>(w + at, o + at, num_super);
       else repack_x8_group<Q6KX8Layout>(w + at, o + at, num_super);
     }
   });

@@ -1,9 +1,9 @@
-// Q4_K and Q6_K weights 8 rows at a time for the AVX-512 int8-activation matmul: the scale /
+// Q4_K, Q5_K and Q6_K weights 8 rows at a time for the AVX-512 int8-activation matmul: the scale /
 // min unpacking, the min sums and the fp32 steps of a super-block are then vector work shared
 // by 8 output rows, where the row layout (q8_formats.h's Q4KRows / Q6KRows) does them per row.
 // The idea of llama.cpp's repacked `block_q4_Kx8` (our own byte order, and Q6_K too).
 //
-// kquant_blocks.h has the repacked layouts (type ids kQ4KX8, kQ6KX8); one 64-byte load holds
+// kquant_blocks.h has the repacked layouts (type ids kQ4KX8, kQ5KX8, kQ6KX8); one 64-byte load holds
 // codes 8c .. 8c + 7 of a unit for all 8 rows, against 8 activation codes broadcast to every
 // row; a super-block's bytes lie in the order the kernel reads them (the hardware prefetchers
 // then stream them at the memory's speed: measured, software prefetches only slowed them).
@@ -109,8 +109,9 @@ inline __m512i x8_spread(__m512i words, int k) {
   return _mm512_shuffle_epi8(words, _mm512_broadcast_i32x4(lane));
 }
 
-struct Q4KX8 {
-  static constexpr int64_t kBytes = 8 * 144;
+template <bool kFifthBit>  // Q5_K: Q4_K's nibbles with bit u of qh as unit u's fifth bit
+struct K4X8 {
+  static constexpr int64_t kBytes = 8 * (kFifthBit ? 176 : 144);
   // The 8 rows' scales (units 0-3, 4-7) and mins as bytes 4r + k, from the 3 words per row
   // (kquant_blocks.h's unpack_scales_k4, 8 rows in one go).
   static void scales(const uint8_t* sb, __m256i& sc_lo, __m256i& sc_hi, __m256i& mn_lo,
@@ -152,8 +153,13 @@ struct Q4KX8 {
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const __m512i raw = _mm512_loadu_si512(sb + 128 + 256 * p + 64 * c);
-        const __m512i low = _mm512_and_si512(raw, nibble);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        __m512i low = _mm512_and_si512(raw, nibble);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        if constexpr (kFifthBit) {  // bits 2p and 2p + 1 of qh[8c .. 8c + 7], every row
+          const __m512i qh = _mm512_loadu_si512(sb + 1152 + 64 * c), one = _mm512_set1_epi8(1);
+          low = zor_shifted(low, _mm512_and_si512(_mm512_srli_epi16(qh, 2 * p), one), 4);
+          high = zor_shifted(high, _mm512_and_si512(_mm512_srli_epi16(qh, 2 * p + 1), one), 4);
+        }
         for (int r = 0; r < R; ++r) {
           __m512i& ints = acc[r].ints[c];
           ints = zdot_scaled(ints, low, x8_codes(x.xq[r] + 64 * p + 8 * c), scale_a);
@@ -173,6 +179,9 @@ struct Q4KX8 {
     }
   }
 };
+
+using Q4KX8 = K4X8<false>;
+using Q5KX8 = K4X8<true>;
 
 struct Q6KX8 {
   static constexpr int64_t kBytes = 8 * 210;

@@ -34,9 +34,11 @@ constexpr int64_t kPrefetchRows = 4;
 constexpr int64_t kChunkRows = 16;
 constexpr int64_t kL1Bytes = 32 * 1024;
 constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // ggml's type ids
-using radixserve_kquant::kQ4KX8;  // Q4_K / Q6_K repacked 8 rows at a time (ours)
+using radixserve_kquant::kQ4KX8;  // Q4_K / Q5_K / Q6_K repacked 8 rows at a time (ours)
+using radixserve_kquant::kQ5KX8;
 using radixserve_kquant::kQ6KX8;
 using radixserve_kquant::kX8Rows;
+using radixserve_kquant::kX8Type;
 constexpr int64_t kGroupGrain = 2;  // repacked groups per parallel_for chunk, at least
 
 // Codes of one block: d = max|x| / 127, q = round-half-even(x * (1 / d)) (d = 0: all 0).
@@ -276,22 +278,26 @@ at::Tensor int8_block_mm_q8(const at::Tensor& x, const at::Tensor& qs, const at:
 at::Tensor kquant_mm_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   check_x(x, kQ8KBlock, "kquant_mm_q8");
   TORCH_CHECK(qtype == kQ4K || qtype == kQ5K || qtype == kQ6K || qtype == kQ4KX8 ||
-                  qtype == kQ6KX8,
+                  qtype == kQ5KX8 || qtype == kQ6KX8,
               "kquant_mm_q8: ggml type ", qtype,
-              " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked Q4_K / Q6_K (1012 / 1014)");
-  const int64_t bytes = qtype == kQ5K ? 176 : (qtype == kQ6K || qtype == kQ6KX8 ? 210 : 144);
+              " is not Q4_K (12), Q5_K (13), Q6_K (14) or repacked (1012 / 1013 / 1014)");
+  const int64_t base = qtype > kX8Type ? qtype - kX8Type : qtype;
+  const int64_t bytes = base == kQ5K ? 176 : (base == kQ6K ? 210 : 144);
   const int64_t N = blocks.size(0), K = x.size(1);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
                   blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(1) * kQ8KBlock == K * bytes,
               "kquant_mm_q8: blocks must be a contiguous uint8 [N, K / 256 * ", bytes, "] tensor");
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   using radixserve_kquant::Q4KX8Layout;
+  using radixserve_kquant::Q5KX8Layout;
   using radixserve_kquant::Q6KX8Layout;
 #if defined(RADIXSERVE_Q8_ZMM)
   if (qtype == kQ4KX8) return run_x8<Q4KX8, Q4KX8Layout, Q4KRows>(x, w, N);
+  if (qtype == kQ5KX8) return run_x8<Q5KX8, Q5KX8Layout, Q5KRows>(x, w, N);
   if (qtype == kQ6KX8) return run_x8<Q6KX8, Q6KX8Layout, Q6KRows>(x, w, N);
 #else
   if (qtype == kQ4KX8) return run_x8<void, Q4KX8Layout, Q4KRows>(x, w, N);
+  if (qtype == kQ5KX8) return run_x8<void, Q5KX8Layout, Q5KRows>(x, w, N);
   if (qtype == kQ6KX8) return run_x8<void, Q6KX8Layout, Q6KRows>(x, w, N);
 #endif
   if (qtype == kQ4K) return run(x, Q4KRows{{}, w}, N);
