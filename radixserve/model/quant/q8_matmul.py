@@ -15,8 +15,8 @@ portable: the same bits; with AVX-512 two blocks share one 512-bit dot and fma, 
 8-lane sets of the other levels side by side), so a row's result does not depend on the
 other rows of the call. Against the fp32 path the difference is the activations' rounding,
 ~0.3% of a dot's size. Which path a layer takes: activation_choice.py; on AVX-512 builds it
-repacks Q4_K / Q5_K / Q6_K (kquant.py) and Q4_0 / Q4_1 (linear.py's Int4WeightOnlyLinear) 8 rows at a
-time for their own kernels (X8_TYPE), with the row layout's bits.
+repacks Q4_K / Q5_K / Q6_K (kquant.py) and Q4_0 / Q4_1 (linear.py's Int4WeightOnlyLinear) 8
+rows at a time for their own kernels (X8_TYPE), with the row layout's bits.
 """
 
 from __future__ import annotations
