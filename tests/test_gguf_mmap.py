@@ -116,7 +116,7 @@ def test_release_pages_gives_back_a_views_whole_pages_and_leaves_other_tensors(u
 
 
 def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, monkeypatch):
-    """--cpu-quant-activation int8 takes the Q4_K / Q6_K layers 8 rows at a time: a copy out of
+    """--cpu-quant-activation int8 takes the K-quant layers 8 rows at a time: a copy out of
     the map (its pages given back), the embedding's Q4_K table left a view; and the Q4_0 layer
     (fp16 scales again); logits the bits of the same run on the row layout."""
     from radixserve.model.quant.kquant import X8_TYPE, kquant_x8_native
@@ -129,7 +129,7 @@ def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, 
     runner = _runner(untied_gguf, cpu_quant_activation="int8")
     model = runner.model
     repacked = [layer for layer in kquant_layers(model) if layer.qtype > X8_TYPE]
-    assert {layer.type_name for layer in repacked} == {"Q4_K", "Q6_K"}
+    assert {layer.type_name for layer in repacked} == {"Q4_K", "Q5_K", "Q6_K"}
     assert model.lm_head in repacked  # the Q6_K head
     assert model.embed_tokens.table.qtype == KQUANT_TYPES["Q4_K"][0]
     mappings = file_mappings(untied_gguf)
