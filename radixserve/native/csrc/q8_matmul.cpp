@@ -180,7 +180,7 @@ void over_x8_groups(int64_t M, int64_t num_groups, Dot&& dot) {
   });
 }
 
-// Repacked Q4_K / Q6_K (kquant_blocks.h; X the 8-row kernel, L the layout, Rows the row
+// Repacked K-quants (kquant_blocks.h; X the 8-row kernel, L the layout, Rows the row
 // kernel): with AVX-512 X on every group and every activation row, the rows past the last group
 // on Rows; else every group unpacked for Rows. The same bits either way.
 template <typename X, typename L, typename Rows>
@@ -330,7 +330,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("q8_quantize(Tensor x, int block) -> (Tensor, Tensor)");
   // Which integer dot the int8-activation kernels were built with (avx512_vnni, avx2, portable).
   m.def("int_dot_level() -> str", [] { return std::string(kIntDot); });
-  // Whether repacked Q4_K / Q6_K / Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512).
+  // Whether repacked K-quants / Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512).
   m.def("kquant_x8_native() -> bool", [] {
 #if defined(RADIXSERVE_Q8_ZMM)
     return true;
