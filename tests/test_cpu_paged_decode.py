@@ -20,11 +20,9 @@ from radixserve.model.runner import ModelRunner
 from radixserve.native import extension as cpu_extension
 from radixserve.native.extension import CpuExtensionUnavailable, load_cpu_ops
 
-# fp32 K/V (and bf16 K/V read by an fp32 query: widening bf16 is exact): both sides compute in
-# fp32 and differ only in summation order.
+# fp32 K/V (bf16 K/V widen exactly): both sides compute in fp32, apart in summation order only.
 FP32_TOL = dict(atol=2e-5, rtol=0)
-# bf16 query: the reference runs SDPA in bf16 (rounding scores, weights and output), the
-# kernel in fp32 with one rounding of the output; a few bf16 ulps (2**-7) apart.
+# bf16 query: the reference's SDPA rounds in bf16 throughout, the kernel once: a few ulps apart.
 BF16_TOL = dict(atol=3e-2, rtol=0)
 
 
@@ -82,12 +80,11 @@ def _ragged_lens(seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-# groups 1-8: a KV head's query heads scored together (AVX-512, head_dim of whole vectors;
-# 8: two-chunk V tiles), 16: per head, as head_dim 24 everywhere
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (3, 3), (2, 4), (1, 8), (1, 16)])
 @pytest.mark.parametrize("head_dim", [64, 24, 80])  # 80: a 64-float V tile and a tail
 @pytest.mark.parametrize("window", [None, 24])
 def test_kernel_matches_reference_fp32(ops, page_size, kv_heads, group, head_dim, window):
+    """Groups 1-8: the grouped kernel (AVX-512, head_dim 64 / 80); 16 and head_dim 24: per head."""
     pool = _pool(page_size, kv_heads, head_dim, torch.float32)
     batch, q, k, v = _decode_case(pool, _ragged_lens(head_dim + group), kv_heads * group)
     expected = _attend(TorchNativeBackend(pool, sliding_window=window), batch, q, k, v)
