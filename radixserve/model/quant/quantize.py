@@ -24,9 +24,9 @@ Kernels (linear.py): on CPU int4 groups of 32 run our C++ block kernels as a GGU
 blocks do (--cpu-quant-kernel, fp32 or int8 activations, the decode stack), other sizes
 torch's (out_features divisible by 16); on CUDA our Triton kernels. A layer the group size
 cannot fit is an error at start, not a silent fp fallback. Why 32 by default (quant_quality.py,
-docs/performance.md "Quality of the defaults"): the default model is a Q4_1 GGUF, whose
-blocks of 32 inputs groups of 32 rebuild exactly (+0.00% perplexity); 64 / 128 put two or four
-blocks on one grid (+25% at 64).
+docs/performance.md "Quality of the defaults"): the default model is a Q4_1 GGUF, and groups
+of 32 rebuild its blocks of 32 exactly (+0.00% perplexity); 64 / 128 put two or four blocks
+on one grid (+25% at 64).
 """
 
 from __future__ import annotations
