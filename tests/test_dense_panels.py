@@ -5,6 +5,7 @@ is the whole dequantized weight's matmul; the dtype of that matmul is measured p
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_kquant_matmul import random_blocks
 from torch import nn
@@ -43,6 +44,27 @@ def test_panels_give_the_whole_weights_matmul_however_the_rows_split(cpu_ops, mo
         # a panel's GEMM may block its sums unlike the whole weight's (BLAS picks kernels by
         # shape, per vendor): within fp32's rounding bound of the fp64 product, not bits
         assert_within_fp32_rounding(got, x, layer.dequantize(torch.float32))
+
+
+def test_bf16_panels_give_the_bf16_matmul_of_the_weights_values(cpu_ops, monkeypatch):
+    """dense_dtype bf16: x and each panel rounded to bf16 (as the whole weight was), the
+    product within a bf16 rounding of the output; the panels' buffers are reused."""
+    monkeypatch.setattr(dense_panels, "PANEL_BYTES", 40 << 10)
+    x = torch.randn(130, 512)
+    for layer in _layers(72, 512):
+        layer.dense_dtype = torch.bfloat16
+        got = layer(x)
+        weight = layer.dequantize(torch.float32).bfloat16().double()
+        want = x.bfloat16().double() @ weight.t()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max())
+        assert torch.equal(got, got.bfloat16().float())  # a bf16 GEMM's output
+        layer.dense_dtype = torch.float32
+        assert not torch.equal(layer(x), got)
+    buffers = [dense_panels._scratch(16, 512, dtype) for dtype in (torch.float32, torch.bfloat16)]
+    assert buffers[1].dtype == torch.bfloat16 and buffers[0].data_ptr() != buffers[1].data_ptr()
+    with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
+        dense_panels.panel_matmul(x, 72, lambda row0, out: None, torch.float16)
 
 
 def test_panel_ops_refuse_rows_past_the_weight(cpu_ops):

@@ -53,10 +53,10 @@ class QuantizedLinear(nn.Module):
         if self._shared_dense is not None:
             return F.linear(x.to(self._shared_dense.dtype), self._shared_dense).to(x.dtype)
         dtype = self.dense_dtype or x.dtype
-        panels = self._panel_source() if dtype == torch.float32 else None
-        if panels is not None:  # fp32 on the C++ block kernels' layers: panel by panel
+        panels = self._panel_source() if dtype in (torch.float32, torch.bfloat16) else None
+        if panels is not None:  # the C++ block kernels' layers: panel by panel
             dequantize_into, row_order = panels
-            out = panel_matmul(x, self.out_features, dequantize_into)
+            out = panel_matmul(x, self.out_features, dequantize_into, dtype)
             out = out if row_order is None else out.index_select(1, row_order)
             return out.to(x.dtype)
         return F.linear(x.to(dtype), self.dequantize(dtype)).to(x.dtype)
