@@ -5,6 +5,8 @@ is the whole dequantized weight's matmul; the dtype of that matmul is measured p
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_kquant_matmul import random_blocks
@@ -50,7 +52,10 @@ def test_bf16_panels_give_the_bf16_matmul_of_the_weights_values(cpu_ops, monkeyp
     """dense_dtype bf16: x and each panel rounded to bf16 (as the whole weight was), the
     product within a bf16 rounding of the output; the panels' buffers are reused."""
     monkeypatch.setattr(dense_panels, "PANEL_BYTES", 40 << 10)
+    monkeypatch.setattr(dense_panels, "_local", threading.local())  # buffers made below
     x = torch.randn(130, 512)
+    with torch.inference_mode():  # as serving runs; the buffers then serve calls outside it
+        dense_panels.panel_matmul(x, 16, lambda row0, out: out.zero_(), torch.bfloat16)
     for layer in _layers(72, 512):
         layer.dense_dtype = torch.bfloat16
         got = layer(x)

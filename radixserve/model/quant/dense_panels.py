@@ -28,11 +28,14 @@ _local = threading.local()
 
 
 def _scratch(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A [rows, cols] view of this thread's panel buffer of `dtype` (grown, never shrunk)."""
+    """A [rows, cols] view of this thread's panel buffer of `dtype` (grown, never shrunk); a
+    normal tensor even when made under inference mode, so that a later call outside it may
+    still copy into it."""
     name = f"buf_{dtype}"
     buf = getattr(_local, name, None)
     if buf is None or buf.numel() < rows * cols:
-        buf = torch.empty(rows * cols, dtype=dtype)
+        with torch.inference_mode(False):
+            buf = torch.empty(rows * cols, dtype=dtype)
         setattr(_local, name, buf)
     return buf[: rows * cols].view(rows, cols)
 
