@@ -219,10 +219,10 @@ def _check_int4(device: torch.device, shapes: dict, group_size: int | None, bloc
 
 def _check_gguf(device: torch.device, shapes: dict) -> None:
     """Q4 blocks become int4 layers, Q8_0 blocks group-wise int8 layers."""
-    _check_int4_device("gguf", device, shapes)
+    _check_int4_device("gguf", device, shapes, blocks=False)
 
 
-def _check_int4_device(method: str, device: torch.device, shapes: dict, blocks=False) -> None:
+def _check_int4_device(method: str, device: torch.device, shapes: dict, blocks: bool) -> None:
     """int4 layers run torch's CPU kernel (out_features divisible by 16), our block kernels
     (`blocks`: any out_features) or, on CUDA, the Triton kernel (triton installed)."""
     if device.type not in ("cpu", "cuda"):

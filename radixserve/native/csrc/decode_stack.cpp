@@ -2,9 +2,10 @@
 //
 // An eager decode step pays Python around its ~12 ops a layer: the module calls, the quantized
 // layers' checks, the attention backend's routing, each torch.ops call's argument parsing
-// (~2-3 ms of a ~36 ms 1B step on one core; docs/performance.md, "The decode stack"). DecodeStack holds, per layer, what those modules would pass to their ops
-// (norm weights, each projection's parts: the op and its weight tensors) and calls the same
-// ops, through the dispatcher, in the same order with the same arguments:
+// (~2-3 ms of a ~36 ms 1B step on one core; docs/performance.md, "The decode stack").
+// DecodeStack holds, per layer, what those modules would pass to their ops (norm weights, each
+// projection's parts: the op and its weight tensors) and calls the same ops, through the
+// dispatcher, in the same order with the same arguments:
 //
 //   layer 0: residual = hidden; hidden = rms_norm(hidden)        later: add_rms_norm(hidden!)
 //   qkv = qkv_proj(hidden); rope_store(qkv!, k_pool!, v_pool!); q = qkv[:, :H*D] (contiguous)

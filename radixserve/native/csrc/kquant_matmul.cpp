@@ -34,8 +34,9 @@ constexpr int64_t kGrain = 16;         // output rows per parallel_for chunk, at
 constexpr int64_t kPrefetchRows = 4;   // weight rows asked for ahead of the one in use
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
-// ggml's type ids (gguf.GGMLQuantizationType)
-constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;  // and kQ4KX8 / kQ5KX8 / kQ6KX8 (kquant_blocks.h)
+// ggml's type ids (gguf.GGMLQuantizationType); the repacked ones, kQ4KX8 / kQ5KX8 / kQ6KX8,
+// are in kquant_blocks.h
+constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
 
 
 // One format's view of its super-blocks: bytes, the per-super-block factors, a unit's weights.

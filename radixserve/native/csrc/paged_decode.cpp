@@ -12,8 +12,8 @@
 // done together where the build and head_dim allow. Slots are walked page by page, and the
 // next block's K / V rows are prefetched a KV head's part at a time between this block's
 // steps (one burst per block helped less: 16 x 4,096 positions, SmolLM2's heads, one thread,
-// pool out of cache: 18.1 ms, burst 13.1, spread 9.6). When there are fewer queries than threads,
-// positions are split and the splits' partial results merged by their log-sum-exp
+// pool out of cache: 18.1 ms, burst 13.1, spread 9.6). When there are fewer queries than
+// threads, positions are split and the splits' partial results merged by their log-sum-exp
 // (num_splits > 0 forces a split count, for tests and benchmarks).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -86,9 +86,9 @@ void attend_range(State& st, const Shape& s, const float* q, const T* k, const T
   for (int64_t i = 0; i < width; ++i) st.q[i] = src[i] * s.scale;
   st.reset();
   int64_t slots[2][kBlock];
+  constexpr int64_t bytes = sizeof(T);
   Ahead ahead{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), nullptr, 0,
-              width / s.group * static_cast<int64_t>(sizeof(T)),
-              s.head_dim * static_cast<int64_t>(sizeof(T))};
+              s.num_kv_heads * s.head_dim * bytes, s.head_dim * bytes};
   int64_t n = std::min(kBlock, hi - lo);
   block_slots(s, page_row, lo, n, slots[0]);
   for (int64_t b = lo, cur = 0; b < hi; b += kBlock, cur ^= 1) {

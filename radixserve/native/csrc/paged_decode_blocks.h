@@ -114,7 +114,7 @@ inline void sum_rows(const float (&acc)[kKeyTile][kLanes], float* sums) {
 // scores[head, j] = q[head] . k[j] for the block's n keys. Per tile of kKeyTile keys and per
 // query head, kKeyTile vector accumulators run across head_dim (the query chunk loaded once
 // for all the tile's keys) and are reduced together at the end (sum_rows).
-void score_block(State& st, const Shape& s, const float* const* krows, int64_t n) {
+inline void score_block(State& st, const Shape& s, const float* const* krows, int64_t n) {
   const int64_t D = s.head_dim, wide = D / kLanes * kLanes;
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
     const int64_t m = std::min(kKeyTile, n - j0);
@@ -145,7 +145,7 @@ void score_block(State& st, const Shape& s, const float* const* krows, int64_t n
 
 // Online softmax over the block per head (its scores soft-capped first where s.cap > 0): new
 // running max, rescale of sum and acc, scores -> weights.
-void softmax_block(State& st, const Shape& s, int64_t n) {
+inline void softmax_block(State& st, const Shape& s, int64_t n) {
   for (int64_t head = 0; head < s.num_heads; ++head) {
     float* sc = st.scores.data() + head * kBlock;
     if (s.cap > 0.f) {
@@ -167,9 +167,10 @@ void softmax_block(State& st, const Shape& s, int64_t n) {
   }
 }
 
-// acc[head] += sum_j weight[head, j] v[j] over the block's n keys, kPvChunks x kLanes floats of a
-// head's output at a time held in registers across the keys (one load and store per block, not per key).
-void value_block(State& st, const Shape& s, const float* const* vrows, int64_t n) {
+// acc[head] += sum_j weight[head, j] v[j] over the block's n keys, kPvChunks x kLanes floats
+// of a head's output at a time held in registers across the keys (one load and store per
+// block, not per key).
+inline void value_block(State& st, const Shape& s, const float* const* vrows, int64_t n) {
   const int64_t D = s.head_dim;
   for (int64_t head = 0; head < s.num_heads; ++head) {
     const int64_t off = (head / s.group) * D;
@@ -191,7 +192,6 @@ void value_block(State& st, const Shape& s, const float* const* vrows, int64_t n
     for (int64_t j = 0; j < n && d0 < D; ++j) axpy(out + d0, w[j], vrows[j] + off + d0, D - d0);
   }
 }
-
 
 #if defined(__AVX512F__)
 // Scores of one KV head's G query heads (q: [G, D], scores: head stride kBlock) against the
@@ -268,7 +268,8 @@ void attend_grouped(State& st, const Shape& s, const float* const* krows,
   softmax_block(st, s, n);
   for (int64_t h = 0; h < s.num_kv_heads; ++h) {
     ahead.fetch(ahead.v, h, 1);
-    value_group<G>(st.scores.data() + h * G * kBlock, vrows, h * D, D, n, st.acc.data() + h * G * D);
+    value_group<G>(st.scores.data() + h * G * kBlock, vrows, h * D, D, n,
+                   st.acc.data() + h * G * D);
   }
 }
 #endif

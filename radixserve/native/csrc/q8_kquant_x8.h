@@ -3,10 +3,11 @@
 // by 8 output rows, where the row layout (q8_formats.h's Q4KRows / Q6KRows) does them per row.
 // The idea of llama.cpp's repacked `block_q4_Kx8` (our own byte order, and Q6_K too).
 //
-// kquant_blocks.h has the repacked layouts (type ids kQ4KX8, kQ5KX8, kQ6KX8); one 64-byte load holds
-// codes 8c .. 8c + 7 of a unit for all 8 rows, against 8 activation codes broadcast to every
-// row; a super-block's bytes lie in the order the kernel reads them (the hardware prefetchers
-// then stream them at the memory's speed: measured, software prefetches only slowed them).
+// kquant_blocks.h has the repacked layouts (type ids kQ4KX8, kQ5KX8, kQ6KX8); one 64-byte
+// load holds codes 8c .. 8c + 7 of a unit for all 8 rows, against 8 activation codes
+// broadcast to every row; a super-block's bytes lie in the order the kernel reads them (the
+// hardware prefetchers then stream them at the memory's speed: measured, software
+// prefetches only slowed them).
 //
 // Bits: each row's integer lanes (codes 4j .. 4j + 3 of every unit, times their scale, summed
 // over units: lane j), its fp32 lane sets (super-block b into set b % 2), min / offset terms
