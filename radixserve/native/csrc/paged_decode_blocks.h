@@ -71,6 +71,22 @@ struct Ahead {
   }
 };
 
+// Reads the block's n rows of `floats` floats front to back, one load a 64-byte line, and
+// keeps nothing: an fp32 pool is read in place, and these loads in order let the hardware
+// prefetchers stream K and V ahead, so that the block's compute then runs from cache. (Out
+// of cache, 16 x 4,096 positions, one thread: ~25% faster than asking for the next block
+// with prefetch instructions, which still pay for a bf16 pool, whose widening pass reads
+// the rows in order already.)
+inline void touch_rows(const float* const* rows, int64_t n, int64_t floats) {
+  uint32_t seen = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(rows[j]);
+    for (int64_t i = 0; i < floats; i += 16) seen |= row[i];
+    seen |= row[floats - 1];  // the last line of a row that does not start on one
+  }
+  [[maybe_unused]] volatile uint32_t sink = seen;
+}
+
 // sums[i] = the sum of row i's kLanes floats, for kKeyTile = 16 rows. With AVX-512 a
 // transposing tree (unpack, shuffle, add: 45 instructions for all 16 rows) instead of one
 // horizontal reduction per row, which cost more than the row's dot product itself.
@@ -152,7 +168,16 @@ inline void softmax_block(State& st, const Shape& s, int64_t n) {
       for (int64_t j = 0; j < n; ++j) sc[j] = s.cap * std::tanh(sc[j] / s.cap);
     }
     float new_max = st.max[head];
+#if defined(__AVX512F__)
+    __m512 most = _mm512_set1_ps(new_max);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 live = n - j >= kLanes ? 0xFFFF : (1u << (n - j)) - 1;
+      most = _mm512_max_ps(most, _mm512_mask_loadu_ps(most, live, sc + j));
+    }
+    new_max = _mm512_reduce_max_ps(most);
+#else
     for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sc[j]);
+#endif
     const float alpha = std::exp(st.max[head] - new_max);
     st.sum[head] *= alpha;
     scale_row(st.acc.data() + head * s.head_dim, alpha, s.head_dim);
