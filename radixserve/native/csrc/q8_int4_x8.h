@@ -162,9 +162,12 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
   // row i's even / odd lanes of two blocks' sums -> [block 0 rows 0-7 | block 1 rows 0-7]
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const int64_t group_bytes = radixserve_kquant::kX8Rows * nb * bytes;
+  const uint8_t* next = m0 == 0 ? group + kX8Ahead * group_bytes : nullptr;  // as x8_dot
   for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
     const int64_t n = std::min(kX8Chunk, nb - b0);
     const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
+    if (next != nullptr) prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
     const uint8_t* codes = chunk + (kMin ? 32 : 16) * n;
     for (int h = 0; 2 * h < n; ++h) {  // blocks j = 2h, 2h + 1 of the chunk (the second may not be)
       const int64_t blocks = std::min<int64_t>(2, n - 2 * h);

@@ -5,9 +5,12 @@
 //
 // kquant_blocks.h has the repacked layouts (type ids kQ4KX8, kQ5KX8, kQ6KX8); one 64-byte
 // load holds codes 8c .. 8c + 7 of a unit for all 8 rows, against 8 activation codes
-// broadcast to every row; a super-block's bytes lie in the order the kernel reads them (the
-// hardware prefetchers then stream them at the memory's speed: measured, software
-// prefetches only slowed them).
+// broadcast to every row; a super-block's bytes lie in the order the kernel reads them, and
+// while a group's super-block is decoded the same super-block of the next group is asked for
+// (x8_dot: one group ahead, by the first tile of activation rows only). The hardware
+// prefetchers alone left one core at ~17-20 GB/s on an AMD EPYC (family 26) where this reads
+// 30-34 (one row; 4 rows 2x faster); two groups ahead was no better. (An earlier layout and
+// `prefetchnta` four super-blocks ahead were slower: docs/performance.md.)
 //
 // Bits: each row's integer lanes (codes 4j .. 4j + 3 of every unit, times their scale, summed
 // over units: lane j), its fp32 lane sets (super-block b into set b % 2), min / offset terms
@@ -69,6 +72,8 @@ struct X8Rows {
   const int16_t* bsums[R];
 };
 
+constexpr int64_t kX8Ahead = 1;  // groups ahead whose bytes are asked for (see the top)
+
 // out[r * N + 0..7] = activation row m0 + r (r < R) against the group at `group` (nb x8
 // super-blocks of F): each block's codes decoded once for the R rows.
 template <typename F, int R>
@@ -80,7 +85,9 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
     acc[r].mins = _mm256_setzero_ps();
   }
   const int64_t nb = a.num_blocks;
+  const uint8_t* next = m0 == 0 ? group + kX8Ahead * nb * F::kBytes : nullptr;
   auto block = [&](int64_t b, auto set) {
+    if (next != nullptr) prefetch(next + b * F::kBytes, F::kBytes);
     X8Rows<R> rows;
     for (int r = 0; r < R; ++r) {
       const int64_t ab = (m0 + r) * nb + b;
