@@ -9,13 +9,13 @@
 // runs back to back), and each KV row is scored against its GQA group of query heads.
 // Positions go in blocks of kBlock (paged_decode_blocks.h): scores for the block, one
 // online-softmax rescale, then the weighted V sum; a KV head's GQA group of query heads is
-// done together where the build and head_dim allow. Slots are walked page by page. A fp32
+// done together where the build and head_dim allow. Slots are walked page by page. An fp32
 // block's rows are first read front to back (the hardware prefetchers then stream them); for
 // a bf16 pool the next block's rows are prefetched a KV head's part at a time between this
 // block's steps (16 x 4,096 positions, SmolLM2's heads, one thread, pool out of cache, fp32
-// on an AMD EPYC: prefetching 7.1 ms, reading in order first 5.5). When there are fewer queries than
-// threads, positions are split and the splits' partial results merged by their log-sum-exp
-// (num_splits > 0 forces a split count, for tests and benchmarks).
+// on an AMD EPYC: prefetching 8.8 ms, reading in order first 6.9). When there are fewer
+// queries than threads, positions are split and the splits' partial results merged by their
+// log-sum-exp (num_splits > 0 forces a split count, for tests and benchmarks).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

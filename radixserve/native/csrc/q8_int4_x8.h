@@ -167,7 +167,9 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
   for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
     const int64_t n = std::min(kX8Chunk, nb - b0);
     const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
-    if (next != nullptr) prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
+    if (next != nullptr) {
+      prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
+    }
     const uint8_t* codes = chunk + (kMin ? 32 : 16) * n;
     for (int h = 0; 2 * h < n; ++h) {  // blocks j = 2h, 2h + 1 of the chunk (the second may not be)
       const int64_t blocks = std::min<int64_t>(2, n - 2 * h);

@@ -85,6 +85,7 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
     acc[r].mins = _mm256_setzero_ps();
   }
   const int64_t nb = a.num_blocks;
+  // past the last group this points beyond the weights: a prefetch never faults
   const uint8_t* next = m0 == 0 ? group + kX8Ahead * nb * F::kBytes : nullptr;
   auto block = [&](int64_t b, auto set) {
     if (next != nullptr) prefetch(next + b * F::kBytes, F::kBytes);
