@@ -53,9 +53,10 @@ struct State {
   }
 };
 
-// The next block's K / V rows, asked for ahead of their use a KV head's part at a time,
-// spread between this block's steps (a long context's pool is out of cache in a decode step:
-// the weights pass through between layers). To L2, not L1, where the current block is.
+// A bf16 pool's next block of K / V rows, asked for ahead of their use a KV head's part at a
+// time, spread between this block's steps (a long context's pool is out of cache in a decode
+// step: the weights pass through between layers). To L2, not L1, where the current block is.
+// An fp32 pool's blocks are read in order instead (touch_rows; its Ahead is empty).
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
