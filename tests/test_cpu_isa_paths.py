@@ -29,6 +29,7 @@ KERNEL_TESTS = [
     "tests/test_block_matmul.py",
     "tests/test_kquant_matmul.py",
     "tests/test_q8_matmul.py",
+    "tests/test_dense_panels.py",
     "tests/test_cpu_layer_ops.py",
     "tests/test_moe_cpu_kernel.py",
     "tests/test_lora_segments.py",

@@ -72,6 +72,27 @@ def test_bf16_panels_give_the_bf16_matmul_of_the_weights_values(cpu_ops, monkeyp
         dense_panels.panel_matmul(x, 72, lambda row0, out: None, torch.float16)
 
 
+def test_panel_ops_write_bf16_as_the_fp32_panel_rounds(cpu_ops):
+    """A bf16 panel from the C++ op holds the fp32 panel's values rounded to nearest even,
+    bit for bit what torch's cast gives (ties and values past bf16's precision included)."""
+    for layer in _layers(72, 512):
+        into, _ = layer._panel_source()
+        fp32, bf16 = torch.empty(40, 512), torch.empty(40, 512, dtype=torch.bfloat16)
+        into(24, fp32)
+        into(24, bf16)
+        assert torch.equal(bf16, fp32.bfloat16())
+        assert not torch.equal(bf16.float(), fp32)  # the rounding happened
+    ties = torch.full((16, 1), 1 + 3 * 2**-8).expand(16, 2).contiguous()  # halfway: bf16 ties
+    q8 = torch.tensor([1, 3, -1, 5], dtype=torch.int8).repeat(16, 16)
+    into, _ = Int8WeightOnlyLinear(q8, ties, group_size=32, backend="blocks")._panel_source()
+    fp32, bf16 = torch.empty(16, 64), torch.empty(16, 64, dtype=torch.bfloat16)
+    into(0, fp32)
+    into(0, bf16)
+    assert torch.equal(bf16, fp32.bfloat16()) and bf16[0, 0].item() == 1 + 2**-6  # up, to even
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        into(0, torch.empty(8, 512, dtype=torch.float16))
+
+
 def test_panel_ops_refuse_rows_past_the_weight(cpu_ops):
     layer = _layers(32, 256)[2]
     into, _ = layer._panel_source()

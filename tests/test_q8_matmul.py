@@ -135,9 +135,10 @@ def test_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, type_name
         assert torch.equal(kquant_matmul(x, x8, x8_type), kquant_matmul(x, blocks, qtype)), m
     weight = kquant_dequantize(blocks, qtype)
     assert torch.equal(kquant_dequantize(x8, x8_type), weight)
-    panel = torch.empty(n - 14, k)  # starts and ends inside a group
-    ops.kquant_dequantize_into(x8, x8_type, 5, panel)
-    assert torch.equal(panel, weight[5 : n - 9])
+    for dtype in (torch.float32, torch.bfloat16):
+        panel = torch.empty(n - 14, k, dtype=dtype)  # starts and ends inside a group
+        ops.kquant_dequantize_into(x8, x8_type, 5, panel)
+        assert torch.equal(panel, weight[5 : n - 9].to(dtype))
     with pytest.raises(RuntimeError, match="only Q4_K"):
         ops.kquant_repack_x8(blocks, x8_type)  # repacked already
 
@@ -198,6 +199,12 @@ def test_repacked_q4_0_and_q4_1_give_the_row_layouts_bits(cpu_ops, qtype, n, k):
     rows = torch.tensor([n - 1, 0, 9, 3])  # a tail row, rows of two groups
     unpacked_qs, unpacked_scale_min = ops.int4_unpack_x8(x8, qtype, rows)
     assert torch.equal(unpacked_qs, qs[rows]) and torch.equal(unpacked_scale_min, scale_min[rows])
+    weight = torch.empty(n, k)
+    ops.int4_block_dequantize_into(qs, scale_min, 0, weight)
+    for dtype in (torch.float32, torch.bfloat16):  # read in place, from inside a group on
+        panel = torch.empty(n - 5, k, dtype=dtype)
+        ops.int4_x8_dequantize_into(x8, qtype, 5, panel)
+        assert torch.equal(panel, weight[5:].to(dtype))
     inexact = scale_min.clone()
     inexact[3, 1, 0] += 1e-6  # not an fp16 value
     with pytest.raises(RuntimeError, match="is not an fp16"):

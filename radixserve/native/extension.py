@@ -7,7 +7,8 @@ family; each has its Python wrapper beside its caller (simd.h: the matmuls' shar
 
     paged_decode.cpp, paged_extend.cpp  attention                 attention/cpu_fused.py
     layer_ops.cpp                       a layer's fused small ops model/cpu_layer_ops.py
-    block_matmul.cpp                    GGUF-block matmuls        model/quant/block_matmul.py
+    block_matmul.cpp (block_dequant.h)  GGUF-block matmuls        model/quant/block_matmul.py
+    int4_x8.cpp                         Q4_0 / Q4_1 8-row packing model/quant/linear.py
     dense_matmul.cpp                    batch-invariant matmul    model/quant/batch_invariant.py
     kquant_matmul.cpp (kquant_*.h)      GGUF K-quant matmuls      model/quant/kquant.py
     q8_matmul.cpp (q8_*.h)              int8-activation matmuls   model/quant/q8_matmul.py
@@ -49,6 +50,7 @@ SOURCES = [
     CSRC / "paged_extend.cpp",
     CSRC / "layer_ops.cpp",
     CSRC / "block_matmul.cpp",
+    CSRC / "int4_x8.cpp",
     CSRC / "dense_matmul.cpp",
     CSRC / "kquant_matmul.cpp",
     CSRC / "q8_matmul.cpp",
@@ -59,6 +61,7 @@ SOURCES = [
 HEADERS = [
     CSRC / "common.h",
     CSRC / "simd.h",
+    CSRC / "block_dequant.h",
     CSRC / "paged_extend_blocks.h",
     CSRC / "paged_decode_blocks.h",
     CSRC / "kquant_blocks.h",

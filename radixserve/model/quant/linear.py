@@ -256,11 +256,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         ops = torch.ops.radixserve_cpu
         if self.x8_type is None:
             return partial(ops.int4_block_dequantize_into, self.qs, self.scale_min), None
-        return self._dequantize_x8_into, None
-
-    def _dequantize_x8_into(self, row0: int, out: torch.Tensor) -> None:
-        rows = self._row_blocks(torch.arange(row0, row0 + out.shape[0]))
-        torch.ops.radixserve_cpu.int4_block_dequantize_into(*rows, 0, out)
+        return partial(ops.int4_x8_dequantize_into, self.x8, self.x8_type), None
 
     def _row_blocks(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `index` (all: None) as qs [n, in / 2] and scale_min [n, in / 32, 2]: the row

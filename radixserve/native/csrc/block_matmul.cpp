@@ -15,96 +15,26 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "block_dequant.h"
 #include "common.h"
-#include "q8_int4_x8.h"
-#include "simd.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
-#include <tuple>
 #include <vector>
 
 namespace {
 
-using namespace radixserve_cpu::simd;
+using namespace radixserve_blocks;
 using radixserve_cpu::activations_f32;
 using radixserve_cpu::check_panel;
 
-constexpr int64_t kBlock = 32;  // inputs per weight block (GGUF's QK4_0 / QK4_1 / QK8_0)
-constexpr int64_t kHalf = kBlock / 2;
 constexpr int64_t kTileRows = 4;  // activation rows sharing one dequantized block
 constexpr int64_t kGrain = 16;    // output rows per parallel_for chunk, at least
 constexpr int64_t kPrefetchRows = 4;  // weight rows asked for ahead of the one in use
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
-
-// One SIMD level's view of a block (simd.h's vectors): 32 fp32 weights as kVecs vectors of
-// kLanes and their dequantizers. AVX512 and AVX2 use intrinsics; anything else plain loops
-// (correct, but slower than torch's kernels: `simd_level` says which was built).
-#if defined(__AVX512F__)
-constexpr int64_t kChains = 2;  // blocks alternate between accumulator sets (FMA latency)
-// The block's 16 possible weights q * d + m as a table (one FMA), then a lookup per lane
-// (vpermps reads the low 4 bits of each index: the low nibble without a mask): fewer
-// instructions than converting and scaling each code, the same fp32 values.
-inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const Vec codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Vec table = vfma(codes, _mm512_set1_ps(d), _mm512_set1_ps(m));
-  w[0] = _mm512_permutexvar_ps(v, table);
-  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-inline void dequant_int8(const int8_t* q, float d, Vec* w) {
-  const Vec vd = _mm512_set1_ps(d);
-  for (int64_t i = 0; i < 2; ++i) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i));
-    w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), vd);
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kChains = 1;  // four vectors a block already make four FMA chains
-inline __m256i widen_u8(const uint8_t* q) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-}
-inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
-  const Vec vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  const __m256i mask = _mm256_set1_epi32(0x0F);
-  for (int64_t i = 0; i < 2; ++i) {  // bytes 8i..8i+7: elements 8i.. (low), 16+8i.. (high)
-    const __m256i v = widen_u8(q + 8 * i);
-    w[i] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), vd, vm);
-    w[i + 2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), vd, vm);
-  }
-}
-inline void dequant_int8(const int8_t* q, float d, Vec* w) {
-  const Vec vd = _mm256_set1_ps(d);
-  for (int64_t i = 0; i < 4; ++i) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
-    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
-  }
-}
-#else
-constexpr int64_t kChains = 1;
-inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
-  for (int64_t j = 0; j < kHalf; ++j) {
-    w[j / kLanes].v[j % kLanes] = static_cast<float>(q[j] & 0x0F) * d + m;
-    w[(j + kHalf) / kLanes].v[j % kLanes] = static_cast<float>(q[j] >> 4) * d + m;
-  }
-}
-inline void dequant_int8(const int8_t* q, float d, Vec* w) {
-  for (int64_t j = 0; j < kBlock; ++j) w[j / kLanes].v[j % kLanes] = static_cast<float>(q[j]) * d;
-}
-#endif
-constexpr int64_t kVecs = kBlock / kLanes;
-
-// Asks for the cache lines of [p, p + bytes) ahead of their use: one core's hardware
-// prefetchers alone keep too few lines in flight to stream weights at the memory's speed.
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
-}
 
 struct Int4Rows {
   const uint8_t* qs;
@@ -256,20 +186,22 @@ at::Tensor int8_block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Te
 }
 
 // Weight rows row0 .. row0 + out.size(0), dequantized as the kernels read them, into `out`
-// [rows, K] fp32: prefill's dense matmul takes a weight panel by panel through one buffer
-// it reuses (dense_panels.py), so no call pays for fresh pages.
+// [rows, K] (fp32, or those values rounded to bf16): prefill's dense matmul takes a weight
+// panel by panel through one buffer it reuses (dense_panels.py), so no call pays for fresh
+// pages.
 template <typename W>
-void dequantize_into(const W& weights, int64_t row0, int64_t num_blocks, at::Tensor& out) {
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, out.size(0), kGrain, [&](int64_t r0, int64_t r1) {
-    Vec w[kVecs];
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        weights.block(row0 + r, b, num_blocks, w);
-        float* dst = o + (r * num_blocks + b) * kBlock;
-        for (int64_t i = 0; i < kVecs; ++i) vstore(dst + i * kLanes, w[i]);
+void dequantize_into(const W& weights, int64_t row0, int64_t num_blocks, const at::Tensor& out) {
+  radixserve_cpu::with_panel_data(out, [&](auto* o) {
+    at::parallel_for(0, out.size(0), kGrain, [&](int64_t r0, int64_t r1) {
+      Vec w[kVecs];
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          weights.block(row0 + r, b, num_blocks, w);
+          auto* dst = o + (r * num_blocks + b) * kBlock;
+          for (int64_t i = 0; i < kVecs; ++i) vstore(dst + i * kLanes, w[i]);
+        }
       }
-    }
+    });
   });
 }
 
@@ -298,61 +230,6 @@ void int8_block_dequantize_into(const at::Tensor& qs, const at::Tensor& scales, 
   dequantize_into(weights, row0, scales.size(1), out);
 }
 
-// The row layout (qs [N, K / 2] uint8, scale_min [N, K / 32, 2] fp32) repacked 8 rows at a
-// time as Q4_0 (1002: every offset -8 x its scale) or Q4_1 (1003); every scale and offset
-// must be an fp16 value (a GGUF file's are).
-at::Tensor int4_repack_x8(const at::Tensor& qs, const at::Tensor& scale_min, int64_t qtype) {
-  TORCH_CHECK(qtype == radixserve_q8::kQ40X8 || qtype == radixserve_q8::kQ41X8, "int4_repack_x8: qtype ", qtype,
-              " is not repacked Q4_0 (1002) or Q4_1 (1003)");
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 &&
-                  scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
-                  scale_min.dim() == 3 && scale_min.size(0) == qs.size(0) &&
-                  scale_min.size(1) * 16 == qs.size(1) && scale_min.size(2) == 2,
-              "int4_repack_x8: qs must be uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]");
-  const int64_t N = qs.size(0);
-  const radixserve_q8::Int4X8Layout L{qtype == radixserve_q8::kQ41X8, scale_min.size(1)};
-  const float* sm = scale_min.data_ptr<float>();
-  for (int64_t i = 0; i < N * L.nb; ++i) {
-    const float d = sm[2 * i], m = sm[2 * i + 1];
-    const bool exact = static_cast<float>(c10::Half(d)) == d &&
-                       (L.has_min ? static_cast<float>(c10::Half(m)) == m : m == 0.f - 8.f * d);
-    TORCH_CHECK(exact, "int4_repack_x8: block ", i, "'s scale / offset (", d, ", ", m,
-                ") is not ", L.has_min ? "an fp16 pair" : "an fp16 scale with offset -8 x it");
-  }
-  at::Tensor out = at::empty({N, L.row_bytes()}, qs.options());
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    radixserve_q8::repack_int4_rows(qs.data_ptr<uint8_t>(), sm, L, N, n0, n1, out.data_ptr<uint8_t>());
-  });
-  return out;
-}
-
-// Rows `rows` (int64, 1-D) of repacked Q4_0 / Q4_1 in the row layout: (qs, scale_min).
-std::tuple<at::Tensor, at::Tensor> int4_unpack_x8(const at::Tensor& blocks, int64_t qtype,
-                                                  const at::Tensor& rows) {
-  TORCH_CHECK(qtype == radixserve_q8::kQ40X8 || qtype == radixserve_q8::kQ41X8, "int4_unpack_x8: qtype ", qtype,
-              " is not repacked Q4_0 (1002) or Q4_1 (1003)");
-  const radixserve_q8::Int4X8Layout L{qtype == radixserve_q8::kQ41X8, 1};
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
-                  blocks.size(1) % L.block_bytes() == 0,
-              "int4_unpack_x8: blocks must be a contiguous uint8 [N, K / 32 * ",
-              L.block_bytes(), "] tensor");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
-              "int4_unpack_x8: rows must be a contiguous int64 [n] tensor");
-  const int64_t N = blocks.size(0), count = rows.size(0);
-  const radixserve_q8::Int4X8Layout layout{L.has_min, blocks.size(1) / L.block_bytes()};
-  const int64_t* index = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i)
-    TORCH_CHECK(0 <= index[i] && index[i] < N, "int4_unpack_x8: row ", index[i], " of ", N);
-  at::Tensor qs = at::empty({count, layout.nb * 16}, blocks.options());
-  at::Tensor sm = at::empty({count, layout.nb, 2}, blocks.options().dtype(at::kFloat));
-  at::parallel_for(0, count, kGrain, [&](int64_t i0, int64_t i1) {
-    radixserve_q8::unpack_int4_rows(blocks.data_ptr<uint8_t>(), layout, N, index + i0, i1 - i0,
-                     qs.data_ptr<uint8_t>() + i0 * layout.nb * 16,
-                     sm.data_ptr<float>() + i0 * layout.nb * 2);
-  });
-  return {qs, sm};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
@@ -360,8 +237,6 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("int8_block_mm(Tensor x, Tensor qs, Tensor scales) -> Tensor");
   m.def("int4_block_dequantize_into(Tensor qs, Tensor scale_min, int row0, Tensor(a!) out) -> ()");
   m.def("int8_block_dequantize_into(Tensor qs, Tensor scales, int row0, Tensor(a!) out) -> ()");
-  m.def("int4_repack_x8(Tensor qs, Tensor scale_min, int qtype) -> Tensor");
-  m.def("int4_unpack_x8(Tensor blocks, int qtype, Tensor rows) -> (Tensor, Tensor)");
   // Which SIMD path the extension was built with (avx512, avx2, portable): every kernel
   // file follows the same build flags. No tensor argument: a catch-all.
   m.def("simd_level() -> str", [] { return std::string(kSimd); });
@@ -372,6 +247,4 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("int8_block_mm", &int8_block_mm);
   m.impl("int4_block_dequantize_into", &int4_block_dequantize_into);
   m.impl("int8_block_dequantize_into", &int8_block_dequantize_into);
-  m.impl("int4_repack_x8", &int4_repack_x8);
-  m.impl("int4_unpack_x8", &int4_unpack_x8);
 }

@@ -89,15 +89,24 @@ inline void check_q_pools_and_table(const at::Tensor& q, const at::Tensor& k_poo
 }
 
 // The buffer a `*_dequantize_into` op writes weight rows row0 .. row0 + out.size(0) of an
-// [N, K] weight into (prefill's dense matmul, panel by panel): contiguous fp32 [rows, K] CPU,
-// within the weight's rows.
+// [N, K] weight into (prefill's dense matmul, panel by panel): contiguous fp32 or bf16
+// [rows, K] CPU, within the weight's rows.
 inline void check_panel(const at::Tensor& out, int64_t row0, int64_t N, int64_t K,
                         const char* op) {
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
-                  out.is_contiguous() && out.size(1) == K,
-              op, ": out must be a contiguous float32 [rows, ", K, "] CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous() &&
+                  out.size(1) == K &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              op, ": out must be a contiguous float32 or bfloat16 [rows, ", K, "] CPU tensor");
   TORCH_CHECK(row0 >= 0 && row0 + out.size(0) <= N, op, ": rows ", row0, " + ", out.size(0),
               " exceed the weight's ", N);
+}
+
+// fn(p) with p the data of check_panel's `out`: float* or c10::BFloat16* (the kernels' vstore
+// rounds fp32 vectors to bf16 as torch's .to(torch.bfloat16) does).
+template <typename Fn>
+void with_panel_data(const at::Tensor& out, Fn&& fn) {
+  if (out.scalar_type() == at::kFloat) fn(out.data_ptr<float>());
+  else fn(out.data_ptr<c10::BFloat16>());
 }
 
 }  // namespace radixserve_cpu

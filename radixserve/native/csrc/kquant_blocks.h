@@ -42,10 +42,17 @@ struct SuperScales {
   float min[16];  // Q6_K: 32 * scale, so w = q * scale - min with q in 0..63 (one FMA, exact)
 };
 
+// The fp16 value at p as fp32 (AVX-512 converts in one instruction; otherwise c10's bit
+// manipulation: the same value).
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
+#if defined(__AVX512F__)
+  return _mm_cvtss_f32(_mm512_castps512_ps128(
+      _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(bits))))));
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // Q4_K / Q5_K: 8 pairs of 6-bit scale and min packed into 12 bytes (get_scale_min_k4),

@@ -153,8 +153,8 @@ void dot_range(const uint8_t* w, int64_t n0, int64_t n1, int64_t num_super, cons
   }
 }
 
-template <typename F>
-void dequantize_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t num_super, float* out) {
+template <typename F, typename T>
+void dequantize_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t num_super, T* out) {
   SuperScales s;
   Vec v[kVecs];
   for (int64_t n = n0; n < n1; ++n) {
@@ -164,7 +164,7 @@ void dequantize_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t num_super
 #pragma GCC unroll 8
       for (int64_t u = 0; u < kUnits; ++u) {
         F::unit(block, u, s, v);
-        float* o = out + (n * num_super + b) * kSuper + u * kUnit;
+        T* o = out + (n * num_super + b) * kSuper + u * kUnit;
         for (int64_t i = 0; i < kVecs; ++i) vstore(o + i * kLanes, v[i]);
       }
     }
@@ -213,15 +213,17 @@ int64_t super_blocks_per_row(const at::Tensor& blocks, int64_t qtype, const char
   return blocks.size(1) / bytes;
 }
 
-// Weight rows [n0, n1) of `w` (any layout) as fp32 into out ([n1 - n0, K]).
+// Weight rows [n0, n1) of `w` (any layout) into out ([n1 - n0, K] fp32, or rounded to bf16).
 void dequantize_range(int64_t qtype, const uint8_t* w, int64_t N, int64_t num_super, int64_t n0,
-                      int64_t n1, float* out) {
+                      int64_t n1, const at::Tensor& out) {
   by_format(qtype, [&](auto format) {
     using F = decltype(format);
-    at::parallel_for(n0, n1, kGrain, [&](int64_t r0, int64_t r1) {
-      over_rows(qtype, w, N, num_super, r0, r1, [&](const uint8_t* rows, int64_t first,
-                                                    int64_t count) {
-        dequantize_rows<F>(rows, 0, count, num_super, out + (first - n0) * num_super * kSuper);
+    radixserve_cpu::with_panel_data(out, [&](auto* o) {
+      at::parallel_for(n0, n1, kGrain, [&](int64_t r0, int64_t r1) {
+        over_rows(qtype, w, N, num_super, r0, r1, [&](const uint8_t* rows, int64_t first,
+                                                      int64_t count) {
+          dequantize_rows<F>(rows, 0, count, num_super, o + (first - n0) * num_super * kSuper);
+        });
       });
     });
   });
@@ -256,21 +258,19 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
   const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_dequantize");
   const int64_t N = blocks.size(0);
   at::Tensor out = at::empty({N, num_super * kSuper}, blocks.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  dequantize_range(qtype, w, N, num_super, 0, N, o);
+  dequantize_range(qtype, blocks.data_ptr<uint8_t>(), N, num_super, 0, N, out);
   return out;
 }
 
-// Weight rows row0 .. row0 + out.size(0) into `out` [rows, K] fp32, the values
-// kquant_dequantize gives: prefill's dense matmul goes panel by panel through one reused
-// buffer (dense_panels.py).
+// Weight rows row0 .. row0 + out.size(0) into `out` [rows, K], the values kquant_dequantize
+// gives (fp32, or those rounded to bf16): prefill's dense matmul goes panel by panel through
+// one reused buffer (dense_panels.py).
 void kquant_dequantize_into(const at::Tensor& blocks, int64_t qtype, int64_t row0, at::Tensor out) {
   const int64_t num_super = super_blocks_per_row(blocks, qtype, "kquant_dequantize_into");
   radixserve_cpu::check_panel(out, row0, blocks.size(0), num_super * kSuper,
                               "kquant_dequantize_into");
   dequantize_range(qtype, blocks.data_ptr<uint8_t>(), blocks.size(0), num_super, row0,
-                   row0 + out.size(0), out.data_ptr<float>());
+                   row0 + out.size(0), out);
 }
 
 // The same bytes repacked 8 rows at a time (Q4_K, Q5_K, Q6_K; kquant_blocks.h): a new tensor.
