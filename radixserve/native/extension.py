@@ -67,6 +67,7 @@ HEADERS = [
     CSRC / "kquant_blocks.h",
     CSRC / "kquant_simd.h",
     CSRC / "q8_simd.h",
+    CSRC / "q8_dual.h",
     CSRC / "q8_formats.h",
     CSRC / "q8_kquant_x8.h",
     CSRC / "q8_int4_x8.h",

@@ -22,7 +22,7 @@
 #pragma once
 
 #include "kquant_blocks.h"
-#include "q8_simd.h"
+#include "q8_dual.h"
 
 #include <cstdint>
 
@@ -199,7 +199,7 @@ inline Bytes codes_q6k(const uint8_t* b, int u) {
 }
 
 #if defined(RADIXSERVE_Q8_ZMM)
-// Units 2p and 2p + 1 of a super-block as 64 codes (q8_simd.h's zdot_scaled takes them).
+// Units 2p and 2p + 1 of a super-block as 64 codes (q8_dual.h's zdot_scaled takes them).
 inline __m512i zcodes_q4k(const uint8_t* b, int p) { return zbits(b + 16 + 32 * p, 0, 4, 0x0F); }
 inline __m512i zcodes_q5k(const uint8_t* b, int p) {
   return zor_shifted(zbits(b + 48 + 32 * p, 0, 4, 0x0F), zbits(b + 16, 2 * p, 2 * p + 1, 0x01), 4);
