@@ -21,6 +21,9 @@ from radixserve.client.core_start import (
     openmp_loaded,
 )
 from radixserve.config.keys import ADMIN_API_KEY_ENV
+from radixserve.model.source import default_model_path
+from radixserve.model.tokenizer import model_tokenizer
+from radixserve.server.launch import EarlyTokenizer
 
 
 def core_start(server, key: str | None = None) -> dict:
@@ -36,6 +39,8 @@ def test_the_core_forks_and_imports_nothing_heavy_again(server):
     assert not set(CORE_ENV_DEFAULTS) & set(os.environ)
     start = core_start(server)
     assert start["start_method"] == "fork" and start["reason"] == "", start
+    # the server opened its tokenizer while the core loaded, and it is the core's
+    assert start["tokenizer_opened_early"] is True
     assert start["engine_imported_in"] == "parent"
     # torch, transformers (with what a tokenizer load pulls in) and the engine: all inherited
     assert start["heavy_modules_imported"] == []
@@ -106,3 +111,16 @@ def test_serve_sets_openmp_before_torch_so_the_core_may_fork(first):
         assert read == "True False" and choice == "StartChoice(method='fork', reason='')"
     else:  # torch (and its OpenMP) loaded before: the defaults came too late
         assert read == "False True" and "OpenMP started without" in choice and "spawn" in choice
+
+
+def test_the_early_tokenizer_is_used_only_when_it_is_the_cores():
+    model = str(default_model_path())
+    core = model_tokenizer(model)  # what the core opens: its path and vocabulary
+    path, vocab = core.name_or_path, 49152
+    early = EarlyTokenizer(model).result(path, vocab)
+    assert early is not None and early.name_or_path == path
+    assert early.encode("Hello, world") == core.encode("Hello, world")
+    assert EarlyTokenizer(model).result(path + "-other", vocab) is None
+    assert EarlyTokenizer(model).result(path, vocab + 1) is None
+    # a model it cannot open: no error here (the core reports it), the server opens the core's
+    assert EarlyTokenizer("/nonexistent/model.gguf").result(path, vocab) is None

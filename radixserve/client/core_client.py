@@ -34,12 +34,19 @@ class MultiprocessClient(EngineClient):
         self.info: dict[str, Any] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_reason = ""
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Starts the core (fork or spawn: client/core_start.py) and blocks until it has
         loaded the model; returns its info."""
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Starts the core process and returns at once (`start`'s first half: this process
+        may do its own start-up work, in threads too, while the core loads)."""
         for name, value in CORE_ENV_DEFAULTS.items():
             os.environ.setdefault(name, value)  # read by a spawned child's OpenMP at start
         choice = choose_start_method()
@@ -57,6 +64,10 @@ class MultiprocessClient(EngineClient):
         self._process = ctx.Process(target=target, args=args, daemon=daemon)
         self._process.start()
         child.close()
+        self._start_reason = choice.reason
+
+    def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Blocks until the launched core has loaded the model; returns its info."""
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.5):
             if not self._process.is_alive():
@@ -66,7 +77,7 @@ class MultiprocessClient(EngineClient):
         ready = decode_from_core(self._conn.recv_bytes())
         assert isinstance(ready, Ready)
         self.info = ready.info
-        self.info["core_start"]["reason"] = choice.reason  # why not fork, for spawn
+        self.info["core_start"]["reason"] = self._start_reason  # why not fork, for spawn
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:

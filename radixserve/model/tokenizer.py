@@ -27,17 +27,23 @@ def load_tokenizer(loaded: LoadedModel):
 
 def model_tokenizer(model: str | None):
     """The tokenizer radixserve uses for the `model` argument, without loading weights."""
+    return open_tokenizer(*tokenizer_source(model))
+
+
+def tokenizer_source(model: str | None) -> tuple[Path | None, int, str]:
+    """open_tokenizer's arguments for the `model` argument (path, vocab size, name), read
+    from its config or GGUF metadata without loading weights."""
     source = resolve_model(model)
     if source.kind == "builtin":
-        return open_tokenizer(None, builtin_config(source.name)["vocab_size"], source.name)
+        return None, builtin_config(source.name)["vocab_size"], source.name
     if source.kind == "gguf":
-        return gguf_tokenizer(source)
+        return gguf_tokenizer_source(source)
     folder = weights_folder(model)
     vocab_size = read_hf_config(folder)["vocab_size"]
-    return open_tokenizer(folder if has_tokenizer(folder) else None, vocab_size, source.name)
+    return (folder if has_tokenizer(folder) else None), vocab_size, source.name
 
 
-def gguf_tokenizer(source: ModelSource):
+def gguf_tokenizer_source(source: ModelSource) -> tuple[Path | None, int, str]:
     """A GGUF's own tokenizer from its metadata alone: its weights are never dequantized (an
     8B file would need a 32 GB fp32 copy); one without a vocabulary gets the default's."""
     reader = read_gguf(source.path)
@@ -47,7 +53,7 @@ def gguf_tokenizer(source: ModelSource):
     vocab_size = int(embed.shape[1])  # ggml order: [hidden, vocab]
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     path = tokenizer_folder(source.path) if has_vocab else None
-    return open_tokenizer(path, vocab_size, source.name)
+    return path, vocab_size, source.name
 
 
 def import_tokenizer_library() -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import Any
 
 from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
 from radixserve.fleet.register import RouterMembership, WorkerRegistration
-from radixserve.model.tokenizer import import_tokenizer_library, open_tokenizer
+from radixserve.model.tokenizer import import_tokenizer_library, open_tokenizer, tokenizer_source
 from radixserve.reasoning import reasoning_format
 from radixserve.server.app import ServerState, build_app
 from radixserve.server.drain import DRAIN_KEY
@@ -43,18 +44,54 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     import_tokenizer_library()  # needed here anyway; a forked core inherits it
     client = MultiprocessClient(engine_args, config.log_level)
     try:
-        info = client.start()
+        client.launch()
     except ValueError as exc:  # a bad $RADIXSERVE_CORE_START_METHOD
         raise SystemExit(f"radixserve serve: {exc}") from None
+    early = EarlyTokenizer(engine_args.get("model"))  # after the fork: this process's thread
     try:
-        return asyncio.run(_serve(client, info, engine_args, config))
+        info = client.wait_ready()
+        tokenizer = early.result(info["tokenizer_path"], info["vocab_size"])
+        info["core_start"]["tokenizer_opened_early"] = tokenizer is not None  # /server_info
+        return asyncio.run(_serve(client, info, engine_args, config, tokenizer))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: finish closing
         client.close()
 
 
-def make_state(client, info, engine_args, config: ServerConfig) -> ServerState:
-    tokenizer = open_tokenizer(info["tokenizer_path"], info["vocab_size"], info["model_name"])
+class EarlyTokenizer:
+    """The model's tokenizer, opened in a thread while the engine core loads the weights (the
+    core opens its own, so otherwise this process opened it only after the core was ready:
+    ~1.3 s of an 8B GGUF's start, docs/performance.md). Used only if it is the one the core
+    reports (same path and vocabulary size); a model it cannot open is the core's to report."""
+
+    def __init__(self, model: str | None):
+        self._opened: tuple[int, Any] | None = None
+        self._thread = threading.Thread(
+            target=self._open, args=(model,), name="early-tokenizer", daemon=True
+        )
+        self._thread.start()
+
+    def _open(self, model: str | None) -> None:
+        try:
+            path, vocab_size, name = tokenizer_source(model)
+            self._opened = vocab_size, open_tokenizer(path, vocab_size, name)
+        except Exception as exc:  # noqa: BLE001 - the core's load reports the real error
+            logger.debug("tokenizer not opened early: %s", exc)
+
+    def result(self, path: str | None, vocab_size: int) -> Any | None:
+        """The early tokenizer if the core's is the same (`path`, `vocab_size`), else None."""
+        self._thread.join()
+        if self._opened is None:
+            return None
+        early_vocab, tokenizer = self._opened
+        same = str(tokenizer.name_or_path) == str(path) and early_vocab == vocab_size
+        return tokenizer if same else None
+
+
+def make_state(client, info, engine_args, config: ServerConfig, tokenizer=None) -> ServerState:
+    """The server's state around a ready core; `tokenizer`: the core's, if already open."""
+    if tokenizer is None:
+        tokenizer = open_tokenizer(info["tokenizer_path"], info["vocab_size"], info["model_name"])
     max_running = engine_args.get("max_running_requests", SchedulerConfig.max_running_requests)
     builder = RequestBuilder(
         tokenizer,
@@ -93,10 +130,12 @@ def _tool_parser(config: ServerConfig, tokenizer) -> str:
     return name
 
 
-async def _serve(client: MultiprocessClient, info, engine_args, config: ServerConfig) -> int:
+async def _serve(
+    client: MultiprocessClient, info, engine_args, config: ServerConfig, tokenizer=None
+) -> int:
     loop = asyncio.get_running_loop()
     client.attach(loop)
-    state = make_state(client, info, engine_args, config)
+    state = make_state(client, info, engine_args, config, tokenizer)
     stop = asyncio.Event()
     client.on_dead.append(lambda reason: _exit_soon(loop, stop, reason))
     app = build_app(state)
