@@ -33,7 +33,7 @@ import numpy as np
 
 from radixserve.disk_cache import cache_root
 
-QUANT_TYPES = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0")
+QUANT_TYPES = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL")
 """llama-quantize's type names this script writes (its ftype argument)."""
 SOURCE_TYPES = {"F16": (np.float16, 1), "F32": (np.float32, 0)}
 """Unquantized file type -> (matrix dtype, general.file_type)."""

@@ -172,3 +172,22 @@ def quantize_kquant(weight: np.ndarray, type_name: str) -> np.ndarray:
     rows, k = weight.shape
     blocks = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, QK_K)
     return QUANTIZERS[type_name](blocks).reshape(rows, -1)
+
+
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+
+
+def quantize_iq4_nl(weight: np.ndarray) -> np.ndarray:
+    """[rows, K] (K a multiple of 32) -> [rows, K / 32 * 18] uint8 IQ4_NL blocks: fp16 d with
+    the block's largest |w| on the table's -127 end, each weight the nearest table entry.
+    (Simpler than llama.cpp's search over scales, which the tests do not need: any valid
+    blocks are a file the gguf package reads back.)"""
+    rows, k = weight.shape
+    x = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, 32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(1)[:, None], 1)[:, 0]
+    d = _f16(peak / IQ4_NL_VALUES[0])
+    scaled = x / np.where(d == 0, 1, d)[:, None]
+    codes = np.abs(scaled[..., None] - IQ4_NL_VALUES).argmin(-1).astype(np.uint8)
+    qs = codes[:, :16] | codes[:, 16:] << 4
+    d16 = d.astype(np.float16)[:, None].view(np.uint8)
+    return np.concatenate([d16, qs], axis=1).reshape(rows, -1)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
-from kquant_reference import quantize_kquant
+from kquant_reference import quantize_iq4_nl, quantize_kquant
 from test_quantization_gguf import PROMPT, permute, reverse_permute
 
 from radixserve.config import CacheConfig, LoadConfig
@@ -55,6 +55,8 @@ def _store(w: np.ndarray, qtype: T) -> np.ndarray:
     w = np.ascontiguousarray(w, dtype=np.float32)
     if qtype == T.F32:
         return w
+    if qtype == T.IQ4_NL:  # the gguf package reads IQ4_NL but cannot write it
+        return quantize_iq4_nl(w)
     return quantize_kquant(w, qtype.name) if qtype.name in KQUANT_TYPES else quantize(w, qtype)
 
 
@@ -65,9 +67,13 @@ def _add(writer: GGUFWriter, name: str, w: np.ndarray, qtype: T) -> np.ndarray:
     return stored if qtype == T.F32 else dequantize(stored, qtype)
 
 
-def write_kquant_gguf(hf_folder, path, head: T | None, embed: T = T.Q4_K) -> dict:
-    """The tiny HF llama as a GGUF (`head`: output.weight's type, None: tied to token_embd);
-    returns every HF tensor as the gguf package reads it back (un-permuted)."""
+def write_kquant_gguf(
+    hf_folder, path, head: T | None, embed: T = T.Q4_K, parts: dict | None = None
+) -> dict:
+    """The tiny HF llama as a GGUF (`head`: output.weight's type, None: tied to token_embd;
+    `parts`: PARTS' form, default PARTS); returns every HF tensor as the gguf package reads it
+    back (un-permuted)."""
+    parts = PARTS if parts is None else parts
     from safetensors.numpy import load_file
 
     hf = load_file(hf_folder / "model.safetensors")
@@ -91,7 +97,7 @@ def write_kquant_gguf(hf_folder, path, head: T | None, embed: T = T.Q4_K) -> dic
         for gguf_name, hf_name in NORMS.items():
             writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", hf[f"{prefix}{hf_name}.weight"])
             back[f"{prefix}{hf_name}.weight"] = hf[f"{prefix}{hf_name}.weight"]
-        for part, (hf_part, *types) in PARTS.items():
+        for part, (hf_part, *types) in parts.items():
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(part)
             w = hf[f"{prefix}{hf_part}.weight"]
             stored = permute(w, heads) if heads else w

@@ -3,7 +3,10 @@ int8 values with fp32 block scales, K-quant super-blocks as a view of the mapped
 values) and the layer that runs them (`fused_layer`). gguf_weights.py puts them into a model.
 
 Q4_0 / Q4_1 / Q8_0 codes are copied: the kernels read each row's codes contiguous, the file
-interleaves them with each block's fp16 scale (18 / 20 / 34-byte blocks). K-quant bytes are
+interleaves them with each block's fp16 scale (18 / 20 / 34-byte blocks). IQ4_NL (a 4-bit
+index into a table of 16 int8 values, one fp16 scale per 32) becomes Q8_0 exactly: each
+code's table value is the int8 code, under the same scale; the Q8_0 kernels run it, at twice
+the file's bytes (no 4-bit kernel of ours reads the table). K-quant bytes are
 the kernels' layout already, so their layers hold the file's pages (no copy, no anonymous
 memory): one layer per part (q, k, v; gate, up), since stacking parts into one tensor would copy
 them, and llama.cpp's permuted q / k rows stay as they lie (the layer reorders its outputs).
@@ -35,14 +38,17 @@ logger = logging.getLogger(__name__)
 
 GGUF_BLOCK = 32
 FP_TYPES = ("F32", "F16", "BF16")
-AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL")
+IQ4_NL_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
+)  # ggml's kvalues_iq4nl: an IQ4_NL weight is d * IQ4_NL_VALUES[code]
 
 
 class BlockWeight(NamedTuple):
     """One GGUF weight in our terms: int4 codes + scales + zeros, int8 + scales, K-quant
     super-blocks as stored, or fp."""
 
-    kind: str  # "int4" | "int8" | "fp" | "Q4_K" | "Q5_K" | "Q6_K"
+    kind: str  # "int4" | "int8" (Q8_0, IQ4_NL) | "fp" | "Q4_K" | "Q5_K" | "Q6_K"
     values: torch.Tensor  # [rows, in]: int32 codes 0..15 | int8 | fp32 weight; K-quants:
     # [rows, in / 256 * block bytes] uint8, the mapped file's bytes
     scales: torch.Tensor | None = None  # [rows, in // 32] fp32
@@ -70,8 +76,8 @@ def decode_block_weight(tensor, kquants: bool = False) -> BlockWeight:
         return BlockWeight(kind, torch.from_numpy(np.array(tensor.data, dtype=np.uint8)))
     if kind not in AS_IS_TYPES:
         raise ModelLoadError(
-            f"--quantization gguf reads Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors as they "
-            f"are; {tensor.name} is {kind} (use --quantization none to dequantize it)"
+            f"--quantization gguf reads Q4_0, Q4_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K tensors "
+            f"as blocks; {tensor.name} is {kind} (use --quantization none to dequantize it)"
         )
     from gguf import GGML_QUANT_SIZES
 
@@ -82,6 +88,9 @@ def decode_block_weight(tensor, kquants: bool = False) -> BlockWeight:
     if kind == "Q8_0":
         values = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
         return BlockWeight("int8", values.reshape(rows, -1), scales)
+    if kind == "IQ4_NL":  # d * table[code]: the table's entries are int8, so exactly Q8_0's
+        codes = _nibbles(blocks[..., 2:]).numpy()  # w = q * d with q = table[code]
+        return BlockWeight("int8", torch.from_numpy(IQ4_NL_VALUES[codes]), scales)
     if kind == "Q4_0":
         return BlockWeight("int4", _nibbles(blocks[..., 2:]), scales, torch.zeros_like(scales))
     minimum = _f16(blocks[..., 2:4])

@@ -232,7 +232,7 @@ def why_not_as_is(reader, kquants: bool = False) -> str:
         names = ", ".join(GGUF_ARCHITECTURES)
         return f"its architecture is {arch!r} (blocks are read for {names} only)"
     types = ", ".join(f"{n} {t}" for t, n in sorted(projection_types(reader.tensors).items()))
-    reason = f"its projections ({types}) are not all Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/fp"
+    reason = f"its projections ({types}) are not all Q4_0/Q4_1/Q8_0/IQ4_NL/Q4_K/Q5_K/Q6_K/fp"
     if not kquants and set(projection_types(reader.tensors)) & set(KQUANT_TYPES):
         reason += " runnable here (K-quants need the C++ block kernels)"
     return reason
