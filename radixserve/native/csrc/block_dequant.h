@@ -4,6 +4,7 @@
 // dequantize ops (row layout and the repacked 8-row layout, int4_x8.cpp) write out.
 #pragma once
 
+#include "common.h"
 #include "simd.h"
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 namespace radixserve_blocks {
 
 using namespace radixserve_cpu::simd;
+using radixserve_cpu::prefetch;
 
 constexpr int64_t kBlock = 32;  // inputs per weight block (GGUF's QK4_0 / QK4_1 / QK8_0)
 constexpr int64_t kHalf = kBlock / 2;
@@ -78,13 +80,6 @@ constexpr int64_t kVecs = kBlock / kLanes;
 // dequant_int4's `lo` and `hi`, as in the 8-row layout).
 inline void dequant_int4(const uint8_t* q, float d, float m, Vec* w) {
   dequant_int4(q, q + kHalf / 2, d, m, w);
-}
-
-// Asks for the cache lines of [p, p + bytes) ahead of their use: one core's hardware
-// prefetchers alone keep too few lines in flight to stream weights at the memory's speed.
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
 }  // namespace radixserve_blocks

@@ -28,6 +28,7 @@ namespace {
 using namespace radixserve_kquant;
 using namespace radixserve_kquant::simd;
 using radixserve_cpu::activations_f32;
+using radixserve_cpu::prefetch;
 
 constexpr int64_t kTileRows = 4;       // activation rows sharing one dequantized unit
 constexpr int64_t kGrain = 16;         // output rows per parallel_for chunk, at least
@@ -61,12 +62,6 @@ struct Q6K {
     unit_q6k(b, u, s, w);
   }
 };
-
-// Asks for the cache lines of [p, p + bytes) ahead of their use (one core's hardware
-// prefetchers alone keep too few lines in flight to stream weights at the memory's speed).
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-}
 
 // Makes the unit loop read each factor of `s` from memory (a broadcast load) rather than
 // shuffle it out of the register it was computed in: shuffles and register broadcasts take

@@ -21,6 +21,7 @@
 // on the other rows of the call.
 #pragma once
 
+#include "common.h"
 #include "kquant_blocks.h"
 #include "q8_dual.h"
 
@@ -57,11 +58,7 @@ inline float prod(float a, float b) {  // a * b, never fused into a following ad
   return p;
 }
 
-// Asks for the cache lines of [p, p + bytes) ahead of their use (as block_matmul.cpp).
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
-}
+using radixserve_cpu::prefetch;  // common.h
 
 // Int4 / Int8 take their blocks 8 at a time (a group): one vector product gives the 8
 // blocks' d_w d_x (and, Int4, m_w * d_x sum q_x beside each), then one fma per block (Int8: on

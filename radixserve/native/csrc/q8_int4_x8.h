@@ -65,11 +65,7 @@ struct Int4X8Layout {
 };
 
 inline uint16_t half_bits(float v) { return c10::Half(v).x; }
-inline float half_value(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
+using radixserve_kquant::half_at;
 
 // Row layout (qs [N, nb * 16], scale_min [N, nb, 2] fp32) -> repacked rows [n0, n1) of `w`.
 inline void repack_int4_rows(const uint8_t* qs, const float* sm, const Int4X8Layout& L, int64_t N,
@@ -94,10 +90,10 @@ inline void unpack_int4_rows(const uint8_t* w, const Int4X8Layout& L, int64_t N,
     for (int64_t b = 0; b < L.nb; ++b) {
       int64_t base;
       const Int4X8At at = L.at(N, rows[i], b, base);
-      const float d = half_value(w + base + at.d);
+      const float d = half_at(w + base + at.d);
       float* pair = sm + 2 * (i * L.nb + b);
       pair[0] = d;
-      pair[1] = L.has_min ? half_value(w + base + at.m) : 0.f - 8.f * d;  // as the loader's
+      pair[1] = L.has_min ? half_at(w + base + at.m) : 0.f - 8.f * d;  // as the loader's
       std::memcpy(qs + (i * L.nb + b) * 16, w + base + at.lo, 8);
       std::memcpy(qs + (i * L.nb + b) * 16 + 8, w + base + at.hi, 8);
     }
