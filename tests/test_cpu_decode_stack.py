@@ -1,10 +1,12 @@
-"""--cpu-decode-stack: a pure decode batch's layers as one C++ call (model/cpu_decode_stack.py)
-give the modules' logits bit for bit (the same ops, in the same order) on every projection
-kind it runs: fp layers with and without bias (Llama, Qwen2; torch's matmul and the packed
-kernel), Qwen3's q/k norms, and a GGUF file of every block type (Q4_K / Q5_K / Q6_K / Q4_0 /
-Q8_0) on fp32 and on int8 activations (8-row repacked where AVX-512 has them); prefill and
-mixed steps stay on the modules, and models it does not cover (sliding windows, Gemma 3,
-deterministic inference) say why and run the modules."""
+"""--cpu-decode-stack: a pure decode batch's layers as one C++ call (model/cpu_decode_stack.py),
+and a batch of in-place extends' (speculative verifies: chains and draft trees over cached
+pages, with EAGLE's captured hidden states), give the modules' logits bit for bit (the same
+ops, in the same order) on every projection kind it runs: fp layers with and without bias
+(Llama, Qwen2; torch's matmul and the packed kernel), Qwen3's q/k norms, and a GGUF file of
+every block type (Q4_K / Q5_K / Q6_K / Q4_0 / Q8_0) on fp32 and on int8 activations (8-row
+repacked where AVX-512 has them); prefills without a cached prefix and mixed steps stay on the
+modules, and models it does not cover (sliding windows, Gemma 3, deterministic inference) say
+why and run the modules."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from test_kquant_gguf import _needs_blocks, save_llama, write_kquant_gguf
 from conftest import make_runner, prompt_ids
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.llama import FINAL_HIDDEN
 from radixserve.model.runner import ModelRunner
 
 
@@ -59,6 +62,54 @@ def _assert_stack_is_the_modules(runner: ModelRunner, prompts: list[list[int]], 
         runner.model.decode_stack = stack
     for step, (got, want) in enumerate(zip(fused, modules)):
         assert torch.equal(got, want), f"step {step}: the stack's logits differ from the modules'"
+
+
+def _verify_outputs(runner: ModelRunner, prompts: list[list[int]], aux_layers: tuple) -> list:
+    """Prefill `prompts`, then one batch of verify-shaped extends over their pages (request
+    0: a chain of 4 tokens, request 1: a root and a 4-node draft tree, request 2: 2 tokens):
+    every row's logits and the captured hidden states; frees the pages."""
+    pool = runner.pool
+    lens = [0] * len(prompts)
+    tables = [pool.extend_page_table([], len(p)) for p in prompts]
+    runner.aux_layers = aux_layers
+    try:
+        runner.forward(ForwardBatch.build(prompts, lens, tables, pool.page_size))
+        lens = [len(p) for p in prompts]
+        new = [[7, 8, 9, 10], [11, 12, 13, 14, 15], [16, 17]][: len(prompts)]
+        parents = [None, [0, 0, 1, 2], None][: len(prompts)]
+        tables = [pool.extend_page_table(t, n + len(x)) for t, n, x in zip(tables, lens, new)]
+        rows = list(range(sum(len(x) for x in new)))
+        batch = ForwardBatch.build(
+            new, lens, tables, pool.page_size, verify_indices=rows, tree_parents=parents
+        )
+        out = runner.forward(batch)
+        return [out.verify, out.last] + ([] if out.aux_hidden is None else [out.aux_hidden])
+    finally:
+        runner.aux_layers = ()
+        for table in tables:
+            pool.allocator.free(table)
+
+
+@pytest.mark.parametrize("aux_layers", [(), (0, 1, 2), (2, FINAL_HIDDEN, 1, 1)])
+def test_verify_extends_run_the_stack_with_the_modules_bits(tiny_models, cpu_ops, aux_layers):
+    """Chains and draft trees over cached pages (cpu_fused's paged_extend) run the stack, and
+    its logits and aux hidden states (EAGLE's capture: layer inputs, after the last, the
+    final-normed rows; in any order, repeated) are the modules' bits."""
+    runner = make_runner(tiny_models["llama"])
+    assert runner.model.config.num_layers == 2
+    stack = runner.model.decode_stack
+    prompts = [_ids(8, 13), _ids(9, 16), _ids(10, 5)]
+    before = stack.calls
+    fused = _verify_outputs(runner, prompts, aux_layers)
+    assert stack.calls - before == 1  # the verify batch (the prefill has no cached prefix)
+    runner.model.decode_stack = None
+    try:
+        modules = _verify_outputs(runner, prompts, aux_layers)
+    finally:
+        runner.model.decode_stack = stack
+    assert len(fused) == len(modules) == (3 if aux_layers else 2)
+    for got, want in zip(fused, modules):
+        assert torch.equal(got, want), "the stack's verify differs from the modules'"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -1,4 +1,5 @@
-"""A pure decode step's decoder layers as one C++ call (native/csrc/decode_stack.cpp).
+"""A decode step's decoder layers as one C++ call (native/csrc/decode_stack.cpp), and a short
+in-place extend's (a speculative verify: a chain or a draft tree over the cached pages).
 
 On CPU an eager decode step pays Python around ~12 ops a layer: a dozen module calls, the
 quantized layers' checks, the attention backend's routing (~2-3 ms of a ~36 ms 1B step, a
@@ -12,9 +13,10 @@ It covers the common case only, and `build_decode_stack` says why when it does n
 a float32 Llama / Qwen (no sliding window) on the fused CPU ops and the `cpu_fused` backend,
 one rank, dense SiLU MLPs, projections that are fp layers (torch's matmul or the packed
 kernel of --cpu-dense-kernel) or GGUF-block layers (K-quants, Q4_0 / Q4_1 / Q8_0, repacked or
-not). Per step `run` falls back to the modules (returns None) for anything but a pure decode
-batch below every layer's dense-matmul row count, a LoRA batch, SELF speculation's layer
-subset or EAGLE's captured hidden states.
+not). Per step `run` falls back to the modules (returns None) for anything but a batch of
+only decodes or only in-place extends (cpu_fused routes an extend over cached tokens, and every
+verify, to paged_extend) below every layer's dense-matmul row count, a LoRA batch and SELF
+speculation's layer subset. EAGLE's captured hidden states come out of the stack too.
 """
 
 from __future__ import annotations
@@ -108,24 +110,39 @@ class CpuDecodeStack:
         self.calls = 0  # steps run by the stack (tests, benchmarks)
 
     def run(
-        self, hidden: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(last MLP output, residual) of every layer for a pure decode batch; None when the
-        batch is not one the stack runs (the modules run it)."""
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        aux_layers: list[int] | None = None,
+    ) -> list[torch.Tensor] | None:
+        """[last MLP output, residual, the residual stream entering each of `aux_layers`
+        (ascending, 0 .. num_layers)] of every layer for a batch of only decodes or only
+        in-place extends; None when the batch is not one the stack runs (the modules run it)."""
         meta = getattr(batch, "attn_metadata", None)
-        decode = getattr(meta, "decode", None)
-        if decode is None or decode.token_idx is not None or meta.extends or meta.in_place:
+        if meta is None or meta.extends or batch.lora is not None:
             return None
-        if batch.lora is not None or hidden.dtype != torch.float32:
+        if hidden.dtype != torch.float32:
             return None
         if self.max_rows is not None and hidden.shape[0] >= self.max_rows:
             return None
-        out = self.stack.forward(
-            hidden, cos, sin, batch.out_slots, self.k_pools, self.v_pools,
-            decode.page_table, decode.seq_lens, batch.page_size,
-        )  # fmt: skip
+        decode, ext, aux = meta.decode, meta.in_place, aux_layers or []
+        if decode is not None and ext is None and decode.token_idx is None:
+            out = self.stack.forward(
+                hidden, cos, sin, batch.out_slots, self.k_pools, self.v_pools,
+                decode.page_table, decode.seq_lens, batch.page_size, aux,
+            )  # fmt: skip
+        elif decode is None and ext is not None and ext.token_idx is None:
+            out = self.stack.forward_extend(
+                hidden, cos, sin, batch.out_slots, self.k_pools, self.v_pools, ext.page_table,
+                ext.q_starts, ext.prefix_lens, ext.extend_lens, ext.page_rows,
+                ext.tree_parents, batch.page_size, aux,
+            )  # fmt: skip
+        else:
+            return None
         self.calls += 1
-        return out[0], out[1]
+        return out
 
 
 def build_decode_stack(model: nn.Module, attn) -> CpuDecodeStack:

@@ -190,10 +190,16 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         rotary = self.rotary.at(batch.positions)
         local = rotary if self.local_rotary is None else self.local_rotary.at(batch.positions)
-        if self.decode_stack is not None and layers is self.layers and not aux_layers:
-            out = self.decode_stack.run(hidden, batch, rotary.cos, rotary.sin)
-            if out is not None:  # (last MLP output, residual); None: the modules run it
-                return self.norm(out[0], out[1])[0]
+        if self.decode_stack is not None and layers is self.layers:
+            stacked = sorted({i for i in aux_layers if i != FINAL_HIDDEN})
+            out = self.decode_stack.run(hidden, batch, rotary.cos, rotary.sin, stacked)
+            if out is not None:  # [last MLP output, residual, *aux]; None: the modules run it
+                hidden = self.norm(out[0], out[1])[0]
+                if aux_layers:
+                    captured = dict(zip(stacked, out[2:]))
+                    captured[FINAL_HIDDEN] = hidden
+                    aux.extend(captured[i] for i in aux_layers)
+                return hidden
         residual = None
         captured: dict[int, torch.Tensor] = {}
         num_layers = 0

@@ -1,6 +1,7 @@
-// A pure decode step's decoder layers in one call (model/cpu_decode_stack.py builds it).
+// A decode or short in-place extend step's decoder layers in one call (model/cpu_decode_stack.py
+// builds it).
 //
-// An eager decode step pays Python around its ~12 ops a layer: the module calls, the quantized
+// An eager step pays Python around its ~12 ops a layer: the module calls, the quantized
 // layers' checks, the attention backend's routing, each torch.ops call's argument parsing
 // (~2-3 ms of a ~36 ms 1B step on one core; docs/performance.md, "The decode stack").
 // DecodeStack holds, per layer, what those modules would pass to their ops (norm weights, each
@@ -9,12 +10,17 @@
 //
 //   layer 0: residual = hidden; hidden = rms_norm(hidden)        later: add_rms_norm(hidden!)
 //   qkv = qkv_proj(hidden); rope_store(qkv!, k_pool!, v_pool!); q = qkv[:, :H*D] (contiguous)
-//   o = o_proj(paged_decode(q, k_pool, v_pool, ...)); add_rms_norm(o!, residual!)
+//   o = o_proj(attention(q)); add_rms_norm(o!, residual!)
 //   hidden = down_proj(silu_mul(gate_up_proj(o)))
 //
-// so a step's results are the modules' bits (tests/test_cpu_decode_stack.py). A projection
-// is one or more parts (a StackedLinear's formats) concatenated along the features; a part
-// is one kernel call, then its row order (index_select) and its bias, as the layer does.
+// where attention is paged_decode (`forward`: one token per request) or paged_extend
+// (`forward_extend`: every request's new tokens in place over its pages, a verify's chain or
+// draft tree included), so a step's results are the modules' bits
+// (tests/test_cpu_decode_stack.py). Both also return the residual stream entering each layer
+// of `aux_layers` (EAGLE's captured hidden states), as LlamaForCausalLM.forward_layers takes
+// them. A projection is one or more parts (a StackedLinear's formats) concatenated along the
+// features; a part is one kernel call, then its row order (index_select) and its bias, as the
+// layer does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -55,6 +61,10 @@ using RopeStore = void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Te
 using PagedDecode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
                                int64_t, const Opt&, double);
+using PagedExtend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
+                               const Opt&, double);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -82,6 +92,8 @@ struct Ops {
       find_op<RopeStore>("radixserve_cpu::rope_store");
   c10::TypedOperatorHandle<PagedDecode> paged_decode =
       find_op<PagedDecode>("radixserve_cpu::paged_decode");
+  c10::TypedOperatorHandle<PagedExtend> paged_extend =
+      find_op<PagedExtend>("radixserve_cpu::paged_extend");
 };
 
 const Ops& ops() {
@@ -166,12 +178,47 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // hidden: the embeddings [tokens, hidden] fp32 (one decode token per request); cos / sin:
   // [tokens, (1,) head_dim] fp32; slots: [tokens] int64, each token's new K/V slot; k_pools /
-  // v_pools: each layer's [slots, kv_heads, head_dim]; page_table / seq_lens as paged_decode.
-  // Returns (the last layer's MLP output, the residual before it): the final norm adds them.
+  // v_pools: each layer's [slots, kv_heads, head_dim]; page_table / seq_lens as paged_decode;
+  // aux_layers: ascending layer indices in 0 .. layers. Returns (the last layer's MLP output,
+  // the residual before it: the final norm adds them), then the residual stream entering each
+  // aux layer (the layer count: after the last).
   std::vector<at::Tensor> forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                                   at::Tensor slots, std::vector<at::Tensor> k_pools,
                                   std::vector<at::Tensor> v_pools, at::Tensor page_table,
-                                  at::Tensor seq_lens, int64_t page_size) {
+                                  at::Tensor seq_lens, int64_t page_size,
+                                  std::vector<int64_t> aux_layers) {
+    const Opt no_rows;
+    auto attend = [&](const at::Tensor& q, int64_t i) {
+      return ops().paged_decode.call(q, k_pools[i], v_pools[i], page_table, seq_lens, page_size,
+                                     sliding_window, scale, 0, no_rows, logit_cap);
+    };
+    return run(std::move(hidden), cos, sin, slots, k_pools, v_pools, aux_layers, attend);
+  }
+
+  // As `forward` for a batch whose requests all extend in place (paged_extend's arguments:
+  // their new tokens' q_starts, prefix_lens, extend_lens, page_rows, and a draft tree's
+  // tree_parents).
+  std::vector<at::Tensor> forward_extend(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
+                                         at::Tensor slots, std::vector<at::Tensor> k_pools,
+                                         std::vector<at::Tensor> v_pools, at::Tensor page_table,
+                                         at::Tensor q_starts, at::Tensor prefix_lens,
+                                         at::Tensor extend_lens, at::Tensor page_rows,
+                                         Opt tree_parents, int64_t page_size,
+                                         std::vector<int64_t> aux_layers) {
+    auto attend = [&](const at::Tensor& q, int64_t i) {
+      return ops().paged_extend.call(q, k_pools[i], v_pools[i], page_table, q_starts,
+                                     prefix_lens, extend_lens, page_rows, page_size,
+                                     sliding_window, scale, tree_parents, logit_cap);
+    };
+    return run(std::move(hidden), cos, sin, slots, k_pools, v_pools, aux_layers, attend);
+  }
+
+ private:
+  template <typename Attend>
+  std::vector<at::Tensor> run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& slots, std::vector<at::Tensor>& k_pools,
+                              std::vector<at::Tensor>& v_pools,
+                              const std::vector<int64_t>& aux_layers, const Attend& attend) {
     const Ops& o = ops();
     const int64_t L = num_layers();
     TORCH_CHECK(L > 0, "DecodeStack.forward: no layers");
@@ -180,35 +227,50 @@ struct DecodeStack : torch::CustomClassHolder {
                 "DecodeStack.forward: one K and one V pool per layer");
     TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat,
                 "DecodeStack.forward: hidden must be float32 [tokens, hidden]");
+    for (size_t a = 0; a < aux_layers.size(); ++a) {
+      TORCH_CHECK(aux_layers[a] >= 0 && aux_layers[a] <= L &&
+                      (a == 0 || aux_layers[a] > aux_layers[a - 1]),
+                  "DecodeStack.forward: aux_layers must ascend within 0 ..", L);
+    }
     for (const auto& layer : layers) {
       for (const auto& parts : layer.projections) {
         TORCH_CHECK(!parts.empty(), "DecodeStack.forward: a layer is missing a projection");
       }
     }
     const int64_t tokens = hidden.size(0), q_width = num_heads * head_dim;
-    const Opt no_rows;
+    std::vector<at::Tensor> out(2);
+    size_t next_aux = 0;
+    auto capture = [&](int64_t i, const at::Tensor& stream) {  // a copy: later ops write in place
+      if (next_aux < aux_layers.size() && aux_layers[next_aux] == i) {
+        out.push_back(stream.clone());
+        ++next_aux;
+      }
+    };
     at::Tensor residual;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& layer = layers[i];
       if (i == 0) {
+        capture(0, hidden);
         residual = hidden;
         hidden = o.rms_norm.call(hidden, layer.input_norm, eps);
       } else {
         o.add_rms_norm.call(hidden, residual, layer.input_norm, eps);
+        capture(i, residual);  // residual += hidden: the sum the modules capture
       }
       at::Tensor qkv = project(layer.projections[kQkv], hidden);
       o.rope_store.call(qkv, cos, sin, k_pools[i], v_pools[i], slots, num_heads, num_kv_heads,
                         head_dim, layer.q_norm, layer.k_norm, eps);
       const at::Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
-      const at::Tensor attn =
-          o.paged_decode.call(q.contiguous(), k_pools[i], v_pools[i], page_table, seq_lens,
-                              page_size, sliding_window, scale, 0, no_rows, logit_cap);
-      at::Tensor out = project(layer.projections[kO], attn.view({tokens, q_width}));
-      o.add_rms_norm.call(out, residual, layer.post_norm, eps);
-      const at::Tensor act = o.silu_mul.call(project(layer.projections[kGateUp], out));
+      const at::Tensor attn = attend(q.contiguous(), i);
+      at::Tensor projected = project(layer.projections[kO], attn.view({tokens, q_width}));
+      o.add_rms_norm.call(projected, residual, layer.post_norm, eps);
+      const at::Tensor act = o.silu_mul.call(project(layer.projections[kGateUp], projected));
       hidden = project(layer.projections[kDown], act);
     }
-    return {hidden, residual};
+    if (next_aux < aux_layers.size()) out.push_back(hidden + residual);  // after the last
+    out[0] = hidden;
+    out[1] = residual;
+    return out;
   }
 };
 
@@ -220,5 +282,6 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_part", &DecodeStack::add_part)
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("forward_extend", &DecodeStack::forward_extend);
 }
