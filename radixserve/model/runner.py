@@ -188,11 +188,15 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> LogitsOutput:
         """The rows of `hidden` [num_tokens, hidden_size] the batch asks logits of."""
-        last = self.model.compute_logits(hidden[batch.last_token_indices()])
+        last_rows = batch.last_token_indices()
         all_logits = self.model.compute_logits(hidden) if batch.return_all_logits else None
-        verify = None
-        if batch.verify_indices is not None:
-            verify = self.model.compute_logits(hidden[batch.verify_indices])
+        if batch.verify_indices is None:
+            return LogitsOutput(last=self.model.compute_logits(hidden[last_rows]), all=all_logits)
+        # one LM head call: a verifying request's last row is one of its verify rows
+        rows = torch.cat([batch.verify_indices, last_rows]).unique()  # sorted
+        logits = self.model.compute_logits(hidden[rows])
+        last = logits[torch.searchsorted(rows, last_rows)]
+        verify = logits[torch.searchsorted(rows, batch.verify_indices)]
         return LogitsOutput(last=last, all=all_logits, verify=verify)
 
     @torch.inference_mode()
