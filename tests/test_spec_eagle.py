@@ -13,10 +13,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import TINY, VOCAB, greedy, hf_model, make_engine, make_runner, prompt_ids
 from radixserve.forward_batch import ForwardBatch
+from radixserve.model.quant.batch_invariant import BatchInvariantLinear, dense_kernels
 
 NUM_LAYERS = 4
 HIDDEN = TINY["hidden_size"]
 DRAFT_VOCAB = 4096
+LINEARS = (torch.nn.Linear, BatchInvariantLinear)
 
 
 def _save_target(folder) -> str:
@@ -184,9 +186,14 @@ def _reference_chain(head, target, seq: list[int], num_steps: int) -> list[int]:
 
 def test_eagle3_drafts_equal_the_head_recomputed_from_scratch(models):
     """Kept K/V, pending rows cut after rejected drafts, padding of a batch of two: each
-    proposal of a cold run (sequences shorter than the window) is the from-scratch chain."""
+    proposal of a cold run (sequences shorter than the window) is the from-scratch chain,
+    with the head's linears on the packed dense kernel (pack_for_cpu) where it builds."""
     spec = make_engine(models["target"], **_eagle(models["random"], speculative_num_steps=3))
     drafter = spec.scheduler.drafter
+    linears = [m for m in drafter.head.modules() if isinstance(m, LINEARS)]
+    assert len(linears) == 6  # fc, qkv, o, gate_up, down, lm_head
+    if dense_kernels() is not None:
+        assert all(isinstance(m, BatchInvariantLinear) for m in linears)
     proposals = []
     propose_all = drafter.propose_all
 

@@ -25,6 +25,7 @@ from radixserve.model.eagle_head import (
     HeadStep,
     check_reads,
     copy_weights,
+    linear_weight,
     read_head_folder,
 )
 from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -67,7 +68,7 @@ class Eagle1Head(nn.Module):
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[n, hidden] captured features -> the same rows in the head's dtype (fc mixes in
         each step's token, so it runs in `forward`)."""
-        return aux.to(self.fc.weight.dtype)
+        return aux.to(linear_weight(self.fc).dtype)
 
     def forward(self, hidden, tokens, positions, cache, mask, all_logits=False) -> HeadStep:
         """hidden [B, T, hidden] (the target's features or the previous step's output),

@@ -26,6 +26,7 @@ from radixserve.model.eagle_head import (
     HeadStep,
     check_reads,
     copy_weights,
+    linear_weight,
     read_head_folder,
 )
 from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -91,7 +92,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target hidden] captured aux hidden states -> [n, hidden]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(linear_weight(self.fc).dtype))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -109,7 +110,7 @@ class Eagle3Head(nn.Module):
         return HeadStep(logits, prenorm, keys, values)
 
     def _target_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        draft = (normed @ self.lm_head.weight.t()).float()  # [B, draft_vocab]
+        draft = self.lm_head(normed).float()  # [B, draft_vocab]
         full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.hot_ids, draft)
 

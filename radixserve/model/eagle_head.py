@@ -5,6 +5,7 @@ caller keeps, and reading a head folder (config.json + safetensors) into fused p
     head.aux_layers       what the target's runner captures for it (model/runner.py)
     head.fuse(aux)        captured rows [n, captured width] -> [n, hidden] (once per position)
     head(hidden, tokens, positions, cache, mask)  one step over new columns -> HeadStep
+    pack_for_cpu(head)    serving on CPU in fp32: its linears on the packed dense kernel
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from radixserve.config import ModelConfig
+from radixserve.model.quant.batch_invariant import BatchInvariantLinear, dense_kernels
 
 FLAG = "speculative_draft_model_path"
 
@@ -43,6 +45,33 @@ class HeadStep:
     hidden: torch.Tensor
     keys: torch.Tensor  # [B, kv_heads, T_all, head_dim]
     values: torch.Tensor
+
+
+def linear_weight(linear: nn.Module) -> torch.Tensor:
+    """The tensor holding a head linear's weight, packed or not (its dtype and device)."""
+    return linear.packed_weight if isinstance(linear, BatchInvariantLinear) else linear.weight
+
+
+def pack_for_cpu(head: nn.Module) -> int:
+    """A head served on CPU in fp32: its nn.Linear layers become BatchInvariantLinear (the
+    packed dense kernel, native/csrc/dense_matmul.cpp). Between draft steps the target's
+    weights push the head's out of cache, and for one row from memory that kernel reads
+    them about twice as fast as torch's matmul (docs/performance.md). Draft rounding never
+    reaches an output: the target verifies every token. Returns how many were swapped
+    (none off CPU, in another dtype or without the extension); training keeps nn.Linear."""
+    linears = [
+        (owner, name, child)
+        for owner in head.modules()
+        for name, child in owner.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    cpu_fp32 = all(c.weight.device.type == "cpu" and c.weight.dtype == torch.float32
+                   for _, _, c in linears)  # fmt: skip
+    if not linears or not cpu_fp32 or dense_kernels() is None:
+        return 0
+    for owner, name, child in linears:
+        setattr(owner, name, BatchInvariantLinear.from_linear(child))
+    return len(linears)
 
 
 class EagleAttention(nn.Module):

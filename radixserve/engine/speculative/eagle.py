@@ -35,6 +35,7 @@ from radixserve.engine.speculative.model_drafter import SamplingRows
 from radixserve.engine.speculative.tree_verify import children_of
 from radixserve.model.eagle1 import load_eagle1_head
 from radixserve.model.eagle3 import load_eagle3_head
+from radixserve.model.eagle_head import linear_weight, pack_for_cpu
 from radixserve.model.runner import LogitsOutput, ModelRunner
 from radixserve.model.source import default_eagle3_head, is_default_model
 
@@ -194,7 +195,7 @@ class EagleDrafter(Drafter):
         return Pending(state, start, rows, req.seq_ids()[start + 1 : end + 1])
 
     def _draft(self, reqs: list[Req], pending: list[Pending]) -> list[Draft]:
-        inputs = _StepOne.build(pending, self.head.fc.weight)  # [hidden, *]: rows' width
+        inputs = _StepOne.build(pending, linear_weight(self.head.fc), self.head.config.hidden_size)
         sampling = SamplingRows(reqs, self.head.vocab_size, inputs.hidden.device)
         step = self.head(inputs.hidden, inputs.tokens, inputs.positions, inputs.cache, inputs.mask)
         self._keep_kv(pending, step, inputs.num_new)
@@ -250,11 +251,12 @@ class _StepOne:
     num_new: list[int]
 
     @classmethod
-    def build(cls, pending: list[Pending], like: torch.Tensor) -> _StepOne:
+    def build(cls, pending: list[Pending], like: torch.Tensor, hidden_size: int) -> _StepOne:
+        """`like`: a tensor of the head's dtype and device."""
         device, batch = like.device, len(pending)
         num_new = [len(p.tokens) for p in pending]
         width = max(num_new)
-        hidden = torch.zeros(batch, width, like.shape[0], dtype=like.dtype, device=device)
+        hidden = torch.zeros(batch, width, hidden_size, dtype=like.dtype, device=device)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
         new_valid = torch.zeros(batch, width, dtype=torch.bool)
@@ -325,6 +327,7 @@ def create_eagle_drafter(
     dtype = model.norm.weight.dtype  # the model's (a GGUF embedding may be blocks)
     path = config.speculative_draft_model_path
     head = HEAD_LOADERS[algorithm](path, model, target.device, dtype)
+    pack_for_cpu(head)
     target.aux_layers = head.aux_layers
     # capturing forwards run eagerly: decode graphs / compiled steps would only hold memory
     target.decode_graphs = target.compiled_decode = None
