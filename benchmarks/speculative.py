@@ -10,7 +10,9 @@ up); `json_schema`, the same documents extracted under a JSON schema with many f
 run for many orders, one wave of --batch-size requests after another, so outputs repeat
 across requests and later waves draft from earlier ones. Modes: `off`, `ngram`, `suffix`,
 `auto` (workload (g): AUTO, NGRAM or SUFFIX per request and step, plus EAGLE3 given
---eagle-head; the `drafted by` column counts its picks), `self` (the target's first
+--eagle-head; the `drafted by` column counts its picks), `eagle3` (workload (f) on
+`free_chat`: the EAGLE-3 head at --eagle-head, default the shipped one, under
+--eagle-adaptive-threshold), `self` (the target's first
 --self-layers layers draft), `standalone` (a draft model;
 default: the target itself, an acceptance ceiling that shows the drafting cost, since no
 smaller model with SmolLM2's tokenizer ships offline), `no_jump` (no speculation and
@@ -26,7 +28,7 @@ cold, the later ones learn from those before). Greedy outputs are compared with 
 `identical` column); `forwards` counts the engine's forward steps; constrained outputs are
 checked against their schema (`valid`).
 
-Run:  python benchmarks/speculative.py [--modes off,ngram,suffix,auto,self,standalone]
+Run:  python benchmarks/speculative.py [--modes off,ngram,suffix,auto,eagle3,self,standalone]
       [--batch-sizes 1,8] [--max-new-tokens 128] [--repeats 2] [--threads 1]
       [--agent-inputs 8] [--suffix-num-draft-tokens K]
 Prints a table and writes all numbers to `--out` (JSON).
@@ -171,6 +173,11 @@ def mode_flags(mode: str, args) -> dict:
         },
         "auto": {"speculative_algorithm": "AUTO"}
         | ({"speculative_draft_model_path": args.eagle_head} if args.eagle_head else {}),
+        "eagle3": {
+            "speculative_algorithm": "EAGLE3",
+            "speculative_adaptive_threshold": args.eagle_adaptive_threshold,
+        }
+        | ({"speculative_draft_model_path": args.eagle_head} if args.eagle_head else {}),
         "self": {"speculative_algorithm": "SELF", "speculative_self_layers": args.self_layers},
         "standalone": {
             "speculative_algorithm": "STANDALONE",
@@ -314,7 +321,15 @@ def main() -> None:
     )
     parser.add_argument("--self-layers", type=int, default=6, help="SELF: layers that draft")
     parser.add_argument("--draft-model", default=None, help="STANDALONE; default: the target")
-    parser.add_argument("--eagle-head", default=None, help="auto: an EAGLE-3 head candidate")
+    parser.add_argument(
+        "--eagle-head", default=None, help="eagle3, and auto's candidate; default: the shipped head"
+    )
+    parser.add_argument(
+        "--eagle-adaptive-threshold",
+        type=float,
+        default=1.0,
+        help="eagle3's --speculative-adaptive-threshold (0: always drafts)",
+    )
     parser.add_argument("--quantization", default=None, help="none: the fp32 model")
     parser.add_argument("--out", default="bench_results/speculative.json")
     args = parser.parse_args()
