@@ -331,11 +331,16 @@ def main() -> None:
         help="eagle3's --speculative-adaptive-threshold (0: always drafts)",
     )
     parser.add_argument("--quantization", default=None, help="none: the fp32 model")
+    parser.add_argument(
+        "--cpu-quant-activation", default=None, help="the engines' --cpu-quant-activation"
+    )
     parser.add_argument("--out", default="bench_results/speculative.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     common = {"speculative_num_draft_tokens": args.num_draft_tokens}
     load = {} if args.quantization is None else {"quantization": args.quantization}
+    if args.cpu_quant_activation is not None:
+        load["cpu_quant_activation"] = args.cpu_quant_activation
     engines = {}
     for mode in args.modes.split(","):
         flags = mode_flags(mode, args)
