@@ -31,7 +31,8 @@ MAX_BACKOFF_STEPS = 128  # the doubling stops here: a request retries at least t
 PROBE_DRAFT_TOKENS = 1  # most draft tokens of a request retrying after a back-off
 # A verify row's cost in decode steps at batch 1 on CPU: benchmarks/verify_cost.py, default
 # model (SmolLM2-135M Q4_1), context 256, one thread, thread CPU time: K = 1, 2, 4, 8 drafts
-# cost 1.48, 1.24, 2.04, 2.98 decode steps (2-core Xeon under load, docs/performance.md).
+# cost 1.48, 1.24, 2.04, 2.98 decode steps (2-core Xeon under load, docs/performance.md);
+# with verifies on the C++ decode stack, 1.20, 1.32, 1.76, 2.75 (quiet Zen 5 EPYC).
 # Not measured on CUDA (verify rows are nearly free there): the policy takes 0 there.
 CPU_VERIFY_ROW_COST = 0.25
 
