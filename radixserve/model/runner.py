@@ -195,8 +195,10 @@ class ModelRunner:
         # one LM head call: a verifying request's last row is one of its verify rows
         rows = torch.cat([batch.verify_indices, last_rows]).unique()  # sorted
         logits = self.model.compute_logits(hidden[rows])
-        last = logits[torch.searchsorted(rows, last_rows)]
-        verify = logits[torch.searchsorted(rows, batch.verify_indices)]
+        last = logits.index_select(0, torch.searchsorted(rows, last_rows))
+        if torch.equal(rows, batch.verify_indices):  # every request verifies: no copy
+            return LogitsOutput(last=last, all=all_logits, verify=logits)
+        verify = logits.index_select(0, torch.searchsorted(rows, batch.verify_indices))
         return LogitsOutput(last=last, all=all_logits, verify=verify)
 
     @torch.inference_mode()
