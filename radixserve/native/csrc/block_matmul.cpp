@@ -30,7 +30,14 @@ using namespace radixserve_blocks;
 using radixserve_cpu::activations_f32;
 using radixserve_cpu::check_panel;
 
-constexpr int64_t kTileRows = 4;  // activation rows sharing one dequantized block
+// Activation rows sharing one dequantized block, at most: R x kChains x kVecs accumulators
+// stay in registers (AVX-512: 24 of 32 zmm at 6 rows, 9 rows take 2 passes instead of 3;
+// AVX2: 16 of 16 ymm at 4).
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 6;
+#else
+constexpr int64_t kTileRows = 4;
+#endif
 constexpr int64_t kGrain = 16;    // output rows per parallel_for chunk, at least
 constexpr int64_t kPrefetchRows = 4;  // weight rows asked for ahead of the one in use
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
@@ -105,6 +112,10 @@ void dot_weight_row(const Weights& weights, int64_t n, int64_t num_blocks, const
   for (; r + kTileRows <= M; r += kTileRows)
     dot_rows<kTileRows>(weights, n, num_blocks, x + r * K, K, out + r * N, N);
   switch (M - r) {
+#if defined(__AVX512F__)
+    case 5: dot_rows<5>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    case 4: dot_rows<4>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+#endif
     case 3: dot_rows<3>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
     case 2: dot_rows<2>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
     case 1: dot_rows<1>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
