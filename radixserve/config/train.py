@@ -23,7 +23,7 @@ class TrainEagleConfig:
     """the head's MLP width (None: the target's)"""
     ttt_steps: int = 3
     """training-time-test unroll: draft steps trained per position"""
-    epochs: int = 2
+    epochs: int = 4
     """passes over the captured data"""
     learning_rate: float = 1e-3
     """AdamW's peak learning rate (5% warm-up, cosine decay)"""
