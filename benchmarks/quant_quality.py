@@ -1,7 +1,9 @@
 """Quantization quality: every `--quantization` against its reference on one model, on CPU.
 
 A mode is a `--quantization` value with optional suffixes: `:g64` (int4's
-`--quantization-group-size`), `:head` (`--quantize-lm-head`); e.g. `int4:g128:head`.
+`--quantization-group-size`), `:head` (`--quantize-lm-head`), `:act-int8` / `:act-fp32`
+(`--cpu-quant-activation`: the GGUF block layers' activations); e.g. `int4:g128:head`,
+`auto:act-int8`.
 For each mode (`--modes`), through the real serving path (Engine.generate):
 - perplexity over a fixed public-domain text (benchmarks/data/), teacher-forced in windows of
   `--window` tokens that start every `--stride` tokens; each token is scored once, in the first
@@ -161,8 +163,12 @@ def mode_options(spec: str, default_group_size: int | None = None) -> dict:
             options["quantize_lm_head"] = True
         elif suffix.startswith("g") and suffix[1:].isdigit():
             options["quantization_group_size"] = int(suffix[1:])
+        elif suffix in ("act-int8", "act-fp32"):
+            options["cpu_quant_activation"] = suffix.removeprefix("act-")
         else:
-            raise ValueError(f"mode {spec!r}: suffixes are :g<group size> and :head")
+            raise ValueError(
+                f"mode {spec!r}: suffixes are :g<group size>, :head, :act-int8 and :act-fp32"
+            )
     return options
 
 
