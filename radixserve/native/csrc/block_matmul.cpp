@@ -31,10 +31,10 @@ using radixserve_cpu::activations_f32;
 using radixserve_cpu::check_panel;
 
 // Activation rows sharing one dequantized block, at most: R x kChains x kVecs accumulators
-// stay in registers (AVX-512: 24 of 32 zmm at 6 rows, 9 rows take 2 passes instead of 3;
-// AVX2: 16 of 16 ymm at 4).
+// stay in registers (AVX-512: 20 of 32 zmm at 5 rows, 9 rows take 2 passes instead of 3;
+// 6 rows measured slower at 9 rows on Zen 4; AVX2: 16 of 16 ymm at 4).
 #if defined(__AVX512F__)
-constexpr int64_t kTileRows = 6;
+constexpr int64_t kTileRows = 5;
 #else
 constexpr int64_t kTileRows = 4;
 #endif
@@ -113,7 +113,6 @@ void dot_weight_row(const Weights& weights, int64_t n, int64_t num_blocks, const
     dot_rows<kTileRows>(weights, n, num_blocks, x + r * K, K, out + r * N, N);
   switch (M - r) {
 #if defined(__AVX512F__)
-    case 5: dot_rows<5>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
     case 4: dot_rows<4>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
 #endif
     case 3: dot_rows<3>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
