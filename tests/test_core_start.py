@@ -18,7 +18,6 @@ from radixserve.client.core_start import (
     StartChoice,
     choose_start_method,
     exec_environ_names,
-    openmp_loaded,
 )
 from radixserve.config.keys import ADMIN_API_KEY_ENV
 from radixserve.model.source import default_model_path
@@ -77,15 +76,6 @@ def test_serve_names_a_bad_start_method(tiny_chat_model):
     done = subprocess.run(command + ["--port", "1"], env=env, capture_output=True, text=True)
     assert done.returncode != 0
     assert f"radixserve serve: ${START_METHOD_ENV} must be one of" in done.stderr
-
-
-def test_openmp_loaded_reads_the_memory_map(tmp_path):
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n")
-    assert openmp_loaded(str(maps)) is False
-    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /site-packages/torch/lib/libgomp.so.1\n")
-    assert openmp_loaded(str(maps)) is True
-    assert openmp_loaded(str(tmp_path / "missing")) is None
 
 
 FORK_PROBE = """

@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from radixserve.config.keys import KEY_SOURCES
+from radixserve.native.openmp import openmp_loaded
 
 START_METHOD_ENV = "RADIXSERVE_CORE_START_METHOD"
 START_METHODS = ("auto", "spawn")
@@ -33,17 +34,7 @@ while they wait fight the HTTP process and anything else for the cores (2 busy c
 idle-machine speed (25 vs 18 tok/s passive). Measurements: docs/performance.md."""
 
 
-OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
 _openmp_read_defaults = False  # set_openmp_defaults ran before any OpenMP runtime loaded
-
-
-def openmp_loaded(maps_path: str = "/proc/self/maps") -> bool | None:
-    """Whether an OpenMP runtime is mapped into this process (None: the map cannot be read)."""
-    try:
-        with open(maps_path) as maps:
-            return any(name in line for line in maps for name in OPENMP_LIBRARIES)
-    except OSError:
-        return None
 
 
 def set_openmp_defaults() -> bool:

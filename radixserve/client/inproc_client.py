@@ -1,7 +1,11 @@
 """InProcessClient: the engine core on a thread of this process (what `Engine` uses).
 
 One core thread runs the CoreLoop for every caller, so requests from many threads and event
-loops batch together; deltas reach each stream on its own loop.
+loops batch together; deltas reach each stream on its own loop. The thread that built the core
+(it loaded the model: OpenMP gave it a team of workers) hands its idle workers back once the
+core thread runs, and the core thread hands back its own before it blocks idle, so that one
+team steps a model while others wait (native/openmp.py says why that matters: several
+engines in one process, as benchmarks and tests make them, each keep a core thread).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from radixserve.client.client import EngineClient
 from radixserve.engine.core import EngineCore
 from radixserve.engine.core_loop import CoreLoop
 from radixserve.engine.protocol import CallResult, FromCore, StepOutputs, ToCore
+from radixserve.native.openmp import release_thread_team
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +37,11 @@ class _QueueTransport:
         self.inbox = inbox
         self.client = client
         self.paused = False
+        self.idle_releases = 0  # times the core thread handed back its OpenMP team, idle
 
     def receive(self, timeout: float | None) -> list[ToCore] | None:
+        if timeout is None:  # idle until a message: another engine's core may step meanwhile
+            self.idle_releases += release_thread_team()
         try:
             first = self.inbox.get(block=timeout != 0, timeout=timeout or None)
         except queue.Empty:
@@ -67,6 +75,7 @@ class InProcessClient(EngineClient):
         self._loop = CoreLoop(core, self._transport)
         self._thread: threading.Thread | None = None
         self._start_thread()
+        self.released_caller_team = release_thread_team()
 
     @contextmanager
     def lockstep(self) -> Iterator[InProcessClient]:
@@ -76,6 +85,7 @@ class InProcessClient(EngineClient):
         try:
             yield self
         finally:
+            release_thread_team()  # the steps ran on this thread's team
             self._start_thread()
 
     def step(self) -> None:
