@@ -213,10 +213,19 @@ def timed_run(engine: Engine, waves: list[list[str]], max_new_tokens: int, extra
         "cpu_tok_s": tokens / cpu,
         "drafted_by": drafted_by(metas),
         "forwards": engine.get_stats()["forward_steps"] - forwards,
+        "row_cost": measured_row_cost(engine, len(waves[0])),
         "jump_forward_tokens": sum(m.get("jump_forward_tokens", 0) for m in metas),
         "spec_accept_length": statistics.mean(lengths) if lengths else None,
         "valid": all_valid(outputs, extra.get("json_schema")),
     }
+
+
+def measured_row_cost(engine: Engine, batch_size: int) -> float | None:
+    """The draft row's cost in decode steps the engine's adaptive policy has measured (None:
+    no speculation, or not measured yet)."""
+    speculator = engine.scheduler.speculator
+    fit = speculator and speculator.row_costs
+    return fit.row_cost(batch_size) if fit and fit.measured else None
 
 
 def drafted_by(metas: list[dict]) -> dict[str, int]:
@@ -270,6 +279,7 @@ def run_workload(engines: dict, template, name: str, batch_size: int, args) -> l
                 "cpu_tok_s": cpu_tok_s,
                 "cpu_speedup": cpu_tok_s / cpu_base if cpu_base else None,
                 "drafted_by": last["drafted_by"],
+                "row_cost": last["row_cost"],
                 "spec_accept_length": last["spec_accept_length"],
                 "identical": last["output_ids"] == runs["off"][-1]["output_ids"]
                 if "off" in runs

@@ -13,8 +13,11 @@ from radixserve.engine.speculative.adaptive import (
     FIRST_BACKOFF_STEPS,
     MAX_BACKOFF_STEPS,
     PROBE_DRAFT_TOKENS,
+    ROW_COST_BOUNDS,
+    ROW_COST_MIN_STEPS,
     WINDOW_STEPS,
     AdaptivePolicy,
+    RowCostFit,
 )
 from radixserve.sampling.params import SamplingParams
 
@@ -86,6 +89,47 @@ def test_the_verify_cost_judges_long_drafts_and_retries_probe_with_one_token():
     for accepted in (1, 2):
         free.record(req, num_draft=8, num_accepted=accepted)
     assert free.should_draft(req) and free.draft_limit(req, 8) == 8
+
+
+def test_the_row_cost_is_measured_from_the_steps_seconds():
+    """Steps of a + b * rows seconds (a = 10 ms reading the weights, b = 2 ms a row, +-3%
+    noise): a draft row costs b / (a + b) of a 1-request step, b / (a + 4b) of a 4-request
+    one; the prior holds until steps with drafts and without have both been seen."""
+    fit = RowCostFit(prior=CPU_VERIFY_ROW_COST)
+    for i in range(3 * ROW_COST_MIN_STEPS):  # plain steps only: nothing drafted yet
+        fit.observe(1, 1, 0.012 * (1 + 0.03 * (-1) ** i))
+    assert fit.row_cost(1) == CPU_VERIFY_ROW_COST and not fit.measured
+    for i in range(40):
+        rows = 1 + (i % 5) * 2  # verifies of 0, 2, 4, 6, 8 drafts, 1-row steps among them
+        fit.observe(1, rows, (0.010 + 0.002 * rows) * (1 + 0.03 * (-1) ** (i // 5)))
+        fit.observe(4, 4 + i % 3, 0.010 + 0.002 * (4 + i % 3))
+    assert fit.measured
+    assert fit.row_cost(1) == pytest.approx(0.002 / 0.012, rel=0.15)
+    assert fit.row_cost(4) == pytest.approx(0.002 / 0.018, rel=0.15)
+    assert fit.row_cost(2) == CPU_VERIFY_ROW_COST  # no plain step of 2 requests seen
+    before = fit.row_cost(1)
+    fit.observe(1, 1, 2.0)  # a GC pause: not what a row costs
+    assert fit.row_cost(1) == before
+    # a machine where rows cost almost nothing: held at the lower bound, never 0
+    cheap = RowCostFit(prior=CPU_VERIFY_ROW_COST)
+    for i in range(4 * ROW_COST_MIN_STEPS):
+        cheap.observe(1, 1 + i % 2, 0.010)
+    assert cheap.row_cost(1) == ROW_COST_BOUNDS[0]
+
+
+def test_the_engine_learns_the_row_cost_from_its_own_forwards(tiny_chat_model):
+    spec = make_engine(tiny_chat_model, speculative_adaptive_threshold=0.5, **NGRAM)
+    spec.scheduler.drafter = CountingWrongDrafter()  # drafted steps, then backed-off ones
+    spec.generate(input_ids=[prompt_ids(0, 20)], sampling_params=greedy(60))
+    speculator = spec.scheduler.speculator
+    fit = speculator.row_costs
+    assert fit.measured and fit.drafted_steps >= ROW_COST_MIN_STEPS
+    learnt = fit.row_cost(1)
+    assert ROW_COST_BOUNDS[0] <= learnt <= ROW_COST_BOUNDS[1]
+    # what the policy judges by: set from the measurement at each step's start (which has
+    # learnt from that step since)
+    assert speculator.policy.row_cost != CPU_VERIFY_ROW_COST
+    assert speculator.policy.row_cost == pytest.approx(learnt, rel=0.5)
 
 
 def test_steps_without_a_draft_do_not_count_and_threshold_zero_never_backs_off():

@@ -1,15 +1,16 @@
 """Adaptive fallback: speculation only where it pays, by what a verify costs.
 
-A verify step of k drafts costs more than a plain decode step: on CPU about 1 + 0.25 k
-decode steps (CPU_VERIFY_ROW_COST, measured), so drafts that are mostly rejected make a
-request slower. Each request keeps its accepted drafts and its verify cost over a short
-window of drafted steps; a window pays when it averages at least `threshold` accepted
-tokens per step and its tokens (accepted + 1 per step) at least cover its cost in decode
-steps (sum of 1 + row_cost * k). A window that does not pay stops drafting for a while,
-twice as long each time it fails again (up to a cap), then retries with a probe of
-PROBE_DRAFT_TOKENS draft (cost 1.25 steps, not a full draft's 2) until a window pays
-again. Large decode batches do not speculate at all: there the step is compute-bound and a
-verify row costs as much as another request's token.
+A verify step of k drafts costs more than a plain decode step: on CPU 1 + c k decode steps,
+where a row's cost c is learnt from this engine's own decode steps (`RowCostFit`: 0.2 on a
+Zen 5, 0.45 on a Zen 4 thread for the default model; CPU_VERIFY_ROW_COST until measured), so
+drafts that are mostly rejected make a request slower. Each request keeps its accepted
+drafts and its verify cost over a short window of drafted steps; a window pays when it
+averages at least `threshold` accepted tokens per step and its tokens (accepted + 1 per
+step) at least cover its cost in decode steps (sum of 1 + row_cost * k). A window that does
+not pay stops drafting for a while, twice as long each time it fails again (up to a cap),
+then retries with a probe of PROBE_DRAFT_TOKENS draft (cost 1 + c steps, not a full
+draft's 1 + 4c) until a window pays again. Large decode batches do not speculate at all:
+there the step is compute-bound and a verify row costs as much as another request's token.
 
     drafted steps:  |--window--| pays? no -> skip 16 | probe window | no -> skip 32 | ...
                                                      | probe window | yes -> full drafts
@@ -18,7 +19,7 @@ verify row costs as much as another request's token.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.engine.request import Req
 
@@ -29,12 +30,63 @@ WINDOW_STEPS = 2  # drafted steps averaged before judging a request
 FIRST_BACKOFF_STEPS = 16  # decode steps without drafting after the first failed window
 MAX_BACKOFF_STEPS = 128  # the doubling stops here: a request retries at least this often
 PROBE_DRAFT_TOKENS = 1  # most draft tokens of a request retrying after a back-off
-# A verify row's cost in decode steps at batch 1 on CPU: benchmarks/verify_cost.py, default
-# model (SmolLM2-135M Q4_1), context 256, one thread, thread CPU time: K = 1, 2, 4, 8 drafts
-# cost 1.48, 1.24, 2.04, 2.98 decode steps (2-core Xeon under load, docs/performance.md);
-# with verifies on the C++ decode stack, 1.20, 1.32, 1.76, 2.75 (quiet Zen 5 EPYC).
-# Not measured on CUDA (verify rows are nearly free there): the policy takes 0 there.
+# A verify row's cost in decode steps at batch 1 on CPU before RowCostFit has measured it:
+# benchmarks/verify_cost.py, default model (SmolLM2-135M Q4_1), context 256, one thread:
+# K = 1, 2, 4, 8 drafts cost 1.20, 1.32, 1.76, 2.75 decode steps on a quiet Zen 5 EPYC, but
+# 1.6, 1.9, 2.8, 4.7 on a Zen 4 one (docs/performance.md): the machine decides, so it is
+# measured. Not learnt on CUDA (rows are nearly free there, forwards asynchronous): 0 there.
 CPU_VERIFY_ROW_COST = 0.25
+ROW_COST_WEIGHT = 1 / 16  # the newest step's weight in the running means: follows the load
+ROW_COST_MIN_STEPS = 4  # steps with drafts and without, each, before the measurement counts
+ROW_COST_BOUNDS = (0.02, 2.0)  # a measurement outside them is noise
+ROW_COST_MAX_BATCH = 64  # decode batches measured, at most (larger ones do not speculate)
+
+
+@dataclass
+class RowCostFit:
+    """A verify row's cost in decode steps, from this engine's decode-only steps: a running
+    mean of a plain step's seconds per batch size, and of what a drafted step took beyond
+    its batch's plain step per draft row (the verify's rows, its drafting and bookkeeping),
+    so that a row costs extra / plain(batch) of a step. `prior` until both kinds of step
+    have been seen at the batch size asked about."""
+
+    prior: float
+    plain_seconds: dict[int, float] = field(default_factory=dict)  # batch -> a plain step
+    row_seconds: float | None = None  # a draft row's extra seconds
+    plain_steps: int = 0
+    drafted_steps: int = 0
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        """One decode-only step of `batch` requests that computed `rows` rows."""
+        if not 0 < batch <= ROW_COST_MAX_BATCH:
+            return
+        plain = self.plain_seconds.get(batch)
+        if plain is not None:
+            expected = plain + max(self.row_seconds or 0.0, 0.0) * (rows - batch)
+            if seconds > 4 * expected:
+                return  # a pause (GC, a preempted core), not what rows cost
+        if rows == batch:
+            self.plain_seconds[batch] = _mean(plain, seconds)
+            self.plain_steps += 1
+        elif plain is not None:
+            self.row_seconds = _mean(self.row_seconds, (seconds - plain) / (rows - batch))
+            self.drafted_steps += 1
+
+    def row_cost(self, batch: int) -> float:
+        """A verify row's cost in decode steps of a `batch`-request step."""
+        plain = self.plain_seconds.get(batch)
+        if min(self.plain_steps, self.drafted_steps) < ROW_COST_MIN_STEPS or plain is None:
+            return self.prior
+        low, high = ROW_COST_BOUNDS
+        return min(max(self.row_seconds / plain, low), high)
+
+    @property
+    def measured(self) -> bool:
+        return min(self.plain_steps, self.drafted_steps) >= ROW_COST_MIN_STEPS
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + ROW_COST_WEIGHT * (new - old)
 
 
 @dataclass

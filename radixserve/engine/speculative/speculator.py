@@ -5,12 +5,13 @@ which decodes carry a draft this step (`add_drafts`), what verification taught
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import Work
 from radixserve.engine.request import Req
-from radixserve.engine.speculative.adaptive import CPU_VERIFY_ROW_COST, AdaptivePolicy
+from radixserve.engine.speculative.adaptive import CPU_VERIFY_ROW_COST, AdaptivePolicy, RowCostFit
 from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.stats import EngineStats
 from radixserve.model.runner import LogitsOutput
@@ -24,14 +25,19 @@ class Speculator:
     def __init__(
         self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats, device: object = "cpu"
     ):
-        """`device`: the target's; on CPU a verify row costs CPU_VERIFY_ROW_COST."""
+        """`device`: the target's; on CPU a verify row's cost is learnt from the steps
+        (`row_costs`: from add_drafts to on_forward, drafting, batch building and the
+        forward; CPU_VERIFY_ROW_COST until measured), elsewhere taken as 0."""
         self.drafter = drafter
         self.stats = stats
+        cpu = str(device).startswith("cpu")
+        self.row_costs = RowCostFit(CPU_VERIFY_ROW_COST) if cpu else None
         self.policy = AdaptivePolicy(
             config.speculative_adaptive_threshold,
             config.speculative_disable_by_batch_size,
-            CPU_VERIFY_ROW_COST if str(device).startswith("cpu") else 0.0,
+            CPU_VERIFY_ROW_COST if cpu else 0.0,
         )
+        self._step_start: float | None = None
 
     def add_drafts(
         self,
@@ -42,6 +48,9 @@ class Speculator:
         """Gives each speculating decode that the adaptive policy lets draft a draft to
         verify, while free pages last (`grow_from_free`: a draft never evicts the cache or
         causes a retraction). Drafts stop at max_new_tokens and where a grammar forbids."""
+        self._step_start = time.perf_counter()
+        if self.row_costs is not None:
+            self.policy.row_cost = self.row_costs.row_cost(len(decodes))
         if not self.policy.batch_speculates(len(decodes)):
             return
         chosen = [w for w in decodes if _room(w.req) > 0 and self.policy.should_draft(w.req)]
@@ -64,7 +73,13 @@ class Speculator:
                 w.draft_source = draft.source or self.drafter.algorithm
 
     def on_forward(self, work: list[Work], logits: LogitsOutput) -> None:
-        """A target forward ran (before its commit): the drafter may keep what it needs."""
+        """A target forward ran (before its commit): the drafter may keep what it needs; a
+        decode-only step's seconds teach the verify cost."""
+        if self.row_costs is not None and self._step_start is not None:
+            if all(w.num_new == 1 for w in work):
+                seconds = time.perf_counter() - self._step_start
+                self.row_costs.observe(len(work), sum(w.num_forward for w in work), seconds)
+            self._step_start = None
         reqs, starts = [w.req for w in work], [w.req.num_computed for w in work]
         trees = [
             Draft(w.draft, None, w.draft_parents) if w.draft and w.draft_parents else None
