@@ -1,8 +1,8 @@
 """Adaptive fallback: speculation only where it pays, by what a verify costs.
 
 A verify step of k drafts costs more than a plain decode step: on CPU 1 + c k decode steps,
-where a row's cost c is learnt from this engine's own decode steps (`RowCostFit`: 0.2 on a
-Zen 5, 0.45 on a Zen 4 thread for the default model; CPU_VERIFY_ROW_COST until measured), so
+where a row's cost c is learnt from this engine's own decode steps (`RowCostFit`; for the
+default model ~0.2 on a Zen 5, 0.3-0.45 on a Zen 4; CPU_VERIFY_ROW_COST until measured), so
 drafts that are mostly rejected make a request slower. Each request keeps its accepted
 drafts and its verify cost over a short window of drafted steps; a window pays when it
 averages at least `threshold` accepted tokens per step and its tokens (accepted + 1 per
@@ -40,6 +40,8 @@ ROW_COST_WEIGHT = 1 / 16  # the newest step's weight in the running means: follo
 ROW_COST_MIN_STEPS = 4  # steps with drafts and without, each, before the measurement counts
 ROW_COST_BOUNDS = (0.02, 2.0)  # a measurement outside them is noise
 ROW_COST_MAX_BATCH = 64  # decode batches measured, at most (larger ones do not speculate)
+ROW_COST_PAUSE = 4.0  # a step this many times slower than expected is a pause, not its rows
+ROW_COST_MAX_PAUSES = 8  # ... unless so many come in a row: then the machine has slowed
 
 
 @dataclass
@@ -55,17 +57,21 @@ class RowCostFit:
     row_seconds: float | None = None  # a draft row's extra seconds
     plain_steps: int = 0
     drafted_steps: int = 0
+    pauses: int = 0  # steps dropped as pauses since the last one kept
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
         """One decode-only step of `batch` requests that computed `rows` rows."""
         if not 0 < batch <= ROW_COST_MAX_BATCH:
             return
         plain = self.plain_seconds.get(batch)
-        if plain is not None:
+        drafted = rows > batch
+        if plain is not None and (not drafted or self.row_seconds is not None):
             expected = plain + max(self.row_seconds or 0.0, 0.0) * (rows - batch)
-            if seconds > 4 * expected:
+            if seconds > ROW_COST_PAUSE * expected and self.pauses < ROW_COST_MAX_PAUSES:
+                self.pauses += 1
                 return  # a pause (GC, a preempted core), not what rows cost
-        if rows == batch:
+        self.pauses = 0
+        if not drafted:
             self.plain_seconds[batch] = _mean(plain, seconds)
             self.plain_steps += 1
         elif plain is not None:
