@@ -42,6 +42,10 @@ ROW_COST_BOUNDS = (0.02, 2.0)  # a measurement outside them is noise
 ROW_COST_MAX_BATCH = 64  # decode batches measured, at most (larger ones do not speculate)
 ROW_COST_PAUSE = 4.0  # a step this many times slower than expected is a pause, not its rows
 ROW_COST_MAX_PAUSES = 8  # ... unless so many come in a row: then the machine has slowed
+# Plain steps faster than this are the interpreter's bookkeeping more than the model's rows
+# (test-sized models: ~1 ms): their timings would make the policy depend on the machine's
+# load, so the prior stays (the default model's step is 6-14 ms)
+ROW_COST_MIN_STEP_S = 0.002
 
 
 @dataclass
@@ -81,7 +85,7 @@ class RowCostFit:
     def row_cost(self, batch: int) -> float:
         """A verify row's cost in decode steps of a `batch`-request step."""
         plain = self.plain_seconds.get(batch)
-        if min(self.plain_steps, self.drafted_steps) < ROW_COST_MIN_STEPS or plain is None:
+        if not self.measured or plain is None or plain < ROW_COST_MIN_STEP_S:
             return self.prior
         low, high = ROW_COST_BOUNDS
         return min(max(self.row_seconds / plain, low), high)
