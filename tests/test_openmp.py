@@ -34,6 +34,8 @@ def test_torchs_runtime_is_chosen_over_other_packages_private_copies(tmp_path):
     # a torch built against the system's runtime: the plain name, never the private copy
     system = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
     assert openmp_library(write_maps(maps, private, system)) == system
+    intel = "/opt/intel/lib/libiomp5.so"  # Intel's runtime under its plain name
+    assert openmp_library(write_maps(maps, private, intel)) == intel
     assert openmp_library(write_maps(maps, private)) is None
     assert openmp_library(str(tmp_path / "missing")) is None
 

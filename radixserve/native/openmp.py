@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 
 OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
+PLAIN_NAME = re.compile(r"(libgomp|libiomp5?|libomp)\.so")  # not a private libgomp-<hash>.so
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads go, the runtime stays initialised
 
 
@@ -44,7 +46,7 @@ def openmp_library(maps_path: str = "/proc/self/maps") -> str | None:
     for path in found:
         if torch_dir and path.startswith(torch_dir):
             return path
-    plain = [p for p in found if p.rsplit("/", 1)[-1].split(".so")[0] in OPENMP_LIBRARIES]
+    plain = [p for p in found if PLAIN_NAME.match(p.rsplit("/", 1)[-1])]
     return plain[0] if plain else None
 
 
