@@ -342,6 +342,9 @@ def test_dashboard_in_headless_chromium(keyed_server, browser_path, tmp_path):
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
         page.goto(proc.url + "/dashboard")
+        # the form's autofocus runs at a later frame: filling first (which focuses the field)
+        # makes Chromium log that autofocus was blocked, so wait for it to have run
+        page.wait_for_function("() => document.activeElement?.name === 'key'")
         page.fill("input[name=key]", ADMIN_API_KEY)
         page.click("button[type=submit]")
         page.wait_for_function(

@@ -78,9 +78,9 @@ def test_the_model_candidate_is_tried_first_then_only_when_it_leads_or_is_due():
     model.calls = 0
     propose_all = model.propose_all
 
-    def counting(reqs):
+    def counting(reqs, max_tokens=None):
         model.calls += 1
-        return propose_all(reqs)
+        return propose_all(reqs, max_tokens)
 
     model.propose_all = counting
     auto = AutoDrafter([lookup], model)

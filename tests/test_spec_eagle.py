@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import TINY, VOCAB, greedy, hf_model, make_engine, make_runner, prompt_ids
+from radixserve.engine.speculative.row_buffer import RowBuffer
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.quant.batch_invariant import BatchInvariantLinear, dense_kernels
 
@@ -197,8 +198,8 @@ def test_eagle3_drafts_equal_the_head_recomputed_from_scratch(models):
     proposals = []
     propose_all = drafter.propose_all
 
-    def recording(reqs):
-        drafts = propose_all(reqs)
+    def recording(reqs, max_tokens=None):
+        drafts = propose_all(reqs, max_tokens)
         proposals.extend((r.seq_ids(), d.tokens) for r, d in zip(reqs, drafts))
         return drafts
 
@@ -206,9 +207,59 @@ def test_eagle3_drafts_equal_the_head_recomputed_from_scratch(models):
     prompts = [prompt_ids(0, 20), prompt_ids(1, 31)]
     spec.generate(input_ids=prompts, sampling_params=greedy(24))
     target = hf_model(models["target"])
-    assert len(proposals) > 10 and all(len(d) == 3 for _, d in proposals)
+    # 3 steps, fewer only where a request keeps fewer (its last tokens before max_new_tokens)
+    assert len(proposals) > 10 and all(1 <= len(d) <= 3 for _, d in proposals)
+    assert sum(len(d) == 3 for _, d in proposals) > 10
     for seq, draft in proposals:
-        assert draft == _reference_chain(drafter.head, target, seq, 3)
+        assert draft == _reference_chain(drafter.head, target, seq, len(draft))
+
+
+def test_a_backed_off_request_probes_with_one_head_step(models):
+    """The random head's drafts do not pay, so its request backs off and retries with
+    one-token probes: the head runs one step for those (not num_steps, two of them cut)."""
+    flags = _eagle(models["random"], speculative_num_steps=3, speculative_adaptive_threshold=1)
+    spec = make_engine(models["target"], **flags)
+    drafter = spec.scheduler.drafter
+    head, steps, calls = drafter.head, [], []
+    forward, propose_all = head.forward, drafter.propose_all
+    head.forward = lambda *args, **kwargs: (steps.append(1), forward(*args, **kwargs))[1]
+
+    def recording(reqs, max_tokens=None):
+        before = len(steps)
+        drafts = propose_all(reqs, max_tokens)
+        calls.append((list(max_tokens), len(steps) - before, [len(d.tokens) for d in drafts]))
+        return drafts
+
+    drafter.propose_all = recording
+    spec.generate(input_ids=[prompt_ids(0, 20)], sampling_params=greedy(60))
+    probes = [c for c in calls if c[0] == [1]]
+    full = [c for c in calls if c[0] == [3]]
+    assert len(probes) >= 2 and full, calls
+    assert all(c[1:] == (1, [1]) for c in probes), probes
+    assert all(c[1:] == (3, [3]) for c in full), full
+
+
+def test_row_buffer_appends_cuts_and_grows_like_a_list():
+    """EAGLE's pending rows (RowBuffer) against a list of the same rows."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(5, 3, generator=gen)
+    buffer, model = RowBuffer(rows), list(rows)
+    for step in range(200):
+        new = torch.randn(step % 4 + 1, 3, generator=gen)
+        at = len(model) - step % 3 if step % 5 else len(model)  # a rejected tail is cut
+        at = max(at, 0)
+        buffer.put(at, new)
+        model = model[:at] + list(new)
+        if len(model) > 40:
+            buffer.drop_front(len(model) - 40)
+            model = model[len(model) - 40 :]
+        if step % 50 == 49:
+            buffer.clear()
+            model = []
+        assert len(buffer) == len(model)
+        assert torch.equal(buffer.rows, torch.stack(model) if model else rows[:0])
+    with pytest.raises(ValueError, match="at must be within"):
+        buffer.put(len(model) + 1, new)
 
 
 def test_tiny_pool_retracts_requests_drafting_with_eagle3(models):

@@ -111,9 +111,12 @@ def test_tree_drafting_keeps_greedy_outputs_cold_and_warm(
     trees = []
     propose_all = drafter.propose_all
 
-    def recording(reqs):
-        drafts = propose_all(reqs)
-        trees.extend(d for d in drafts if d.tokens)
+    def recording(reqs, max_tokens=None):
+        drafts = propose_all(reqs, max_tokens)
+        depth = drafter.num_draft_tokens
+        limits = max_tokens or [depth] * len(reqs)
+        # full depth where a request keeps it (its last tokens draft shallower trees)
+        trees.extend(d for d, m in zip(drafts, limits) if d.tokens and m >= depth)
         return drafts
 
     drafter.propose_all = recording
@@ -183,8 +186,8 @@ def test_tree_nodes_are_the_heads_top_k_along_their_paths(models):
     proposals = []
     propose_all = drafter.propose_all
 
-    def recording(reqs):
-        drafts = propose_all(reqs)
+    def recording(reqs, max_tokens=None):
+        drafts = propose_all(reqs, max_tokens)
         proposals.extend((r.seq_ids(), d) for r, d in zip(reqs, drafts) if d.tokens)
         return drafts
 

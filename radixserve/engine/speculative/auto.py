@@ -62,7 +62,9 @@ class AutoDrafter(Drafter):
     def propose(self, req: Req) -> list[int]:
         return self.propose_all([req])[0].tokens
 
-    def propose_all(self, reqs: list[Req]) -> list[Draft]:
+    def propose_all(self, reqs: list[Req], max_tokens: list[int] | None = None) -> list[Draft]:
+        """Every candidate drafts in full whatever `max_tokens` says: each is scored on how
+        much of what was emitted its own draft foresaw, the token after a cut draft too."""
         states = [self._states.setdefault(r, AutoState()) for r in reqs]
         proposals = [{} for _ in reqs]
         for lookup in self.lookups:

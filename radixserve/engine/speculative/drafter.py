@@ -71,8 +71,10 @@ class Drafter(ABC):
         """Up to K tokens that may follow `req.seq_ids()`; [] when there is no good guess
         (the request then decodes one token, as without speculation)."""
 
-    def propose_all(self, reqs: list[Req]) -> list[Draft]:
-        """One draft per request (a model drafter batches them); deterministic by default."""
+    def propose_all(self, reqs: list[Req], max_tokens: list[int] | None = None) -> list[Draft]:
+        """One draft per request (a model drafter batches them); deterministic by default.
+        `max_tokens`: the most tokens the caller keeps of each draft (it cuts them), so a
+        drafter that pays per drafted token may stop there; None: K."""
         return [Draft(self.propose(req)) for req in reqs]
 
     def on_forward(  # noqa: B027 (optional hook, no-op by default)
@@ -100,6 +102,14 @@ class Drafter(ABC):
     def release(self, req: Req) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Frees what the drafter holds for a request that left the batch (finished,
         aborted or retracted); nothing by default."""
+
+
+def draft_steps(drafter: Drafter, max_tokens: list[int] | None) -> int:
+    """The draft steps a batch of proposals needs: K, or fewer where every request keeps
+    fewer tokens (a probe after a back-off keeps one, a request near max_new_tokens few)."""
+    if not max_tokens:
+        return drafter.num_draft_tokens
+    return max(1, min(drafter.num_draft_tokens, max(max_tokens)))
 
 
 class SequenceArrays:

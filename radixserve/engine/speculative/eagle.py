@@ -3,16 +3,19 @@ one interface: model/eagle_head.py) reads the target's hidden states and propose
 num_steps tokens (topk 1) or a tree (eagle_tree.py) through the Drafter seam.
 
     target forward (any: prefill chunk, decode, verify)   aux hidden of its positions
-        -> on_forward: head.fuse -> rows, pending at their positions (a gap restarts)
+        -> on_forward: pending rows at their positions (a gap restarts)
     propose (sequence x_0 .. x_{n-1}):
-        step 1   pending p .. n-2: (fused_p, embed(x_{p+1})) over the kept K/V -> d1
+        step 1   pending p .. n-2: (head.fuse(aux_p), embed(x_{p+1})) over the kept K/V -> d1
                  (their K/V is kept: both inputs are committed, so it never changes)
         step j   (pre-norm hidden of step j-1, embed(d_{j-1})) at position n-3+j -> dj
                  (K/V of the draft steps is scratch)
 
-    per request   | K/V of positions first .. (<= EAGLE_WINDOW) | pending fused rows |
+    per request   | K/V of positions first .. (<= EAGLE_WINDOW) | pending aux rows |
 
-Pending rows past n-2 (a verify's rejected drafts) are cut before use. Design: the head's
+Pending rows past n-2 (a verify's rejected drafts) are cut before use. Rows are fused when a
+proposal reads them, all requests' in one fc call: a request the adaptive policy keeps from
+drafting costs a row copy per step, not an fc over its row (on the default model ~0.3 ms of
+a 10 ms step), and a probe after a back-off fuses its window at once. Design: the head's
 K/V lives in small per-request tensors, not a paged pool: one layer of K/V is 1/L of the
 target's per token and is capped at a window, so there is nothing to page, evict or keep
 consistent with the radix tree; a prefix hit or a retracted request simply starts with none
@@ -29,9 +32,10 @@ import torch
 
 from radixserve.config import LoadConfig, SchedulerConfig
 from radixserve.engine.request import Req
-from radixserve.engine.speculative.drafter import Draft, Drafter
+from radixserve.engine.speculative.drafter import Draft, Drafter, draft_steps
 from radixserve.engine.speculative.eagle_tree import draft_trees
 from radixserve.engine.speculative.model_drafter import SamplingRows
+from radixserve.engine.speculative.row_buffer import RowBuffer
 from radixserve.engine.speculative.tree_verify import children_of
 from radixserve.model.eagle1 import load_eagle1_head
 from radixserve.model.eagle3 import load_eagle3_head
@@ -47,12 +51,13 @@ EAGLE_WINDOW = 64
 @dataclass
 class EagleState:
     """A request's head K/V of positions first .. first + C - 1 ([kv_heads, C, head_dim]
-    each), then its pending fused rows of the positions after them ([num_rows, hidden])."""
+    each), then the captured aux hidden states of the positions after them, not yet fused
+    ([num_rows, k * target hidden])."""
 
     first: int
     keys: torch.Tensor | None
     values: torch.Tensor | None
-    rows: torch.Tensor
+    rows: RowBuffer
     tree: VerifiedTree | None = None  # the rows of a tree the last forward verified
 
     @property
@@ -63,7 +68,8 @@ class EagleState:
 
 @dataclass
 class VerifiedTree:
-    """A draft tree's fused rows [N, hidden] (node j at row j - 1), its root's position."""
+    """A draft tree's aux rows [N, k * target hidden] (node j at row j - 1), its root's
+    position."""
 
     root: int
     draft: Draft
@@ -88,7 +94,7 @@ class Pending:
 
     state: EagleState
     start: int
-    rows: torch.Tensor  # [length, hidden]
+    rows: torch.Tensor  # [length, hidden]: fused (aux rows until propose_all fuses them)
     tokens: list[int]  # x_{start+1} .. x_{n-1}
 
 
@@ -121,9 +127,9 @@ class EagleDrafter(Drafter):
         logits: LogitsOutput,
         trees: list[Draft | None] | None = None,
     ) -> None:
-        """Keeps the fused hidden states of each speculating request's last positions in
-        the forward (fc runs only on the rows a window can still read), and a verified
-        tree's rows until the commit tells which path was kept."""
+        """Keeps the aux hidden states of each speculating request's last positions in the
+        forward (only the rows a window can still read), and a verified tree's rows until the
+        commit tells which path was kept."""
         aux = logits.aux_hidden
         if aux is None:
             return
@@ -141,13 +147,13 @@ class EagleDrafter(Drafter):
             offset += length
         if not rows:
             return
-        fused = self.head.fuse(aux[torch.tensor(rows, device=aux.device)])  # [rows, hidden]
+        kept = aux[torch.tensor(rows, device=aux.device)]  # [rows, k * hidden], a copy
         offset = 0
         for req, start, keep, tree in spans:
-            self._append(req, start, fused[offset : offset + keep])
+            self._append(req, start, kept[offset : offset + keep])
             offset += keep
             if tree is not None:
-                tree_rows = fused[offset : offset + len(tree.tokens)]
+                tree_rows = kept[offset : offset + len(tree.tokens)]
                 self._states[req].tree = VerifiedTree(start + keep - 1, tree, tree_rows)
                 offset += len(tree.tokens)
 
@@ -155,15 +161,26 @@ class EagleDrafter(Drafter):
         return self.propose_all([req])[0].tokens
 
     @torch.inference_mode()
-    def propose_all(self, reqs: list[Req]) -> list[Draft]:
-        """A chain for each request whose hidden states reach its last committed token."""
+    def propose_all(self, reqs: list[Req], max_tokens: list[int] | None = None) -> list[Draft]:
+        """A chain (or tree) for each request whose hidden states reach its last committed
+        token, of num_steps steps or the fewer every request keeps (`max_tokens`)."""
         pending = {r: p for r in reqs if (p := self._pending(r)) is not None}
         drafts = {r: Draft([]) for r in reqs}
         ready = list(pending)
         if ready:
-            for req, draft in zip(ready, self._draft(ready, [pending[r] for r in ready])):
+            fused = self._fused([pending[r] for r in ready])
+            for req, draft in zip(ready, self._draft(ready, fused, draft_steps(self, max_tokens))):
                 drafts[req] = draft
         return [drafts[r] for r in reqs]
+
+    def _fused(self, pending: list[Pending]) -> list[Pending]:
+        """The pending aux rows of every request through the head's fc in one call."""
+        fused = self.head.fuse(torch.cat([p.rows for p in pending]))
+        out, offset = [], 0
+        for p in pending:
+            out.append(dataclasses.replace(p, rows=fused[offset : offset + len(p.rows)]))
+            offset += len(p.rows)
+        return out
 
     def release(self, req: Req) -> None:
         self._states.pop(req, None)
@@ -173,12 +190,12 @@ class EagleDrafter(Drafter):
         if state is not None:
             _resolve_tree(req, state)
         if state is None or not state.kv_end <= start <= state.kv_end + len(state.rows):
-            state = EagleState(start, None, None, rows.clone())  # new, or a gap (prefix hit)
+            state = EagleState(start, None, None, RowBuffer(rows))  # new, or a gap (prefix hit)
         else:
-            state.rows = torch.cat([state.rows[: start - state.kv_end], rows])
+            state.rows.put(start - state.kv_end, rows)
         if len(state.rows) > self._kept:  # the K/V would be out of the window anyway
-            excess = len(state.rows) - self._kept
-            state = EagleState(start + len(rows) - self._kept, None, None, state.rows[excess:])
+            state.rows.drop_front(len(state.rows) - self._kept)
+            state = EagleState(start + len(rows) - self._kept, None, None, state.rows)
         self._states[req] = state
 
     def _pending(self, req: Req) -> Pending | None:
@@ -191,10 +208,10 @@ class EagleDrafter(Drafter):
         if end + self.num_draft_tokens > self.head.rotary.max_positions:
             return None
         start = state.kv_end
-        rows = state.rows[: end - start]
+        rows = state.rows.rows[: end - start]
         return Pending(state, start, rows, req.seq_ids()[start + 1 : end + 1])
 
-    def _draft(self, reqs: list[Req], pending: list[Pending]) -> list[Draft]:
+    def _draft(self, reqs: list[Req], pending: list[Pending], num_steps: int) -> list[Draft]:
         inputs = _StepOne.build(pending, linear_weight(self.head.fc), self.head.config.hidden_size)
         sampling = SamplingRows(reqs, self.head.vocab_size, inputs.hidden.device)
         step = self.head(inputs.hidden, inputs.tokens, inputs.positions, inputs.cache, inputs.mask)
@@ -202,12 +219,12 @@ class EagleDrafter(Drafter):
         if self.topk > 1:
             last = inputs.positions[:, -1:]
             return draft_trees(self.head, step, inputs.key_valid, last, self.topk,
-                               self.num_draft_tokens, self.num_nodes)  # fmt: skip
+                               num_steps, self.num_nodes)  # fmt: skip
         valid, picks = inputs.key_valid, []
-        for j in range(self.num_draft_tokens):
+        for j in range(num_steps):
             chosen, probs = sampling.pick(step.logits, j)
             picks.append((chosen, probs))
-            if j + 1 == self.num_draft_tokens:
+            if j + 1 == num_steps:
                 break
             valid = torch.cat([valid, valid.new_ones(len(reqs), 1)], dim=1)
             step = self.head(
@@ -232,7 +249,7 @@ class EagleDrafter(Drafter):
             excess = max(0, keys.shape[1] - self.window)
             state.first += excess
             state.keys, state.values = keys[:, excess:].clone(), values[:, excess:].clone()
-            state.rows = state.rows[:0]  # used; any tail was a rejected draft's
+            state.rows.clear()  # used; any tail was a rejected draft's
 
 
 @dataclass
@@ -281,7 +298,7 @@ def _resolve_tree(req: Req, state: EagleState) -> None:
     """A verified tree's kept path joins the pending rows (the commit has run since)."""
     tree, state.tree = state.tree, None
     if tree is not None and state.kv_end + len(state.rows) == tree.root + 1:
-        state.rows = torch.cat([state.rows, tree.path_rows(req.seq_ids())])
+        state.rows.put(len(state.rows), tree.path_rows(req.seq_ids()))
 
 
 def _padded_cache(states: list[EagleState], like: torch.Tensor):

@@ -26,7 +26,7 @@ from radixserve.attention import create_model_attention
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.engine.request import Req
-from radixserve.engine.speculative.drafter import Draft, Drafter
+from radixserve.engine.speculative.drafter import Draft, Drafter, draft_steps
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.runner import ModelRunner
@@ -136,12 +136,13 @@ class ModelDrafter(Drafter):
     def propose(self, req: Req) -> list[int]:
         return self.propose_all([req])[0].tokens
 
-    def propose_all(self, reqs: list[Req]) -> list[Draft]:
-        """K forwards over the requests that got draft pages; the others get no draft."""
+    def propose_all(self, reqs: list[Req], max_tokens: list[int] | None = None) -> list[Draft]:
+        """K forwards (fewer where every request keeps fewer tokens: `max_tokens`) over the
+        requests that got draft pages; the others get no draft."""
         ready = [r for r in reqs if self._reserve(r)]
         drafts = {r: Draft([]) for r in reqs}
         if ready:
-            for req, draft in zip(ready, self._draft(ready)):
+            for req, draft in zip(ready, self._draft(ready, draft_steps(self, max_tokens))):
                 drafts[req] = draft
         return [drafts[r] for r in reqs]
 
@@ -165,7 +166,7 @@ class ModelDrafter(Drafter):
             state.page_table += self.pool.allocator.allocate(missing).tolist()
         return True
 
-    def _draft(self, reqs: list[Req]) -> list[Draft]:
+    def _draft(self, reqs: list[Req], num_steps: int) -> list[Draft]:
         states = [self._states[r] for r in reqs]
         seqs = [r.seq_ids() for r in reqs]
         # at least the last token: its logits give d1 (nothing new since a failed step: redo)
@@ -173,7 +174,7 @@ class ModelDrafter(Drafter):
         tokens = [seq[start:] for seq, start in zip(seqs, prefix)]
         steps: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         sampling = SamplingRows(reqs, self.runner.config.vocab_size, self.runner.device)
-        for j in range(self.num_draft_tokens):
+        for j in range(num_steps):
             logits = self._forward(tokens, prefix, states)
             chosen, probs = sampling.pick(logits, j)
             steps.append((chosen, probs))

@@ -54,15 +54,17 @@ class Speculator:
         if not self.policy.batch_speculates(len(decodes)):
             return
         chosen = [w for w in decodes if _room(w.req) > 0 and self.policy.should_draft(w.req)]
+        num_draft_tokens = self.drafter.num_draft_tokens
+        limits = [min(_room(w.req), self.policy.draft_limit(w.req, num_draft_tokens))
+                  for w in chosen]  # fmt: skip
         try:
-            drafts = self.drafter.propose_all([w.req for w in chosen]) if chosen else []
+            drafts = self.drafter.propose_all([w.req for w in chosen], limits) if chosen else []
         except Exception:  # drafts only save time: decode without them this step
             logger.exception("drafting failed; %d requests decode without a draft", len(chosen))
             return
-        for w, draft in zip(chosen, drafts):
+        for w, draft, limit in zip(chosen, drafts, limits):
             req = w.req
-            limit = self.policy.draft_limit(req, self.drafter.num_draft_tokens)
-            draft = draft.cut(min(_room(req), limit))
+            draft = draft.cut(limit)
             if draft.parents is not None and req.grammar is not None:  # each path's prefix
                 draft = draft.keep([len(valid_draft(req, p)) == len(p) for p in draft.paths()])
             elif draft.tokens and req.grammar is not None:
