@@ -42,8 +42,7 @@ def add_dataclass_args(
         if f.name in exclude:
             continue
         flag = _flag(f.name)
-        # argparse %-formats help text: a literal "%" (LoadConfig's "~20% slower") is escaped
-        help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        help_text = _help_text(docs.get(f.name, ""), f.default)
         annotation = str(f.type).replace(" | None", "").strip()
         if annotation == "list[str]":
             group.add_argument(flag, nargs="+", default=f.default, help=help_text)
@@ -53,6 +52,15 @@ def add_dataclass_args(
             )
         else:
             group.add_argument(flag, type=_TYPES[annotation], default=f.default, help=help_text)
+
+
+def _help_text(doc: str, default: Any) -> str:
+    """`doc` and the default; an unset default (None) is left to the doc where it says what
+    unset means ("default: 32"), not shown as "(default: None)" after it."""
+    if default is not None or "default" not in doc.lower():
+        doc = f"{doc} (default: {default})"
+    # argparse %-formats help text: a literal "%" (LoadConfig's "~20% slower") is escaped
+    return doc.replace("%", "%%")
 
 
 def field_names(cls: type) -> list[str]:

@@ -7,6 +7,7 @@ logits of magnitude ~1; against the original fp32 model, the quantization error 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -305,6 +306,41 @@ def test_cli_has_the_quantization_flags():
     )
     assert (args.quantization, args.quantization_group_size) == ("int4", 64)
     assert args.quantize_lm_head is False
+
+
+def _serve_help(monkeypatch, capsys) -> dict[str, str]:
+    """`radixserve serve --help`, unwrapped: each option's flags -> its help text."""
+    from radixserve.cli import main
+
+    monkeypatch.setenv("COLUMNS", "100000")  # argparse wraps nothing: one line an option
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    options: dict[str, str] = {}
+    flag = None
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  --"):  # "  --flag METAVAR   help", or the help on the next line
+            invocation, *help_text = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            flag = invocation.split()[0]
+            options[flag] = "".join(help_text)
+        elif flag is not None and line.startswith("    "):
+            options[flag] = f"{options[flag]} {line.strip()}".strip()
+        else:
+            flag = None
+    return options
+
+
+def test_quantization_help_names_every_gguf_type_and_the_int4_group_size(monkeypatch, capsys):
+    from radixserve.model.quant.gguf_blocks import AS_IS_TYPES
+    from radixserve.model.quant.kquant import KQUANT_TYPES
+    from radixserve.model.quant.quantize import INT4_DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS
+
+    options = _serve_help(monkeypatch, capsys)
+    for flag in ("--quantization", "--cpu-quant-kernel"):
+        missing = [t for t in (*AS_IS_TYPES, *KQUANT_TYPES) if t not in options[flag]]
+        assert not missing, (flag, missing)
+    assert all(f"| {method}" in options["--quantization"] for method in QUANTIZATION_METHODS)
+    group_size = options["--quantization-group-size"]
+    assert f"default: {INT4_DEFAULT_GROUP_SIZE} " in group_size and "None" not in group_size
 
 
 # ---- the default model ----------------------------------------------------------------------

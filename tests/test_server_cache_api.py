@@ -46,6 +46,7 @@ def test_pin_list_tree_and_unpin_a_prefix(retention_server):
         assert (await post(url + "/cache/unpin", {"name": "tools"}))[0] == 200
         status, body = await post(url + "/cache/unpin", {"name": "tools"})
         assert status == 404 and body["error"]["param"] == "name"
+        assert body["error"]["message"] == "no prefix pin 'tools' in this namespace"
 
     asyncio.run(go())
 
@@ -80,6 +81,9 @@ def test_session_retention_on_generate_and_the_openai_extra_body(retention_serve
         assert "radixserve:pins_degraded_total" in metrics
         assert (await post(url + "/cache/unpin", {"session_id": "agent-1"}))[0] == 200
         assert (await post(url + "/cache/unpin", {"session_id": "agent-2"}))[0] == 200
+        status, body = await post(url + "/cache/unpin", {"session_id": "agent-2"})
+        assert status == 404 and body["error"]["param"] == "session_id"
+        assert body["error"]["message"] == "no session pin 'agent-2' in this namespace"
 
     asyncio.run(go())
 

@@ -15,6 +15,7 @@ from conftest import ADMIN_API_KEY, ServerProcess, prompt_ids, stop_running
 from radixserve.config import ServerConfig
 from radixserve.server.app import build_app
 from radixserve.server.auth import api_key_matches, needs_admin
+from radixserve.server.errors import error_response
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 JSON_TYPE = {"Content-Type": "application/json"}
@@ -488,7 +489,14 @@ def test_sigterm_during_a_request_exits_cleanly(own_servers):
 
 
 def test_wrong_method_is_a_json_405(server):
-    status, reply = run(get(server.url + "/generate"))
-    assert status == 405 and reply["error"]["code"] == 405
-    status, reply = run(get(server.url + "/flush_cache"))  # a GET must not change state
-    assert status == 405 and reply["error"]["code"] == 405
+    for path in ("/generate", "/flush_cache", "/v1/chat/completions"):  # a GET changes nothing
+        status, reply = run(get(server.url + path))
+        assert status == 405 and reply["error"]["code"] == 405, (path, reply)
+        assert reply["error"]["type"] == "MethodNotAllowedError", (path, reply)
+
+
+@pytest.mark.parametrize("status", [408, 411, 413, 416, 422, 500, 502])
+def test_a_status_without_a_type_of_its_own_is_a_bad_request_or_an_internal_error(status):
+    body = json.loads(error_response(status, "Refused.").body)
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    assert body["error"] == {"message": "Refused.", "type": kind, "param": None, "code": status}

@@ -40,23 +40,27 @@ class LoadConfig:
     """Seed for dummy weights."""
     quantization: str = "auto"
     """auto (the checkpoint's own: gptq | awq from its quantization_config; on CPU, gguf for
-    a GGUF file whose projections are all Q4_0 / Q4_1 / Q8_0, as the default model's are;
-    else none, for a GGUF file its dequantized fp copy) | none | int8 (weight-only, a scale
-    per output channel) | int4 (weight-only, a scale and zero per group of input
-    channels; CUDA: Triton kernel) | fp8 (CUDA, bf16) | gguf (a GGUF file's Q4_0/Q4_1/Q8_0
-    blocks as they are, no fp32 detour) | gptq | awq (CPU: a GPTQ / AWQ checkpoint's 4-bit
-    weights as they are). Applies to the attention and MLP projections; embeddings, norms and
-    the LM head stay in --dtype."""
+    a GGUF file whose projections are all Q4_0 / Q4_1 / Q8_0 / IQ4_NL (or fp), as the default
+    model's Q4_1 are, or Q4_K / Q5_K / Q6_K where the C++ block kernels build; else none, for
+    a GGUF file its dequantized fp copy) | none | int8 (weight-only, a scale per output
+    channel) | int4 (weight-only, a scale and zero per group of input channels; CUDA: Triton
+    kernel) | fp8 (CUDA, bf16) | gguf (a GGUF file's Q4_0 / Q4_1 / Q8_0 / IQ4_NL blocks and
+    Q4_K / Q5_K / Q6_K super-blocks as they are, no fp32 detour; K-quants need the C++ block
+    kernels, else they are dequantized to fp) | gptq | awq (CPU: a GPTQ / AWQ checkpoint's
+    4-bit weights as they are). Applies to the attention and MLP projections; embeddings,
+    norms and the LM head stay in --dtype."""
     quantization_group_size: int | None = None
-    """int4: input channels per scale and zero, 32 | 64 | 128; default: per layer, the largest
-    of these that divides its in_features."""
+    """int4: input channels per scale and zero, 32 | 64 | 128; default: 32 (a GGUF block: the
+    default model's Q4_1 blocks rebuilt exactly). A layer whose in_features the size does not
+    divide fails at start."""
     quantize_lm_head: bool = False
     """Quantize the LM head too (int8 / int4); the embedding lookup stays in --dtype."""
     cpu_quant_kernel: str = "auto"
     """gguf, and int4 in groups of 32, on CPU: auto (the C++ block kernels where they build
-    with AVX2 / AVX512: the Q4_0 / Q4_1 / Q8_0 projections as matmuls over GGUF-style blocks,
-    and a quantized LM head kept as its blocks, not a dense fp copy; else torch's int
-    kernels) | blocks | torch."""
+    with AVX2 / AVX512: the Q4_0 / Q4_1 / Q8_0 / IQ4_NL (as Q8_0) projections and the Q4_K /
+    Q5_K / Q6_K ones as matmuls over GGUF-style blocks, and a quantized LM head kept as its
+    blocks, not a dense fp copy; else torch's int kernels, with K-quants dequantized to fp)
+    | blocks | torch."""
     cpu_quant_activation: str = "auto"
     """gguf layers on the CPU block kernels: auto (per layer shape, fp32 or int8 activations,
     whichever a one-off measurement, cached per machine, finds faster at decode; and from how

@@ -79,12 +79,12 @@ async def unpin(request: web.Request) -> web.Response:
         raise BadRequest(f"cache_salt must be a string; got {salt!r}", param="cache_salt")
     if ("name" in body) == ("session_id" in body):
         raise BadRequest("give exactly one of name (a pinned prefix) or session_id", "name")
-    if "name" in body:
-        key = prefix_pin_key(_name(body["name"], "name"))
-    else:
-        key = session_pin_key(_name(body["session_id"], "session_id"))
+    param = "name" if "name" in body else "session_id"
+    name = _name(body[param], param)
+    key = prefix_pin_key(name) if param == "name" else session_pin_key(name)
     if not await state_of(request).client.unpin(key, salt):
-        return error_response(404, f"no pin named {key!r} in this namespace", param="name")
+        kind = "prefix" if param == "name" else "session"
+        return error_response(404, f"no {kind} pin {name!r} in this namespace", param=param)
     return web.json_response({"success": True})
 
 

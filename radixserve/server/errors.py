@@ -7,9 +7,8 @@ import re
 from aiohttp import web
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 408: "BadRequestError", 411: "BadRequestError",
-          413: "BadRequestError", 415: "UnsupportedMediaTypeError", 429: "RateLimitError",
-          503: "ServiceUnavailableError"}  # fmt: skip
+          404: "NotFoundError", 405: "MethodNotAllowedError", 415: "UnsupportedMediaTypeError",
+          429: "RateLimitError", 503: "ServiceUnavailableError"}  # fmt: skip
 _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 
 
@@ -26,12 +25,18 @@ def error_response(
     body = {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "InternalServerError"),
+            "type": error_type(status),
             "param": param if param is not None or status >= 500 else _guess_param(message),
             "code": status,
         }
     }
     return web.json_response(body, status=status, headers=headers)
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type of an HTTP status: its own name where it has one, else
+    BadRequestError for a 4xx (408, 411, 413, ...) and InternalServerError for a 5xx."""
+    return _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
 
 
 def _guess_param(message: str) -> str | None:
