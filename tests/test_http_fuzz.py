@@ -1,13 +1,16 @@
-"""Fuzzing the HTTP API: hypothesis bodies for /generate, /v1/completions and
-/v1/chat/completions, valid-ish and not, against one server.
+"""Fuzzing the HTTP API: hypothesis bodies for /generate, /v1/completions,
+/v1/chat/completions, and the agent APIs /v1/messages and /v1/responses (their bodies and
+checks: fuzz_agent_apis.py), valid-ish and not, against one server that separates reasoning
+(`--reasoning-parser`) and reads tool calls.
 
 Every answer must be a 2xx (a stream ending in `data: [DONE]`, no request aborted by an
 internal error) or a 4xx whose JSON error's `param` names the offending field; never a 5xx
 or a hang.
 Afterwards no request is left registered and no KV page is leaked.
 
-The server's context is short (CONTEXT_LENGTH) so that even a body without max_tokens ends
-quickly; the strategies draw small token counts most of the time.
+The server's context is short (CONTEXT_LENGTH, room for a tools prompt of ~170 tokens) so
+that even a body without max_tokens ends quickly; the strategies draw small token counts
+most of the time. Bodies once answered wrongly: fuzz_regressions.py.
 """
 
 from __future__ import annotations
@@ -15,33 +18,47 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import re
 from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from fuzz_agent_apis import (
+    MESSAGES_BODY,
+    MESSAGES_PATH,
+    R_CALL,
+    R_OUTPUT,
+    RESPONSES_BODY,
+    anthropic_problems,
+    for_path,
+    responses_problems,
+    with_previous,
+)
+from fuzz_common import (
+    ARGUMENTS,
+    FUZZ_SETTINGS,
+    JSON_TEXTS,
+    JUNK,
+    ODD_TEMPLATE_KWARGS,
+    SMALL_TOKENS,
+    TEMPLATE_KWARGS,
+    as_sent,
+    fuzzed,
+    odd,
+    openai_error_problems,
+    send,
+    top_fields,
+)
+from fuzz_common import check as check_with
+from fuzz_regressions import REGRESSIONS
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import ServerProcess
 
-CONTEXT_LENGTH = 64
-REQUEST_TIMEOUT_S = 30.0
-JSON_TYPE = {"Content-Type": "application/json"}  # a keyless server answers 415 without it
-MAX_EXAMPLES = int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "60"))  # more: a longer local run
-FUZZ_SETTINGS = settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    derandomize=True,  # the same bodies on every run: CI failures reproduce
-    database=None,
-    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example is an HTTP call
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-PARAM_ROOT = re.compile(r"^[A-Za-z_]+")
+CONTEXT_LENGTH = 256
 # Names a 4xx may give besides the body's own fields: the body itself, the prompt however
 # it was given, required fields that are missing, and max_new_tokens at its default (128,
-# past this server's short context).
+# with the prompt past this server's short context).
 DERIVED = {"body", "prompt", "messages", "model", "text", "input_ids", "max_new_tokens"}
 
 
@@ -59,6 +76,10 @@ def fuzz_server(tiny_chat_model):
         "8",
         "--max-queued-requests",
         "64",
+        "--reasoning-parser",
+        "deepseek-r1",
+        "--tool-call-parser",
+        "qwen25",
     )
     yield proc
     try:
@@ -69,67 +90,7 @@ def fuzz_server(tiny_chat_model):
 
 
 # ---- strategies --------------------------------------------------------------------------
-# A body is a valid one with, half of the time, one field replaced by an odd value or junk,
-# an unknown field added, or nothing valid at all.
 
-ODD_NUMBERS = [-1, 0, 2**31, 2**63, -(2**63) - 1, 10**30, 1.5, -0.0, 1e308, math.nan, math.inf]
-SCALARS = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-3, 5),
-    st.sampled_from(ODD_NUMBERS),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=8),
-)
-JUNK = st.recursive(
-    SCALARS,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=6,
-)
-UNKNOWN_FIELDS = st.sampled_from(["bogus", "image_data", "best_of", "suffix", "", "max_tokenz"])
-RAW_BODIES = st.binary(max_size=40) | st.sampled_from(
-    [
-        b"",
-        b"{",
-        b"\xff\xfe{}",
-        b'{"text": "a"',
-        b"[" * 5000 + b"]" * 5000,
-        b'{"text": "a", "max_tokens": ' + b"9" * 5000 + b"}",
-        b'{"text": "a", "n": 1e999}',
-    ]
-)
-"""Bodies that are not JSON, or JSON that Python's parser refuses (too deep, too long ints)."""
-
-
-def odd(*values: Any) -> st.SearchStrategy:
-    """One of `values` (wrong types, out-of-range numbers) or junk."""
-    return st.sampled_from(values) | JUNK if values else JUNK
-
-
-@st.composite
-def fuzzed(
-    draw, valid: st.SearchStrategy[dict], odd_values: dict[str, st.SearchStrategy], raw: bool = True
-):
-    """A body from `valid`; half of the time one field gets an odd value, an unknown field is
-    added, or the whole body is junk (or, if `raw`, not JSON at all)."""
-    body = draw(valid)
-    mutations = ["none"] * 10 + ["field"] * 6 + ["unknown"] * 2 + ["junk", "raw" if raw else "junk"]
-    mutation = draw(st.sampled_from(mutations))
-    if mutation == "field":
-        key = draw(st.sampled_from(sorted(odd_values)))
-        body[key] = draw(odd_values[key])
-    elif mutation == "unknown":
-        body[draw(UNKNOWN_FIELDS)] = draw(JUNK)
-    elif mutation == "junk":
-        body = draw(JUNK)
-    elif mutation == "raw":
-        body = draw(RAW_BODIES)
-    return body
-
-
-SMALL_TOKENS = st.integers(0, 4)
 ODD_TOKENS = odd(-1, 10**6, 2**63, 10**30, 2.5, "3", True, 3)
 STOP = st.sampled_from(["\n", "the", ["a", "b"], [], [""]])
 ODD_STOP = odd([1], 5, [["x"]], {"a": 1})
@@ -280,6 +241,12 @@ COMPLETION_BODY = fuzzed(
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def call_with(text: str) -> dict[str, Any]:
+    return TOOL_CALL | {"function": {"name": "f", "arguments": text}}
+
+
 MESSAGE = st.one_of(
     st.fixed_dictionaries(
         {
@@ -288,7 +255,10 @@ MESSAGE = st.one_of(
         }
     ),
     st.just({"role": "user", "content": [{"type": "text", "text": "hi"}]}),
-    st.just({"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}),
+    st.builds(
+        lambda text: {"role": "assistant", "content": None, "tool_calls": [call_with(text)]},
+        ARGUMENTS,
+    ),
     st.just({"role": "tool", "content": "4", "tool_call_id": "c1"}),
 )
 ODD_MESSAGES = odd(
@@ -305,6 +275,14 @@ ODD_MESSAGES = odd(
     [{"role": "assistant", "tool_calls": {}}],
     [{"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}],
     [None],
+) | st.builds(
+    lambda text: [
+        {
+            "role": "assistant",
+            "tool_calls": [TOOL_CALL | {"function": {"name": "f", "arguments": text}}],
+        }
+    ],
+    JSON_TEXTS,
 )
 CHAT_BODY = fuzzed(
     st.fixed_dictionaries(
@@ -315,7 +293,7 @@ CHAT_BODY = fuzzed(
             "top_logprobs": st.integers(0, 5),
             "tools": st.just([TOOL]),
             "tool_choice": st.sampled_from(["none", "auto"]),
-            "chat_template_kwargs": st.just({"enable_thinking": False}),
+            "chat_template_kwargs": TEMPLATE_KWARGS,
         },
     ),
     ODD_OPENAI
@@ -336,12 +314,7 @@ CHAT_BODY = fuzzed(
             {"type": "function"},
             {"type": "function", "function": {"name": "g"}},
         ),
-        "chat_template_kwargs": odd(
-            {"chat_template": "{{ x }}"},
-            {"tokenize": True},
-            {"messages": 1},
-            {"add_generation_prompt": "x"},
-        ),
+        "chat_template_kwargs": ODD_TEMPLATE_KWARGS,
         "parallel_tool_calls": JUNK,
     },
 )
@@ -350,48 +323,22 @@ CHAT_BODY = fuzzed(
 # ---- checking one answer -----------------------------------------------------------------
 
 
-async def send(url: str, body: Any) -> tuple[int, str]:
-    """POSTs `body` (raw if bytes, else as JSON); the status and the whole answer."""
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    data = body if isinstance(body, bytes) else json.dumps(body)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        async with session.post(url, data=data, headers=JSON_TYPE) as resp:
-            return resp.status, await resp.text()
-
-
 def problems_with(body: Any, status: int, text: str) -> list[str]:
     """What is wrong with the server's answer to `body`; empty when nothing is."""
     if status >= 500:
         return [f"{status}: {text[:300]}"]
     if status >= 400:
-        return _error_problems(body, status, text)
+        return openai_error_problems(body_fields(body), status, text)
     if text.startswith("data:"):
         return _stream_problems(text)
     return _internal_aborts(json.loads(text))
 
 
-def _error_problems(body: Any, status: int, text: str) -> list[str]:
-    try:
-        error = json.loads(text)["error"]
-        message, param = error["message"], error["param"]
-    except (ValueError, KeyError, TypeError):
-        return [f"{status} without an OpenAI error body: {text[:300]}"]
-    if not isinstance(message, str) or not isinstance(param, (str, type(None))):
-        return [f"{status} with a malformed error: {error}"]
-    if not _names_a_field(body_fields(body), param):
-        return [f"{status} names no field of the body in param: {error}"]
-    return []
-
-
 def body_fields(body: Any) -> set[str]:
     """The body's fields and sampling parameters (with their OpenAI names), and the names a
     4xx may give a field it derived from the body."""
-    if isinstance(body, bytes):  # a raw body the server may still parse
-        try:
-            body = json.loads(body)
-        except (ValueError, RecursionError):
-            body = None
-    fields = set(body) if isinstance(body, dict) else set()
+    body = as_sent(body)  # a raw body the server may still parse
+    fields = top_fields(body)
     params = body.get("sampling_params") if isinstance(body, dict) else None
     for entry in params if isinstance(params, list) else [params]:
         fields |= set(entry) if isinstance(entry, dict) else set()
@@ -401,14 +348,6 @@ def body_fields(body: Any) -> set[str]:
         "min_tokens": "min_new_tokens",
     }
     return fields | {name for name, core in openai_names.items() if core in fields} | DERIVED
-
-
-def _names_a_field(fields: set[str], param: str | None) -> bool:
-    """`param` is a field as sent (even an odd one), or starts with one (`messages[0].role`)."""
-    if param is None:
-        return False
-    root = PARAM_ROOT.match(param)
-    return param in fields or (root is not None and root.group() in fields)
 
 
 def _stream_problems(text: str) -> list[str]:
@@ -438,10 +377,7 @@ def _internal_aborts(reply: Any) -> list[str]:
 
 def check(url: str, body: Any) -> int:
     """Sends `body`; fails on any problem with the answer, else returns its status."""
-    status, text = asyncio.run(send(url, body))
-    problems = problems_with(body, status, text)
-    assert not problems, (repr(body)[:1000], problems)
-    return status
+    return check_with(url, body, problems_with)
 
 
 # ---- the fuzz ----------------------------------------------------------------------------
@@ -465,6 +401,36 @@ def test_fuzz_chat_completions(fuzz_server, body):
     check(fuzz_server.url + "/v1/chat/completions", body)
 
 
+AGENT_PROBLEMS = {
+    "/v1/messages": anthropic_problems,
+    "/v1/messages/count_tokens": anthropic_problems,
+    "/v1/responses": responses_problems,
+}
+"""How the agent APIs' answers are checked; every other path's as problems_with."""
+
+
+@FUZZ_SETTINGS
+@given(path=MESSAGES_PATH, body=MESSAGES_BODY)
+def test_fuzz_anthropic_messages(fuzz_server, path, body):
+    check_with(fuzz_server.url + path, for_path(path, body), anthropic_problems)
+
+
+@pytest.fixture(scope="module")
+def stored_response_id(fuzz_server) -> str:
+    """A stored response (with a tool call in its history) that bodies may continue."""
+    body = {"model": "tiny", "input": [R_CALL, R_OUTPUT], "max_output_tokens": 2}
+    status, text = asyncio.run(send(fuzz_server.url + "/v1/responses", body))
+    assert status == 200, text
+    return json.loads(text)["id"]
+
+
+@FUZZ_SETTINGS
+@given(body=RESPONSES_BODY)
+def test_fuzz_responses(fuzz_server, stored_response_id, body):
+    body = with_previous(body, stored_response_id)
+    check_with(fuzz_server.url + "/v1/responses", body, responses_problems)
+
+
 async def _get(url: str) -> tuple[int, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         async with session.get(url) as resp:
@@ -481,67 +447,10 @@ async def _settled_info(url: str) -> dict:
     return info
 
 
-REGRESSIONS = [
-    # (path, body, status): bodies once answered wrongly, checked on every run.
-    ("/generate", {"text": "a", "sampling_params": {"temperature": math.nan}}, 400),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"5": 1}}, 400),
-    # Ints past int64 could not cross to the engine core: a 500, and the request stayed
-    # registered (its rid in use, its queue slot taken) for good. A seed may be any int.
-    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": 10**30}}, 400),
-    ("/generate", {"text": "a", "sampling_params": {"min_new_tokens": 10**30}}, 400),
-    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 10**30}, 400),
-    ("/generate", {"text": "a", "return_logprob": True, "logprob_start_len": 10**30}, 400),
-    (
-        "/generate",
-        {"text": "a", "sampling_params": {"max_new_tokens": 2, "sampling_seed": 10**30}},
-        200,
-    ),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 10**30, "n": 2}, 200),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": -(2**64)}, 200),
-    # n past what the server can ever admit was a 503 after building n specs (n = 10**9: an
-    # out-of-memory server); now a 400 before any is built.
-    ("/generate", {"text": "a", "sampling_params": {"n": 10**9}}, 400),
-    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "n": 40}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 10**6}, 400),
-    # Python's JSON parser raised past the server's handler: a 500 for a deeply nested body,
-    # a 400 naming no field (and suggesting sys.set_int_max_str_digits) for a 5000-digit int.
-    ("/generate", b"[" * 100_000 + b"]" * 100_000, 400),
-    ("/v1/chat/completions", b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", 400),
-    # 4xx whose param was the message's first word ("provide", "unknown"), not a field.
-    ("/generate", {}, 400),
-    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1, "bogus": 1}}, 400),
-    ("/generate", {"text": "a", "sampling_params": {"| x": 1}}, 400),  # was "sampling"
-    (
-        "/v1/completions",
-        {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}},
-        400,
-    ),  # was "include_usage", not a field of the body
-    # A template of the request's own reached Jinja: range() past the sandbox's limit was a
-    # 500, and a template may loop for ever.
-    (
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "user", "content": "a"}],
-            "max_tokens": 1,
-            "chat_template_kwargs": {"chat_template": "{% for i in range(10**8) %}x{% endfor %}"},
-        },
-        400,
-    ),
-    (
-        "/tokenize",
-        {
-            "prompt": None,
-            "messages": [{"role": "user", "content": "a"}],
-            "chat_template_kwargs": {"chat_template": "{{ messages }}"},
-        },
-        400,
-    ),
-]
-
-
 @pytest.mark.parametrize("path, body, status", REGRESSIONS)
 def test_regressions(fuzz_server, path, body, status):
-    assert check(fuzz_server.url + path, body) == status
+    problems = AGENT_PROBLEMS.get(path, problems_with)
+    assert check_with(fuzz_server.url + path, body, problems) == status
 
 
 def test_zz_after_the_fuzz_nothing_leaks(fuzz_server):

@@ -1,8 +1,16 @@
 """The Responses API's parts in process: the bounded store (TtlStore, ResponseStore's
-owners) and the output items' stream events (the server tests: test_server_responses.py)."""
+owners), the output items' stream events and rendering the input (the server tests:
+test_server_responses.py)."""
 
 from __future__ import annotations
 
+import pytest
+from test_tool_calls import TOOL_TEMPLATE
+
+from conftest import VOCAB
+from radixserve.model.tokenizer import open_tokenizer
+from radixserve.server.chat_prompt import render_chat
+from radixserve.server.errors import BadRequest
 from radixserve.server.openai_response import Delta
 from radixserve.server.responses_output import OutputItems
 from radixserve.server.responses_store import ResponseStore, StoredResponse
@@ -89,3 +97,22 @@ def test_output_items_and_their_events_in_order():
     }
     assert [item["type"] for item in items.items] == ["message", "function_call", "message"]
     assert all(item["status"] == "completed" for item in items.items)
+
+
+# ---- in process: rendering the input -----------------------------------------------------
+
+
+def test_input_too_deep_for_the_template_is_a_400_naming_input():
+    """A template that renders tool calls gets their arguments as objects; transformers walks
+    them recursively, which nesting past the recursion limit broke with a 500."""
+    tokenizer = open_tokenizer(None, VOCAB, "tiny")
+    tokenizer.chat_template = TOOL_TEMPLATE
+    arguments: dict = {}
+    for _ in range(2000):
+        arguments = {"a": arguments}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    messages = [{"role": "user", "content": "hi"}, turn]
+    with pytest.raises(BadRequest) as info:
+        render_chat(tokenizer, messages, {}, param="input")
+    assert info.value.param == "input" and "input" in str(info.value)

@@ -189,6 +189,8 @@ class RequestBuilder:
             parsed.sampling_seed &= SEED_MASK
         if parsed.grammar is not None:
             check_grammar(*parsed.grammar)
+        if isinstance(parsed.json_schema, dict):  # as text: the wire takes no int past int64
+            parsed.json_schema = parsed.grammar[1]
         return parsed
 
     def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:

@@ -65,7 +65,8 @@ def register_anthropic_routes(app: web.Application) -> None:
 @web.middleware
 async def anthropic_error_middleware(request: web.Request, handler):
     """On the Messages paths, rewrites the server's JSON errors (OpenAI's shape, made by the
-    inner middlewares) into Anthropic's, keeping the status and naming the field."""
+    inner middlewares) into Anthropic's, keeping the status; the message starts with the
+    field it names, as Anthropic's do."""
     response = await handler(request)
     if request.path not in MESSAGES_PATHS or response.status < 400:
         return response
@@ -76,7 +77,7 @@ async def anthropic_error_middleware(request: web.Request, handler):
     if not isinstance(error, dict):
         return response
     message, param = str(error.get("message", response.reason)), error.get("param")
-    if param and param not in message:
+    if param and not message.startswith((param, repr(param))):  # Anthropic's: the field first
         message = f"{param}: {message}"
     headers = {k: v for k, v in response.headers.items() if k == "Retry-After"}
     rewritten = web.json_response(

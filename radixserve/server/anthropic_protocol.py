@@ -150,7 +150,7 @@ def _check_fields(body: dict, known: set[str]) -> None:
         reason = (
             "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
         )
-        raise BadRequest(f"{key} {reason}; got {value!r}"[:160], param=key)
+        raise BadRequest(f"{key!r} {reason}; got {value!r}"[:160], param=key)
 
 
 def _check_bool(body: dict, name: str) -> bool:

@@ -12,6 +12,9 @@ from radixserve.server.tool_calls import check_message_tool_calls
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name")
 ROLE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+"""How deeply chat_template_kwargs may nest: far past any template's switches, well short of
+Python's recursion limit, which rendering (transformers walks the template's data) hits."""
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -81,9 +84,24 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if _nests_deeper(kwargs, MAX_TEMPLATE_KWARGS_DEPTH):
+        raise BadRequest(
+            f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels",
+            param="chat_template_kwargs",
+        )
     if kwargs.get("chat_template") is not None:
         raise BadRequest(
             "chat_template_kwargs.chat_template is not allowed: the model's chat template is used",
             param="chat_template_kwargs.chat_template",
         )
     return kwargs
+
+
+def _nests_deeper(value: Any, depth: int) -> bool:
+    """Whether `value` holds lists or objects nested more than `depth` levels deep."""
+    if not isinstance(value, (dict, list)):
+        return False
+    if depth == 0:
+        return True
+    children = value.values() if isinstance(value, dict) else value
+    return any(_nests_deeper(child, depth - 1) for child in children)

@@ -48,10 +48,12 @@ def render_chat(
     template_kwargs: dict[str, Any],
     tools: list[dict[str, Any]] | None = None,
     tool_parser: str = DEFAULT_TOOL_PARSER,
+    param: str = "messages",
 ) -> str:
     """The conversation, with `tools` offered, as the chat template writes it; a template
     that cannot render tools gets them, and the tool turns, as plain text (calls written in
-    `tool_parser`'s format)."""
+    `tool_parser`'s format). A conversation the template cannot render is a 400 naming
+    `param`, the field it came from (Responses: `input`)."""
     if tokenizer.chat_template is None:
         raise BadRequest("this model's tokenizer has no chat template; use /v1/completions")
     kwargs = {"add_generation_prompt": True} | template_kwargs | {"tokenize": False}
@@ -61,8 +63,10 @@ def render_chat(
         kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
+    except RecursionError as exc:  # transformers walks the template's data recursively
+        raise BadRequest(f"{param} nests too deeply to be rendered", param=param) from exc
     except (TemplateError, TypeError, ValueError) as exc:
-        raise BadRequest(f"messages could not be rendered: {exc}", param="messages") from exc
+        raise BadRequest(f"{param} could not be rendered: {exc}", param=param) from exc
 
 
 def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:

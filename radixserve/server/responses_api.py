@@ -263,6 +263,7 @@ def render_prompt(
         parsed.template_kwargs,
         parsed.offered_tools,
         tool_parser=state.tool_parser,
+        param="input",
     )
     return state.tokenizer.encode(text, add_special_tokens=False)
 

@@ -17,11 +17,11 @@ Images, files, audio and item references are a 400 naming the item.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 from radixserve.server.errors import BadRequest
+from radixserve.server.tool_calls import json_object
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 """Message roles and the chat role each becomes."""
@@ -151,7 +151,7 @@ def _check_part(part: Any, role: str, where: str) -> dict[str, Any]:
 def _check_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     _check_keys(item, CALL_KEYS, where)
     checked = {k: _check_str(item, k, where) for k in ("call_id", "name", "arguments")}
-    if _json_object(checked["arguments"]) is None:
+    if json_object(checked["arguments"]) is None:
         raise BadRequest(
             f"{where}.arguments must be a JSON object string; got {checked['arguments']!r}"[:160],
             param=f"{where}.arguments",
@@ -190,14 +190,6 @@ def _check_reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": _item_id(item, "reasoning", where), "summary": summary}
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text, strict=False)
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 # ---- items -> chat messages --------------------------------------------------------------
 
 
@@ -223,7 +215,7 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
     call = {
         "id": item["call_id"],
         "type": "function",
-        "function": {"name": item["name"], "arguments": _json_object(item["arguments"])},
+        "function": {"name": item["name"], "arguments": json_object(item["arguments"])},
     }
     last = messages[-1] if messages else None
     if last is None or last["role"] != "assistant":

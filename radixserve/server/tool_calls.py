@@ -167,18 +167,20 @@ def _message_call(call: Any) -> dict[str, Any] | None:
         return None
     name, arguments = function.get("name"), function.get("arguments")
     if isinstance(arguments, str):
-        arguments = _json_object(arguments)
+        arguments = json_object(arguments)
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return None
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    """`text` as a JSON object, or None. Raw control characters in strings are allowed: the
-    grammar lets them into length-bounded strings; re-encoding escapes them."""
+def json_object(text: str) -> dict[str, Any] | None:
+    """`text` as a JSON object, or None: also for JSON Python's parser refuses (nested too
+    deeply: RecursionError; an int past 4300 digits: ValueError). Raw control characters in
+    strings are allowed: the grammar lets them into length-bounded strings; re-encoding
+    escapes them."""
     try:
         value = json.loads(text, strict=False)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # ValueError: JSONDecodeError too
         return None
     return value if isinstance(value, dict) else None
 
