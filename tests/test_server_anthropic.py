@@ -5,6 +5,7 @@ tokenizer and chat template), plus the conversion and block building in process.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from typing import Any
@@ -17,6 +18,7 @@ from test_tool_calls import ADD
 from conftest import API_KEY
 from radixserve.server.anthropic_protocol import parse_messages_request
 from radixserve.server.anthropic_response import ContentBlocks
+from radixserve.server.errors import BadRequest
 from radixserve.server.openai_response import Delta
 from radixserve.server.tool_calls import ToolCall
 
@@ -270,6 +272,25 @@ def test_x_api_key_is_accepted_and_checked(keyed_server):
 
 
 # ---- in process: conversion and blocks ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"service_tier": "auto"}, None),
+        ({"service_tier": None}, None),
+        ({"service_tier": "priority"}, "'service_tier' is not supported by this server"),
+        ({"": 1}, "'' is not a known field"),
+        ({"bogus": True}, "'bogus' is not a known field"),
+    ],
+)
+def test_fields_accepted_only_at_values_that_change_nothing(extra, refused):
+    if refused is None:
+        parse_messages_request(BASE | extra)
+        return
+    with pytest.raises(BadRequest, match=re.escape(refused)) as info:
+        parse_messages_request(BASE | extra)
+    assert info.value.param == next(iter(extra))
 
 
 def test_blocks_become_chat_messages_in_order():

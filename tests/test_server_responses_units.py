@@ -4,6 +4,8 @@ test_server_responses.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_tool_calls import TOOL_TEMPLATE
 
@@ -13,6 +15,7 @@ from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_response import Delta
 from radixserve.server.responses_output import OutputItems
+from radixserve.server.responses_protocol import parse_responses_request
 from radixserve.server.responses_store import ResponseStore, StoredResponse
 from radixserve.server.tool_calls import ToolCall, ToolCallDelta
 from radixserve.server.ttl_cache import TtlStore
@@ -116,3 +119,21 @@ def test_input_too_deep_for_the_template_is_a_400_naming_input():
     with pytest.raises(BadRequest) as info:
         render_chat(tokenizer, messages, {}, param="input")
     assert info.value.param == "input" and "input" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"service_tier": "default", "top_logprobs": 0, "background": None}, None),
+        ({"top_logprobs": False}, "'top_logprobs' is not supported by this server"),
+        ({"": 1}, "'' is not a known field"),
+    ],
+)
+def test_fields_accepted_only_at_values_that_change_nothing(extra, refused):
+    body = {"model": "m", "input": "hi"} | extra
+    if refused is None:
+        parse_responses_request(body)
+        return
+    with pytest.raises(BadRequest, match=re.escape(refused)) as info:
+        parse_responses_request(body)
+    assert info.value.param == next(iter(extra))

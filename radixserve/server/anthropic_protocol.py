@@ -36,6 +36,7 @@ from radixserve.server.anthropic_messages import (
 )
 from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
+from radixserve.server.openai_protocol import check_fields
 from radixserve.server.reasoning import ReasoningOptions, thinking_of
 from radixserve.server.response_format import (
     CONSTRAINT_FIELDS,
@@ -108,7 +109,7 @@ def parse_messages_request(
     call is constrained to `tool_parser`'s format."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
-    _check_fields(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS)
+    check_fields(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS, NO_OP_VALUES)
     model = body.get("model")
     if not isinstance(model, str):
         raise BadRequest(f"model: a string is required; got {model!r}", param="model")
@@ -139,18 +140,6 @@ def parse_messages_request(
         parsed.sampling = sampling_dict(body, tools, choice, tool_parser)
         check_metadata(body.get("metadata"))
     return parsed
-
-
-def _check_fields(body: dict, known: set[str]) -> None:
-    for key, value in body.items():
-        if value is None or key in known:
-            continue
-        if value in NO_OP_VALUES.get(key, ()):
-            continue
-        reason = (
-            "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
-        )
-        raise BadRequest(f"{key!r} {reason}; got {value!r}"[:160], param=key)
 
 
 def _check_bool(body: dict, name: str) -> bool:

@@ -52,11 +52,12 @@ TOKENIZE_FIELDS = {
 # Fields this server does not implement: accepted only at their no-op value. Besides OpenAI's,
 # the SGLang extensions that sglang-router writes into every body it forwards, at its defaults
 # (it re-serializes requests; on completions, separating reasoning is a no-op).
-NO_OP_VALUES: dict[str, Any] = {
-    "best_of": 1, "logit_bias": {}, "suffix": "",
-    "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
-    "return_hidden_states": False,
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "continue_final_message": (False,), "separate_reasoning": (True,),
+    "stream_reasoning": (True,), "return_hidden_states": (False,),
 }  # fmt: skip
+"""Fields accepted only at values that change nothing here."""
 
 
 def bad_request(message: str, param: str | None = None) -> ValueError:
@@ -171,17 +172,20 @@ def check_object(body: Any) -> dict:
     return body
 
 
-def check_fields(body: dict, known: set[str]) -> None:
-    """Rejects any field that is unknown or unsupported, unless it is null or a no-op."""
+def check_fields(
+    body: dict, known: set[str], no_op_values: dict[str, tuple[Any, ...]] = NO_OP_VALUES
+) -> None:
+    """Rejects a field that is not `known`, unless it is null or one of the values that
+    change nothing here (`no_op_values`, compared with their type: 1 is not true). The
+    message starts with the field's name, quoted (an empty name still shows)."""
     for key, value in body.items():
         if value is None or key in known:
             continue
-        if key in NO_OP_VALUES and is_same_value(value, NO_OP_VALUES[key]):
+        if any(is_same_value(value, ok) for ok in no_op_values.get(key, ())):
             continue
-        reason = (
-            "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
-        )
-        raise bad_request(f"{key} {reason}; got {value!r}", param=key)
+        known_here = key in no_op_values
+        reason = "is not supported by this server" if known_here else "is not a known field"
+        raise bad_request(f"{key!r} {reason}; got {value!r}"[:160], param=key)
 
 
 def is_same_value(value: Any, expected: Any) -> bool:

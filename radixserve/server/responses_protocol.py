@@ -38,10 +38,10 @@ from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (
     check_bool,
+    check_fields,
     check_model,
     check_temperature,
     check_top_count,
-    is_same_value,
 )
 from radixserve.server.reasoning import ReasoningOptions, request_reasoning
 from radixserve.server.response_format import (
@@ -169,7 +169,7 @@ def parse_responses_request(
     `salt_header`: the request's X-Cache-Salt, which names the namespace as `cache_salt` does."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
-    _check_fields(body)
+    check_fields(body, RESPONSES_FIELDS, NO_OP_VALUES)
     check_temperature(body)
     tools = _check_tools(body.get("tools"))
     choice = check_tool_choice(body.get("tool_choice"), tools)
@@ -223,18 +223,6 @@ def _check_reasoning(value: Any, template_kwargs: dict[str, Any]) -> str | None:
     else:
         template_kwargs.setdefault("reasoning_effort", effort)
     return effort
-
-
-def _check_fields(body: dict) -> None:
-    for key, value in body.items():
-        if value is None or key in RESPONSES_FIELDS:
-            continue
-        if any(is_same_value(value, ok) for ok in NO_OP_VALUES.get(key, ())):
-            continue
-        reason = (
-            "is not supported by this server" if key in NO_OP_VALUES else "is not a known field"
-        )
-        raise BadRequest(f"{key} {reason}; got {value!r}"[:160], param=key)
 
 
 def _optional_str(body: dict, name: str) -> str | None:
