@@ -50,7 +50,8 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(_problems(results)) == []
-    names = ("device", "kernels", "quant_kernels", "model_kernels", "engine", "shared_prefix")
+    names = ("device", "kernels", "quant_kernels", "model_kernels", "engine", "speculative",
+             "shared_prefix")  # fmt: skip
     for name in (*names, "transformers"):
         assert name in results and "skipped" not in results[name], name
     for case in ("fused_moe", "lora_segments", "extend_tree", "extend_softcap"):
@@ -68,6 +69,12 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
         assert cfg["graphs"] is False  # never captured on CPU
         assert set(cfg["scheduler"]) == {"b1", "b4"} and set(cfg["decode_step"]) == {"b1", "b4"}
         assert cfg["scheduler"]["b4"]["x_roofline"] > 0 and cfg["prefill_step"]["x_roofline"] > 0
+    for mode in ("plain", "eagle3 chain", "eagle3 tree"):  # a random head: ~all rejected
+        for batch in ("b1", "b2"):
+            row = results["speculative"][mode][batch]
+            assert row["identical"] and row["step_x_plain"] > 0, (mode, batch)
+            drafted = row["accept_length"] is not None  # >= 1: a verify's own token
+            assert drafted == (mode != "plain") and (not drafted or row["accept_length"] >= 1)
     shared = results["shared_prefix"]
     assert shared["radix"]["prefill_tokens_computed"] < shared["none"]["prefill_tokens_computed"]
     assert shared["radix"]["hit_rate_of_max"] == pytest.approx(1.0)
@@ -75,6 +82,7 @@ def test_smoke_run_on_cpu_without_the_gpu_machines_missing_packages(tmp_path):
     assert "=== summary" in out and "=== targets ===" in out
     assert "quantized matmuls (x dense > 1" in out and "int4 g128 48x256 m17" in out
     assert "model kernels" in out and "extend_softcap" in out
+    assert "speculative (random EAGLE3 head" in out and "eagle3 tree" in out
     assert "engine vs HF generate b4, torch_native" in out
     assert "decode steps, torch_native+graphs" in out  # asked for, not captured: shown as n/a
 

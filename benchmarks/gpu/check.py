@@ -12,6 +12,9 @@ Sections (each one skipped with a reason when a dependency is missing or time ru
   3. engine: dummy-weight Llama-3-8B in bf16 per attention backend, with and without CUDA
      graphs: the real scheduler at batch 1/16/64/256 (prefill tok/s, decode tok/s, decode step
      vs its roofline), a bare decode step at batch 1 and 64 x 4k context, an 8k-token prefill step
+     speculative: EAGLE3 (a random head in SGLang's layout at the model's shapes, chain and
+     tree, always drafting) against plain decoding at batch 1 and 16: a speculative step's
+     time in plain steps, and greedy tokens identical (gpu_speculative.py)
   4. shared_prefix: the shared-prefix bench's small preset, radix cache vs none
   5. transformers: HF `generate` on the same shape at batch 1 and 64
   6. tensor_parallel: only where more than one GPU is visible: benchmarks/tp_scaling.py on
@@ -64,6 +67,7 @@ from gpu_run import (  # noqa: E402
     timed,
     write_json,
 )
+from gpu_speculative import speculative  # noqa: E402
 
 # ---- 1. device ---------------------------------------------------------------------------
 
@@ -343,7 +347,7 @@ def main() -> None:
         "shapes": "smoke" if args.smoke else "full",
     }
     steps = (
-        device_rates, kernels, quant_kernels, model_kernels, engine, shared_prefix,
+        device_rates, kernels, quant_kernels, model_kernels, engine, speculative, shared_prefix,
         transformers_generate, tensor_parallel,
     )  # fmt: skip
     for step in steps:

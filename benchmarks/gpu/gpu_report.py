@@ -127,6 +127,22 @@ def model_kernels_table(results: dict) -> str:
     return "model kernels\n" + format_table(["kernel", "ms", "rel err", "shape"], rows)
 
 
+def speculative_table(results: dict) -> str:
+    """EAGLE3 with a random head against plain decoding (gpu_speculative.py)."""
+    rows = []
+    for mode, row in _ok(results.get("speculative")).items():
+        for key, r in row.items() if isinstance(row, dict) and not _problem(row) else ():
+            if isinstance(r, dict) and "step_ms" in r:
+                rows.append([mode, key, r["step_ms"], r.get("step_x_plain"), r["forwards"],
+                             r.get("accept_length"), r.get("identical")])  # fmt: skip
+    if not rows:
+        return "speculative: -"
+    headers = ["mode", "batch", "step ms", "x plain step", "forwards", "accept len", "identical"]
+    return "speculative (random EAGLE3 head: drafts rejected, costs shown)\n" + format_table(
+        headers, rows
+    )
+
+
 def scheduler_table(results: dict) -> str:
     hf = _ok(results.get("transformers"))
     rows = []
@@ -265,7 +281,7 @@ def summary_text(results: dict) -> str:
     env = results.get("env", {})
     head = f"=== summary: {env.get('device')}, torch {env.get('torch')}, {env.get('shapes')} ==="
     parts = [head, device_text(results), kernels_table(results), quant_table(results),
-             model_kernels_table(results), scheduler_table(results),
+             model_kernels_table(results), scheduler_table(results), speculative_table(results),
              steps_table(results), shared_prefix_text(results), problems_text(results),
              targets_table(results)]  # fmt: skip
     return "\n\n".join(parts)
