@@ -143,17 +143,16 @@ def serves(binary: Path, model: Path, timeout: float = LOAD_TIMEOUT_S) -> bool:
     """Whether llama-server, with its default flags, loads `model` and answers /health on a
     loopback port within `timeout` seconds (a native build can pass --version and die in the
     load's repacking)."""
+    from radixserve_bench.llama_server import llama_server_command  # it imports this module
+
     port = free_port()
-    command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-               "-c", "256", "-t", "1"]  # fmt: skip
+    command = llama_server_command(binary, model, port, num_slots=1, max_seq_len=256, threads=1)
     with tempfile.TemporaryDirectory() as tmp:
-        server = ManagedServer(command, "/health", Path(tmp) / "llama-server.log", port)
-        try:
-            server.start(timeout)
-        except (OSError, RuntimeError):
-            return False
-        finally:
-            server.stop()
+        with ManagedServer(command, "/health", Path(tmp) / "llama-server.log", port) as server:
+            try:
+                server.start(timeout)
+            except (OSError, RuntimeError):
+                return False
     return True
 
 

@@ -160,31 +160,45 @@ def _scheduler_runs(run: Run, runner) -> dict:
 
 def _generate(scheduler, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """`batch` random prompts through the real scheduler: prefill, then decode to the end."""
+    vocab = scheduler.runner.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, prompt_len)).tolist()
+    run = greedy_run(scheduler, prompts, new_tokens)
+    decode_s = max(run["decode_s"], 1e-9)
+    return {
+        "prefill_tok_s": batch * prompt_len / run["prefill_s"],
+        "decode_tok_s": run["decode_tokens"] / decode_s,
+        "decode_step_ms": decode_s / max(run["forwards"], 1) * 1e3,
+        "e2e_tok_s": batch * new_tokens / (run["prefill_s"] + decode_s),
+        "graph_replays": run["graph_replays"],
+    }
+
+
+def greedy_run(scheduler, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy `prompts` through the real scheduler, prefill (every request's first token) and
+    decode timed apart: seconds, and the decode's forwards, tokens, graph replays, verify steps
+    and accepted draft tokens (the scheduler's counters), and each request's tokens."""
     from radixserve.engine.request import Req
     from radixserve.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    vocab, device = scheduler.runner.config.vocab_size, scheduler.runner.device.type
-    reqs = [Req(rid=f"r{i}", input_ids=torch.randint(0, vocab, (prompt_len,)).tolist(),
-                params=params, seed=i) for i in range(batch)]  # fmt: skip
+    reqs = [Req(rid=f"r{i}", input_ids=p, params=params, seed=i) for i, p in enumerate(prompts)]
     for req in reqs:
         scheduler.add_request(req)
+    device = scheduler.runner.device.type
     start = time.perf_counter()
     while scheduler.inbox or scheduler.waiting or any(not r.output_ids for r in reqs):
         scheduler.step()
     sync(device)
     prefill_s, start = time.perf_counter() - start, time.perf_counter()
-    stats, replays = scheduler.stats, _replays(scheduler.runner)
-    steps, decoded = stats.forward_steps, stats.decode_tokens
+    stats = scheduler.stats
+    counters = ("forward_steps", "decode_tokens", "spec_verify_steps", "spec_accepted_tokens")
+    before = [getattr(stats, name) for name in counters] + [_replays(scheduler.runner)]
     while scheduler.has_work():
         scheduler.step()
     sync(device)
-    decode_s = max(time.perf_counter() - start, 1e-9)
-    steps, decoded = stats.forward_steps - steps, stats.decode_tokens - decoded
-    return {
-        "prefill_tok_s": batch * prompt_len / prefill_s,
-        "decode_tok_s": decoded / decode_s,
-        "decode_step_ms": decode_s / max(steps, 1) * 1e3,
-        "e2e_tok_s": batch * new_tokens / (prefill_s + decode_s),
-        "graph_replays": _replays(scheduler.runner) - replays,
-    }
+    decode_s = time.perf_counter() - start
+    after = [getattr(stats, name) for name in counters] + [_replays(scheduler.runner)]
+    names = ("forwards", "decode_tokens", "verify_steps", "accepted_tokens", "graph_replays")
+    return {"prefill_s": prefill_s, "decode_s": decode_s,
+            **{name: a - b for name, a, b in zip(names, after, before)},
+            "output_ids": [list(r.output_ids) for r in reqs]}  # fmt: skip

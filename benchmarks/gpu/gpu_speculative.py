@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_run import Run, free_memory, section, sync
+from gpu_engine import greedy_run
+from gpu_run import Run, free_memory, section
 
 MODES = {  # name: (scheduler speculative flags, CUDA graphs wanted)
     "plain+graphs": ({}, True),
@@ -30,7 +30,7 @@ MODES = {  # name: (scheduler speculative flags, CUDA graphs wanted)
     "eagle3 tree": ({"speculative_num_steps": 3, "speculative_eagle_topk": 4,
                      "speculative_num_draft_tokens": 8}, False),
 }  # fmt: skip
-BATCHES = {"cpu": (1, 2), "cuda": (1, 16)}
+BATCHES = {"cpu": (1, 2), "cuda": (1, 16)}  # by run.device
 
 
 def write_random_head(folder: Path, target, seed: int = 0) -> str:
@@ -87,15 +87,11 @@ def speculative(run: Run) -> dict:
         run.loaded = load_model(load)
     with tempfile.TemporaryDirectory() as tmp:  # not under OUT_DIR: 8B's head is ~0.9 GB
         head = write_random_head(Path(tmp) / "eagle3_head", run.loaded.config)
-        return _compared(_modes(run, load, head), BATCHES[_kind(run.device)])
+        batches = BATCHES["cuda" if run.device == "cuda" else "cpu"]
+        return _compared(_modes(run, load, head, batches), batches)
 
 
-def _kind(device: str) -> str:
-    return "cuda" if device == "cuda" else "cpu"
-
-
-def _modes(run: Run, load, head: str) -> dict[str, Any]:
-    batches = BATCHES[_kind(run.device)]
+def _modes(run: Run, load, head: str, batches: tuple[int, ...]) -> dict[str, Any]:
     prompts = torch.randint(0, run.loaded.config.vocab_size, (max(batches), run.shapes.prompt),
                             generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
     out: dict[str, Any] = {"model": run.shapes.model, "new_tokens": run.shapes.new}
@@ -141,33 +137,14 @@ def _mode(run: Run, load, head: str, flags: dict, graphs: bool, prompts, batches
 
 def _generate(scheduler, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy `prompts` through the scheduler; decode speed, forwards and the tokens."""
-    from radixserve.engine.request import Req
-    from radixserve.sampling.params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    reqs = [Req(rid=f"r{i}", input_ids=p, params=params, seed=i) for i, p in enumerate(prompts)]
-    for req in reqs:
-        scheduler.add_request(req)
-    while scheduler.inbox or scheduler.waiting or any(not r.output_ids for r in reqs):
-        scheduler.step()  # prefill: every request has its first token
-    device = scheduler.runner.device.type
-    sync(device)
-    stats = scheduler.stats
-    steps, decoded = stats.forward_steps, stats.decode_tokens
-    verifies, accepted = stats.spec_verify_steps, stats.spec_accepted_tokens
-    start = time.perf_counter()
-    while scheduler.has_work():
-        scheduler.step()
-    sync(device)
-    seconds = max(time.perf_counter() - start, 1e-9)
-    steps, decoded = stats.forward_steps - steps, stats.decode_tokens - decoded
-    verifies, accepted = stats.spec_verify_steps - verifies, stats.spec_accepted_tokens - accepted
+    run = greedy_run(scheduler, prompts, new_tokens)
+    seconds, verifies = max(run["decode_s"], 1e-9), run["verify_steps"]
     return {
-        "decode_tok_s": decoded / seconds,
-        "step_ms": seconds / max(steps, 1) * 1e3,
-        "forwards": steps,
-        "accept_length": (accepted + verifies) / verifies if verifies else None,
-        "output_ids": [list(r.output_ids) for r in reqs],
+        "decode_tok_s": run["decode_tokens"] / seconds,
+        "step_ms": seconds / max(run["forwards"], 1) * 1e3,
+        "forwards": run["forwards"],
+        "accept_length": (run["accepted_tokens"] + verifies) / verifies if verifies else None,
+        "output_ids": run["output_ids"],
     }
 
 
