@@ -1,5 +1,6 @@
 """Error answers through HTTP, in each API's shape: nested unknown fields of a Messages body
-named as quoted paths.
+named as quoted paths, and a chat request to a model without a chat template naming the
+field that needed it.
 
 The app is the server's own (build_app) on an in-process aiohttp server; its engine is never
 reached (every request here fails before one is submitted), so no model is loaded and no
@@ -105,3 +106,24 @@ def test_a_nested_unknown_tool_field_is_named_by_its_quoted_path():
     [(status, answer)] = send(no_template_app(), [request])
     _, message = anthropic_error(status, answer)
     assert message.startswith("'tools[0].strict' is not a known field of a tool; got True")
+
+
+def test_a_chat_without_a_chat_template_is_a_400_naming_the_field_that_needed_one():
+    requests = [
+        ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 1}),
+        ("POST", "/tokenize", {"messages": HI}),
+        ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 1}),
+        ("POST", "/v1/messages", MESSAGES),
+        ("POST", "/v1/messages/count_tokens", {"model": "tiny", "messages": HI}),
+    ]
+    chat, tokenize, responses, messages, count = send(no_template_app(), requests)
+    openai_answers = [(chat, "messages"), (tokenize, "messages"), (responses, "input")]
+    for (status, answer), param in openai_answers:
+        assert status == 400, answer
+        error = answer["error"]
+        assert error["param"] == param and error["type"] == "BadRequestError", error
+        assert error["message"].startswith(param) and "no chat template" in error["message"]
+    for status, answer in (messages, count):
+        kind, message = anthropic_error(status, answer)
+        assert status == 400 and kind == "invalid_request_error", answer
+        assert message.startswith("messages") and "no chat template" in message, message
