@@ -1,6 +1,6 @@
 """Error answers through HTTP, in each API's shape: nested unknown fields of a Messages body
-named as quoted paths, and a chat request to a model without a chat template naming the
-field that needed it.
+named as quoted paths, a chat request to a model without a chat template naming the field
+that needed it, and the error types of statuses without a route of their own (409, 422).
 
 The app is the server's own (build_app) on an in-process aiohttp server; its engine is never
 reached (every request here fails before one is submitted), so no model is loaded and no
@@ -19,6 +19,7 @@ from test_bounds import tiny_tokenizer
 
 from radixserve.config import ServerConfig
 from radixserve.server.app import build_app
+from radixserve.server.errors import BadRequest
 from radixserve.server.state import ServerState
 
 HI = [{"role": "user", "content": "hi"}]
@@ -127,3 +128,56 @@ def test_a_chat_without_a_chat_template_is_a_400_naming_the_field_that_needed_on
         kind, message = anthropic_error(status, answer)
         assert status == 400 and kind == "invalid_request_error", answer
         assert message.startswith("messages") and "no chat template" in message, message
+
+
+def raising(status: int):
+    async def handler(request: web.Request) -> web.Response:
+        raise BadRequest(f"messages: refused with {status}", param="messages", status=status)
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    "status, openai_type, anthropic_type",
+    [
+        (409, "ConflictError", "invalid_request_error"),
+        (422, "UnprocessableEntityError", "invalid_request_error"),
+        (408, "BadRequestError", "invalid_request_error"),
+        (415, "UnsupportedMediaTypeError", "invalid_request_error"),
+        (504, "InternalServerError", "timeout_error"),
+        (500, "InternalServerError", "api_error"),
+    ],
+)
+def test_statuses_without_a_route_of_their_own_get_each_apis_error_type(
+    status, openai_type, anthropic_type
+):
+    """No route answers 409 or 422 today, but any handler may raise a BadRequest with any
+    status: the OpenAI type is the name the openai client gives it (ConflictError, ...),
+    Anthropic's is invalid_request_error for a 4xx (as Anthropic's docs use it for the 4xx
+    they list no type for), a server error's type for a 5xx."""
+    app = no_template_app()
+    app.router.add_put("/v1/chat/completions", raising(status))  # beside the real POST routes
+    app.router.add_put("/v1/messages", raising(status))
+    (openai_status, openai), (anthropic_status, anthropic) = send(
+        app, [("PUT", "/v1/chat/completions", {}), ("PUT", "/v1/messages", {})]
+    )
+    assert openai_status == anthropic_status == status
+    assert openai["error"]["type"] == openai_type and openai["error"]["param"] == "messages"
+    assert openai["error"]["code"] == status
+    assert anthropic_error(status, anthropic) == (
+        anthropic_type,
+        f"messages: refused with {status}",
+    )
+
+
+def test_a_real_415_on_the_messages_path_is_an_invalid_request_error():
+    """A keyless server's 415 for a body sent without a JSON Content-Type: a client error,
+    typed as one (it was api_error, Anthropic's type for a server fault)."""
+
+    async def go():
+        async with TestClient(TestServer(no_template_app())) as client:
+            response = await client.post("/v1/messages", data=b"{}")
+            return response.status, await response.json()
+
+    status, answer = asyncio.run(go())
+    assert status == 415 and anthropic_error(status, answer)[0] == "invalid_request_error"
