@@ -168,6 +168,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
 
 
 async def delete_response(request: web.Request) -> web.Response:
+    _check_query(request, set())  # as retrieve_response: a parameter is refused, not ignored
     response_id = request.match_info["response_id"]
     owner = owner_of(request, request.headers.get(SALT_HEADER))
     if not store_of(request).delete(owner, response_id):
