@@ -6,12 +6,18 @@ imports them) against its one server:
   responses and of another namespace's), odd queries and namespaces (X-Cache-Salt). Never a
   5xx; a 2xx only for a live response of the caller's namespace; a 4xx in OpenAI's shape
   naming response_id or the query parameter (a path that matches no route: none).
+- clients that disconnect from a stream of /v1/chat/completions, /v1/responses or
+  /v1/messages: before the answer, in its headers or mid-stream, closing (FIN) or resetting
+  (RST), alone or several at once. Afterwards no request is left registered, no KV page is
+  lost (/check_integrity) and the server still answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -20,10 +26,14 @@ import pytest
 import yarl
 from fuzz_common import (
     FUZZ_SETTINGS,
+    JSON_TYPE,
+    MAX_EXAMPLES,
     REQUEST_TIMEOUT_S,
+    assert_settled,
+    encode,
     send,
 )
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from radixserve.server.errors import error_type
@@ -183,3 +193,98 @@ def test_fuzz_stored_response_ids(
     if known and status == 200 and method == "DELETE":
         stored_ids.live.discard(response_id)
     assert status != 200 or known, (method, path[:200], text[:300])  # nothing else is stored
+
+
+# ---- clients that disconnect mid-stream --------------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+STREAMS = {
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 160, "n": 2},
+    "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 160},
+    "/v1/messages": {"model": "tiny", "max_tokens": 160, "messages": HI},
+}
+"""Streams long enough to be cut (the output is not stopped at EOS)."""
+ANSWER_ONE = {
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 1},
+    "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 1, "store": False},
+    "/v1/messages": {"model": "tiny", "max_tokens": 1, "messages": HI},
+}
+ANSWERED = {
+    "/v1/chat/completions": lambda reply: reply["object"] == "chat.completion",
+    "/v1/responses": lambda reply: reply["status"] in ("completed", "incomplete"),
+    "/v1/messages": lambda reply: reply["type"] == "message",
+}
+READ_BYTES = [0, 1, 40, 400, 1500, 3000]
+"""How much of the answer a client reads before it goes: nothing, part of the status line or
+headers, the first events, more."""
+CUT_RUNNING = 1500
+"""Past this many bytes a stream's output events have come: its requests were running."""
+
+
+async def disconnect(url: str, path: str, body: dict, read_bytes: int, reset: bool) -> bytes:
+    """Sends `body` to `path` on a raw connection, reads `read_bytes` of the answer, then
+    closes the connection (FIN) or, with `reset`, resets it (RST)."""
+    host, port = yarl.URL(url).host, yarl.URL(url).port
+    reader, writer = await asyncio.open_connection(host, port)
+    data = encode(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {JSON_TYPE['Content-Type']}"
+        f"\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    got = b""
+    while len(got) < read_bytes:
+        chunk = await asyncio.wait_for(reader.read(read_bytes - len(got)), REQUEST_TIMEOUT_S)
+        if not chunk:
+            break
+        got += chunk
+    if reset:
+        linger = struct.pack("ii", 1, 0)  # on, 0 s: close() sends RST
+        writer.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, linger
+        )
+    writer.close()
+    return got
+
+
+def aborted_count(url: str) -> float:
+    """Requests the server ended as aborted (its finish-reason counter in /metrics)."""
+
+    async def metrics() -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as response:
+                return await response.text()
+
+    line = 'radixserve:request_success_total{finished_reason="abort"} '
+    counts = [
+        float(x[len(line) :]) for x in asyncio.run(metrics()).split("\n") if x.startswith(line)
+    ]
+    return sum(counts)
+
+
+@settings(FUZZ_SETTINGS, max_examples=max(MAX_EXAMPLES // 12, 1))  # each runs generations
+@example(paths=sorted(STREAMS), read_bytes=1500, reset=True)
+@given(
+    paths=st.lists(st.sampled_from(sorted(STREAMS)), min_size=1, max_size=3),
+    read_bytes=st.sampled_from(READ_BYTES),
+    reset=st.booleans(),
+)
+def test_fuzz_disconnect_mid_stream(fuzz_server, paths, read_bytes, reset):
+    url = fuzz_server.url
+    bodies = [STREAMS[p] | {"stream": True, "ignore_eos": True} for p in paths]
+
+    async def all_at_once():
+        return await asyncio.gather(
+            *(disconnect(url, p, b, read_bytes, reset) for p, b in zip(paths, bodies))
+        )
+
+    aborted_before = aborted_count(url)
+    for got in asyncio.run(all_at_once()):
+        assert b"HTTP/1.1 200".startswith(got[:12]), got[:300]  # what came was a 200
+    assert_settled(url)  # every request ended, no page lost
+    if read_bytes >= CUT_RUNNING:  # the streams ran, and were cut rather than run to the end
+        assert aborted_count(url) >= aborted_before + len(paths)
+    for path in set(paths):  # and the server still answers
+        status, text = asyncio.run(send(url + path, ANSWER_ONE[path]))
+        assert status == 200 and ANSWERED[path](json.loads(text)), text[:300]

@@ -52,6 +52,7 @@ from fuzz_common import (
 from fuzz_common import check as check_with
 from fuzz_lifecycle import (  # noqa: F401 (collected here, against this file's server)
     stored_ids,
+    test_fuzz_disconnect_mid_stream,
     test_fuzz_stored_response_ids,
 )
 from fuzz_regressions import REGRESSIONS
