@@ -297,7 +297,7 @@ MESSAGES_DERIVED = {"body", "messages", "model", "max_tokens", "prompt"}
 that are missing, the prompt as rendered."""
 RESPONSES_DERIVED = {"body", "input", "model", "prompt", "max_output_tokens"}
 """As MESSAGES_DERIVED; max_output_tokens: its default, the room left in the context."""
-FIELD_PATH = re.compile(r"^[A-Za-z_][\w.\[\]]*")
+FIELD_PATH = re.compile(r"^['\"]?([A-Za-z_][\w.\[\]]*)")
 
 
 def anthropic_problems(body: Any, status: int, text: str) -> list[str]:
@@ -331,11 +331,11 @@ def _anthropic_error_problems(fields: set[str], status: int, text: str) -> list[
 
 def starts_with_a_field(message: str, fields: set[str]) -> bool:
     """Whether `message` starts with one of `fields`, quoted as Python quotes it ('max_tokenz')
-    or as a path (messages[0].role)."""
+    or as a path, quoted or not (messages[0].role, 'messages[0].foo')."""
     if any(message.startswith(repr(field)) for field in fields):
         return True
     path = FIELD_PATH.match(message)
-    return path is not None and names_a_field(fields, path.group())
+    return path is not None and names_a_field(fields, path.group(1))
 
 
 def responses_problems(body: Any, status: int, text: str) -> list[str]:

@@ -197,3 +197,33 @@ def names_a_field(fields: set[str], param: str | None) -> bool:
         return False
     root = PARAM_ROOT.match(param)
     return param in fields or (root is not None and root.group() in fields)
+
+
+# ---- the server's state afterwards -------------------------------------------------------
+
+
+async def get_json(url: str, headers: dict | None = None) -> tuple[int, Any]:
+    """GETs `url`; the status and the answer's JSON."""
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.get(url, headers=headers) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+async def settled_info(url: str) -> dict:
+    """/server_info once no request is running or registered (at most ~10 s)."""
+    for _ in range(100):
+        _, info = await get_json(url + "/server_info")
+        if info["num_active_requests"] == 0 and info["stats"]["num_running_reqs"] == 0:
+            return info
+        await asyncio.sleep(0.1)
+    return info
+
+
+def assert_settled(url: str) -> None:
+    """No request is left registered or running, and every KV page is free, in the radix
+    tree or held by a running request (/check_integrity): none leaked."""
+    info = asyncio.run(settled_info(url))
+    assert info["num_active_requests"] == 0, info
+    status, integrity = asyncio.run(get_json(url + "/check_integrity"))
+    assert status == 200 and integrity["ok"], integrity

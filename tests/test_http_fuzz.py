@@ -20,7 +20,6 @@ import json
 import math
 from typing import Any
 
-import aiohttp
 import pytest
 from fuzz_agent_apis import (
     MESSAGES_BODY,
@@ -42,13 +41,20 @@ from fuzz_common import (
     SMALL_TOKENS,
     TEMPLATE_KWARGS,
     as_sent,
+    assert_settled,
     fuzzed,
+    get_json,
     odd,
     openai_error_problems,
     send,
     top_fields,
 )
 from fuzz_common import check as check_with
+from fuzz_lifecycle import (  # noqa: F401 (collected here, against this file's server)
+    stored_ids,
+    test_fuzz_disconnect_mid_stream,
+    test_fuzz_stored_response_ids,
+)
 from fuzz_regressions import REGRESSIONS
 from hypothesis import given
 from hypothesis import strategies as st
@@ -431,22 +437,6 @@ def test_fuzz_responses(fuzz_server, stored_response_id, body):
     check_with(fuzz_server.url + "/v1/responses", body, responses_problems)
 
 
-async def _get(url: str) -> tuple[int, Any]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        async with session.get(url) as resp:
-            return resp.status, await resp.json(content_type=None)
-
-
-async def _settled_info(url: str) -> dict:
-    """/server_info once no request is running or registered (at most ~10 s)."""
-    for _ in range(100):
-        _, info = await _get(url + "/server_info")
-        if info["num_active_requests"] == 0 and info["stats"]["num_running_reqs"] == 0:
-            return info
-        await asyncio.sleep(0.1)
-    return info
-
-
 @pytest.mark.parametrize("path, body, status", REGRESSIONS)
 def test_regressions(fuzz_server, path, body, status):
     problems = AGENT_PROBLEMS.get(path, problems_with)
@@ -456,11 +446,8 @@ def test_regressions(fuzz_server, path, body, status):
 def test_zz_after_the_fuzz_nothing_leaks(fuzz_server):
     """Runs after the fuzz (pytest keeps file order): no registered request, no lost page."""
     url = fuzz_server.url
-    info = asyncio.run(_settled_info(url))
-    assert info["num_active_requests"] == 0, info
-    status, integrity = asyncio.run(_get(url + "/check_integrity"))
-    assert status == 200 and integrity["ok"], integrity
+    assert_settled(url)
     assert asyncio.run(send(url + "/flush_cache", {}))[0] == 200
-    _, integrity = asyncio.run(_get(url + "/check_integrity"))
+    _, integrity = asyncio.run(get_json(url + "/check_integrity"))
     assert integrity["pool_free_pages"] == integrity["pool_capacity_pages"], integrity
     assert fuzz_server.proc.poll() is None

@@ -123,16 +123,17 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     prompt = await state.off_loop(render_prompt, state, parsed, True)
     stream = state.open(build_specs(state, parsed, prompt.ids, lora_path))
     [result] = stream.results
-    run = MessageRun(
-        parsed=parsed,
-        prompt=prompt,
-        tracker=_tracker(state, parsed, result),
-        shape=MessageShape(state.served_model_name),
-        blocks=ContentBlocks(parsed.single_tool_use),
-    )
-    if parsed.stream:
-        return await stream_message(request, state, run, stream)
-    await state.run(stream)
+    async with stream:  # leaving before the request ends (client gone, failure) aborts it
+        run = MessageRun(
+            parsed=parsed,
+            prompt=prompt,
+            tracker=_tracker(state, parsed, result),
+            shape=MessageShape(state.served_model_name),
+            blocks=ContentBlocks(parsed.single_tool_use),
+        )
+        if parsed.stream:
+            return await stream_message(request, state, run, stream)
+        await state.run(stream)
     delta = run.tracker.next_delta()  # the whole output: the request has finished
     run.blocks.add(delta)
     run.blocks.close()

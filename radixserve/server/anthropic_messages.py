@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.server.errors import BadRequest
+from radixserve.server.openai_protocol import check_fields
 
 ROLES = ("user", "assistant")
 ERROR_PREFIX = "Error: "
@@ -109,9 +110,7 @@ def _add_message(message: Any, where: str, conversation: Conversation) -> None:
     role = message.get("role")
     if role not in ROLES:
         raise BadRequest(f"{where}.role must be one of {ROLES}; got {role!r}", f"{where}.role")
-    for key, value in message.items():
-        if key not in ("role", "content") and value is not None:
-            raise BadRequest(f"{where}.{key} is not a known field", param=f"{where}.{key}")
+    check_fields(message, {"role", "content"}, {}, where, of="a message")
     content = message.get("content")
     if isinstance(content, str):
         conversation.messages.append({"role": role, "content": content})
@@ -221,11 +220,7 @@ def check_block(block: Any, where: str, allowed: tuple[str, ...]) -> dict[str, A
             reason = "is not allowed here"
         message = f"{where}.type {kind!r} {reason}; expected one of {allowed}"
         raise BadRequest(message[:200], f"{where}.type")
-    for key, value in block.items():
-        if key not in BLOCK_KEYS[kind] and value is not None:
-            raise BadRequest(
-                f"{where}.{key} is not a known field of a {kind} block", f"{where}.{key}"
-            )
+    check_fields(block, BLOCK_KEYS[kind], {}, where, of=f"a {kind} block")
     if kind == "text" and not isinstance(block.get("text"), str):
         raise BadRequest(
             f"{where}.text must be a string; got {block.get('text')!r}"[:160], f"{where}.text"

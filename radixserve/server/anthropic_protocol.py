@@ -266,9 +266,7 @@ def _function_tool(tool: Any, where: str, conversation: Conversation) -> dict[st
             f"{kind!r} tools are not supported by this server"[:200],
             param=where,
         )
-    for key, value in tool.items():
-        if key not in TOOL_KEYS and value is not None:
-            raise BadRequest(f"{where}.{key} is not a known field of a tool", f"{where}.{key}")
+    check_fields(tool, TOOL_KEYS, {}, where, of="a tool")
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
         raise BadRequest(

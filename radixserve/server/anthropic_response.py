@@ -32,17 +32,20 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
 }
+"""Anthropic's error types by status; any other 4xx (405, 408, 409, 415, 422, ...) is an
+invalid_request_error, as Anthropic's docs type the 4xx they list no type for, and any
+other 5xx an api_error."""
 Event = tuple[str, dict[str, Any]]  # (event name, data)
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error shape; the type follows the HTTP status (api_error otherwise)."""
-    kind = ERROR_TYPES.get(status, "api_error")
+    """Anthropic's error shape; the type follows the HTTP status (ERROR_TYPES)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 

@@ -97,9 +97,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     args, stream, with_text = parse_generate(await read_json(request))
     specs, batched = await state.off_loop(state.builder.build, args)
     results = state.open(specs)
-    if stream:
-        return await _stream_generate(request, state, results, with_text)
-    done = await state.run(results)
+    async with results:  # leaving before the requests end (client gone, failure) aborts them
+        if stream:
+            return await _stream_generate(request, state, results, with_text)
+        done = await state.run(results)
     outputs = [format_output(r, with_text) for r in done]
     return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 

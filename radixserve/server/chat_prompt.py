@@ -52,10 +52,12 @@ def render_chat(
 ) -> str:
     """The conversation, with `tools` offered, as the chat template writes it; a template
     that cannot render tools gets them, and the tool turns, as plain text (calls written in
-    `tool_parser`'s format). A conversation the template cannot render is a 400 naming
-    `param`, the field it came from (Responses: `input`)."""
+    `tool_parser`'s format). A conversation the template cannot render, or any when the
+    model has no chat template, is a 400 naming `param`, the field it came from
+    (Responses: `input`)."""
     if tokenizer.chat_template is None:
-        raise BadRequest("this model's tokenizer has no chat template; use /v1/completions")
+        message = f"{param} cannot be rendered: this model's tokenizer has no chat template"
+        raise BadRequest(f"{message}; send a prompt to /v1/completions instead", param=param)
     kwargs = {"add_generation_prompt": True} | template_kwargs | {"tokenize": False}
     if (tools or _has_tool_turns(messages)) and not template_renders_tools(tokenizer):
         messages, tools = plain_tool_messages(messages, tools, tool_parser), None

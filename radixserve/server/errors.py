@@ -7,8 +7,11 @@ import re
 from aiohttp import web
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 405: "MethodNotAllowedError", 415: "UnsupportedMediaTypeError",
+          404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+          415: "UnsupportedMediaTypeError", 422: "UnprocessableEntityError",
           429: "RateLimitError", 503: "ServiceUnavailableError"}  # fmt: skip
+"""The openai client's exception names for the statuses it has one for (409, 422 too), and
+the statuses this server answers with a name of their own (405, 415, 503)."""
 _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 
 

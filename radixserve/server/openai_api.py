@@ -102,11 +102,12 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
                                              parsed.sampling)  # fmt: skip
     ids = await state.off_loop(prompt_ids, state, parsed)
     stream = state.open(build_specs(state, parsed, ids, lora_path))
-    trackers = choice_trackers(state, parsed, ids, stream.results)
-    shape = ResponseShape(parsed, state.served_model_name)
-    if parsed.stream:
-        return await stream_response(request, state, shape, trackers, parsed, stream)
-    results = await state.run(stream)
+    async with stream:  # leaving before the requests end (client gone, failure) aborts them
+        trackers = choice_trackers(state, parsed, ids, stream.results)
+        shape = ResponseShape(parsed, state.served_model_name)
+        if parsed.stream:
+            return await stream_response(request, state, shape, trackers, parsed, stream)
+        results = await state.run(stream)
     deltas = [tracker.next_delta() for tracker in trackers]
     return web.json_response(shape.response(deltas, usage(results, parsed.n)))
 

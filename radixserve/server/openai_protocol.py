@@ -173,19 +173,27 @@ def check_object(body: Any) -> dict:
 
 
 def check_fields(
-    body: dict, known: set[str], no_op_values: dict[str, tuple[Any, ...]] = NO_OP_VALUES
+    body: dict,
+    known: set[str],
+    no_op_values: dict[str, tuple[Any, ...]] = NO_OP_VALUES,
+    where: str = "",
+    of: str = "",
 ) -> None:
     """Rejects a field that is not `known`, unless it is null or one of the values that
     change nothing here (`no_op_values`, compared with their type: 1 is not true). The
-    message starts with the field's name, quoted (an empty name still shows)."""
+    message starts with the field's name, quoted (an empty name still shows); in a nested
+    object (`where`: its path, e.g. messages[0]) the name is the path, messages[0].foo,
+    quoted too, and `of` says what the object is ("a text block")."""
     for key, value in body.items():
         if value is None or key in known:
             continue
         if any(is_same_value(value, ok) for ok in no_op_values.get(key, ())):
             continue
+        name = f"{where}.{key}" if where else key
         known_here = key in no_op_values
         reason = "is not supported by this server" if known_here else "is not a known field"
-        raise bad_request(f"{key!r} {reason}; got {value!r}"[:160], param=key)
+        reason += f" of {of}" if of and not known_here else ""
+        raise bad_request(f"{name!r} {reason}; got {value!r}"[:160], param=name)
 
 
 def is_same_value(value: Any, expected: Any) -> bool:

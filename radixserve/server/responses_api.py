@@ -141,18 +141,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
     stream = state.open(build_specs(state, parsed, ids, lora_path))
     [result] = stream.results
-    run = ResponseRun(
-        parsed=parsed,
-        owner=owner,
-        history=history,
-        tracker=_tracker(state, parsed, result),
-        shape=ResponseShape(state.served_model_name, parsed.echo()),
-        items=OutputItems(single_call=not parsed.parallel_tool_calls),
-        count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
-    )
-    if parsed.stream:
-        return await stream_response(request, state, run, stream)
-    await state.run(stream)
+    async with stream:  # leaving before the request ends (client gone, failure) aborts it
+        run = ResponseRun(
+            parsed=parsed,
+            owner=owner,
+            history=history,
+            tracker=_tracker(state, parsed, result),
+            shape=ResponseShape(state.served_model_name, parsed.echo()),
+            items=OutputItems(single_call=not parsed.parallel_tool_calls),
+            count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
+        )
+        if parsed.stream:
+            return await stream_response(request, state, run, stream)
+        await state.run(stream)
     delta = run.tracker.next_delta()  # the whole output: the request has finished
     if delta is not None:
         run.items.add(delta)
@@ -168,6 +169,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
 
 
 async def delete_response(request: web.Request) -> web.Response:
+    _check_query(request, set())  # as retrieve_response: a parameter is refused, not ignored
     response_id = request.match_info["response_id"]
     owner = owner_of(request, request.headers.get(SALT_HEADER))
     if not store_of(request).delete(owner, response_id):
