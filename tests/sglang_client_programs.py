@@ -34,6 +34,13 @@ def complete(s, prompt):
 
 
 @sgl.function
+def complete_streamed(s, prompt):
+    # 32 tokens: SGLang's text_iter joins the pieces that arrived while its reader slept, so a
+    # 6-token stream could reach a starved reader (a loaded machine) as one piece
+    s += prompt + sgl.gen("out", max_tokens=32, **GREEDY)
+
+
+@sgl.function
 def choose(s):
     s += "The best color is"
     s += sgl.select("color", choices=[" red", " green", " blue"])
@@ -87,9 +94,9 @@ def run_batch() -> dict[str, Any]:
 
 
 def run_stream() -> dict[str, Any]:
-    state = complete.run(prompt="Once upon a time", stream=True)
+    state = complete_streamed.run(prompt="Once upon a time", stream=True)
     pieces = list(state.text_iter())
-    var_state = complete.run(prompt="Once upon a time", stream=True)
+    var_state = complete_streamed.run(prompt="Once upon a time", stream=True)
     var_pieces = list(var_state.text_iter("out"))
     return {"pieces": pieces, "text": state.text(), "var_pieces": var_pieces,
             "out": var_state["out"]}  # fmt: skip
