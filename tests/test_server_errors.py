@@ -109,6 +109,51 @@ def test_a_nested_unknown_tool_field_is_named_by_its_quoted_path():
     assert message.startswith("'tools[0].strict' is not a known field of a tool; got True")
 
 
+RESPONSES = {"model": "tiny", "max_output_tokens": 1}
+FUNCTION = {"name": "f", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    "path, body, name, of",
+    [
+        (
+            "/v1/responses",
+            RESPONSES | {"input": [{"type": "message", "role": "user", "content": "hi", "x": 1}]},
+            "input[0].x",
+            "a message",
+        ),
+        (
+            "/v1/responses",
+            RESPONSES
+            | {
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "a", "": 1}]}]
+            },
+            "input[0].content[0].",
+            "an input_text part",
+        ),
+        (
+            "/v1/responses",
+            RESPONSES | {"input": "hi", "tools": [{"type": "function", **FUNCTION, "x": 1}]},
+            "tools[0].x",
+            "a tool",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "tools": [{"type": "function", "function": FUNCTION | {"x": 1}}]},
+            "tools[0].function.x",
+            "a function",
+        ),
+    ],
+)
+def test_openai_nested_unknown_fields_are_named_by_their_quoted_paths(path, body, name, of):
+    """Responses' input items, content parts and tools, and chat completions' tool functions:
+    the quoted path starts the message, as at the top level, in OpenAI's 400."""
+    [(status, answer)] = send(no_template_app(), [("POST", path, body)])
+    assert status == 400, answer
+    message = answer["error"]["message"]
+    assert message.startswith(f"{name!r} is not a known field of {of}"), message
+
+
 def test_a_chat_without_a_chat_template_is_a_400_naming_the_field_that_needed_one():
     requests = [
         ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 1}),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.server.errors import BadRequest
-from radixserve.server.openai_protocol import check_fields
+from radixserve.server.request_fields import check_fields
 
 ROLES = ("user", "assistant")
 ERROR_PREFIX = "Error: "

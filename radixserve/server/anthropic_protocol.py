@@ -36,8 +36,8 @@ from radixserve.server.anthropic_messages import (
 )
 from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
-from radixserve.server.openai_protocol import check_fields
 from radixserve.server.reasoning import ReasoningOptions, thinking_of
+from radixserve.server.request_fields import check_fields
 from radixserve.server.response_format import (
     CONSTRAINT_FIELDS,
     Constraint,

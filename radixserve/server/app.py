@@ -25,7 +25,7 @@ from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.lora_api import register_lora_routes
-from radixserve.server.openai_protocol import is_same_value
+from radixserve.server.request_fields import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.responses_api import register_responses_routes
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of

@@ -38,11 +38,11 @@ from radixserve.server.chat_messages import check_messages, check_template_kwarg
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.lora_api import check_model_name, lora_model_cards
 from radixserve.server.openai_protocol import (
+    NO_OP_VALUES,
     TOKENIZE_FIELDS,
     OpenAIRequest,
     bad_request,
     check_bool,
-    check_fields,
     check_model,
     check_object,
     parse_request,
@@ -55,6 +55,7 @@ from radixserve.server.openai_response import (
     usage,
 )
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
+from radixserve.server.request_fields import check_fields
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
@@ -115,7 +116,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
 async def tokenize(request: web.Request) -> web.Response:
     state = state_of(request)
     body = check_object(await read_json(request))
-    check_fields(body, TOKENIZE_FIELDS)
+    check_fields(body, TOKENIZE_FIELDS, NO_OP_VALUES)
     check_model_name(state, check_model(body))
     tokens = await state.off_loop(tokenize_body, state.tokenizer, body)
     max_len = state.client.info["context_length"]
@@ -126,7 +127,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = state_of(request)
     body = check_object(await read_json(request))
-    check_fields(body, {"model", "tokens"})
+    check_fields(body, {"model", "tokens"}, NO_OP_VALUES)
     check_model_name(state, check_model(body))
     tokens = body.get("tokens")
     try:

@@ -19,6 +19,7 @@ from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.errors import BadRequest
 from radixserve.server.reasoning import ReasoningOptions, request_reasoning
+from radixserve.server.request_fields import check_fields
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
 from radixserve.server.tool_calls import ToolChoice, check_tool_choice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
@@ -110,7 +111,7 @@ def parse_request(body: Any, chat: bool, tool_parser: str = DEFAULT_TOOL_PARSER)
     """Validates a /v1/completions (chat=False) or /v1/chat/completions body; a forced tool
     call is constrained to `tool_parser`'s format."""
     body = check_object(body)
-    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, NO_OP_VALUES)
     stream = check_bool(body, "stream")
     check_temperature(body)
     parsed = OpenAIRequest(
@@ -170,35 +171,6 @@ def check_object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", param="body")
     return body
-
-
-def check_fields(
-    body: dict,
-    known: set[str],
-    no_op_values: dict[str, tuple[Any, ...]] = NO_OP_VALUES,
-    where: str = "",
-    of: str = "",
-) -> None:
-    """Rejects a field that is not `known`, unless it is null or one of the values that
-    change nothing here (`no_op_values`, compared with their type: 1 is not true). The
-    message starts with the field's name, quoted (an empty name still shows); in a nested
-    object (`where`: its path, e.g. messages[0]) the name is the path, messages[0].foo,
-    quoted too, and `of` says what the object is ("a text block")."""
-    for key, value in body.items():
-        if value is None or key in known:
-            continue
-        if any(is_same_value(value, ok) for ok in no_op_values.get(key, ())):
-            continue
-        name = f"{where}.{key}" if where else key
-        known_here = key in no_op_values
-        reason = "is not supported by this server" if known_here else "is not a known field"
-        reason += f" of {of}" if of and not known_here else ""
-        raise bad_request(f"{name!r} {reason}; got {value!r}"[:160], param=name)
-
-
-def is_same_value(value: Any, expected: Any) -> bool:
-    """Equal and of the same type: 1 is not true, 0 is not false."""
-    return type(value) is type(expected) and value == expected
 
 
 def check_bool(body: dict, name: str, default: bool = False) -> bool:

@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from radixserve.server.errors import BadRequest
+from radixserve.server.request_fields import check_fields
 from radixserve.server.tool_calls import json_object
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -76,12 +77,6 @@ def check_item(item: Any, where: str) -> dict[str, Any]:
     return checks[kind](item, where)
 
 
-def _check_keys(item: dict[str, Any], known: set[str], where: str) -> None:
-    for key, value in item.items():
-        if key not in known and value is not None:
-            raise BadRequest(f"{where}.{key} is not a known field", param=f"{where}.{key}")
-
-
 def _check_str(item: dict[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
@@ -109,7 +104,7 @@ def _message_item(role: str, content: list[dict[str, Any]], item_id: str | None 
 
 
 def _check_message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    _check_keys(item, MESSAGE_KEYS, where)
+    check_fields(item, MESSAGE_KEYS, {}, where, of="a message")
     role = item.get("role")
     if role not in ROLES:
         raise BadRequest(
@@ -138,7 +133,7 @@ def _check_part(part: Any, role: str, where: str) -> dict[str, Any]:
             reason = f"is not allowed in a {role} message"
         message = f"{where}.type {kind!r} {reason}; expected one of {allowed}"
         raise BadRequest(message[:200], param=f"{where}.type")
-    _check_keys(part, TEXT_PART_KEYS[kind], where)
+    check_fields(part, TEXT_PART_KEYS[kind], {}, where, of=f"an {kind} part")
     text = _check_str(part, "text", where)
     if kind == "output_text":
         return {"type": kind, "text": text, "annotations": []}
@@ -149,7 +144,7 @@ def _check_part(part: Any, role: str, where: str) -> dict[str, Any]:
 
 
 def _check_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    _check_keys(item, CALL_KEYS, where)
+    check_fields(item, CALL_KEYS, {}, where, of="a function_call item")
     checked = {k: _check_str(item, k, where) for k in ("call_id", "name", "arguments")}
     if json_object(checked["arguments"]) is None:
         raise BadRequest(
@@ -161,7 +156,7 @@ def _check_call(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _check_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
-    _check_keys(item, OUTPUT_KEYS, where)
+    check_fields(item, OUTPUT_KEYS, {}, where, of="a function_call_output item")
     call_id = _check_str(item, "call_id", where)
     output = item.get("output")
     if isinstance(output, list):
@@ -183,7 +178,7 @@ def _check_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _check_reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
-    _check_keys(item, REASONING_KEYS, where)
+    check_fields(item, REASONING_KEYS, {}, where, of="a reasoning item")
     summary = item.get("summary", [])
     if not isinstance(summary, list):
         raise BadRequest(f"{where}.summary must be a list", param=f"{where}.summary")

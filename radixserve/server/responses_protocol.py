@@ -38,12 +38,12 @@ from radixserve.server.chat_messages import check_template_kwargs
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import (
     check_bool,
-    check_fields,
     check_model,
     check_temperature,
     check_top_count,
 )
 from radixserve.server.reasoning import ReasoningOptions, request_reasoning
+from radixserve.server.request_fields import check_fields
 from radixserve.server.response_format import (
     Constraint,
     check_response_format,
@@ -298,9 +298,7 @@ def _check_tools(value: Any) -> list[dict[str, Any]]:
                 f"{kind!r} tools are not supported by this server"[:200],
                 param=where,
             )
-        for key, item in tool.items():
-            if key not in TOOL_KEYS and item is not None:
-                raise BadRequest(f"{where}.{key} is not a known field of a tool", f"{where}.{key}")
+        check_fields(tool, TOOL_KEYS, {}, where, of="a tool")
         function = {k: tool[k] for k in TOOL_KEYS - {"type"} if tool.get(k) is not None}
         converted.append({"type": "function", "function": function})
     try:

@@ -87,7 +87,7 @@ def _check_tool(tool: Any, where: str) -> dict[str, Any]:
     for key, value in function.items():
         kind = FUNCTION_FIELDS.get(key)
         if kind is None and value is not None:
-            raise _bad_tools(f"{where}.function.{key} is not a known field")
+            raise _bad_tools(f"{f'{where}.function.{key}'!r} is not a known field of a function")
         if kind is not None and value is not None and not isinstance(value, kind):
             raise _bad_tools(f"{where}.function.{key} must be a {kind.__name__}; got {value!r}")
     if not NAME_PATTERN.match(function.get("name") or ""):
