@@ -173,6 +173,14 @@ def tiny_chat_model(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def periodic_model(tmp_path_factory) -> str:
+    """A tiny Llama whose greedy output cycles (speculative_common.py's CYCLE)."""
+    from speculative_common import save_periodic_model
+
+    return save_periodic_model(tmp_path_factory.mktemp("periodic"))
+
+
 def make_engine(model, **kwargs):
     from radixserve import Engine
 
