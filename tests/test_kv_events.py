@@ -17,8 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from listening_sockets import is_loopback, listening_addresses, process_tree
+from native_http import get, post
 from test_radix_cache import CacheMachine, insert_fresh
-from test_server_native import get, post
 
 from conftest import ServerProcess, free_port, greedy, make_engine, prompt_ids
 from radixserve.cache.kv_events import (
