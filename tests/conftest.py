@@ -338,6 +338,14 @@ def server(tiny_chat_model):
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def openai_client(server):
+    """The `openai` client of the plain server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
 API_KEY = "sekret"
 ADMIN_API_KEY = "admin-sekret-4d1f"
 
