@@ -173,6 +173,14 @@ def tiny_chat_model(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def periodic_model(tmp_path_factory) -> str:
+    """A tiny Llama whose greedy output cycles (speculative_common.py's CYCLE)."""
+    from speculative_common import save_periodic_model
+
+    return save_periodic_model(tmp_path_factory.mktemp("periodic"))
+
+
 def make_engine(model, **kwargs):
     from radixserve import Engine
 
@@ -328,6 +336,14 @@ def server(tiny_chat_model):
     proc = ServerProcess(tiny_chat_model, "--served-model-name", "tiny")
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    """The `openai` client of the plain server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
 API_KEY = "sekret"

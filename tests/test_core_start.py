@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_server_native import get, post, run
+from native_http import get, post, run
 
 from conftest import API_KEY
 from radixserve.client.core_start import (

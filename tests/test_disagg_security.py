@@ -11,7 +11,7 @@ import stat
 from concurrent.futures import wait
 
 import pytest
-from test_disagg import HOST, assert_balanced, core, request, run, submit_pair
+from disagg_cores import HOST, assert_balanced, core, request, run, submit_pair
 
 from conftest import prompt_ids
 from radixserve.config import DisaggregationConfig, FleetConfig, SchedulerConfig, ServerConfig

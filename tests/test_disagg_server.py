@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
+from native_http import get, post, run
 from test_fleet import JSON, needs_router
-from test_server_native import get, post, run
 
 from conftest import ServerProcess, prompt_ids
 from radixserve_bench.systems import free_port

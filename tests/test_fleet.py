@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from test_server_native import get, post, run
+from native_http import get, post, run
 
 from conftest import prompt_ids
 from radixserve.cli import build_parser, engine_args_from, main, server_config_from

@@ -13,8 +13,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+from native_http import post
 from test_fleet_router import FleetProcess
-from test_server_native import post
 
 from conftest import prompt_ids
 from radixserve.cli import main

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from test_server_native import post, run
+from native_http import post, run
 
 from conftest import ServerProcess, prompt_ids
 from radixserve.config import ServerConfig

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from listening_sockets import is_loopback, listening_addresses, process_tree
+from native_http import get, post, run
 from test_fleet import AUTH, FLEET_KEY, GREEDY, JSON, needs_router
-from test_server_native import get, post, run
 
 from conftest import prompt_ids
 from radixserve.fleet.probes import worker_healthy

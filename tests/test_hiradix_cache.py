@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_kv_events import replay, tree_prefixes
-from test_radix_cache import NAMESPACES, TOKENS
+from test_radix_cache_state_machine import NAMESPACES, TOKENS
 
 from radixserve.cache.hiradix_cache import INDEX_FILE, HiRadixCache
 from radixserve.cache.host_tier import HostTier, TierLayout

@@ -17,8 +17,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from listening_sockets import is_loopback, listening_addresses, process_tree
-from test_radix_cache import CacheMachine, insert_fresh
-from test_server_native import get, post
+from native_http import get, post
+from radix_cache_ops import insert_fresh
+from test_radix_cache_state_machine import CacheMachine
 
 from conftest import ServerProcess, free_port, greedy, make_engine, prompt_ids
 from radixserve.cache.kv_events import (
@@ -144,8 +145,8 @@ def test_evicted_pages_are_removed_and_reset_clears_everything():
 
 
 class EventsCacheMachine(CacheMachine):
-    """test_radix_cache's random request lifecycles (matches that split nodes, inserts,
-    locks, pins, evictions, namespaces) with a sink: the events replay into the tree."""
+    """test_radix_cache_state_machine's random request lifecycles (matches that split nodes,
+    inserts, locks, pins, evictions, namespaces) with a sink: the events replay into the tree."""
 
     @initialize(page_size=st.sampled_from([1, 2, 4]))
     def setup(self, page_size):

@@ -13,8 +13,8 @@ import time
 import pytest
 import zmq
 from listening_sockets import listening_addresses
+from radix_cache_ops import insert_fresh
 from test_kv_events import DECODER, tree_prefixes
-from test_radix_cache import insert_fresh
 
 from conftest import greedy, make_engine, prompt_ids
 from radixserve.cache.kv_events import AllBlocksCleared, BlockStored, KVEventSink, chain_hashes

@@ -4,7 +4,7 @@ Host), cross-site requests (a foreign Origin, text/plain or form bodies)."""
 from __future__ import annotations
 
 import aiohttp
-from test_server_native import get, post, run
+from native_http import get, post, run
 
 from conftest import prompt_ids
 

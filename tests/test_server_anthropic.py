@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import jsonschema
 import pytest
-from test_tool_calls import ADD
+from tool_call_data import ADD
 
 from conftest import API_KEY
 from radixserve.server.anthropic_protocol import parse_messages_request

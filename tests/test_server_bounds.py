@@ -8,7 +8,7 @@ import json
 import time
 
 import pytest
-from test_server_native import get, post
+from native_http import get, post
 
 from conftest import ServerProcess, prompt_ids
 from radixserve.cache.retention import MAX_PIN_NAME_CHARS

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_server_native import get, post
+from native_http import get, post
 
 from conftest import ServerProcess, prompt_ids
 

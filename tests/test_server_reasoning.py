@@ -15,7 +15,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from test_tool_calls import ADD
+from tool_call_data import ADD
 
 from conftest import ServerProcess, stop_running
 

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from test_tool_calls import ADD
+from tool_call_data import ADD
 
 from conftest import ADMIN_API_KEY, API_KEY
 

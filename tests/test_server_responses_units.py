@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_tool_calls import TOOL_TEMPLATE
+from tool_call_data import TOOL_TEMPLATE
 
 from conftest import VOCAB
 from radixserve.model.tokenizer import open_tokenizer

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import aiohttp
-from test_server_native import get, post, run
+from native_http import get, post, run
 
 from conftest import ADMIN_API_KEY, API_KEY, prompt_ids
 from radixserve.config import is_secret_field

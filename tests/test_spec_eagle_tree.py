@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_spec_eagle import _echo_head, _random_head, _save_target
-from test_speculative import CHI2_999, _chi_square
+from test_speculative_acceptance import CHI2_999, _chi_square
 
 from conftest import VOCAB, greedy, make_engine, prompt_ids, save_tiny_model
 from radixserve.config import CacheConfig, LoadConfig

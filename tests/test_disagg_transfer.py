@@ -1,41 +1,19 @@
 """Prefill/decode disaggregation wired into the engine: two in-process cores (a prefill and a
 decode worker) driven step by step, the bootstrap fields set by the test as sglang-router's PD
-mode would. Pages must balance on both sides after normal, aborted and failed transfers."""
+mode would. The decode side continues from the prefill side's KV exactly; pages balance on
+both sides after normal, aborted and failed transfers, and received pages are held until
+their request is admitted."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import multiprocessing
-import threading
-import time
-
 import pytest
-import torch
+from disagg_cores import PAGE, assert_balanced, core, request, run, submit_pair
 
-from conftest import greedy, make_core, prompt_ids
-from radixserve.client.inproc_client import InProcessClient
-from radixserve.client.request_builder import GenerateArgs, RequestBuilder
-from radixserve.config import DisaggregationConfig, SchedulerConfig
-from radixserve.engine import core_loop
-from radixserve.engine.core_process import PipeTransport
-from radixserve.engine.protocol import AbortRequests, Bootstrap, RequestSpec
+from conftest import prompt_ids
 from radixserve.engine.request import Req
-from radixserve.engine.wire import encode
-from radixserve.sampling.params import SamplingParams
 from radixserve_bench.systems import free_port
 
-PAGE = 16
-HOST = "127.0.0.1"
 PROMPT_LENGTHS = (40, 48, 10)  # partial last page, whole pages only, shorter than a page
-_rooms = itertools.count(1000)
-
-torch.set_num_threads(1)
-
-
-def core(model, mode: str | None = None, **kwargs):
-    flags = {"disaggregation_mode": mode or "null", "disaggregation_bootstrap_port": 0}
-    return make_core(model, page_size=PAGE, **(flags | kwargs))
 
 
 @pytest.fixture
@@ -45,52 +23,6 @@ def pd(tiny_chat_model):
     yield prefill, decode
     prefill.close()
     decode.close()
-
-
-def request(ids, room: int | None = None, port: int | None = None, max_new_tokens=8) -> Req:
-    bootstrap = None if room is None else Bootstrap(HOST, port, room)
-    spec = RequestSpec(
-        request_id=f"r{next(_rooms)}",
-        rid="r",
-        input_ids=list(ids),
-        params=SamplingParams.from_dict(greedy(max_new_tokens)),
-        seed=0,
-        bootstrap=bootstrap,
-    )
-    return Req.from_spec(spec)
-
-
-def run(cores, reqs, timeout_s: float = 30.0) -> None:
-    """Steps every core until every request finished (the decode side's fetch runs on its
-    own thread meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    while not all(r.finished for r in reqs):
-        assert time.monotonic() < deadline, [r.state for r in reqs]
-        progressed = False
-        for c in cores:
-            c.scheduler.step()
-            progressed |= c.scheduler.last_step_progressed
-        if not progressed:
-            time.sleep(0.002)
-
-
-def submit_pair(prefill, decode, ids, **kwargs) -> tuple[Req, Req]:
-    """The same prompt to both sides under one fresh room."""
-    room, port = next(_rooms), prefill.scheduler.handoff.bootstrap_port
-    p, d = request(ids, room, port, **kwargs), request(ids, room, port, **kwargs)
-    prefill.scheduler.add_request(p)
-    decode.scheduler.add_request(d)
-    return p, d
-
-
-def assert_balanced(*cores) -> None:
-    """No page leaked: the accounting holds, and flushing the tree frees every page."""
-    for c in cores:
-        assert not c.scheduler.has_work()
-        c.check_integrity()
-        assert c.flush_cache()
-        allocator = c.runner.pool.allocator
-        assert allocator.num_free == allocator.capacity
 
 
 def test_decode_continues_from_the_prefill_workers_kv_exactly(tiny_chat_model, pd):
@@ -208,148 +140,10 @@ def test_requests_without_a_room_run_as_on_a_normal_worker(pd):
     assert_balanced(prefill, decode)
 
 
-@pytest.mark.parametrize(
-    ("config", "tp_size", "flag"),
-    [
-        (DisaggregationConfig(disaggregation_mode="both"), 1, "--disaggregation-mode"),
-        (DisaggregationConfig(disaggregation_transfer_backend="nixl"), 1, "-transfer-backend"),
-        (DisaggregationConfig(disaggregation_transfer_timeout=0), 1, "--disaggregation-transfer"),
-        (DisaggregationConfig(disaggregation_bootstrap_port=70000), 1, "-bootstrap-port"),
-        (DisaggregationConfig(disaggregation_mode="decode"), 2, "--tp-size"),
-    ],
-)
-def test_bad_disaggregation_flags_are_refused_naming_the_flag(config, tp_size, flag):
-    with pytest.raises(ValueError, match=flag):
-        config.verify(SchedulerConfig(), tp_size)
-
-
-def test_decode_without_the_radix_cache_is_refused_at_start():
-    config = DisaggregationConfig(disaggregation_mode="decode")
-    with pytest.raises(ValueError, match="--disable-radix-cache"):
-        config.verify(SchedulerConfig(disable_radix_cache=True), 1)
-    DisaggregationConfig(disaggregation_mode="prefill").verify(SchedulerConfig(), 1)
-
-
 def test_a_taken_bootstrap_port_is_refused_at_start(tiny_chat_model, pd):
     taken = pd[0].scheduler.handoff.bootstrap_port
     with pytest.raises(ValueError, match=f"--disaggregation-bootstrap-port {taken}"):
         core(tiny_chat_model, "prefill", disaggregation_bootstrap_port=taken)
-
-
-class _Tokenizer:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 200 + 1 for c in text]
-
-
-def builder(mode: str | None) -> RequestBuilder:
-    return RequestBuilder(_Tokenizer(), 256, 512, 4096, disaggregation_mode=mode)
-
-
-BOOT = {"bootstrap_host": HOST, "bootstrap_port": 8998, "bootstrap_room": 5}
-
-
-def test_bootstrap_fields_ride_on_the_request_spec():
-    specs, _ = builder("decode").build(GenerateArgs(text="hi", **BOOT))
-    assert specs[0].bootstrap == Bootstrap(HOST, 8998, 5)
-    batch = GenerateArgs(text=["a", "b"], **(BOOT | {"bootstrap_room": [1, 2]}))
-    specs, _ = builder("prefill").build(batch)
-    assert [s.bootstrap.room for s in specs] == [1, 2]
-    specs, _ = builder(None).build(GenerateArgs(text="hi"))
-    assert specs[0].bootstrap is None
-
-
-@pytest.mark.parametrize(
-    ("mode", "fields", "message"),
-    [
-        (None, BOOT, "bootstrap_host needs a worker started with --disaggregation-mode"),
-        ("decode", {"bootstrap_room": 5}, "bootstrap_host is missing"),
-        ("decode", BOOT | {"bootstrap_host": ""}, "bootstrap_host must be"),
-        ("decode", BOOT | {"bootstrap_port": "8998"}, "bootstrap_port must be"),
-        ("decode", BOOT | {"bootstrap_port": 0}, "bootstrap_port must be"),
-        ("decode", BOOT | {"bootstrap_room": -1}, "bootstrap_room must be"),
-        ("decode", BOOT | {"bootstrap_room": 1 << 64}, "bootstrap_room must be"),
-        ("decode", BOOT | {"bootstrap_room": True}, "bootstrap_room must be"),
-        ("decode", BOOT | {"bootstrap_room": [1, 2]}, "bootstrap_room has 2 entries"),
-    ],
-)
-def test_bad_bootstrap_fields_are_refused_naming_the_field(mode, fields, message):
-    with pytest.raises(ValueError, match=message):
-        builder(mode).build(GenerateArgs(text="hi", **fields))
-
-
-def test_a_room_pairs_one_output_only():
-    args = GenerateArgs(text="hi", sampling_params={"n": 2}, **BOOT)
-    with pytest.raises(ValueError, match="n must be 1"):
-        builder("decode").build(args)
-
-
-# ---- arrival wakes an idle decode worker -------------------------------------------------
-
-
-def spec(ids, room: int, port: int, max_new_tokens: int = 8) -> RequestSpec:
-    params = SamplingParams.from_dict(greedy(max_new_tokens))
-    boot = Bootstrap(HOST, port, room)
-    return RequestSpec(f"r{room}", "r", list(ids), params, seed=0, bootstrap=boot)
-
-
-def test_arrived_kv_wakes_an_idle_decode_core_at_once(tiny_chat_model, monkeypatch):
-    # The back-off would now sleep 600 s: only the fetch's own wake-up can admit the request.
-    monkeypatch.setattr(core_loop, "STALL_WAIT_MIN_S", 600.0)
-    monkeypatch.setattr(core_loop, "STALL_WAIT_MAX_S", 600.0)
-    prefill = core(tiny_chat_model, "prefill")
-    decode = core(tiny_chat_model, "decode")
-    num_steps = [0]
-    step = decode.scheduler.step
-
-    def counted_step():
-        num_steps[0] += 1
-        return step()
-
-    monkeypatch.setattr(decode.scheduler, "step", counted_step)
-    client = InProcessClient(decode)
-    ids, room, port = prompt_ids(8, 40), next(_rooms), prefill.scheduler.handoff.bootstrap_port
-
-    async def scenario() -> list[int]:
-        tokens: list[int] = []
-        async for out in client.generate(spec(ids, room, port)):
-            tokens += out.new_token_ids
-        return tokens
-
-    async def main() -> tuple[list[int], int]:
-        task = asyncio.create_task(scenario())
-        while not decode.scheduler.receiving:  # parked; its step found nothing to do
-            await asyncio.sleep(0.01)
-        parked_at = num_steps[0]
-        p = request(ids, room, port)
-        prefill.scheduler.add_request(p)
-        run([prefill], [p])  # publishes the room: the decode side's fetch completes
-        return await asyncio.wait_for(task, timeout=30), parked_at
-
-    try:
-        tokens, parked_at = asyncio.run(main())
-        assert len(tokens) == 8 and decode.get_stats()["kv_pages_received"] == 40 // PAGE
-        # one step per token after the arrival: no step spent polling
-        assert num_steps[0] - parked_at == 8
-    finally:
-        client.close()
-        prefill.close()
-        decode.close()
-
-
-def test_a_pipe_transport_wakes_from_another_thread():
-    ours, theirs = multiprocessing.Pipe()
-    transport = PipeTransport(theirs)
-    got: list = []
-    waiter = threading.Thread(target=lambda: got.append(transport.receive(None)), daemon=True)
-    waiter.start()
-    threading.Timer(0.05, transport.wake).start()
-    waiter.join(timeout=30)
-    assert got == [[]]  # woken with no message
-    transport.wake()
-    transport.wake()  # wakes coalesce: one receive drains them
-    assert transport.receive(None) == []
-    ours.send_bytes(encode(AbortRequests(["x"])))
-    assert transport.receive(None) == [AbortRequests(["x"])]
 
 
 # ---- received pages are held until admission ---------------------------------------------

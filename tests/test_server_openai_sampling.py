@@ -1,0 +1,107 @@
+"""Sampling options and logprobs on the OpenAI-compatible endpoints (conftest's `server`,
+through the `openai` client): n choices, stop strings, seeds, cached tokens of a repeated
+system prompt, completion and chat logprobs, and echo."""
+
+from __future__ import annotations
+
+import pytest
+from openai_calls import chat, complete, streamed_text, user
+
+LONG_SYSTEM = "You are a careful assistant who answers in short plain sentences. " * 20
+
+
+def test_n_choices_per_prompt(openai_client):
+    response = complete(openai_client, prompt=["First prompt", "Second one"], n=2)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in response.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: one answer per prompt
+    assert response.usage.completion_tokens == 4 * 6
+    single = complete(openai_client, prompt="First prompt").usage.prompt_tokens
+    single += complete(openai_client, prompt="Second one").usage.prompt_tokens
+    assert response.usage.prompt_tokens == single  # each prompt counted once
+
+
+def test_chat_n_streamed(openai_client):
+    stream = chat(openai_client, True, messages=user("Hello"), n=2, temperature=1.0, seed=3)
+    texts, finishes, chunks = streamed_text(stream, chat_api=True)
+    assert set(texts) == {0, 1} and finishes == {0: "length", 1: "length"}
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_and_is_trimmed(openai_client, stream):
+    base = complete(openai_client, prompt="Count with me", max_tokens=10, logprobs=0)
+    text, tokens = base.choices[0].text, base.choices[0].logprobs.tokens
+    stop = max(tokens[3:7], key=len)
+    assert stop.strip() and "\ufffd" not in stop
+    expected = text[: text.find(stop)]
+    if stream:
+        chunks = complete(openai_client, True, prompt="Count with me", max_tokens=10, stop=[stop])
+        texts, finishes, _ = streamed_text(chunks, chat_api=False)
+        assert texts == {0: expected} and finishes == {0: "stop"}
+    else:
+        response = complete(openai_client, prompt="Count with me", max_tokens=10, stop=stop)
+        assert response.choices[0].text == expected
+        assert response.choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_reproducible(openai_client):
+    def sample(seed: int) -> str:
+        response = chat(openai_client, messages=user("Pick a word"), temperature=1.0, seed=seed)
+        return response.choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_cached_tokens_on_a_repeated_system_prompt(openai_client):
+    messages = [{"role": "system", "content": LONG_SYSTEM}, *user("What is two plus two?")]
+    chat(openai_client, messages=messages, max_tokens=2)
+    usage = chat(openai_client, messages=messages, max_tokens=2).usage
+    assert usage.prompt_tokens > 200
+    assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_completion_logprobs(openai_client):
+    response = complete(openai_client, prompt="Logprobs please", logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    assert logprobs.text_offset == offsets
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 2 <= len(top) <= 3 and top[token] == value  # top-2 plus the sampled token
+        assert value == pytest.approx(max(top.values()))  # greedy picks the most likely
+
+
+def test_chat_logprobs(openai_client):
+    response = chat(openai_client, messages=user("Logprobs"), logprobs=True, top_logprobs=2)
+    content = response.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_streamed_logprobs_match_the_full_response(openai_client):
+    full = chat(openai_client, messages=user("Stream logprobs"), logprobs=True, top_logprobs=1)
+    chunks = chat(
+        openai_client, True, messages=user("Stream logprobs"), logprobs=True, top_logprobs=1
+    )
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in full.choices[0].logprobs.content]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(openai_client):
+    response = complete(
+        openai_client, prompt="Echo this prompt", max_tokens=3, echo=True, logprobs=1
+    )
+    choice = response.choices[0]
+    assert choice.text.startswith("Echo this prompt")
+    num_prompt = response.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == num_prompt + 3
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert all(v is not None for v in choice.logprobs.token_logprobs[1:])
+    assert choice.logprobs.text_offset[num_prompt] == len("Echo this prompt")

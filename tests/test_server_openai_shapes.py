@@ -1,0 +1,103 @@
+"""The OpenAI-compatible endpoints' shapes, driven by the official `openai` client against
+`radixserve serve` on a tiny random Llama (conftest's `server`, SmolLM2's tokenizer and chat
+template): the model list, completion and chat shapes and usage, max_tokens against the
+context, and /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+from openai_calls import MODEL, chat, complete, user
+
+
+def post(server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_models_lists_the_served_model(openai_client):
+    models = openai_client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    card = models.data[0]
+    assert card.object == "model" and card.owned_by == "radixserve"
+    assert card.model_extra["max_model_len"] == 2048
+
+
+def test_completion_shape_and_usage(openai_client, server):
+    response = complete(openai_client, prompt="The quick brown fox")
+    assert response.object == "text_completion" and response.id.startswith("cmpl-")
+    assert response.model == MODEL
+    [choice] = response.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text
+    assert choice.logprobs is None
+    _, tokens = post(server, "/tokenize", {"prompt": "The quick brown fox"})
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (tokens["count"], 6)
+    assert usage.total_tokens == tokens["count"] + 6
+
+
+def test_chat_shape_and_usage(openai_client, server):
+    response = chat(openai_client, messages=user("Hi there"))
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    [choice] = response.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    _, tokens = post(server, "/tokenize", {"messages": user("Hi there")})
+    assert response.usage.prompt_tokens == tokens["count"]
+    assert response.usage.completion_tokens == 6
+
+
+def test_default_max_tokens_fills_the_context(openai_client, server):
+    prompt = [5] * 2040  # 8 tokens of room in the 2048-token context
+    response = complete(openai_client, prompt=prompt, max_tokens=None)
+    assert response.usage.completion_tokens == 8
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_max_tokens_beyond_the_context_is_rejected_not_clipped(openai_client, server):
+    prompt = [5] * 2040
+    assert complete(openai_client, prompt=prompt, max_tokens=8).usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(openai_client, prompt=prompt, max_tokens=9)
+    assert exc.value.param == "max_tokens"
+    assert exc.value.body["message"] == (
+        "max_tokens is 9 but the context length is 2048 and the prompt has 2040 tokens: "
+        "at most 8 tokens can be generated"
+    )
+    _, tokens = post(server, "/tokenize", {"messages": user("Hi")})
+    room = 2048 - tokens["count"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            chat(openai_client, messages=user("Hi"), **{"max_tokens": None, name: 5000})
+        assert exc.value.param == name
+        message = exc.value.body["message"]
+        assert message.startswith(f"{name} is 5000 but the context length is 2048")
+        assert message.endswith(f"at most {room} tokens can be generated")
+
+
+def test_tokenize_detokenize_round_trip(server):
+    status, tokens = post(server, "/tokenize", {"prompt": "Hello, round trip!"})
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == 2048
+    status, text = post(server, "/detokenize", {"tokens": tokens["tokens"]})
+    assert (status, text) == (200, {"prompt": "Hello, round trip!"})
+
+
+def test_tokenize_rejects_bad_input(server):
+    status, body = post(server, "/detokenize", {"tokens": [-1]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    status, body = post(server, "/tokenize", {"prompt": "a", "messages": user("b")})
+    assert status == 400
+    status, body = post(server, "/tokenize", {"prompt": "a", "model": "other"})
+    assert status == 404 and body["error"]["param"] == "model"
