@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quantization import _logits, _projections, _runner
+from test_quantization import _logits, _projections, quantized_runner
 
 from radixserve.model.quant.block_matmul import block_kernels
 
@@ -16,7 +16,9 @@ from radixserve.model.quant.block_matmul import block_kernels
 def test_auto_dtype_on_cpu_is_float32_with_bfloat16_int_kernels(tiny_models, mode, group_size):
     """torch's int kernels compute in bf16; int4 in groups of 32 runs the block kernels, fp32
     (bf16 only for a prefill's dequantized matmul)."""
-    runner = _runner(tiny_models["llama"], mode, dtype="auto", quantization_group_size=group_size)
+    runner = quantized_runner(
+        tiny_models["llama"], mode, dtype="auto", quantization_group_size=group_size
+    )
     assert runner.model.embed_tokens.weight.dtype == torch.float32
     assert runner.pool.dtype == torch.float32
     layers = [getattr(o, a) for o, a in _projections(runner.model)]
@@ -35,7 +37,9 @@ def test_float32_activations_with_torch_int_kernels_log_a_warning(
     tiny_models, caplog, mode, group_size
 ):
     with caplog.at_level("WARNING"):
-        _runner(tiny_models["llama"], mode, dtype="float32", quantization_group_size=group_size)
+        quantized_runner(
+            tiny_models["llama"], mode, dtype="float32", quantization_group_size=group_size
+        )
     assert "slow CPU path" in caplog.text
 
 
@@ -46,10 +50,12 @@ def test_int4_in_groups_of_32_runs_the_block_kernels_and_the_decode_stack(tiny_m
     if block_kernels() is None:
         pytest.skip("the C++ block kernels need AVX2 / AVX512 here")
     with caplog.at_level("WARNING"):
-        blocks = _runner(tiny_models["llama"], "int4")
+        blocks = quantized_runner(tiny_models["llama"], "int4")
     assert "slow CPU path" not in caplog.text
     assert blocks.model.decode_stack is not None
-    torch_int4 = _runner(tiny_models["llama"], "int4", dtype="auto", cpu_quant_kernel="torch")
+    torch_int4 = quantized_runner(
+        tiny_models["llama"], "int4", dtype="auto", cpu_quant_kernel="torch"
+    )
     assert {getattr(o, a).backend for o, a in _projections(torch_int4.model)} == {"torch"}
     assert torch_int4.model.decode_stack is None
     got, ref = _logits(blocks), _logits(torch_int4)  # ref: bf16 activations
