@@ -1,11 +1,13 @@
-"""What the speculative decoding tests (tests/test_speculative_*.py) share: the engine flag
-that turns NGRAM speculation on, the tiny model whose greedy output cycles (conftest's
-`periodic_model` fixture), a generate call's output ids and an engine's `spec_` counters."""
+"""What the speculative decoding tests (tests/test_spec*.py) share: the engine flag that
+turns NGRAM speculation on, the tiny model whose greedy output cycles (conftest's
+`periodic_model` fixture), a generate call's output ids, an engine's `spec_` counters and
+the chi-square statistic the rejection-sampling tests read."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -40,3 +42,12 @@ def ids_of(outputs: list[dict]) -> list[list[int]]:
 
 def spec_stats(engine) -> dict:
     return {k: v for k, v in engine.get_stats().items() if k.startswith("spec_")}
+
+
+def chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of the draws against `probs` over its support, and its dof."""
+    support = torch.nonzero(probs > 0).flatten().tolist()
+    counts = np.bincount(tokens, minlength=probs.numel())
+    assert counts[[i for i in range(probs.numel()) if i not in support]].sum() == 0
+    expected = np.array([probs[i].item() for i in support]) * len(tokens)
+    return float(((counts[support] - expected) ** 2 / expected).sum()), len(support) - 1

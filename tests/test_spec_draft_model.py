@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from speculative_common import chi_square
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
@@ -145,14 +146,6 @@ TARGET_ROWS = (  # a verify row and the bonus row after it, vocab 10
 DRAFT_Q = torch.tensor([0.05, 0.1, 0.3, 0.05, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05])
 
 
-def _chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
-    support = torch.nonzero(probs > 0).flatten().tolist()
-    counts = np.bincount(tokens, minlength=probs.numel())
-    assert counts[[i for i in range(probs.numel()) if i not in support]].sum() == 0
-    expected = np.array([probs[i].item() for i in support]) * len(tokens)
-    return float(((counts[support] - expected) ** 2 / expected).sum()), len(support) - 1
-
-
 def _verify_sampled_drafts(num: int = 6000):
     """`num` requests (seeds 0..num-1) verify a one-token draft drawn from DRAFT_Q, at
     temperature 1 and top_p 0.9; returns the outcomes and the target's p of both rows."""
@@ -170,11 +163,11 @@ def _verify_sampled_drafts(num: int = 6000):
 
 def test_tokens_verified_against_a_sampled_draft_follow_the_target_distribution():
     results, target = _verify_sampled_drafts()
-    stat, dof = _chi_square([r.tokens[0] for r in results], target[0])
+    stat, dof = chi_square([r.tokens[0] for r in results], target[0])
     assert stat < CHI2_999[dof], (stat, dof)
     bonus = [r.tokens[1] for r in results if r.num_accepted == 1]
     assert len(bonus) > 1000
-    stat, dof = _chi_square(bonus, target[1])
+    stat, dof = chi_square(bonus, target[1])
     assert stat < CHI2_999[dof], (stat, dof)
 
 
@@ -192,7 +185,7 @@ def test_resampling_from_p_instead_of_the_residual_fails_the_check(monkeypatch):
     original = verifier._accept_sampled_q
     monkeypatch.setattr(verifier, "_accept_sampled_q", from_p)
     results, target = _verify_sampled_drafts()
-    stat, dof = _chi_square([r.tokens[0] for r in results], target[0])
+    stat, dof = chi_square([r.tokens[0] for r in results], target[0])
     assert stat > CHI2_999[dof]
 
 

@@ -3,24 +3,14 @@ target distribution (a chi-square test), and the test has the power to catch a b
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from speculative_common import chi_square
 
 from radixserve.engine.request import Req
 from radixserve.engine.speculative import Verifier
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import SamplingBatch, scale_and_filter
-
-
-def _chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic of the draws against `probs` over its support, and its dof."""
-    support = torch.nonzero(probs > 0).flatten().tolist()
-    counts = np.bincount(tokens, minlength=probs.numel())
-    assert counts[[i for i in range(probs.numel()) if i not in support]].sum() == 0
-    expected = np.array([probs[i].item() for i in support]) * len(tokens)
-    return float(((counts[support] - expected) ** 2 / expected).sum()), len(support) - 1
-
 
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
 """Chi-square quantiles at p = 0.999 by degrees of freedom."""
@@ -47,11 +37,11 @@ def test_tokens_emitted_through_verification_follow_the_target_distribution(draf
     both follow p after temperature and top-p, whatever the draft."""
     results, target = _verify_many(draft)
     first = [r.tokens[0] for r in results]
-    stat, dof = _chi_square(first, target[0])
+    stat, dof = chi_square(first, target[0])
     assert stat < CHI2_999[dof], (stat, dof)
     bonus = [r.tokens[1] for r in results if r.num_accepted == 1]
     assert len(bonus) == first.count(draft) > 300
-    stat, dof = _chi_square(bonus, target[1])
+    stat, dof = chi_square(bonus, target[1])
     assert stat < CHI2_999[dof], (stat, dof)
 
 
@@ -73,5 +63,5 @@ def test_a_biased_acceptance_rule_fails_the_distribution_check(monkeypatch, bias
     original = verifier._accept_sampled
     monkeypatch.setattr(verifier, "_accept_sampled", biased)
     results, target = _verify_many(draft=1)
-    stat, dof = _chi_square([r.tokens[0] for r in results], target[0])
+    stat, dof = chi_square([r.tokens[0] for r in results], target[0])
     assert stat > CHI2_999[dof]
