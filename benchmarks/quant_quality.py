@@ -2,8 +2,10 @@
 
 A mode is a `--quantization` value with optional suffixes: `:g64` (int4's
 `--quantization-group-size`), `:head` (`--quantize-lm-head`), `:act-int8` / `:act-fp32`
-(`--cpu-quant-activation`: the GGUF block layers' activations); e.g. `int4:g128:head`,
-`auto:act-int8`.
+(`--cpu-quant-activation`: the GGUF block layers' activations), `:kernels`
+(`--enable-deterministic-inference`: every row count on the row-invariant kernels, so the
+teacher-forced windows score the arithmetic a decode step runs, not prefill's dense path);
+e.g. `int4:g128:head`, `auto:act-int8:kernels`.
 For each mode (`--modes`), through the real serving path (Engine.generate):
 - perplexity over a fixed public-domain text (benchmarks/data/), teacher-forced in windows of
   `--window` tokens that start every `--stride` tokens; each token is scored once, in the first
@@ -165,9 +167,12 @@ def mode_options(spec: str, default_group_size: int | None = None) -> dict:
             options["quantization_group_size"] = int(suffix[1:])
         elif suffix in ("act-int8", "act-fp32"):
             options["cpu_quant_activation"] = suffix.removeprefix("act-")
+        elif suffix == "kernels":
+            options["enable_deterministic_inference"] = True
         else:
             raise ValueError(
-                f"mode {spec!r}: suffixes are :g<group size>, :head, :act-int8 and :act-fp32"
+                f"mode {spec!r}: suffixes are :g<group size>, :head, :act-int8, :act-fp32 "
+                "and :kernels"
             )
     return options
 

@@ -44,5 +44,11 @@ def test_mode_suffixes_name_the_group_size_and_the_head():
         "quantize_lm_head": True,
     }
     assert quant_quality.mode_options("int8")["quantization_group_size"] is None
+    assert quant_quality.mode_options("gguf:act-int8:kernels") == {
+        "quantization": "gguf",
+        "quantization_group_size": None,
+        "cpu_quant_activation": "int8",
+        "enable_deterministic_inference": True,
+    }
     assert quant_quality.reference_label(None).startswith("the file's")  # the Q4_1 default
     assert quant_quality.reference_label("/models/plain-hf-folder") == "fp32"
