@@ -80,6 +80,22 @@ def test_a_restarted_engine_serves_the_prompt_from_its_tier_file(tiny_chat_model
     assert again["output_ids"] == first["output_ids"]
 
 
+def test_a_restarted_engine_with_another_pool_size_serves_the_prompt(tiny_chat_model, tmp_path):
+    """The tier's size follows the pool's, which on CPU follows the memory available at start:
+    a restart whose pool (and so tier) differs in size still serves what the file holds."""
+    first_flags = POOL | TIER | {"hicache_dir": str(tmp_path)}
+    with make_engine(tiny_chat_model, **first_flags) as engine:
+        first = _resume(engine)
+    for max_total_tokens in (960, 480):  # a larger tier, then a smaller one (both hold it)
+        flags = first_flags | {"max_total_tokens": max_total_tokens}
+        with make_engine(tiny_chat_model, **flags) as engine:
+            again = _resume(engine)
+            engine.check_integrity()
+        assert again["meta_info"]["cached_tokens"] == 160, max_total_tokens
+        assert again["meta_info"]["cached_tokens_details"]["host"] == 160
+        assert again["output_ids"] == first["output_ids"]
+
+
 def test_a_tier_file_of_other_weights_is_discarded(tiny_chat_model, tmp_path, caplog):
     flags = POOL | TIER | {"hicache_dir": str(tmp_path / "tier")}
     with make_engine(tiny_chat_model, **flags) as engine:
