@@ -126,6 +126,12 @@ def _same_model_other_weights(model: str, parent: Path) -> Path:
             {"enable_hierarchical_cache": True, "disable_radix_cache": True},
             "drop --disable-radix-cache",
         ),
+        # a tier in memory larger than the machine's: refused, not the allocator's error
+        (
+            {"enable_hierarchical_cache": True, "hicache_size": 1e7},
+            "--hicache-size .*: the host tier",
+        ),
+        ({"enable_hierarchical_cache": True, "hicache_ratio": 1e8}, "--hicache-ratio .*: the host"),
     ],
 )
 def test_engine_flag_errors_name_the_flag(tiny_chat_model, flags, message):
