@@ -78,6 +78,19 @@ def test_serve_names_a_bad_start_method(tiny_chat_model):
     assert f"radixserve serve: ${START_METHOD_ENV} must be one of" in done.stderr
 
 
+def test_serve_says_why_its_core_did_not_start(tiny_chat_model, tmp_path):
+    """A flag the core refuses while it starts: one last line saying why, and exit code 1 (the
+    core's traceback stays above it), not the pipe's EOFError."""
+    command = [sys.executable, "-m", "radixserve.cli", "serve", tiny_chat_model, "--port", "1"]
+    flags = ["--enable-hierarchical-cache", "--hicache-size", "10000000"]  # 10 PB in memory
+    done = subprocess.run(command + flags, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("radixserve serve: engine core failed to start: ValueError: ")
+    assert "--hicache-size 10000000.0: the host tier needs" in last
+    assert "EOFError" not in done.stderr
+
+
 FORK_PROBE = """
 import sys
 import radixserve.cli  # the command line's imports: no torch, no OpenMP yet

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.cli import main
 from radixserve.config import CacheConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.fleet import launch
 from radixserve.model import runner
 from radixserve.model.runner import GiB, kv_budget_bytes
+from radixserve.model.source import default_model_path
 from radixserve.native.machine import available_memory_bytes
 
 CPU = torch.device("cpu")
@@ -69,3 +71,23 @@ def test_fleet_workers_share_the_default_pool_memory(tmp_path, monkeypatch):
     assert args["cpu_kv_cache_gb"] == pytest.approx(expected, abs=0.01)
     chosen = {"model": str(model), "device": "cpu", "max_total_tokens": 4096}
     assert launch.split_cpu_kv_memory(4, chosen) == chosen
+
+
+def test_a_fleet_of_the_default_model_shares_the_pool_memory(monkeypatch):
+    """README's `radixserve fleet --workers 4` names no model: the default model's file is
+    the weights each worker loads (it crashed on the missing path before any worker ran)."""
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 20 * GiB)
+    monkeypatch.setattr(launch, "require_router", lambda: None)
+    seen = {}
+
+    def stop_before_starting(config, server, engine_args, keys=None):
+        seen.update(engine_args)
+        raise KeyboardInterrupt  # nothing is started: the workers' arguments are the point
+
+    monkeypatch.setattr(launch, "fleet_children", stop_before_starting)
+    with pytest.raises(KeyboardInterrupt):
+        main(["fleet", "--workers", "4", "--router-port", "30000"])
+    weights = default_model_path().stat().st_size
+    expected = (20 * GiB - 4 * weights) * CPU_KV_MEMORY_FRACTION / 4 / GiB
+    assert seen["model"] is None
+    assert seen["cpu_kv_cache_gb"] == pytest.approx(expected, abs=0.01)

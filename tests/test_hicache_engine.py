@@ -80,6 +80,22 @@ def test_a_restarted_engine_serves_the_prompt_from_its_tier_file(tiny_chat_model
     assert again["output_ids"] == first["output_ids"]
 
 
+def test_a_restarted_engine_with_another_pool_size_serves_the_prompt(tiny_chat_model, tmp_path):
+    """The tier's size follows the pool's, which on CPU follows the memory available at start:
+    a restart whose pool (and so tier) differs in size still serves what the file holds."""
+    first_flags = POOL | TIER | {"hicache_dir": str(tmp_path)}
+    with make_engine(tiny_chat_model, **first_flags) as engine:
+        first = _resume(engine)
+    for max_total_tokens in (960, 480):  # a larger tier, then a smaller one (both hold it)
+        flags = first_flags | {"max_total_tokens": max_total_tokens}
+        with make_engine(tiny_chat_model, **flags) as engine:
+            again = _resume(engine)
+            engine.check_integrity()
+        assert again["meta_info"]["cached_tokens"] == 160, max_total_tokens
+        assert again["meta_info"]["cached_tokens_details"]["host"] == 160
+        assert again["output_ids"] == first["output_ids"]
+
+
 def test_a_tier_file_of_other_weights_is_discarded(tiny_chat_model, tmp_path, caplog):
     flags = POOL | TIER | {"hicache_dir": str(tmp_path / "tier")}
     with make_engine(tiny_chat_model, **flags) as engine:
@@ -110,6 +126,12 @@ def _same_model_other_weights(model: str, parent: Path) -> Path:
             {"enable_hierarchical_cache": True, "disable_radix_cache": True},
             "drop --disable-radix-cache",
         ),
+        # a tier in memory larger than the machine's: refused, not the allocator's error
+        (
+            {"enable_hierarchical_cache": True, "hicache_size": 1e7},
+            "--hicache-size .*: the host tier",
+        ),
+        ({"enable_hierarchical_cache": True, "hicache_ratio": 1e8}, "--hicache-ratio .*: the host"),
     ],
 )
 def test_engine_flag_errors_name_the_flag(tiny_chat_model, flags, message):

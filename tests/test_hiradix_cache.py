@@ -259,6 +259,21 @@ def test_a_restarted_cache_finds_its_tier_and_loads_it(tmp_path):
     assert _kv_values(cache, loaded.pages) == _expected(SEQ_A[:8] + SEQ_B[:8])
 
 
+def test_a_smaller_tier_keeps_the_saved_nodes_it_has_slots_for(tmp_path, caplog):
+    _saved(tmp_path)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    b_entry = next(e for e in index["entries"] if e[2][0] == SEQ_B[0])
+    assert max(b_entry[3]) == max(s for e in index["entries"] for s in e[3])
+    with caplog.at_level(logging.WARNING):
+        cache = _cache(folder=str(tmp_path), tier_slots=min(b_entry[3]))
+    assert "1 lie past the end of this" in caplog.text
+    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 16
+    assert cache.match_prefix(SEQ_A[:8] + SEQ_B[:8], max_tokens=16).host_tokens == 8
+    cache.check_integrity()
+    loaded = _load(cache, SEQ_A)
+    assert _kv_values(cache, loaded.pages) == _expected(SEQ_A)
+
+
 def test_a_tier_of_another_model_is_discarded_with_a_warning(tmp_path, caplog):
     _saved(tmp_path, fingerprint="other")
     with caplog.at_level(logging.WARNING):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -66,9 +68,12 @@ def test_a_tier_folder_keeps_its_bytes_and_is_one_process_s(tmp_path):
     again = HostTier(LAYOUT, num_slots=2, folder=str(tmp_path))
     assert torch.equal(again.read([1]), pool.read_pages([4]))
     again.close()
-    resized = HostTier(LAYOUT, num_slots=3, folder=str(tmp_path))  # another size: zeroed
-    assert not resized.data.any()
-    resized.close()
+    larger = HostTier(LAYOUT, num_slots=3, folder=str(tmp_path))  # another size: kept
+    assert torch.equal(larger.read([1]), pool.read_pages([4])) and not larger.data[2].any()
+    larger.close()
+    smaller = HostTier(LAYOUT, num_slots=1, folder=str(tmp_path))  # the first slots kept
+    assert os.path.getsize(smaller.path) == LAYOUT.page_nbytes and not smaller.data.any()
+    smaller.close()
 
 
 def test_tier_size_from_ratio_or_gigabytes():

@@ -324,6 +324,7 @@ def test_http_lora_path_and_model(lora_server, references):
     completion = {"model": "a1", "prompt": prompts[0], "max_tokens": NUM_NEW, "temperature": 0}
     reply = requests.post(f"{url}/v1/completions", json=completion, timeout=60)
     assert reply.status_code == 200
+    assert reply.json()["model"] == "a1"  # the model that answered: the adapter, as SGLang
     tokens = requests.post(f"{url}/generate", json=body | {"lora_path": "a1"}, timeout=60).json()
     assert reply.json()["choices"][0]["text"] == tokens["text"]
     messages = [{"role": "user", "content": "Say something long."}]
@@ -331,17 +332,22 @@ def test_http_lora_path_and_model(lora_server, references):
     for model in ("tiny", "a1"):  # Anthropic's Messages: `model` picks the adapter too
         body = {"model": model, "max_tokens": NUM_NEW, "temperature": 0, "messages": messages}
         reply = requests.post(f"{url}/v1/messages", json=body, timeout=60)
-        assert reply.status_code == 200
+        assert reply.status_code == 200 and reply.json()["model"] == model
         texts[model] = reply.json()["content"][0]["text"]
     assert texts["tiny"] != texts["a1"]
     for model in ("tiny", "a1"):  # and the Responses API's
         body = {"model": model, "input": "Say something long.", "max_output_tokens": NUM_NEW,
                 "temperature": 0, "store": False}  # fmt: skip
         reply = requests.post(f"{url}/v1/responses", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
+        assert reply.status_code == 200 and reply.json()["model"] == model, reply.text
         texts[model] = [part["text"] for item in reply.json()["output"]
                         for part in item.get("content", [])]  # fmt: skip
     assert texts["tiny"] != texts["a1"]
+    chat = {"model": "a2", "messages": messages, "max_tokens": 2, "stream": True}
+    with requests.post(f"{url}/v1/chat/completions", json=chat, stream=True, timeout=60) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]  # fmt: skip
+    assert chunks and {chunk["model"] for chunk in chunks} == {"a2"}
     models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
 

@@ -58,6 +58,8 @@ from radixserve.cache.tree_node import (
     tier_path,
 )
 from radixserve.config import HiCacheConfig
+from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
+from radixserve.native.machine import available_memory_bytes
 
 if TYPE_CHECKING:  # msgspec (the events' structs) is needed only with events on
     from radixserve.cache.kv_events import KVEventSink
@@ -387,6 +389,28 @@ def create_hierarchical_cache(
     dtype = str(pool.dtype).removeprefix("torch.")
     layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
     num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
+    if config.hicache_dir is None:
+        _check_host_memory(config, num_slots * layout.page_nbytes)
     pinned = pool.device.type == "cuda"
     tier = HostTier(layout, num_slots, config.hicache_dir, pin_memory=pinned)
     return HiRadixCache(pool, tier, config.hicache_write_policy, model_fingerprint, events)
+
+
+def _check_host_memory(config: HiCacheConfig, tier_bytes: int) -> None:
+    """An in-memory tier larger than the memory available is refused at start, naming the
+    flag that sized it (as SGLang refuses a host pool past its budget), where allocating it
+    would fail with the allocator's error or leave the machine to the OOM killer."""
+    available = available_memory_bytes()
+    if available is None or tier_bytes <= available:
+        return
+    if config.hicache_size > 0:
+        flag = f"--hicache-size {config.hicache_size}"
+    else:
+        flag = f"--hicache-ratio {config.hicache_ratio} (of the KV pool's pages)"
+    raise ValueError(
+        f"{flag}: the host tier needs {tier_bytes / 2**30:.1f} GiB of memory, "
+        f"{available / 2**30:.1f} GiB is available; lower it, give the KV pool a size "
+        f"(--max-total-tokens; on CPU --cpu-kv-cache-gb, else it takes "
+        f"{CPU_KV_MEMORY_FRACTION:.0%} of the memory available), or put the tier on disk "
+        "with --hicache-dir"
+    )

@@ -235,11 +235,14 @@ def _lock_exclusive(path: str) -> int:
 
 
 def _allocate_file(fd: int, path: str, size: int) -> None:
-    """Gives the tier file `size` bytes of real disk blocks now (another size: zeroed first),
-    so that a disk filling up later can never fault a write into the mapping (SIGBUS)."""
+    """Gives the tier file `size` bytes of real disk blocks now, so that a disk filling up
+    later can never fault a write into the mapping (SIGBUS). A file of another size (a tier
+    sized from a pool that differs a little between starts) keeps its first `size` bytes: the
+    slots both sizes have keep what they held, for the saved index to find; slots past the
+    old end read zero."""
     try:
-        if os.fstat(fd).st_size != size:
-            os.ftruncate(fd, 0)
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         raise ValueError(

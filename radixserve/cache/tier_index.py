@@ -5,9 +5,12 @@
 
 Entries come parents first (`parent` indexes an earlier entry, -1: a namespace root). On
 load, an index whose identity differs from the running server's (another model, weights,
-page size, KV dtype or shape, tier size) or that does not parse is discarded with a warning;
-an entry whose slots no longer match their checksums (the file changed after the save, or
-rotted) is dropped with a warning, and so is everything below it. Nothing unverified is
+page size, KV dtype or shape) or that does not parse is discarded with a warning; an entry
+whose slots no longer match their checksums (the file changed after the save, or rotted), or
+lie past the end of a tier smaller than the saved one, is dropped with a warning, and so is
+everything below it. The tier's size is not part of the identity: on CPU it follows the KV
+pool, which is sized from the memory available at start and so differs a little between two
+starts of the same server. Nothing unverified is
 ever used; so is nothing of a file that does not parse, whatever its shape or types. The
 index is written owner-only to a temporary file, fsynced (after the tier file) and renamed,
 so a crash never leaves half of one, nor an index naming pages the disk never got.
@@ -43,12 +46,9 @@ class TierEntry:
 
 
 def tier_identity(tier: HostTier, model_fingerprint: str) -> dict:
-    """What a saved tier must match to be used: the model and the slots' layout and count."""
-    return {
-        "model": model_fingerprint,
-        "layout": tier.layout.to_dict(),
-        "num_slots": tier.num_slots,
-    }
+    """What a saved tier must match to be used: the model and the slots' layout. The slot
+    count is saved too (`num_slots`) but need not match: slots past the end are dropped."""
+    return {"model": model_fingerprint, "layout": tier.layout.to_dict()}
 
 
 def tier_entries(roots: list[RootNode], tier: HostTier) -> list[TierEntry]:
@@ -69,7 +69,8 @@ def save_tier_index(path: str, identity: dict, tier: HostTier, entries: list[Tie
     """Writes the index owner-only to a temporary file, fsyncs it, renames it into place and
     fsyncs the folder; raises OSError (the old index stays) when the disk refuses."""
     rows = [[e.parent, e.namespace, e.key, e.slots, e.crcs] for e in entries]
-    document = {"version": INDEX_VERSION, "identity": identity, "entries": rows}
+    saved = identity | {"num_slots": tier.num_slots}
+    document = {"version": INDEX_VERSION, "identity": saved, "entries": rows}
     data = json.dumps(document, separators=(",", ":")).encode()
     tmp = path + ".tmp"
     try:
@@ -104,7 +105,7 @@ def load_tier_index(path: str, identity: dict, tier: HostTier) -> list[TierEntry
     if not os.path.exists(path):
         return []
     try:
-        entries = _read_entries(path, identity, tier.num_slots)
+        entries = _read_entries(path, identity)
     except ValueError as exc:
         logger.warning("hicache: discarding the saved tier %s: %s", path, exc)
         with contextlib.suppress(OSError):
@@ -113,7 +114,7 @@ def load_tier_index(path: str, identity: dict, tier: HostTier) -> list[TierEntry
     return _verified(entries, tier)
 
 
-def _read_entries(path: str, identity: dict, num_slots: int) -> list[TierEntry]:
+def _read_entries(path: str, identity: dict) -> list[TierEntry]:
     try:
         with open(path, "rb") as f:
             document = json.load(f)
@@ -126,16 +127,14 @@ def _read_entries(path: str, identity: dict, num_slots: int) -> list[TierEntry]:
         raise ValueError(f"index version {version!r}, expected {INDEX_VERSION}")
     if not isinstance(saved, dict):
         raise ValueError("unreadable index (no identity object)")
-    if saved != identity:
-        changed = sorted(
-            k for k in identity.keys() | saved.keys() if saved.get(k) != identity.get(k)
-        )
+    changed = sorted(k for k in identity if saved.get(k) != identity[k])
+    if changed:
         raise ValueError(f"it belongs to another setup (differs in: {', '.join(changed)})")
     rows = document.get("entries")
     if not isinstance(rows, list):
         raise ValueError("unreadable index (entries is not a list)")
     entries = [_entry(i, row) for i, row in enumerate(rows)]
-    _check_shapes(entries, num_slots, identity["layout"]["page_size"])
+    _check_shapes(entries, identity["layout"]["page_size"])
     return entries
 
 
@@ -161,8 +160,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_shapes(entries: list[TierEntry], num_slots: int, page_size: int) -> None:
-    """Parents first, keys of whole pages, one in-range slot and CRC per page, no slot twice."""
+def _check_shapes(entries: list[TierEntry], page_size: int) -> None:
+    """Parents first, keys of whole pages, one slot and CRC per page, no slot twice (a slot
+    past the tier's end is not an error here: `_verified` drops its entry)."""
     seen: set[int] = set()
     for i, e in enumerate(entries):
         num_pages = len(e.key) // page_size
@@ -171,27 +171,39 @@ def _check_shapes(entries: list[TierEntry], num_slots: int, page_size: int) -> N
         if len(e.slots) != num_pages or len(e.crcs) != num_pages:
             raise ValueError(f"entry {i} has {len(e.slots)} slots for {num_pages} pages")
         for s in e.slots:
-            if not 0 <= s < num_slots or s in seen:
-                raise ValueError(f"entry {i} names a slot out of range or used twice")
+            if s in seen:
+                raise ValueError(f"entry {i} names a slot used twice")
             seen.add(s)
 
 
 def _verified(entries: list[TierEntry], tier: HostTier) -> list[TierEntry]:
-    """`entries` but those failing a checksum and everything below them, parents renumbered;
-    the kept slots' checksums become the tier's."""
+    """`entries` but those with a slot past the tier's end (a smaller tier than the saved
+    one) or failing a checksum, and everything below them, parents renumbered; the kept
+    slots' checksums become the tier's."""
     kept: list[TierEntry] = []
     new_index: dict[int, int] = {}
+    beyond = failed = 0
     for i, e in enumerate(entries):
         parent = -1 if e.parent < 0 else new_index.get(e.parent)
-        if parent is None or any(tier.checksum(s) != c for s, c in zip(e.slots, e.crcs)):
+        if parent is None:
+            continue
+        if any(s >= tier.num_slots for s in e.slots):
+            beyond += 1
+            continue
+        if any(tier.checksum(s) != c for s, c in zip(e.slots, e.crcs)):
+            failed += 1
             continue
         tier.crc[e.slots] = e.crcs
         new_index[i] = len(kept)
         kept.append(TierEntry(parent, e.namespace, e.key, e.slots, e.crcs))
     if len(kept) < len(entries):
         logger.warning(
-            "hicache: %d saved tier nodes failed their checksums (or hang below one) and "
-            "were dropped",
+            "hicache: %d saved tier nodes were dropped: %d failed their checksums, %d lie "
+            "past the end of this %d-slot tier (smaller than the saved one), the rest hang "
+            "below those",
             len(entries) - len(kept),
+            failed,
+            beyond,
+            tier.num_slots,
         )
     return kept

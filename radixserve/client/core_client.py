@@ -20,7 +20,7 @@ from typing import Any
 from radixserve.client.client import EngineClient, EngineDeadError
 from radixserve.client.core_start import CORE_ENV_DEFAULTS, choose_start_method
 from radixserve.engine.core_process import run_core, run_forked_core
-from radixserve.engine.protocol import CallResult, Ready, StepOutputs
+from radixserve.engine.protocol import CallResult, Ready, StartFailed, StepOutputs
 from radixserve.engine.wire import decode_from_core, encode
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,15 @@ class MultiprocessClient(EngineClient):
                 raise EngineDeadError(f"engine core exited with code {self._process.exitcode}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine core not ready after {timeout_s:.0f}s")
-        ready = decode_from_core(self._conn.recv_bytes())
+        try:
+            ready = decode_from_core(self._conn.recv_bytes())
+        except EOFError:  # it died without a word (killed, out of memory)
+            self._process.join(timeout=10)
+            code = self._process.exitcode
+            raise EngineDeadError(f"engine core exited with code {code} while starting") from None
+        if isinstance(ready, StartFailed):
+            self._process.join(timeout=10)
+            raise EngineDeadError(f"engine core failed to start: {ready.error}")
         assert isinstance(ready, Ready)
         self.info = ready.info
         self.info["core_start"]["reason"] = self._start_reason  # why not fork, for spawn

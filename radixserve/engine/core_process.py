@@ -6,6 +6,7 @@ passes do not contend for one GIL. Its loop is engine/core_loop.py's, over a pip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
 from radixserve.engine.core_loop import CoreLoop
-from radixserve.engine.protocol import FromCore, Ready, ToCore
+from radixserve.engine.protocol import FromCore, Ready, StartFailed, ToCore
 from radixserve.engine.wire import decode_to_core, encode
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,12 @@ def run_core(
         signal.signal(sig, signal.SIG_IGN)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     inherited = set(sys.modules) if IMPORTED_BY_PID != os.getpid() else set()
-    core = EngineCore.build(*split_engine_kwargs(None, dict(engine_kwargs)))
+    try:
+        core = EngineCore.build(*split_engine_kwargs(None, dict(engine_kwargs)))
+    except Exception as exc:  # the caller says why; the traceback stays in this log
+        with contextlib.suppress(OSError):
+            conn.send_bytes(encode(StartFailed(error=f"{type(exc).__name__}: {exc}")))
+        raise
     start = {"start_method": start_method, **start_imports(inherited)}
     start["cpu_s_to_ready"] = time.process_time()  # this process's: a fork's starts at 0
     conn.send_bytes(encode(Ready(info=core_info(core) | {"core_start": start})))

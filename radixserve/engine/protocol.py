@@ -207,5 +207,13 @@ class Ready:
     info: dict[str, Any]
 
 
+@dataclass
+class StartFailed:
+    """The core could not start (a flag refused, a model that does not load): why, as
+    `ExceptionType: message`, sent instead of Ready before the core exits."""
+
+    error: str
+
+
 ToCore = AddRequests | AbortRequests | Call
-FromCore = StepOutputs | CallResult | Ready
+FromCore = StepOutputs | CallResult | Ready | StartFailed

@@ -14,6 +14,7 @@ from radixserve.engine.protocol import (
     CallResult,
     FromCore,
     Ready,
+    StartFailed,
     StepOutputs,
     ToCore,
 )
@@ -24,7 +25,8 @@ _to_core = {
     cls.__name__: msgspec.msgpack.Decoder(cls) for cls in (AddRequests, AbortRequests, Call)
 }
 _from_core = {
-    cls.__name__: msgspec.msgpack.Decoder(cls) for cls in (StepOutputs, CallResult, Ready)
+    cls.__name__: msgspec.msgpack.Decoder(cls)
+    for cls in (StepOutputs, CallResult, Ready, StartFailed)
 }
 
 

@@ -57,6 +57,7 @@ from radixserve.fleet.worker_template import (
     fork_from_template,
     own_pids,
 )
+from radixserve.model.source import ModelLoadError, default_model_path
 from radixserve.native.machine import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -260,10 +261,14 @@ def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[s
     return engine_args | {"cpu_kv_cache_gb": max(round(share, 2), 0.01)}
 
 
-def model_file_bytes(model: str) -> int:
+def model_file_bytes(model: str | None) -> int:
     """Bytes of a model's weight files (a GGUF file, or a folder's safetensors / bin /
-    gguf); 0 for a name that is not on disk (a built-in config)."""
-    path = Path(model)
+    gguf; None: the default model's GGUF); 0 for a name that is not on disk (a built-in
+    config) or a default model that is not installed (each worker then says so)."""
+    try:
+        path = default_model_path() if model is None else Path(model)
+    except ModelLoadError:
+        return 0
     if path.is_file():
         return path.stat().st_size
     if not path.is_dir():

@@ -128,7 +128,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             parsed=parsed,
             prompt=prompt,
             tracker=_tracker(state, parsed, result),
-            shape=MessageShape(state.served_model_name),
+            shape=MessageShape(lora_path or state.served_model_name),
             blocks=ContentBlocks(parsed.single_tool_use),
         )
         if parsed.stream:

@@ -9,6 +9,7 @@ import signal
 import threading
 from typing import Any
 
+from radixserve.client.client import EngineDeadError
 from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
@@ -49,7 +50,10 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
         raise SystemExit(f"radixserve serve: {exc}") from None
     early = EarlyTokenizer(engine_args.get("model"))  # after the fork: this process's thread
     try:
-        info = client.wait_ready()
+        try:
+            info = client.wait_ready()
+        except EngineDeadError as exc:  # the core's traceback, if any, is in the log above
+            raise SystemExit(f"radixserve serve: {exc}") from None
         tokenizer = early.result(info["tokenizer_path"], info["vocab_size"])
         info["core_start"]["tokenizer_opened_early"] = tokenizer is not None  # /server_info
         return asyncio.run(_serve(client, info, engine_args, config, tokenizer))

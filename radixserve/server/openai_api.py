@@ -105,7 +105,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     stream = state.open(build_specs(state, parsed, ids, lora_path))
     async with stream:  # leaving before the requests end (client gone, failure) aborts them
         trackers = choice_trackers(state, parsed, ids, stream.results)
-        shape = ResponseShape(parsed, state.served_model_name)
+        shape = ResponseShape(parsed, lora_path or state.served_model_name)
         if parsed.stream:
             return await stream_response(request, state, shape, trackers, parsed, stream)
         results = await state.run(stream)

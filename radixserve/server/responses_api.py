@@ -147,7 +147,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             owner=owner,
             history=history,
             tracker=_tracker(state, parsed, result),
-            shape=ResponseShape(state.served_model_name, parsed.echo()),
+            shape=ResponseShape(lora_path or state.served_model_name, parsed.echo()),
             items=OutputItems(single_call=not parsed.parallel_tool_calls),
             count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
         )
