@@ -44,6 +44,10 @@ def spec_stats(engine) -> dict:
     return {k: v for k, v in engine.get_stats().items() if k.startswith("spec_")}
 
 
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+"""The chi-square distribution's 0.999 quantile by degrees of freedom."""
+
+
 def chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
     """Pearson's statistic of the draws against `probs` over its support, and its dof."""
     support = torch.nonzero(probs > 0).flatten().tolist()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from speculative_common import chi_square
+from speculative_common import CHI2_999, chi_square
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import TINY, VOCAB, greedy, make_engine, prompt_ids
@@ -16,7 +16,6 @@ from radixserve.engine.speculative import Verifier
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import SamplingBatch, scale_and_filter
 
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
 """Chi-square quantiles at p = 0.999 by degrees of freedom."""
 
 

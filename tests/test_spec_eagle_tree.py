@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speculative_common import CHI2_999, chi_square
 from test_spec_eagle import _echo_head, _random_head, _save_target
-from test_speculative_acceptance import CHI2_999, _chi_square
 
 from conftest import VOCAB, greedy, make_engine, prompt_ids, save_tiny_model
 from radixserve.config import CacheConfig, LoadConfig
@@ -327,11 +327,11 @@ def test_tree_rejection_sampling_emits_the_target_distribution():
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8)
     results, target = _verify_tree_many(params)
     first = [r.tokens[0] for r in results]
-    stat, dof = _chi_square(first, target[0])
+    stat, dof = chi_square(first, target[0])
     assert stat < CHI2_999[dof], (stat, dof)
     second = [r.tokens[1] for r in results if r.path[:1] == [1]]
     assert len(second) == first.count(0) > 300
-    stat, dof = _chi_square(second, target[1])
+    stat, dof = chi_square(second, target[1])
     assert stat < CHI2_999[dof], (stat, dof)
     assert {tuple(r.path) for r in results} <= {(), (1,), (2,), (3,), (1, 4), (1, 5)}
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from speculative_common import chi_square
+from speculative_common import CHI2_999, chi_square
 
 from radixserve.engine.request import Req
 from radixserve.engine.speculative import Verifier
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import SamplingBatch, scale_and_filter
 
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
 """Chi-square quantiles at p = 0.999 by degrees of freedom."""
 TARGET_ROWS = (  # a verify row and the bonus row after it, vocab 10
     [3.0, 2.5, 2.0, 1.6, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0],
