@@ -108,13 +108,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.client.core_start import set_openmp_defaults
 
     set_openmp_defaults()  # before torch loads, so that the engine core can fork
+    from radixserve.engine.preflight import verify_engine_args
     from radixserve.server.launch import serve
 
+    engine_args = engine_args_from(args)
     try:
         server = resolve_keys(server_config_from(args))
-    except ValueError as exc:
+        verify_engine_args(None, engine_args)  # here, not as a traceback of the core's process
+    except (TypeError, ValueError) as exc:
         raise SystemExit(f"radixserve serve: {exc}") from None
-    return serve(engine_args_from(args), server)
+    return serve(engine_args, server)
 
 
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
@@ -144,7 +147,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from radixserve.model.tokenizer import chat_prompt_text
 
     start = time.perf_counter()
-    engine = Engine(**engine_args_from(args))
+    try:
+        engine = Engine(**engine_args_from(args))
+    except (TypeError, ValueError) as exc:  # a flag refused (loading errors name theirs too)
+        raise SystemExit(f"radixserve generate: {exc}") from None
     loaded_s = time.perf_counter() - start
     prompts = args.prompts
     if args.chat:
