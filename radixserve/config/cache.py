@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from radixserve.config.kv_events import KVEventsConfig
-from radixserve.config.load import dtype_named
+from radixserve.config.load import DTYPE_NAMES, dtype_named
 
 if TYPE_CHECKING:
     import torch
 
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_fused", "triton", "flashinfer")
+"""--attention-backend's choices (attention/__init__.py builds each)."""
 CPU_KV_MEMORY_FRACTION = 0.4
 """Of the memory available after the weights load: the CPU KV pool's default share (the rest
 stays for activations, the tokenizer, the page cache and the machine's other processes)."""
@@ -67,8 +70,28 @@ class CacheConfig:
     for a model without sliding windows): more memory, no sliding page space (SGLang's flag)."""
 
     def __post_init__(self) -> None:
-        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
-            raise ValueError(f"--cpu-kv-cache-gb must be > 0; got {self.cpu_kv_cache_gb}")
+        for name in ("page_size", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1; got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens must be >= 1; got {self.max_total_tokens}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"--mem-fraction-static must be in (0, 1]; got {self.mem_fraction_static}"
+            )
+        gb = self.cpu_kv_cache_gb
+        if gb is not None and not (0 < gb and math.isfinite(gb)):
+            raise ValueError(f"--cpu-kv-cache-gb must be a number > 0; got {gb}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            allowed = ", ".join(ATTENTION_BACKENDS)
+            raise ValueError(
+                f"--attention-backend must be one of {allowed}; got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", *DTYPE_NAMES):
+            allowed = ", ".join(DTYPE_NAMES)
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or one of {allowed}; got {self.kv_cache_dtype!r}"
+            )
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ValueError(
                 f"--swa-full-tokens-ratio must be in (0, 1]; got {self.swa_full_tokens_ratio}"
@@ -126,11 +149,11 @@ class HiCacheConfig:
         if policy not in HICACHE_WRITE_POLICIES:
             allowed = " | ".join(HICACHE_WRITE_POLICIES)
             raise ValueError(f"--hicache-write-policy must be one of {allowed}; got {policy!r}")
-        if self.hicache_size < 0:
+        if not (self.hicache_size >= 0 and math.isfinite(self.hicache_size)):
             raise ValueError(
                 f"--hicache-size must be > 0 GB (0: use --hicache-ratio); got {self.hicache_size}"
             )
-        if self.hicache_ratio <= 0:
+        if not (self.hicache_ratio > 0 and math.isfinite(self.hicache_ratio)):
             raise ValueError(f"--hicache-ratio must be > 0; got {self.hicache_ratio}")
         if self.hicache_dir is not None:
             _check_writable_dir(self.hicache_dir)
@@ -161,3 +184,7 @@ def _check_writable_dir(path: str) -> None:
         raise ValueError(f"--hicache-dir {path!r} cannot be created: {exc}") from exc
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--hicache-dir {path!r} is not a writable folder")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
