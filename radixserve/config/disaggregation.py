@@ -80,7 +80,7 @@ class DisaggregationConfig:
                 "--disaggregation-bootstrap-port must be in [0, 65535]; "
                 f"got {self.disaggregation_bootstrap_port}"
             )
-        if self.disaggregation_transfer_timeout <= 0:
+        if not self.disaggregation_transfer_timeout > 0:
             raise ValueError(
                 "--disaggregation-transfer-timeout must be > 0; "
                 f"got {self.disaggregation_transfer_timeout}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,8 +58,10 @@ class ParallelConfig:
         if self.dist_backend not in DIST_BACKENDS:
             allowed = ", ".join(DIST_BACKENDS)
             raise ValueError(f"--dist-backend must be one of {allowed}; got {self.dist_backend!r}")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
+        if not 0 < self.dist_timeout < math.inf:  # a timedelta: finite
+            raise ValueError(
+                f"--dist-timeout must be a number of seconds > 0; got {self.dist_timeout}"
+            )
         if self.dist_init_addr is not None:
             split_init_addr(self.dist_init_addr)
 

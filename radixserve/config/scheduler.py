@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # SGLang's names (SELF, AUTO: ours)
@@ -158,6 +159,15 @@ class SchedulerConfig:
         for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_bypass"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(
+                f"context_length must be >= 1 (unset: the model's); got {self.context_length}"
+            )
+        if not 0 <= self.schedule_conservativeness < math.inf:
+            raise ValueError(
+                "schedule_conservativeness must be a number >= 0; "
+                f"got {self.schedule_conservativeness}"
+            )
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(
                 f"chunked_prefill_size must be -1 or >= 1; got {self.chunked_prefill_size}"
@@ -187,7 +197,7 @@ class SchedulerConfig:
                 "speculative_ngram_max_match_window_size must be >= "
                 f"speculative_ngram_min_match_window_size ({low}); got {high}"
             )
-        if self.speculative_adaptive_threshold < 0:
+        if not self.speculative_adaptive_threshold >= 0:
             raise ValueError(
                 "speculative_adaptive_threshold must be >= 0; "
                 f"got {self.speculative_adaptive_threshold}"
@@ -208,7 +218,7 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}; got {getattr(self, name)}")
-        if not self.speculative_suffix_max_spec_factor > 0:
+        if not 0 < self.speculative_suffix_max_spec_factor < math.inf:
             raise ValueError(
                 "speculative_suffix_max_spec_factor must be > 0; "
                 f"got {self.speculative_suffix_max_spec_factor}"
