@@ -23,6 +23,7 @@ from radixserve.config import (
     TrainEagleConfig,
     resolve_keys,
 )
+from radixserve.config.server import LOG_LEVELS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the only top-level option is -h, so the command comes first
         return run_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level.lower() not in LOG_LEVELS:
+        allowed = " | ".join(LOG_LEVELS)
+        parser.error(f"argument --log-level: must be {allowed}; got {args.log_level!r}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if hasattr(args, "node_rank"):
         verify_parallel(args)

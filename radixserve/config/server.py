@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_PORT = 65535
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""--log-level's choices, in any case (logging's level names)."""
 
 
 @dataclass
@@ -90,9 +95,18 @@ class ServerConfig:
             "responses_store_max_mb",
             "responses_store_ttl",
         )
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        for name in positive:  # finite: sizes become ints, timeouts deadlines
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a number > 0; got {getattr(self, name)}")
+        if not 0 <= self.port <= MAX_PORT:
+            raise ValueError(f"port must be in [0, {MAX_PORT}]; got {self.port}")
+        if not self.host.strip():
+            raise ValueError(f"host must be an address or host name; got {self.host!r}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            allowed = " | ".join(LOG_LEVELS)
+            raise ValueError(f"log_level must be {allowed}; got {self.log_level!r}")
         for name in ("router_url", "advertise_url"):
             url = getattr(self, name)
             if url is not None and not url.startswith(("http://", "https://")):
