@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """sglang-router's --policy choices that need no extra setup (`manual` needs routing keys)."""
+MAX_PORT = 65535
 DEFAULT_WORKERS = 2
 """A fixed fleet's size when --workers is not given."""
 
@@ -92,6 +93,12 @@ class FleetConfig:
             if getattr(self, name) is not None and getattr(self, name) < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
+        for name, low in (("router_port", 1), ("worker_base_port", 1), ("fleet_port", 0)):
+            if not low <= getattr(self, name) <= MAX_PORT:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} must be in [{low}, {MAX_PORT}]; got {getattr(self, name)}"
+                )
         if self.policy not in ROUTER_POLICIES:
             allowed = " | ".join(ROUTER_POLICIES)
             raise ValueError(f"--policy must be one of {allowed}; got {self.policy!r}")
@@ -106,6 +113,12 @@ class FleetConfig:
             raise ValueError(
                 "--fleet-port is served by an autoscaled fleet: give --min-workers / "
                 "--max-workers (both N: a fleet of N with its port)"
+            )
+        last = self.worker_base_port + self.num_workers - 1
+        if last > MAX_PORT:
+            raise ValueError(
+                f"--worker-base-port {self.worker_base_port} + {self.num_workers} workers "
+                f"passes port {MAX_PORT}; lower it"
             )
 
     def _check_autoscale(self) -> None:
