@@ -146,9 +146,18 @@ def run_fleet(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.client.engine import Engine
     from radixserve.model.tokenizer import chat_prompt_text
+    from radixserve.sampling.params import SamplingParams
 
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "sampling_seed": args.sampling_seed,
+    }
     start = time.perf_counter()
-    try:
+    try:  # the sampling flags and --lora-path too, though they are read after the load
+        SamplingParams.from_dict(params).verify()
+        check_lora_path(args.lora_path, args.lora_paths)
         engine = Engine(**engine_args_from(args))
     except (TypeError, ValueError) as exc:  # a flag refused (loading errors name theirs too)
         raise SystemExit(f"radixserve generate: {exc}") from None
@@ -156,12 +165,6 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompts
     if args.chat:
         prompts = [chat_prompt_text(engine.tokenizer, p) for p in prompts]
-    params = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "sampling_seed": args.sampling_seed,
-    }
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, lora_path=args.lora_path)
     gen_s = time.perf_counter() - start
@@ -177,6 +180,16 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     engine.shutdown()
     return 0
+
+
+def check_lora_path(name: str | None, lora_paths: list[str] | None) -> None:
+    """`generate --lora-path NAME`: NAME must be one of the adapters --lora-paths loads."""
+    if name is None:
+        return
+    names = LoraConfig(lora_paths=lora_paths).adapter_paths()
+    if name not in names:
+        served = ", ".join(names) or "none"
+        raise ValueError(f"--lora-path {name!r} is not an adapter of --lora-paths ({served})")
 
 
 def run_train_eagle(args: argparse.Namespace) -> int:
