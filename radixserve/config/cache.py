@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_fused", "triton", "flashinfer")
 """--attention-backend's choices (attention/__init__.py builds each)."""
+MAX_CAPTURED_BS = 4096
+"""Most of --cuda-graph-max-bs / --torch-compile-max-bs: a graph (a compiled step) and its
+buffers for each of 1, 2, 4, 8, then every 8 sizes up to it (516 at 4096); 10**6 was 125k
+captures, 10**30 an OverflowError at start."""
 CPU_KV_MEMORY_FRACTION = 0.4
 """Of the memory available after the weights load: the CPU KV pool's default share (the rest
 stays for activations, the tokenizer, the page cache and the machine's other processes)."""
@@ -70,9 +74,15 @@ class CacheConfig:
     for a model without sliding windows): more memory, no sliding page space (SGLang's flag)."""
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "cuda_graph_max_bs"):
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1; got {self.page_size}")
+        for name in ("cuda_graph_max_bs", "torch_compile_max_bs"):  # one graph per 8 sizes
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1; got {getattr(self, name)}")
+            if getattr(self, name) > MAX_CAPTURED_BS:
+                raise ValueError(
+                    f"{_flag(name)} must be at most {MAX_CAPTURED_BS}; got {getattr(self, name)}"
+                )
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1; got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static <= 1:
@@ -81,7 +91,7 @@ class CacheConfig:
             )
         gb = self.cpu_kv_cache_gb
         if gb is not None and not (0 < gb and math.isfinite(gb)):
-            raise ValueError(f"--cpu-kv-cache-gb must be a number > 0; got {gb}")
+            raise ValueError(f"--cpu-kv-cache-gb must be > 0 (GiB, finite); got {gb}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             allowed = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(
@@ -95,10 +105,6 @@ class CacheConfig:
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ValueError(
                 f"--swa-full-tokens-ratio must be in (0, 1]; got {self.swa_full_tokens_ratio}"
-            )
-        if self.torch_compile_max_bs < 1:
-            raise ValueError(
-                f"--torch-compile-max-bs must be >= 1; got {self.torch_compile_max_bs}"
             )
 
     def kv_events(self) -> KVEventsConfig | None:
