@@ -175,6 +175,9 @@ class SchedulerConfig:
         self._verify_speculative()
 
     def _verify_speculative(self) -> None:
+        """The speculative flags' ranges, checked with speculation off too (an out-of-range
+        value is refused, not ignored); then the algorithm and its companions."""
+        self._verify_speculative_ranges()
         algorithm = self.speculative_algorithm
         if algorithm is None:
             return
@@ -182,6 +185,9 @@ class SchedulerConfig:
             names = ", ".join(SPECULATIVE_ALGORITHMS)
             raise ValueError(f"speculative_algorithm must be {names} or unset; got {algorithm!r}")
         self.speculative_algorithm = algorithm.upper()
+        self._verify_draft_model()
+
+    def _verify_speculative_ranges(self) -> None:
         for name in (
             "speculative_num_draft_tokens",
             "speculative_ngram_min_match_window_size",
@@ -189,6 +195,9 @@ class SchedulerConfig:
             "speculative_self_layers",
         ):
             if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("speculative_num_steps", "speculative_eagle_topk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         low = self.speculative_ngram_min_match_window_size
         high = self.speculative_ngram_max_match_window_size
@@ -206,7 +215,6 @@ class SchedulerConfig:
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1; got {limit}")
         self._verify_suffix()
-        self._verify_draft_model()
 
     def _verify_suffix(self) -> None:
         """The SUFFIX flags' ranges (SGLang / vLLM's; a negative request bound, arctic's
