@@ -110,13 +110,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     set_openmp_defaults()  # before torch loads, so that the engine core can fork
     from radixserve.engine.preflight import verify_engine_args
+    from radixserve.model.source import ModelLoadError
     from radixserve.server.launch import serve
 
     engine_args = engine_args_from(args)
     try:
         server = resolve_keys(server_config_from(args))
         verify_engine_args(None, engine_args)  # here, not as a traceback of the core's process
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ModelLoadError) as exc:
         raise SystemExit(f"radixserve serve: {exc}") from None
     return serve(engine_args, server)
 
@@ -145,6 +146,7 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.client.engine import Engine
+    from radixserve.model.source import ModelLoadError
     from radixserve.model.tokenizer import chat_prompt_text
     from radixserve.sampling.params import SamplingParams
 
@@ -159,7 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
         SamplingParams.from_dict(params).verify()
         check_lora_path(args.lora_path, args.lora_paths)
         engine = Engine(**engine_args_from(args))
-    except (TypeError, ValueError) as exc:  # a flag refused (loading errors name theirs too)
+    except (TypeError, ValueError, ModelLoadError) as exc:  # a flag refused, a model not found
         raise SystemExit(f"radixserve generate: {exc}") from None
     loaded_s = time.perf_counter() - start
     prompts = args.prompts

@@ -30,6 +30,7 @@ from radixserve.engine.speculative import with_default_head
 from radixserve.model.cpu_decode_stack import check_cpu_decode_stack
 from radixserve.model.loader import check_load_format
 from radixserve.model.quant.flag_checks import check_quantization_flags
+from radixserve.model.source import ModelLoadError, resolve_model
 
 
 class EngineConfigs(NamedTuple):
@@ -89,6 +90,9 @@ def verify_engine_configs(
         )
     lora = lora or LoraConfig()
     _verify_lora(lora, scheduler, parallel, hicache)
+    _resolve("--model", load.model)  # last: a bad flag is named first, whatever the model
+    if scheduler.speculative_algorithm == "STANDALONE":  # EAGLE heads: checked as they load
+        _resolve("--speculative-draft-model-path", scheduler.speculative_draft_model_path)
     return EngineConfigs(load, cache, scheduler, parallel, disaggregation, hicache, lora, kv_events)
 
 
@@ -105,6 +109,22 @@ def _verify_load(load: LoadConfig) -> None:
     load.torch_dtype()  # --dtype: one of DTYPE_NAMES or auto
     check_quantization_flags(load)
     check_cpu_decode_stack(load.cpu_decode_stack)
+    if not -(2**63) <= load.seed < 2**64:  # torch.manual_seed's range
+        raise ValueError(f"--seed must fit in 64 bits; got {load.seed}")
+
+
+def _resolve(flag: str, model: str | None) -> None:
+    """The model `flag` names exists (a folder, a .gguf file or a built-in config name):
+    found at start, not after the target model has loaded (None, the default model: the
+    loader says how to install it)."""
+    if model is None:
+        return
+    if not str(model).strip():
+        raise ValueError(f"{flag} must be a path or a built-in config name; got {model!r}")
+    try:
+        resolve_model(str(model))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{flag}: {exc}") from None
 
 
 def _verify_lora(
