@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
+import socket
 from dataclasses import dataclass
 
 MAX_PORT = 65535
@@ -100,8 +103,12 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a number > 0; got {getattr(self, name)}")
         if not 0 <= self.port <= MAX_PORT:
             raise ValueError(f"port must be in [0, {MAX_PORT}]; got {self.port}")
-        if not self.host.strip():
-            raise ValueError(f"host must be an address or host name; got {self.host!r}")
+        check_host(self.host, "host")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(
+                f"served_model_name must name the model (unset: its own name); "
+                f"got {self.served_model_name!r}"
+            )
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -113,3 +120,25 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an http(s):// URL; got {url!r}")
         if self.advertise_url is not None and self.router_url is None:
             raise ValueError("advertise_url is what --router-url is told; give --router-url too")
+
+
+HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(host: str, flag: str) -> None:
+    """ValueError naming `flag` unless `host` is an IP address or a host name (dot-separated
+    labels of letters, digits and inner hyphens). IPv4 shorthands that are neither are refused:
+    getaddrinfo reads "1.5" as 1.0.0.5 and "0x10" as 0.0.0.16."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    shorthand = True
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        shorthand = False
+    if shorthand or len(host) > 253 or not all(HOST_LABEL.fullmatch(x) for x in labels):
+        raise ValueError(f"{flag} must be an IP address or a host name; got {host!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -39,6 +40,7 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
             tool_format(config.tool_call_parser)
         if config.reasoning_parser is not None:
             reasoning_format(config.reasoning_parser)
+        check_resolves(config.host, config.port)
     except ValueError as exc:
         raise SystemExit(f"radixserve serve: {exc}") from None
     import_tokenizer_library()  # needed here anyway; a forked core inherits it
@@ -56,6 +58,14 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: finish closing
         client.close()
+
+
+def check_resolves(host: str, port: int) -> None:
+    """--host resolves to an address (else binding fails only once the model has loaded)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} does not resolve to an address: {exc}") from None
 
 
 class EarlyTokenizer:
