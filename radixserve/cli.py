@@ -133,13 +133,20 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
+    from radixserve.engine.preflight import verify_engine_args
     from radixserve.fleet.launch import run_fleet as launch_fleet
     from radixserve.fleet.router import RouterNotInstalledError
+    from radixserve.model.source import ModelLoadError
 
+    engine_args = engine_args_from(args)
     try:
         server = resolve_keys(server_config_from(args))
         config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
-        return launch_fleet(config, server, engine_args_from(args))
+        verify_engine_args(None, engine_args)  # the workers' flags, before any starts
+    except (TypeError, ValueError, ModelLoadError) as exc:
+        raise SystemExit(f"radixserve fleet: {exc}") from None
+    try:
+        return launch_fleet(config, server, engine_args)
     except (RouterNotInstalledError, ValueError) as exc:
         raise SystemExit(f"radixserve fleet: {exc}") from None
 
