@@ -127,8 +127,8 @@ HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 def check_host(host: str, flag: str) -> None:
     """ValueError naming `flag` unless `host` is an IP address or a host name (dot-separated
-    labels of letters, digits and inner hyphens). IPv4 shorthands that are neither are refused:
-    getaddrinfo reads "1.5" as 1.0.0.5 and "0x10" as 0.0.0.16."""
+    labels of letters, digits and inner hyphens, the last not all digits: RFC 3696). IPv4
+    shorthands are refused: getaddrinfo reads "1.5" as 1.0.0.5 and "0x10" as 0.0.0.16."""
     try:
         ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
         return
@@ -140,5 +140,15 @@ def check_host(host: str, flag: str) -> None:
         socket.inet_aton(host)
     except OSError:
         shorthand = False
-    if shorthand or len(host) > 253 or not all(HOST_LABEL.fullmatch(x) for x in labels):
+    named = all(HOST_LABEL.fullmatch(x) for x in labels) and not labels[-1].isdigit()
+    if shorthand or len(host) > 253 or not named:
         raise ValueError(f"{flag} must be an IP address or a host name; got {host!r}")
+
+
+def check_resolves(host: str, port: int, flag: str) -> None:
+    """`host` (given as `flag`) resolves to an address: else binding it fails only once the
+    model has loaded."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"{flag} {host!r} does not resolve to an address: {exc}") from None

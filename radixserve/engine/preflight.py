@@ -26,6 +26,8 @@ from radixserve.config import (
     SchedulerConfig,
     split_engine_kwargs,
 )
+from radixserve.config.server import check_resolves
+from radixserve.disagg.auth import load_secret
 from radixserve.engine.speculative import with_default_head
 from radixserve.model.cpu_decode_stack import check_cpu_decode_stack
 from radixserve.model.loader import check_load_format
@@ -82,6 +84,7 @@ def verify_engine_configs(
         import_zmq()
     disaggregation = disaggregation or DisaggregationConfig()
     disaggregation.verify(scheduler, parallel.tp_size)
+    _verify_transfer(disaggregation)
     if parallel.tp_size > 1 and scheduler.speculative_model_algorithm:
         raise ValueError(
             f"--speculative-algorithm {scheduler.speculative_algorithm} drafts with a model, "
@@ -125,6 +128,18 @@ def _resolve(flag: str, model: str | None) -> None:
         resolve_model(str(model))
     except ModelLoadError as exc:
         raise ModelLoadError(f"{flag}: {exc}") from None
+
+
+def _verify_transfer(config: DisaggregationConfig) -> None:
+    """A prefill or decode worker's secret file reads as a secret; a prefill worker's
+    --disaggregation-bootstrap-host resolves (both were found once the model had loaded)."""
+    if config.mode is None or config.disaggregation_transfer_backend == "fake":
+        return
+    if config.disaggregation_secret_file:
+        load_secret(config.disaggregation_secret_file)
+    if config.mode == "prefill":
+        host, port = config.disaggregation_bootstrap_host, config.disaggregation_bootstrap_port
+        check_resolves(host, port, "--disaggregation-bootstrap-host")
 
 
 def _verify_lora(
