@@ -137,12 +137,14 @@ def run_fleet(args: argparse.Namespace) -> int:
     from radixserve.fleet.launch import run_fleet as launch_fleet
     from radixserve.fleet.router import RouterNotInstalledError
     from radixserve.model.source import ModelLoadError
+    from radixserve.server.launch import check_server_names
 
     engine_args = engine_args_from(args)
     try:
         server = resolve_keys(server_config_from(args))
         config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
-        verify_engine_args(None, engine_args)  # the workers' flags, before any starts
+        check_server_names(server)  # the workers' and router's flags, before any starts
+        verify_engine_args(None, engine_args)
     except (TypeError, ValueError, ModelLoadError) as exc:
         raise SystemExit(f"radixserve fleet: {exc}") from None
     try:
