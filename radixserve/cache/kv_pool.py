@@ -117,8 +117,8 @@ def pool_shape(
     num_pages = num_tokens // page_size + RESERVED_PAGES
     if num_pages <= RESERVED_PAGES:
         raise ValueError(
-            f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens; "
-            "raise max_total_tokens or the memory budget"
+            f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens "
+            "(--page-size); raise --max-total-tokens or the memory budget"
         )
     return PoolShape(
         num_layers=model_config.num_layers,
