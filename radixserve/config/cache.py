@@ -33,7 +33,8 @@ class CacheConfig:
     max_total_tokens: int | None = None
     """KV pool capacity in tokens; default: sized from the memory budget."""
     mem_fraction_static: float = 0.85
-    """On CUDA: fraction of GPU memory for weights + KV pool (+ CUDA graphs, estimated)."""
+    """On CUDA: fraction of GPU memory for weights + KV pool (+ CUDA graphs, estimated), in
+    (0, 1]."""
     cpu_kv_cache_gb: float | None = None
     """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given; default:
     CPU_KV_MEMORY_FRACTION of the memory available once the weights are loaded (within the
@@ -45,15 +46,16 @@ class CacheConfig:
     disable_cuda_graph: bool = False
     """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 256
-    """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    """Largest decode batch captured as a CUDA graph (at most 4096); larger batches run
+    eagerly."""
     enable_torch_compile: bool = False
     """On CPU (cpu_fused attention): run decode steps compiled by torch.compile (inductor),
     one static shape per padded batch size, each compiled on first use (seconds to a minute;
     inductor caches the code on disk). Falls back to eager, with a log line, where compiling
     fails. Off by default: see docs/performance.md for what it gains."""
     torch_compile_max_bs: int = 32
-    """Largest decode batch run compiled (sizes 1, 2, 4, 8, then every 8); larger batches
-    run eagerly. SGLang's default."""
+    """Largest decode batch run compiled (sizes 1, 2, 4, 8, then every 8; at most 4096); larger
+    batches run eagerly. SGLang's default."""
     kv_cache_dtype: str = "auto"
     """auto (the model's --dtype) | float32 | bfloat16 | float16. One other than the model's
     dtype needs --attention-backend torch_native or cpu_fused, which cast K/V as they read."""

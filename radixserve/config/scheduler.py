@@ -61,7 +61,8 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
-    """Longest prompt + output; default: the model's max_position_embeddings."""
+    """Longest prompt + output (>= 1; its RoPE table must fit in memory); default: the model's
+    max_position_embeddings."""
     # 64: a compiled grammar of a 50k-token vocabulary holds its token-mask cache (up to a
     # few MB); recompiling one evicted takes about a second on the grammar thread.
     grammar_cache_size: int = 64

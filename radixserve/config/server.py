@@ -18,7 +18,8 @@ class ServerConfig:
     """The HTTP server around the engine core."""
 
     host: str = "127.0.0.1"
-    """Address to bind; loopback unless told otherwise."""
+    """Address to bind (an IP address, or a host name that resolves); loopback unless told
+    otherwise."""
     port: int = 30000
     """Port to listen on."""
     api_key: str | None = None
