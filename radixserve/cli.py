@@ -23,6 +23,7 @@ from radixserve.config import (
     TrainEagleConfig,
     resolve_keys,
 )
+from radixserve.config.server import LOG_LEVELS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,13 +109,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.client.core_start import set_openmp_defaults
 
     set_openmp_defaults()  # before torch loads, so that the engine core can fork
+    from radixserve.engine.preflight import verify_engine_args
+    from radixserve.model.source import ModelLoadError
     from radixserve.server.launch import serve
 
+    engine_args = engine_args_from(args)
     try:
         server = resolve_keys(server_config_from(args))
-    except ValueError as exc:
+        verify_engine_args(None, engine_args)  # here, not as a traceback of the core's process
+    except (TypeError, ValueError, ModelLoadError) as exc:
         raise SystemExit(f"radixserve serve: {exc}") from None
-    return serve(engine_args_from(args), server)
+    return serve(engine_args, server)
 
 
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
@@ -128,33 +133,49 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
+    from radixserve.engine.preflight import verify_engine_args
     from radixserve.fleet.launch import run_fleet as launch_fleet
     from radixserve.fleet.router import RouterNotInstalledError
+    from radixserve.model.source import ModelLoadError
+    from radixserve.server.launch import check_server_names
 
+    engine_args = engine_args_from(args)
     try:
         server = resolve_keys(server_config_from(args))
         config = FleetConfig(**{name: getattr(args, name) for name in field_names(FleetConfig)})
-        return launch_fleet(config, server, engine_args_from(args))
+        check_server_names(server)  # the workers' and router's flags, before any starts
+        verify_engine_args(None, engine_args)
+    except (TypeError, ValueError, ModelLoadError) as exc:
+        raise SystemExit(f"radixserve fleet: {exc}") from None
+    try:
+        return launch_fleet(config, server, engine_args)
     except (RouterNotInstalledError, ValueError) as exc:
         raise SystemExit(f"radixserve fleet: {exc}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve.client.engine import Engine
+    from radixserve.model.source import ModelLoadError
     from radixserve.model.tokenizer import chat_prompt_text
+    from radixserve.sampling.params import SamplingParams
 
-    start = time.perf_counter()
-    engine = Engine(**engine_args_from(args))
-    loaded_s = time.perf_counter() - start
-    prompts = args.prompts
-    if args.chat:
-        prompts = [chat_prompt_text(engine.tokenizer, p) for p in prompts]
     params = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "sampling_seed": args.sampling_seed,
     }
+    start = time.perf_counter()
+    try:  # the sampling flags and --lora-path too, though they are read after the load
+        SamplingParams.from_dict(params).verify()
+        check_lora_path(args.lora_path, args.lora_paths)
+        engine = Engine(**engine_args_from(args))
+    except (TypeError, ValueError, ModelLoadError) as exc:  # a flag refused, a model not found
+        raise SystemExit(f"radixserve generate: {exc}") from None
+    loaded_s = time.perf_counter() - start
+    prompts = args.prompts
+    if args.chat:
+        prompts = [chat_prompt_text(engine.tokenizer, p) for p in prompts]
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, lora_path=args.lora_path)
     gen_s = time.perf_counter() - start
@@ -170,6 +191,16 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     engine.shutdown()
     return 0
+
+
+def check_lora_path(name: str | None, lora_paths: list[str] | None) -> None:
+    """`generate --lora-path NAME`: NAME must be one of the adapters --lora-paths loads."""
+    if name is None:
+        return
+    names = LoraConfig(lora_paths=lora_paths).adapter_paths()
+    if name not in names:
+        served = ", ".join(names) or "none"
+        raise ValueError(f"--lora-path {name!r} is not an adapter of --lora-paths ({served})")
 
 
 def run_train_eagle(args: argparse.Namespace) -> int:
@@ -227,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the only top-level option is -h, so the command comes first
         return run_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level.lower() not in LOG_LEVELS:
+        allowed = " | ".join(LOG_LEVELS)
+        parser.error(f"argument --log-level: must be {allowed}; got {args.log_level!r}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if hasattr(args, "node_rank"):
         verify_parallel(args)

@@ -10,12 +10,14 @@ needs contiguous memory. Page 0 is reserved as a scratch page: padded entries of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.config import CacheConfig, ModelConfig
+from radixserve.native.machine import check_fits
 
 RESERVED_PAGES = 1  # page 0: scratch
 
@@ -105,9 +107,7 @@ def pool_shape(
     budget_bytes: int | None = None,
 ) -> PoolShape:
     """The pool's shape: `max_total_tokens`, else `budget_bytes` // `bytes_per_token` tokens."""
-    page_size = cache_config.page_size
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1; got {page_size}")
+    page_size = cache_config.page_size  # >= 1: CacheConfig checks it
     if cache_config.max_total_tokens is not None:
         num_tokens = cache_config.max_total_tokens
     elif budget_bytes is not None:
@@ -117,8 +117,8 @@ def pool_shape(
     num_pages = num_tokens // page_size + RESERVED_PAGES
     if num_pages <= RESERVED_PAGES:
         raise ValueError(
-            f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens; "
-            "raise max_total_tokens or the memory budget"
+            f"KV pool of {num_tokens} tokens holds no page of {page_size} tokens "
+            "(--page-size); raise --max-total-tokens or the memory budget"
         )
     return PoolShape(
         num_layers=model_config.num_layers,
@@ -146,6 +146,12 @@ class KVPool:
             shape.num_pages * shape.page_size,
             shape.num_kv_heads,
             shape.head_dim,
+        )
+        check_fits(
+            2 * math.prod(dims) * dtype.itemsize,
+            self.device,
+            f"a KV pool of {shape.num_pages * shape.page_size} tokens",
+            "lower --max-total-tokens (or --cpu-kv-cache-gb, --mem-fraction-static)",
         )
         # Uninitialized (no multi-GB memset up front): a page is zeroed when first handed out,
         # and the scratch page now, so that attention reading whole pages (masked positions

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from radixserve.config.kv_events import KVEventsConfig
-from radixserve.config.load import dtype_named
+from radixserve.config.load import DTYPE_NAMES, dtype_named
 
 if TYPE_CHECKING:
     import torch
 
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_fused", "triton", "flashinfer")
+"""--attention-backend's choices (attention/__init__.py builds each)."""
+MAX_CAPTURED_BS = 4096
+"""Most of --cuda-graph-max-bs / --torch-compile-max-bs: a graph (a compiled step) and its
+buffers for each of 1, 2, 4, 8, then every 8 sizes up to it (516 at 4096); 10**6 was 125k
+captures, 10**30 an OverflowError at start."""
 CPU_KV_MEMORY_FRACTION = 0.4
 """Of the memory available after the weights load: the CPU KV pool's default share (the rest
 stays for activations, the tokenizer, the page cache and the machine's other processes)."""
@@ -26,7 +33,8 @@ class CacheConfig:
     max_total_tokens: int | None = None
     """KV pool capacity in tokens; default: sized from the memory budget."""
     mem_fraction_static: float = 0.85
-    """On CUDA: fraction of GPU memory for weights + KV pool (+ CUDA graphs, estimated)."""
+    """On CUDA: fraction of GPU memory for weights + KV pool (+ CUDA graphs, estimated), in
+    (0, 1]."""
     cpu_kv_cache_gb: float | None = None
     """On CPU: GiB of RAM for the KV pool when --max-total-tokens is not given; default:
     CPU_KV_MEMORY_FRACTION of the memory available once the weights are loaded (within the
@@ -38,15 +46,16 @@ class CacheConfig:
     disable_cuda_graph: bool = False
     """On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_max_bs: int = 256
-    """Largest decode batch captured as a CUDA graph; larger batches run eagerly."""
+    """Largest decode batch captured as a CUDA graph (at most 4096); larger batches run
+    eagerly."""
     enable_torch_compile: bool = False
     """On CPU (cpu_fused attention): run decode steps compiled by torch.compile (inductor),
     one static shape per padded batch size, each compiled on first use (seconds to a minute;
     inductor caches the code on disk). Falls back to eager, with a log line, where compiling
     fails. Off by default: see docs/performance.md for what it gains."""
     torch_compile_max_bs: int = 32
-    """Largest decode batch run compiled (sizes 1, 2, 4, 8, then every 8); larger batches
-    run eagerly. SGLang's default."""
+    """Largest decode batch run compiled (sizes 1, 2, 4, 8, then every 8; at most 4096); larger
+    batches run eagerly. SGLang's default."""
     kv_cache_dtype: str = "auto"
     """auto (the model's --dtype) | float32 | bfloat16 | float16. One other than the model's
     dtype needs --attention-backend torch_native or cpu_fused, which cast K/V as they read."""
@@ -67,15 +76,37 @@ class CacheConfig:
     for a model without sliding windows): more memory, no sliding page space (SGLang's flag)."""
 
     def __post_init__(self) -> None:
-        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
-            raise ValueError(f"--cpu-kv-cache-gb must be > 0; got {self.cpu_kv_cache_gb}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1; got {self.page_size}")
+        for name in ("cuda_graph_max_bs", "torch_compile_max_bs"):  # one graph per 8 sizes
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1; got {getattr(self, name)}")
+            if getattr(self, name) > MAX_CAPTURED_BS:
+                raise ValueError(
+                    f"{_flag(name)} must be at most {MAX_CAPTURED_BS}; got {getattr(self, name)}"
+                )
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens must be >= 1; got {self.max_total_tokens}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"--mem-fraction-static must be in (0, 1]; got {self.mem_fraction_static}"
+            )
+        gb = self.cpu_kv_cache_gb
+        if gb is not None and not (0 < gb and math.isfinite(gb)):
+            raise ValueError(f"--cpu-kv-cache-gb must be > 0 (GiB, finite); got {gb}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            allowed = ", ".join(ATTENTION_BACKENDS)
+            raise ValueError(
+                f"--attention-backend must be one of {allowed}; got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", *DTYPE_NAMES):
+            allowed = ", ".join(DTYPE_NAMES)
+            raise ValueError(
+                f"--kv-cache-dtype must be auto or one of {allowed}; got {self.kv_cache_dtype!r}"
+            )
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ValueError(
                 f"--swa-full-tokens-ratio must be in (0, 1]; got {self.swa_full_tokens_ratio}"
-            )
-        if self.torch_compile_max_bs < 1:
-            raise ValueError(
-                f"--torch-compile-max-bs must be >= 1; got {self.torch_compile_max_bs}"
             )
 
     def kv_events(self) -> KVEventsConfig | None:
@@ -126,11 +157,11 @@ class HiCacheConfig:
         if policy not in HICACHE_WRITE_POLICIES:
             allowed = " | ".join(HICACHE_WRITE_POLICIES)
             raise ValueError(f"--hicache-write-policy must be one of {allowed}; got {policy!r}")
-        if self.hicache_size < 0:
+        if not (self.hicache_size >= 0 and math.isfinite(self.hicache_size)):
             raise ValueError(
                 f"--hicache-size must be > 0 GB (0: use --hicache-ratio); got {self.hicache_size}"
             )
-        if self.hicache_ratio <= 0:
+        if not (self.hicache_ratio > 0 and math.isfinite(self.hicache_ratio)):
             raise ValueError(f"--hicache-ratio must be > 0; got {self.hicache_ratio}")
         if self.hicache_dir is not None:
             _check_writable_dir(self.hicache_dir)
@@ -161,3 +192,7 @@ def _check_writable_dir(path: str) -> None:
         raise ValueError(f"--hicache-dir {path!r} cannot be created: {exc}") from exc
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--hicache-dir {path!r} is not a writable folder")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

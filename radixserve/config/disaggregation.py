@@ -6,6 +6,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from radixserve.config.server import check_host
+
 if TYPE_CHECKING:
     from radixserve.config.scheduler import SchedulerConfig
 
@@ -75,12 +77,13 @@ class DisaggregationConfig:
                 "--disaggregation-transfer-backend must be tcp | fake; "
                 f"got {self.disaggregation_transfer_backend!r}"
             )
+        check_host(self.disaggregation_bootstrap_host, "--disaggregation-bootstrap-host")
         if not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ValueError(
                 "--disaggregation-bootstrap-port must be in [0, 65535]; "
                 f"got {self.disaggregation_bootstrap_port}"
             )
-        if self.disaggregation_transfer_timeout <= 0:
+        if not self.disaggregation_transfer_timeout > 0:
             raise ValueError(
                 "--disaggregation-transfer-timeout must be > 0; "
                 f"got {self.disaggregation_transfer_timeout}"

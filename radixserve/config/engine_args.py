@@ -7,6 +7,7 @@ from typing import Any
 
 from radixserve.config.cache import CacheConfig, HiCacheConfig
 from radixserve.config.disaggregation import DisaggregationConfig
+from radixserve.config.field_types import check_field_types
 from radixserve.config.load import LoadConfig
 from radixserve.config.lora import LoraConfig
 from radixserve.config.parallel import ParallelConfig
@@ -24,7 +25,9 @@ def split_engine_kwargs(
     HiCacheConfig,
     LoraConfig,
 ]:
-    """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses."""
+    """Distributes flat engine arguments (`page_size=16`, ...) over the config dataclasses;
+    an unknown keyword or a value its field cannot hold (field_types.py) is a TypeError
+    naming it."""
     groups = (
         LoadConfig,
         CacheConfig,
@@ -42,4 +45,6 @@ def split_engine_kwargs(
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         values[owner][key] = value
+    for cls in groups:
+        check_field_types(cls, values[cls])
     return tuple(cls(**values[cls]) for cls in groups)

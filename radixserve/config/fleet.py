@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import shlex
+import threading
 from dataclasses import dataclass
+
+from radixserve.config.server import check_host
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """sglang-router's --policy choices that need no extra setup (`manual` needs routing keys)."""
+MAX_PORT = 65535
 DEFAULT_WORKERS = 2
 """A fixed fleet's size when --workers is not given."""
 
@@ -92,6 +98,18 @@ class FleetConfig:
             if getattr(self, name) is not None and getattr(self, name) < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
+        for name, low in (("router_port", 1), ("worker_base_port", 1), ("fleet_port", 0)):
+            if not low <= getattr(self, name) <= MAX_PORT:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} must be in [{low}, {MAX_PORT}]; got {getattr(self, name)}"
+                )
+        check_host(self.fleet_host, "--fleet-host")
+        try:
+            shlex.split(self.router_args)
+        except ValueError as exc:
+            raise ValueError(f"--router-args must be shell-quoted flags: {exc}") from None
+        self._check_times()
         if self.policy not in ROUTER_POLICIES:
             allowed = " | ".join(ROUTER_POLICIES)
             raise ValueError(f"--policy must be one of {allowed}; got {self.policy!r}")
@@ -106,6 +124,12 @@ class FleetConfig:
             raise ValueError(
                 "--fleet-port is served by an autoscaled fleet: give --min-workers / "
                 "--max-workers (both N: a fleet of N with its port)"
+            )
+        last = self.worker_base_port + self.num_workers - 1
+        if last > MAX_PORT:
+            raise ValueError(
+                f"--worker-base-port {self.worker_base_port} + {self.num_workers} workers "
+                f"passes port {MAX_PORT}; lower it"
             )
 
     def _check_autoscale(self) -> None:
@@ -125,14 +149,24 @@ class FleetConfig:
                 "--min-workers must be >= 1 and <= --max-workers; got "
                 f"{self.min_workers} and {self.max_workers}"
             )
-        positive = ("scale_up_queue_per_worker", "scale_interval_s", "scale_down_idle_s")
-        for name in positive:
-            if getattr(self, name) <= 0:
+
+    def _check_times(self) -> None:
+        """The timing and scaling flags, finite and in range (the autoscaling ones checked for
+        a fixed fleet too: an out-of-range value is refused, not ignored)."""
+        for name, low in (
+            ("startup_timeout_s", 0),
+            ("scale_up_queue_per_worker", 0),
+            ("scale_interval_s", 0),
+            ("scale_down_idle_s", 0),
+        ):
+            if not low < getattr(self, name) < math.inf:
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be > 0; got {getattr(self, name)}")
-        if self.scale_cooldown_s < 0:
+                raise ValueError(f"{flag} must be a number > 0; got {getattr(self, name)}")
+        if self.scale_interval_s > threading.TIMEOUT_MAX:  # the autoscaler's Event.wait
+            raise ValueError(f"--scale-interval-s must be at most {threading.TIMEOUT_MAX:.0f}")
+        if not 0 <= self.scale_cooldown_s < math.inf:
             raise ValueError(f"--scale-cooldown-s must be >= 0; got {self.scale_cooldown_s}")
-        if self.scale_up_ttft_target_s < 0:
+        if not 0 <= self.scale_up_ttft_target_s < math.inf:
             raise ValueError(
                 f"--scale-up-ttft-target-s must be >= 0 (0: off); got {self.scale_up_ttft_target_s}"
             )

@@ -98,7 +98,12 @@ class LoadConfig:
 
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            return torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:  # torch's own list of every device type
+            raise ValueError(
+                f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}"
+            ) from exc
 
     def quant_compute_dtype(self) -> torch.dtype:
         """The dtype int8 / int4 kernels compute in: with --dtype auto on CPU, bfloat16 (torch's

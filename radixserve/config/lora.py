@@ -107,9 +107,8 @@ def parse_lora_path(entry: str) -> tuple[str, str]:
     if not sep:
         path = entry
         name = os.path.basename(os.path.normpath(entry))
-    if not name or not path:
-        raise ValueError(f"--lora-paths entry {entry!r} needs a non-empty name and path")
-    check_lora_name(name)
+    if not name or not path or LORA_NAME_FORBIDDEN in name:
+        raise ValueError(f"--lora-paths entry {entry!r} needs a non-empty name (no NUL) and path")
     return name, path
 
 

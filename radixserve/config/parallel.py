@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
 DIST_BACKENDS = ("auto", "nccl", "gloo")
-DEFAULT_INIT_ADDR = "127.0.0.1:0"  # loopback, a port the kernel picks
+DEFAULT_INIT_ADDR = "127.0.0.1:0"
+MAX_TIMEDELTA_S = timedelta.max.total_seconds()  # loopback, a port the kernel picks
 
 
 @dataclass
@@ -57,8 +59,11 @@ class ParallelConfig:
         if self.dist_backend not in DIST_BACKENDS:
             allowed = ", ".join(DIST_BACKENDS)
             raise ValueError(f"--dist-backend must be one of {allowed}; got {self.dist_backend!r}")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
+        if not 0 < self.dist_timeout <= MAX_TIMEDELTA_S:  # torch.distributed takes a timedelta
+            raise ValueError(
+                f"--dist-timeout must be seconds in (0, {MAX_TIMEDELTA_S:.0f}]; "
+                f"got {self.dist_timeout}"
+            )
         if self.dist_init_addr is not None:
             split_init_addr(self.dist_init_addr)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # SGLang's names (SELF, AUTO: ours)
@@ -60,7 +61,8 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     """Scales the estimate of output still to come at admission (higher: fewer retractions)."""
     context_length: int | None = None
-    """Longest prompt + output; default: the model's max_position_embeddings."""
+    """Longest prompt + output (>= 1; its RoPE table must fit in memory); default: the model's
+    max_position_embeddings."""
     # 64: a compiled grammar of a 50k-token vocabulary holds its token-mask cache (up to a
     # few MB); recompiling one evicted takes about a second on the grammar thread.
     grammar_cache_size: int = 64
@@ -158,6 +160,15 @@ class SchedulerConfig:
         for name in ("max_prefill_tokens", "max_running_requests", "schedule_max_bypass"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(
+                f"context_length must be >= 1 (unset: the model's); got {self.context_length}"
+            )
+        if not 0 <= self.schedule_conservativeness < math.inf:
+            raise ValueError(
+                "schedule_conservativeness must be a number >= 0; "
+                f"got {self.schedule_conservativeness}"
+            )
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(
                 f"chunked_prefill_size must be -1 or >= 1; got {self.chunked_prefill_size}"
@@ -165,6 +176,9 @@ class SchedulerConfig:
         self._verify_speculative()
 
     def _verify_speculative(self) -> None:
+        """The speculative flags' ranges, checked with speculation off too (an out-of-range
+        value is refused, not ignored); then the algorithm and its companions."""
+        self._verify_speculative_ranges()
         algorithm = self.speculative_algorithm
         if algorithm is None:
             return
@@ -172,6 +186,9 @@ class SchedulerConfig:
             names = ", ".join(SPECULATIVE_ALGORITHMS)
             raise ValueError(f"speculative_algorithm must be {names} or unset; got {algorithm!r}")
         self.speculative_algorithm = algorithm.upper()
+        self._verify_draft_model()
+
+    def _verify_speculative_ranges(self) -> None:
         for name in (
             "speculative_num_draft_tokens",
             "speculative_ngram_min_match_window_size",
@@ -180,6 +197,9 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("speculative_num_steps", "speculative_eagle_topk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         low = self.speculative_ngram_min_match_window_size
         high = self.speculative_ngram_max_match_window_size
         if high < low:
@@ -187,7 +207,7 @@ class SchedulerConfig:
                 "speculative_ngram_max_match_window_size must be >= "
                 f"speculative_ngram_min_match_window_size ({low}); got {high}"
             )
-        if self.speculative_adaptive_threshold < 0:
+        if not self.speculative_adaptive_threshold >= 0:
             raise ValueError(
                 "speculative_adaptive_threshold must be >= 0; "
                 f"got {self.speculative_adaptive_threshold}"
@@ -196,7 +216,6 @@ class SchedulerConfig:
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1; got {limit}")
         self._verify_suffix()
-        self._verify_draft_model()
 
     def _verify_suffix(self) -> None:
         """The SUFFIX flags' ranges (SGLang / vLLM's; a negative request bound, arctic's
@@ -208,7 +227,7 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}; got {getattr(self, name)}")
-        if not self.speculative_suffix_max_spec_factor > 0:
+        if not 0 < self.speculative_suffix_max_spec_factor < math.inf:
             raise ValueError(
                 "speculative_suffix_max_spec_factor must be > 0; "
                 f"got {self.speculative_suffix_max_spec_factor}"

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
+import socket
 from dataclasses import dataclass
+
+MAX_PORT = 65535
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""--log-level's choices, in any case (logging's level names)."""
 
 
 @dataclass
@@ -10,7 +18,8 @@ class ServerConfig:
     """The HTTP server around the engine core."""
 
     host: str = "127.0.0.1"
-    """Address to bind; loopback unless told otherwise."""
+    """Address to bind (an IP address, or a host name that resolves); loopback unless told
+    otherwise."""
     port: int = 30000
     """Port to listen on."""
     api_key: str | None = None
@@ -90,12 +99,57 @@ class ServerConfig:
             "responses_store_max_mb",
             "responses_store_ttl",
         )
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        for name in positive:  # finite: sizes become ints, timeouts deadlines
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a number > 0; got {getattr(self, name)}")
+        if not 0 <= self.port <= MAX_PORT:
+            raise ValueError(f"port must be in [0, {MAX_PORT}]; got {self.port}")
+        check_host(self.host, "host")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(
+                f"served_model_name must name the model (unset: its own name); "
+                f"got {self.served_model_name!r}"
+            )
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            allowed = " | ".join(LOG_LEVELS)
+            raise ValueError(f"log_level must be {allowed}; got {self.log_level!r}")
         for name in ("router_url", "advertise_url"):
             url = getattr(self, name)
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name} must be an http(s):// URL; got {url!r}")
         if self.advertise_url is not None and self.router_url is None:
             raise ValueError("advertise_url is what --router-url is told; give --router-url too")
+
+
+HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(host: str, flag: str) -> None:
+    """ValueError naming `flag` unless `host` is an IP address or a host name (dot-separated
+    labels of letters, digits and inner hyphens, the last not all digits: RFC 3696). IPv4
+    shorthands are refused: getaddrinfo reads "1.5" as 1.0.0.5 and "0x10" as 0.0.0.16."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    shorthand = True
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        shorthand = False
+    named = all(HOST_LABEL.fullmatch(x) for x in labels) and not labels[-1].isdigit()
+    if shorthand or len(host) > 253 or not named:
+        raise ValueError(f"{flag} must be an IP address or a host name; got {host!r}")
+
+
+def check_resolves(host: str, port: int, flag: str) -> None:
+    """`host` (given as `flag`) resolves to an address: else binding it fails only once the
+    model has loaded."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"{flag} {host!r} does not resolve to an address: {exc}") from None

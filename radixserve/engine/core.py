@@ -23,8 +23,9 @@ from radixserve.config import (
     SchedulerConfig,
 )
 from radixserve.config.lora import check_lora_name
+from radixserve.engine.preflight import verify_engine_configs
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.speculative import create_drafter, with_default_head
+from radixserve.engine.speculative import create_drafter
 from radixserve.model.fingerprint import model_fingerprint
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.lora import LoraWeights, load_lora_weights
@@ -60,39 +61,24 @@ class EngineCore:
         hicache_config: HiCacheConfig | None = None,
         lora_config: LoraConfig | None = None,
     ) -> EngineCore:
-        scheduler_config = with_default_head(load_config, scheduler_config)
-        scheduler_config.verify()
-        parallel_config = parallel_config or ParallelConfig()
-        parallel_config.verify()
-        hicache_config = hicache_config or HiCacheConfig()
-        hicache_config.verify()
-        if parallel_config.tp_size > 1 and hicache_config.enable_hierarchical_cache:
-            raise ValueError(
-                "--enable-hierarchical-cache keeps rank 0's KV only, so it does not work with "
-                f"--tp-size {parallel_config.tp_size} yet; use --tp-size 1"
-            )
-        kv_events = cache_config.kv_events()  # a bad flag or no pyzmq: fail before loading
-        if kv_events is not None and kv_events.publisher == "zmq":
-            from radixserve.engine.kv_publisher import import_zmq
-
-            import_zmq()
-        disaggregation_config = disaggregation_config or DisaggregationConfig()
-        disaggregation_config.verify(scheduler_config, parallel_config.tp_size)
-        algorithm = scheduler_config.speculative_algorithm
-        if parallel_config.tp_size > 1 and scheduler_config.speculative_model_algorithm:
-            raise ValueError(
-                f"--speculative-algorithm {algorithm} drafts with a model, which is not sharded "
-                f"over --tp-size {parallel_config.tp_size} yet; use NGRAM or --tp-size 1"
-            )
-        lora_config = lora_config or LoraConfig()
-        _check_lora(lora_config, scheduler_config, parallel_config, hicache_config)
+        checked = verify_engine_configs(
+            load_config,
+            cache_config,
+            scheduler_config,
+            parallel_config,
+            disaggregation_config,
+            hicache_config,
+            lora_config,
+        )
+        scheduler_config, parallel_config = checked.scheduler, checked.parallel
+        lora_config = checked.lora
         loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
         publisher = None
         try:
             _attach_lora(loaded, runner, lora_config, load_config.enable_deterministic_inference)
-            publisher = _start_publisher(kv_events)
-            configs = (load_config, cache_config, scheduler_config, disaggregation_config)
-            core = cls._assemble(loaded, runner, *configs, hicache_config, publisher)
+            publisher = _start_publisher(checked.kv_events)
+            configs = (load_config, cache_config, scheduler_config, checked.disaggregation)
+            core = cls._assemble(loaded, runner, *configs, checked.hicache, publisher)
             core.lora_config = lora_config
             return core
         except BaseException:
@@ -252,30 +238,6 @@ class EngineCore:
             **scheduler.stats.as_dict(),
             **(self.kv_publisher.stats() if self.kv_publisher else {}),
         }
-
-
-def _check_lora(
-    lora: LoraConfig,
-    scheduler: SchedulerConfig,
-    parallel: ParallelConfig,
-    hicache: HiCacheConfig,
-) -> None:
-    """Refuses, before the model loads, what LoRA serving does not cover yet."""
-    lora.verify()
-    if not lora.enabled:
-        return
-    if parallel.tp_size > 1:
-        raise ValueError(f"--enable-lora is not sharded over --tp-size {parallel.tp_size} yet")
-    if scheduler.speculative_algorithm is not None:
-        raise ValueError(
-            f"--enable-lora does not work with --speculative-algorithm "
-            f"{scheduler.speculative_algorithm} yet (drafts would ignore the adapter)"
-        )
-    if hicache.enable_hierarchical_cache:
-        raise ValueError(
-            "--enable-lora does not work with --enable-hierarchical-cache yet (a tier on disk "
-            "does not record which adapter weights its KV came from)"
-        )
 
 
 def _attach_lora(

@@ -45,6 +45,7 @@ from radixserve.config import (
     split_engine_kwargs,
 )
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
+from radixserve.config.fleet import MAX_PORT
 from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
 from radixserve.fleet.probes import router_live, router_ready, worker_healthy
 from radixserve.fleet.router import PDWorkers, require_router, router_command
@@ -148,8 +149,7 @@ def worker_engine_args(
 ) -> dict[str, Any]:
     """Worker `index`'s engine arguments: its own KV event sockets (port + index) and its own
     hierarchical cache folder (`<--hicache-dir>/worker-<index>`: a tier file is one
-    process's), if any; in a PD fleet its --disaggregation-mode, and a prefill worker its own
-    bootstrap port."""
+    process's), if any; in a PD fleet its --disaggregation-mode (prefill: a bootstrap port)."""
     if engine_args.get("hicache_dir"):
         folder = os.path.join(engine_args["hicache_dir"], f"worker-{index}")
         engine_args = engine_args | {"hicache_dir": folder}
@@ -163,10 +163,10 @@ def worker_engine_args(
     if mode == "decode":
         return engine_args
     base = engine_args.get("disaggregation_bootstrap_port", SGLANG_BOOTSTRAP_PORT)
-    if base == 0:
+    if base == 0 or base + index > MAX_PORT:
         raise ValueError(
             "--disaggregation-bootstrap-port must be a fixed port in a PD fleet (the router "
-            "is told each prefill worker's: that port + i); got 0"
+            f"is told each prefill worker's: that port + i, at most {MAX_PORT}); got {base}"
         )
     return engine_args | {"disaggregation_bootstrap_port": base + index}
 

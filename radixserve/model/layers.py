@@ -16,6 +16,7 @@ from radixserve.forward_batch import LoraBatch
 from radixserve.model.cpu_layer_ops import CpuLayerOps
 from radixserve.model.lora import LoraLayer
 from radixserve.model.quant.linear import UnquantizedLinear
+from radixserve.native.machine import check_fits
 
 
 class DirectCallModule(nn.Module):
@@ -174,6 +175,12 @@ class RotaryEmbedding:
         """Builds the table on `device` for at least `num_positions` positions."""
         self.max_positions = max(self.max_positions, num_positions)
         if self._cos is None or self._cos.device != device or len(self._cos) < num_positions:
+            check_fits(  # t, freqs, emb, cos and sin at once: ~4 tables of fp32
+                4 * self.max_positions * 2 * len(self.inv_freq) * 4,
+                torch.device(device),
+                f"a RoPE table of {self.max_positions} positions (--context-length)",
+                "lower --context-length",
+            )
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))
             emb = torch.cat((freqs, freqs), dim=-1)

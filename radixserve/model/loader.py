@@ -63,10 +63,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     With a tensor-parallel group, builds this rank's shard and reads only its part of each
     checkpoint tensor (never the full model)."""
     tp = tp or TPGroup.single()
-    if load_config.load_format not in LOAD_FORMATS:
-        raise ValueError(
-            f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_config.load_format!r}"
-        )
+    check_load_format(load_config)
     source = resolve_model(load_config.model)
     reader = _gguf_reader(source, load_config)
     if reader is not None and is_moe_gguf(reader):
@@ -194,6 +191,12 @@ def _load_gguf_as_is(
     has_vocab = field(reader, "tokenizer.ggml.model") is not None
     tokenizer_path = tokenizer_folder(source.path) if has_vocab else None
     return _loaded(model, config, tokenizer_path, source.name, load_config)
+
+
+def check_load_format(load_config: LoadConfig) -> None:
+    if load_config.load_format not in LOAD_FORMATS:
+        allowed = ", ".join(LOAD_FORMATS)
+        raise ValueError(f"load_format must be one of {allowed}; got {load_config.load_format!r}")
 
 
 def check_rank_quantization(load_config: LoadConfig, layout: ShardLayout) -> None:

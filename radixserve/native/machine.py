@@ -70,3 +70,31 @@ def _read(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
+
+
+GiB = 1 << 30
+
+
+def free_memory_bytes(device) -> int | None:
+    """Memory a new tensor on `device` (a torch.device) may still take: on CPU
+    `available_memory_bytes`, on CUDA the GPU's free memory; None where unknown."""
+    if device.type == "cpu":
+        return available_memory_bytes()
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+def check_fits(nbytes: int, device, what: str, remedy: str) -> None:
+    """ValueError, before a tensor of `nbytes` is allocated, where it cannot fit in what is free
+    on `device`: `what` (the tensor, with the flag that sized it) and `remedy` name the flag.
+    Allocating it instead fails in torch (an unnamed RuntimeError) or, on Linux, succeeds
+    lazily and gets the process killed once its pages are touched."""
+    free = free_memory_bytes(device)
+    if free is not None and nbytes > free:
+        raise ValueError(
+            f"{what} takes {nbytes / GiB:.1f} GiB, more than the {free / GiB:.1f} GiB free on "
+            f"{device}; {remedy}"
+        )

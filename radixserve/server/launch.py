@@ -13,6 +13,7 @@ from radixserve.client.client import EngineDeadError
 from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.request_builder import RequestBuilder
 from radixserve.config import SchedulerConfig, ServerConfig, split_engine_kwargs
+from radixserve.config.server import check_resolves
 from radixserve.fleet.register import RouterMembership, WorkerRegistration
 from radixserve.model.tokenizer import import_tokenizer_library, open_tokenizer, tokenizer_source
 from radixserve.reasoning import reasoning_format
@@ -36,10 +37,7 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     try:  # a bad name fails before the model loads
-        if config.tool_call_parser is not None:
-            tool_format(config.tool_call_parser)
-        if config.reasoning_parser is not None:
-            reasoning_format(config.reasoning_parser)
+        check_server_names(config)
     except ValueError as exc:
         raise SystemExit(f"radixserve serve: {exc}") from None
     import_tokenizer_library()  # needed here anyway; a forked core inherits it
@@ -60,6 +58,16 @@ def serve(engine_args: dict[str, Any], config: ServerConfig) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: finish closing
         client.close()
+
+
+def check_server_names(config: ServerConfig) -> None:
+    """What ServerConfig.verify cannot check by itself: --tool-call-parser and
+    --reasoning-parser are formats we know, --host resolves. ValueError naming the flag."""
+    if config.tool_call_parser is not None:
+        tool_format(config.tool_call_parser)
+    if config.reasoning_parser is not None:
+        reasoning_format(config.reasoning_parser)
+    check_resolves(config.host, config.port, "--host")
 
 
 class EarlyTokenizer:

@@ -323,7 +323,8 @@ def _padded_cache(states: list[EagleState], like: torch.Tensor):
 def with_default_head(load: LoadConfig, scheduler: SchedulerConfig) -> SchedulerConfig:
     """EAGLE3 without --speculative-draft-model-path on the default model: the head shipped
     for it; any other target still needs the flag (SchedulerConfig.verify names it)."""
-    if scheduler.speculative_algorithm != "EAGLE3" or scheduler.speculative_draft_model_path:
+    algorithm = (scheduler.speculative_algorithm or "").upper()  # verify() upper-cases it
+    if algorithm != "EAGLE3" or scheduler.speculative_draft_model_path:
         return scheduler
     if not is_default_model(load.model):
         return scheduler

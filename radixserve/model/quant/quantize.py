@@ -44,17 +44,17 @@ from radixserve.config import LoadConfig, ModelConfig
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant import linear as quant_linear
 from radixserve.model.quant.activation_choice import (
-    check_cpu_quant_activation,
     configure_block_activations,
     configure_dense_dtype,
 )
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
-from radixserve.model.quant.block_matmul import (
-    CPU_QUANT_KERNELS,
-    block_kernels,
-    quantized_int4_backend,
+from radixserve.model.quant.block_matmul import block_kernels, quantized_int4_backend
+from radixserve.model.quant.dense_choice import use_packed_dense
+from radixserve.model.quant.flag_checks import (  # noqa: F401 - QUANTIZATION_METHODS: tests'
+    AUTO,
+    QUANTIZATION_METHODS,
+    check_quantization_flags,
 )
-from radixserve.model.quant.dense_choice import check_cpu_dense_kernel, use_packed_dense
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import (
@@ -68,8 +68,6 @@ from radixserve.model.quant.linear import (
 
 logger = logging.getLogger(__name__)
 
-AUTO = "auto"
-QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", *PACKED_METHODS)
 INT_KERNEL_METHODS = ("int8", "int4", "gguf", *PACKED_METHODS)  # int8 / int4 layers
 NOT_REQUANTIZED = ("none", "gguf", *PACKED_METHODS)  # no quantize-on-load for these
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -136,23 +134,8 @@ def _check_agrees_with_checkpoint(requested: str, found: str | None) -> None:
 
 def check_quantization(load_config: LoadConfig, config: ModelConfig) -> None:
     """Rejects, before loading weights, every option this model and device cannot run."""
+    check_quantization_flags(load_config)
     method = load_config.quantization
-    if method not in QUANTIZATION_METHODS:
-        allowed = ", ".join((AUTO, *QUANTIZATION_METHODS))
-        raise QuantizationError(f"--quantization must be one of {allowed}; got {method!r}")
-    if load_config.quantization_group_size is not None and method != "int4":
-        raise QuantizationError("--quantization-group-size applies to --quantization int4 only")
-    if load_config.quantize_lm_head and method not in ("int8", "int4"):
-        raise QuantizationError(
-            f"--quantize-lm-head needs --quantization int8 or int4; got {method!r}"
-        )
-    if load_config.cpu_quant_kernel not in CPU_QUANT_KERNELS:
-        allowed = ", ".join(CPU_QUANT_KERNELS)
-        raise QuantizationError(
-            f"--cpu-quant-kernel must be one of {allowed}; got {load_config.cpu_quant_kernel!r}"
-        )
-    check_cpu_dense_kernel(load_config.cpu_dense_kernel)
-    check_cpu_quant_activation(load_config.cpu_quant_activation)
     device = load_config.torch_device()
     if device.type == "cpu" and method in INT_KERNEL_METHODS and not _on_block_kernels(load_config):
         _warn_if_slow_dtype(method, load_config.quant_compute_dtype())
@@ -206,12 +189,7 @@ def _check_fp8(device: torch.device, dtype: torch.dtype, shapes: dict) -> None:
 
 
 def _check_int4(device: torch.device, shapes: dict, group_size: int | None, blocks: bool) -> None:
-    _check_int4_device("int4", device, shapes, blocks)
-    if group_size is not None and group_size not in INT4_GROUP_SIZES:
-        sizes = ", ".join(map(str, INT4_GROUP_SIZES))
-        raise QuantizationError(
-            f"--quantization-group-size must be one of {sizes}; got {group_size}"
-        )
+    _check_int4_device("int4", device, shapes, blocks)  # the size is one of INT4_GROUP_SIZES
     for name, (_, in_features) in shapes.items():
         if int4_group_size(in_features, group_size) is None:
             raise QuantizationError(_group_size_message(name, in_features, group_size, shapes))
