@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from radixserve.disk_cache import cache_root
+from radixserve.disk_cache import cache_root, exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,27 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+BUILD_LOCK = "radixserve-build.lock"
+TORCH_BATON = "lock"
+"""torch's cpp_extension marks a build in progress by creating this file in the build folder
+and waits, polling forever, while it exists; a build killed midway leaves it behind."""
+
+
+def build_folder(flags: list[str]) -> Path:
+    """Where the extension for `flags` is built and cached."""
+    return cache_root() / "torch_extensions" / f"radixserve_cpu_{build_key(flags)}"
+
+
+def clear_stale_baton(folder: Path) -> None:
+    """Removes torch's build marker left by a build that died (only called under BUILD_LOCK,
+    which every live builder of `folder` holds): without this every later start would wait
+    on it forever."""
+    baton = folder / TORCH_BATON
+    if baton.exists():
+        logger.warning("removing %s, left by a C++ kernel build that did not finish", baton)
+        baton.unlink(missing_ok=True)
+
+
 def _build_and_load() -> Any:
     from torch.utils import cpp_extension
 
@@ -159,16 +180,17 @@ def _build_and_load() -> Any:
     cpp_extension.verify_ninja_availability()
     flags = compiler_flags()
     name = f"radixserve_cpu_{build_key(flags)}"
-    folder = cache_root() / "torch_extensions" / name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = build_folder(flags)
     start = time.perf_counter()
-    cpp_extension.load(
-        name=name,
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        is_python_module=False,
-    )
+    with exclusive(folder / BUILD_LOCK):  # every builder of this folder holds it first, so
+        clear_stale_baton(folder)  # a torch baton found while holding it is a dead build's
+        cpp_extension.load(
+            name=name,
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+        )
     logger.info("loaded C++ CPU kernels %s in %.1fs", name, time.perf_counter() - start)
     return getattr(torch.ops, OPS_NAMESPACE)

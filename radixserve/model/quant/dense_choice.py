@@ -18,7 +18,6 @@ where the choice could only follow noise.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.disk_cache import cache_root
+from radixserve.disk_cache import cache_root, exclusive
 from radixserve.model.quant import QuantizationError
 from radixserve.model.quant.base_linear import UnquantizedLinear
 from radixserve.model.quant.batch_invariant import dense_kernels, dense_matmul, pack_dense_weight
@@ -113,9 +112,7 @@ def cached_measurement(key: str, measure: Callable[[], dict], path: Path, requir
     """The measurement stored under `key` in the JSON table at `path`, measured (under a file
     lock, so that two processes never measure at once) and stored when absent; entries
     without the `required` field are dropped as unreadable. Shared by the kernel choices."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(path.with_suffix(".lock")):
         table = _read_table(path, required)
         if key not in table:
             table[key] = measure()
