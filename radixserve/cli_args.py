@@ -10,6 +10,8 @@ import textwrap
 from functools import cache
 from typing import Any
 
+from radixserve.config.field_types import flag_of
+
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -41,7 +43,7 @@ def add_dataclass_args(
     for f in dataclasses.fields(cls):
         if f.name in exclude:
             continue
-        flag = _flag(f.name)
+        flag = flag_of(f.name)
         help_text = _help_text(docs.get(f.name, ""), f.default)
         annotation = str(f.type).replace(" | None", "").strip()
         if annotation == "list[str]":
@@ -77,13 +79,9 @@ def dataclass_flags(values: dict[str, Any], cls: type, exclude: tuple[str, ...] 
         if f.name in exclude or value == f.default:
             continue
         if isinstance(value, bool):
-            flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            flags.append(flag_of(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif isinstance(value, list | tuple):
-            flags += [_flag(f.name), *map(str, value)]
+            flags += [flag_of(f.name), *map(str, value)]
         elif value is not None:
-            flags += [_flag(f.name), str(value)]
+            flags += [flag_of(f.name), str(value)]
     return flags
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

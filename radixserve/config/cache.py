@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from radixserve.config.field_types import flag_of
 from radixserve.config.kv_events import KVEventsConfig
 from radixserve.config.load import DTYPE_NAMES, dtype_named
 
@@ -80,10 +81,10 @@ class CacheConfig:
             raise ValueError(f"--page-size must be >= 1; got {self.page_size}")
         for name in ("cuda_graph_max_bs", "torch_compile_max_bs"):  # one graph per 8 sizes
             if getattr(self, name) < 1:
-                raise ValueError(f"{_flag(name)} must be >= 1; got {getattr(self, name)}")
+                raise ValueError(f"{flag_of(name)} must be >= 1; got {getattr(self, name)}")
             if getattr(self, name) > MAX_CAPTURED_BS:
                 raise ValueError(
-                    f"{_flag(name)} must be at most {MAX_CAPTURED_BS}; got {getattr(self, name)}"
+                    f"{flag_of(name)} must be at most {MAX_CAPTURED_BS}; got {getattr(self, name)}"
                 )
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1; got {self.max_total_tokens}")
@@ -169,7 +170,7 @@ class HiCacheConfig:
     def _verify_unused(self) -> None:
         for f in fields(self):
             if f.name != "enable_hierarchical_cache" and getattr(self, f.name) != f.default:
-                flag = "--" + f.name.replace("_", "-")
+                flag = flag_of(f.name)
                 raise ValueError(f"{flag} needs --enable-hierarchical-cache")
 
     def num_tier_pages(self, pool_pages: int, page_nbytes: int) -> int:
@@ -192,7 +193,3 @@ def _check_writable_dir(path: str) -> None:
         raise ValueError(f"--hicache-dir {path!r} cannot be created: {exc}") from exc
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--hicache-dir {path!r} is not a writable folder")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

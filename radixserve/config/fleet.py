@@ -7,11 +7,11 @@ import shlex
 import threading
 from dataclasses import dataclass
 
-from radixserve.config.server import check_host
+from radixserve.config.field_types import flag_of
+from radixserve.config.server import MAX_PORT, check_host
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """sglang-router's --policy choices that need no extra setup (`manual` needs routing keys)."""
-MAX_PORT = 65535
 DEFAULT_WORKERS = 2
 """A fixed fleet's size when --workers is not given."""
 
@@ -96,11 +96,11 @@ class FleetConfig:
         }
         for name, minimum in minimums.items():
             if getattr(self, name) is not None and getattr(self, name) < minimum:
-                flag = "--" + name.replace("_", "-")
+                flag = flag_of(name)
                 raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
         for name, low in (("router_port", 1), ("worker_base_port", 1), ("fleet_port", 0)):
             if not low <= getattr(self, name) <= MAX_PORT:
-                flag = "--" + name.replace("_", "-")
+                flag = flag_of(name)
                 raise ValueError(
                     f"{flag} must be in [{low}, {MAX_PORT}]; got {getattr(self, name)}"
                 )
@@ -160,7 +160,7 @@ class FleetConfig:
             ("scale_down_idle_s", 0),
         ):
             if not low < getattr(self, name) < math.inf:
-                flag = "--" + name.replace("_", "-")
+                flag = flag_of(name)
                 raise ValueError(f"{flag} must be a number > 0; got {getattr(self, name)}")
         if self.scale_interval_s > threading.TIMEOUT_MAX:  # the autoscaler's Event.wait
             raise ValueError(f"--scale-interval-s must be at most {threading.TIMEOUT_MAX:.0f}")

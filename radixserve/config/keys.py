@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from radixserve.config.field_types import flag_of
 from radixserve.config.server import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class KeySource:
 
     @property
     def flag(self) -> str:
-        return "--" + self.field.replace("_", "-")
+        return flag_of(self.field)
 
 
 KEY_SOURCES = (
@@ -66,7 +67,7 @@ def _resolve(
     if (flag_value := getattr(config, source.field)) is not None:
         return check_key(flag_value, source.flag)
     if (path := getattr(config, source.file_field)) is not None:
-        return read_key_file(path, "--" + source.file_field.replace("_", "-"))
+        return read_key_file(path, flag_of(source.file_field))
     return None if from_env is None else check_key(from_env, "$" + source.env)
 
 

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     import torch
 
 DIST_BACKENDS = ("auto", "nccl", "gloo")
-DEFAULT_INIT_ADDR = "127.0.0.1:0"
-MAX_TIMEDELTA_S = timedelta.max.total_seconds()  # loopback, a port the kernel picks
+DEFAULT_INIT_ADDR = "127.0.0.1:0"  # loopback, a port the kernel picks
+MAX_TIMEDELTA_S = timedelta.max.total_seconds()  # --dist-timeout becomes a timedelta
 
 
 @dataclass

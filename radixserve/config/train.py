@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.config.field_types import flag_of
+
 
 @dataclass
 class TrainEagleConfig:
@@ -35,5 +37,5 @@ class TrainEagleConfig:
     def __post_init__(self) -> None:
         for name in ("generate_batch", "chunk_tokens", "epochs", "ttt_steps", "max_new_tokens"):
             if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
+                flag = flag_of(name)
                 raise ValueError(f"{flag} must be >= 1; got {getattr(self, name)}")

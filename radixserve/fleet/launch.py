@@ -45,7 +45,7 @@ from radixserve.config import (
     split_engine_kwargs,
 )
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
-from radixserve.config.fleet import MAX_PORT
+from radixserve.config.server import MAX_PORT
 from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
 from radixserve.fleet.probes import router_live, router_ready, worker_healthy
 from radixserve.fleet.router import PDWorkers, require_router, router_command
