@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from radixserve.cache.host_tier import HostTier, TierLayout, check_slot_accounting
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
@@ -59,7 +61,7 @@ from radixserve.cache.tree_node import (
 )
 from radixserve.config import HiCacheConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
-from radixserve.native.machine import available_memory_bytes
+from radixserve.native.machine import check_fits
 
 if TYPE_CHECKING:  # msgspec (the events' structs) is needed only with events on
     from radixserve.cache.kv_events import KVEventSink
@@ -400,17 +402,15 @@ def _check_host_memory(config: HiCacheConfig, tier_bytes: int) -> None:
     """An in-memory tier larger than the memory available is refused at start, naming the
     flag that sized it (as SGLang refuses a host pool past its budget), where allocating it
     would fail with the allocator's error or leave the machine to the OOM killer."""
-    available = available_memory_bytes()
-    if available is None or tier_bytes <= available:
-        return
     if config.hicache_size > 0:
         flag = f"--hicache-size {config.hicache_size}"
     else:
         flag = f"--hicache-ratio {config.hicache_ratio} (of the KV pool's pages)"
-    raise ValueError(
-        f"{flag}: the host tier needs {tier_bytes / 2**30:.1f} GiB of memory, "
-        f"{available / 2**30:.1f} GiB is available; lower it, give the KV pool a size "
-        f"(--max-total-tokens; on CPU --cpu-kv-cache-gb, else it takes "
-        f"{CPU_KV_MEMORY_FRACTION:.0%} of the memory available), or put the tier on disk "
-        "with --hicache-dir"
+    check_fits(
+        tier_bytes,
+        torch.device("cpu"),  # host memory, whatever the pool's device
+        f"{flag}: the host tier",
+        "lower it, give the KV pool a size (--max-total-tokens; on CPU --cpu-kv-cache-gb, "
+        f"else it takes {CPU_KV_MEMORY_FRACTION:.0%} of the memory available), or put the "
+        "tier on disk with --hicache-dir",
     )
