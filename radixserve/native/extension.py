@@ -179,8 +179,8 @@ def _build_and_load() -> Any:
     _put_ninja_on_path()
     cpp_extension.verify_ninja_availability()
     flags = compiler_flags()
-    name = f"radixserve_cpu_{build_key(flags)}"
-    folder = build_folder(flags)
+    folder = build_folder(flags)  # hashes every source once
+    name = folder.name
     start = time.perf_counter()
     with exclusive(folder / BUILD_LOCK):  # every builder of this folder holds it first, so
         clear_stale_baton(folder)  # a torch baton found while holding it is a dead build's
