@@ -75,9 +75,10 @@ def _serve_help(monkeypatch, capsys) -> dict[str, str]:
 
 
 def test_quantization_help_names_every_gguf_type_and_the_int4_group_size(monkeypatch, capsys):
+    from radixserve.model.quant.flag_checks import QUANTIZATION_METHODS
     from radixserve.model.quant.gguf_blocks import AS_IS_TYPES
     from radixserve.model.quant.kquant import KQUANT_TYPES
-    from radixserve.model.quant.quantize import INT4_DEFAULT_GROUP_SIZE, QUANTIZATION_METHODS
+    from radixserve.model.quant.quantize import INT4_DEFAULT_GROUP_SIZE
 
     options = _serve_help(monkeypatch, capsys)
     for flag in ("--quantization", "--cpu-quant-kernel"):

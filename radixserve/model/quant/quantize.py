@@ -50,11 +50,7 @@ from radixserve.model.quant.activation_choice import (
 from radixserve.model.quant.batch_invariant import make_fp_layers_batch_invariant
 from radixserve.model.quant.block_matmul import block_kernels, quantized_int4_backend
 from radixserve.model.quant.dense_choice import use_packed_dense
-from radixserve.model.quant.flag_checks import (  # noqa: F401 - QUANTIZATION_METHODS: tests'
-    AUTO,
-    QUANTIZATION_METHODS,
-    check_quantization_flags,
-)
+from radixserve.model.quant.flag_checks import AUTO, check_quantization_flags
 from radixserve.model.quant.gptq_awq import PACKED_METHODS, PackedFormat, checkpoint_quant_method
 from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import (
