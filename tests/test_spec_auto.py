@@ -99,9 +99,17 @@ def test_the_model_candidate_is_tried_first_then_only_when_it_leads_or_is_due():
 # ---- end to end ----------------------------------------------------------------------------
 
 
+NEVER_BACK_OFF = {"speculative_adaptive_threshold": 0.0}
+"""What drafts and what they accept is compared here, not the verify's cost, which the
+engine learns from step times once a step takes over 2 ms (a tiny model's does on a loaded
+or AVX2-only machine; then AUTO backs off and the warm accept lengths read ~1)."""
+
+
 @pytest.fixture(scope="module")
 def auto_engine(tiny_chat_model):
-    return make_engine(tiny_chat_model, page_size=1, chunked_prefill_size=32, **AUTO)
+    return make_engine(
+        tiny_chat_model, page_size=1, chunked_prefill_size=32, **AUTO, **NEVER_BACK_OFF
+    )
 
 
 def test_auto_matches_plain_decoding_cold_and_warm_and_reports_its_drafters(auto_engine, expected):
@@ -146,7 +154,7 @@ def test_auto_drafts_with_the_method_that_clearly_wins(tiny_chat_model, expected
     off (threshold 0): which drafts pay is what is compared here, not the verify's cost,
     which the engine learns from step times once a step takes over 2 ms (a tiny model's does
     on a loaded machine: SUFFIX alone backed off to 22 accepted tokens there)."""
-    never_back_off = {"speculative_adaptive_threshold": 0.0}
+    never_back_off = NEVER_BACK_OFF
     if winner == "SUFFIX":
         flags, warmup = never_back_off | {"speculative_ngram_capacity": 1}, (PROMPTS, 40)
     else:
