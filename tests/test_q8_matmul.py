@@ -30,6 +30,7 @@ from radixserve.model.quant.q8_matmul import (
     Q8K_BLOCK,
     int4_block_matmul_q8,
     int4_x8_matmul_q8,
+    int4_x8_native,
     int8_block_matmul_q8,
     kquant_matmul_q8,
     quantize_activations,
@@ -120,7 +121,7 @@ def test_bad_inputs_name_the_parameter(cpu_ops):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize(("n", "k"), [(37, 768), (64, 512)])
 def test_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, type_name, n, k):
-    """Every op on the repacked bytes (natively with AVX-512, else unpacked group by group):
+    """Every op on the repacked bytes (natively with AVX-512 or AVX2, else unpacked group by group):
     the row layout's results bit for bit, at any number of rows, the tail rows as they lay."""
     ops = torch.ops.radixserve_cpu
     qtype = KQUANT_TYPES[type_name][0]
@@ -145,7 +146,7 @@ def test_repacked_8_rows_at_a_time_gives_the_row_layouts_bits(cpu_ops, type_name
 
 def test_int8_repacks_k_quant_layers_and_keeps_every_output(cpu_ops):
     if not kquant_x8_native():
-        pytest.skip("repacked K-quants run natively with AVX-512 only: never repacked here")
+        pytest.skip("repacked K-quants run natively with AVX-512 / AVX2 only: never repacked here")
     k = 768
     order = torch.randperm(37)  # llama.cpp's permuted q / k rows: outputs reordered after
     weights = [(torch.from_numpy(random_blocks(n, k, t, n)), t, o) for n, t, o in
@@ -213,7 +214,7 @@ def test_repacked_q4_0_and_q4_1_give_the_row_layouts_bits(cpu_ops, qtype, n, k):
 
 @pytest.mark.parametrize("qtype", [Q4_0_X8, Q4_1_X8])
 def test_int8_repacks_gguf_int4_layers_and_keeps_every_output(cpu_ops, qtype):
-    if not kquant_x8_native():
+    if not int4_x8_native():
         pytest.skip("repacked int4 runs natively with AVX-512 only: never repacked here")
     n, k = 37, 352
     qs, scale_min = gguf_int4_blocks(n, k, qtype, seed=1)

@@ -70,6 +70,7 @@ HEADERS = [
     CSRC / "q8_dual.h",
     CSRC / "q8_formats.h",
     CSRC / "q8_kquant_x8.h",
+    CSRC / "q8_kquant_x8_ymm.h",
     CSRC / "q8_int4_x8.h",
 ]
 OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the sources
@@ -77,7 +78,7 @@ OPS_NAMESPACE = "radixserve_cpu"  # TORCH_LIBRARY(radixserve_cpu, ...) in the so
 # same instruction sets torch's own kernels of that level use. Other levels: portable code.
 _ARCH_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],  # F16C: every AVX2 CPU (q8_kquant_x8_ymm.h)
 }
 
 

@@ -67,8 +67,8 @@ MIN_KERNEL_ROWS = DEQUANT_MIN_ROWS
 """Batches below this (decode, verify, short extends) stay on the row-invariant kernels
 whatever the fit says: a short extend then rounds as a decode does, as before this flag."""
 PROBE_REPEATS = 3
-PROBE_VERSION = 5  # part of the cache key: a change to how the probe measures re-measures
-# (5: bf16 dense matmuls go panel by panel, dense_panels.py)
+PROBE_VERSION = 6  # part of the cache key: a change to how the probe measures re-measures
+# (5: bf16 dense matmuls go panel by panel, dense_panels.py; 6: AVX2 runs repacked K-quants)
 TABLE = "quant_activation_choice.json"
 DTYPE_TABLE = "prefill_dtype_choice.json"
 DTYPE_SHAPE = (256, 2048, 2048)  # rows, out, in: a prefill chunk through a 1B projection

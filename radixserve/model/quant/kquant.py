@@ -12,9 +12,9 @@ Each unit is dequantized to fp32 once, exactly as the gguf package's numpy refer
 and multiplied into the activation rows with fp32 FMAs in a fixed order: the dequantized
 matmul up to fp32 summation order, each row's result the same whatever rows share the call.
 With int8 activations (activation_choice.py) the kernel is q8_matmul.py's integer dots instead,
-and a Q4_K / Q5_K / Q6_K layer there takes its rows 8 at a time (`repack_rows8`: the AVX-512 kernels
-then share each super-block's scale work across 8 rows, as llama.cpp's repacked Q4_K does; the
-same bits as the row layout, at any number of rows).
+and a Q4_K / Q5_K / Q6_K layer there takes its rows 8 at a time (`repack_rows8`: the AVX-512
+and AVX2 kernels then share each super-block's scale work across 8 rows, as llama.cpp's
+repacked Q4_K does; the same bits as the row layout, at any number of rows).
 `KQuantLinear` is the layer; from `dequant_min_rows` rows on (a prefill chunk) it dequantizes
 (also in C++) and runs one dense matmul, like the other block layers.
 """
@@ -30,7 +30,7 @@ from radixserve.model.gguf_file import release_pages
 from radixserve.model.quant import q8_matmul
 from radixserve.model.quant.dense_panels import DequantizeInto
 from radixserve.model.quant.linear import QuantizedLinear
-from radixserve.model.quant.q8_matmul import X8_ROWS, X8_TYPE, x8_native
+from radixserve.model.quant.q8_matmul import X8_ROWS, X8_TYPE, kquant_x8_native
 
 SUPER_BLOCK = 256  # weights per super-block (GGUF's QK_K)
 # GGUF type name -> (ggml type id, bytes per super-block)
@@ -69,9 +69,6 @@ def kquant_ops_available() -> bool:
     except CpuExtensionUnavailable:
         return False
     return True
-
-
-kquant_x8_native = x8_native  # repacked K-quants run natively here (AVX-512)
 
 
 def kquant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -151,7 +148,7 @@ class KQuantLinear(QuantizedLinear):
 
     def can_repack(self) -> bool:
         """Whether `repack_rows8` applies: a K-quant layer of at least 8 rows, on a build
-        whose int8 kernels run the repacked layout natively (AVX-512)."""
+        whose int8 kernels run the repacked layout natively (AVX-512, AVX2)."""
         repackable = self.qtype < X8_TYPE
         return repackable and self.out_features >= X8_ROWS and kquant_x8_native()
 

@@ -272,7 +272,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         a GGUF Q4_0's or Q4_1's (fp16), on a build running that layout natively (AVX-512)."""
         if self.backend != "blocks" or self.x8_type is not None:
             return False
-        if self.out_features < q8_matmul.X8_ROWS or not q8_matmul.x8_native():
+        if self.out_features < q8_matmul.X8_ROWS or not q8_matmul.int4_x8_native():
             return False
         return block_matmul.int4_x8_type(self._buffers["scale_min"]) is not None
 

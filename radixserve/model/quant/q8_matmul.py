@@ -14,9 +14,10 @@ and the fp32 ones run in a fixed order per row on every SIMD level (AVX512-VNNI,
 portable: the same bits; with AVX-512 two blocks share one 512-bit dot and fma, the two
 8-lane sets of the other levels side by side), so a row's result does not depend on the
 other rows of the call. Against the fp32 path the difference is the activations' rounding,
-~0.3% of a dot's size. Which path a layer takes: activation_choice.py; on AVX-512 builds it
-repacks Q4_K / Q5_K / Q6_K (kquant.py) and Q4_0 / Q4_1 (linear.py's Int4WeightOnlyLinear) 8
-rows at a time for their own kernels (X8_TYPE), with the row layout's bits.
+~0.3% of a dot's size. Which path a layer takes: activation_choice.py; on AVX-512 and AVX2
+builds it repacks Q4_K / Q5_K / Q6_K (kquant.py), on AVX-512 builds also Q4_0 / Q4_1
+(linear.py's Int4WeightOnlyLinear), 8 rows at a time for their own kernels (X8_TYPE), with the
+row layout's bits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 Q8_BLOCK = 32  # activation block of Q4_0 / Q4_1 / Q8_0 (llama.cpp's QK8_0)
 Q8K_BLOCK = 256  # activation block of the K-quants (QK_K)
-# Weights repacked 8 rows at a time for the AVX-512 kernels (native/csrc/kquant_blocks.h,
+# Weights repacked 8 rows at a time for the 8-row kernels (native/csrc/kquant_blocks.h,
 # q8_int4_x8.h): a repacked format's id is its ggml type id + X8_TYPE (ours)
 X8_TYPE = 1000
 X8_ROWS = 8
@@ -35,16 +36,27 @@ Q4_0_X8, Q4_1_X8 = 2 + X8_TYPE, 3 + X8_TYPE
 
 
 @functools.cache
-def x8_native() -> bool:
-    """True where repacked weights run on their own 8-row kernels (an AVX-512 build); other
-    builds would unpack them group by group, so layers are not repacked there."""
+def kquant_x8_native() -> bool:
+    """True where repacked Q4_K / Q5_K / Q6_K run on their own 8-row kernels (AVX-512 and AVX2
+    builds); the portable build would unpack them group by group, so layers are not repacked
+    there."""
+    return _native("kquant_x8_native")
+
+
+@functools.cache
+def int4_x8_native() -> bool:
+    """True where repacked Q4_0 / Q4_1 run on their own 8-row kernels (AVX-512 builds)."""
+    return _native("int4_x8_native")
+
+
+def _native(op: str) -> bool:
     from radixserve.native.extension import CpuExtensionUnavailable
 
     try:
         load_q8_ops()
     except CpuExtensionUnavailable:
         return False
-    return bool(torch.ops.radixserve_cpu.kquant_x8_native())
+    return bool(getattr(torch.ops.radixserve_cpu, op)())
 
 
 @functools.cache

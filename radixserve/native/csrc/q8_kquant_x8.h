@@ -16,7 +16,8 @@
 // over units: lane j), its fp32 lane sets (super-block b into set b % 2), min / offset terms
 // and final reduction are those of the row kernels on every SIMD level, so a repacked weight
 // gives the same bits as the row layout, at any number of rows: the tests compare them.
-// Without AVX-512 the repacked bytes are unpacked group by group for the row kernels
+// AVX2 builds run q8_kquant_x8_ymm.h's kernels (the same layout, four rows per vector); the
+// portable build unpacks the repacked bytes group by group for the row kernels
 // (kquant_blocks.h's for_rows_unpacked).
 #pragma once
 
@@ -26,6 +27,43 @@
 #include <cstring>
 
 namespace radixserve_q8 {
+
+// One super-block's activation rows m0 .. m0 + R - 1: codes, d_x, sums per 16.
+template <int R>
+struct X8Rows {
+  const int8_t* xq[R];
+  float dx[R];
+  const int16_t* bsums[R];
+};
+
+constexpr int64_t kX8Ahead = 1;  // groups ahead whose bytes are asked for (see the top)
+
+#if defined(__AVX2__)
+// The 8 rows' Q4_K / Q5_K scales (units 0-3, 4-7) and mins as bytes 4r + k, from the 3 words
+// per row of an x8 super-block (kquant_blocks.h's unpack_scales_k4, 8 rows in one go).
+inline void k4x8_scales(const uint8_t* sb, __m256i& sc_lo, __m256i& sc_hi, __m256i& mn_lo,
+                        __m256i& mn_hi) {
+  const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32));
+  const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64));
+  const __m256i q2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 96));
+  const __m256i m6 = _mm256_set1_epi32(0x3F3F3F3F), m4 = _mm256_set1_epi32(0x0F0F0F0F);
+  const __m256i m2 = _mm256_set1_epi32(0x03030303);
+  sc_lo = _mm256_and_si256(q0, m6);
+  mn_lo = _mm256_and_si256(q1, m6);
+  sc_hi = _mm256_or_si256(_mm256_and_si256(q2, m4),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q0, 6), m2), 4));
+  mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(q2, 4), m4),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q1, 6), m2), 4));
+}
+
+// The 16-byte shuffle of x8_spread / y8_spread: in each 128-bit lane (two rows' 4 words
+// each), word 4r + i = word 4r + k.
+inline __m128i spread_pattern(int k) {
+  return _mm_setr_epi8(2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
+                       8 + 2 * k, 9 + 2 * k, 8 + 2 * k, 9 + 2 * k, 8 + 2 * k, 9 + 2 * k,
+                       8 + 2 * k, 9 + 2 * k);
+}
+#endif
 
 #if defined(RADIXSERVE_Q8_ZMM)
 // The 8 rows' state: integer lanes of the current super-block (row r's lanes 2c, 2c + 1 at
@@ -63,16 +101,6 @@ inline __m256 x8_finish(const X8Acc& acc, __m256 offsets) {
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), v));
   return _mm256_add_ps(_mm256_add_ps(dots, offsets), acc.mins);
 }
-
-// One super-block's activation rows m0 .. m0 + R - 1: codes, d_x, sums per 16.
-template <int R>
-struct X8Rows {
-  const int8_t* xq[R];
-  float dx[R];
-  const int16_t* bsums[R];
-};
-
-constexpr int64_t kX8Ahead = 1;  // groups ahead whose bytes are asked for (see the top)
 
 // out[r * N + 0..7] = activation row m0 + r (r < R) against the group at `group` (nb x8
 // super-blocks of F): each block's codes decoded once for the R rows.
@@ -112,31 +140,12 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
 // Word 4r + i of the result = word 4r + k of `words` (row r's k-th scale, 4 copies): an
 // in-lane byte shuffle, each 128-bit lane holding two rows.
 inline __m512i x8_spread(__m512i words, int k) {
-  const __m128i lane = _mm_setr_epi8(2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
-                                     2 * k, 2 * k + 1, 8 + 2 * k, 9 + 2 * k, 8 + 2 * k,
-                                     9 + 2 * k, 8 + 2 * k, 9 + 2 * k, 8 + 2 * k, 9 + 2 * k);
-  return _mm512_shuffle_epi8(words, _mm512_broadcast_i32x4(lane));
+  return _mm512_shuffle_epi8(words, _mm512_broadcast_i32x4(spread_pattern(k)));
 }
 
 template <bool kFifthBit>  // Q5_K: Q4_K's nibbles with bit u of qh as unit u's fifth bit
 struct K4X8 {
   static constexpr int64_t kBytes = 8 * (kFifthBit ? 176 : 144);
-  // The 8 rows' scales (units 0-3, 4-7) and mins as bytes 4r + k, from the 3 words per row
-  // (kquant_blocks.h's unpack_scales_k4, 8 rows in one go).
-  static void scales(const uint8_t* sb, __m256i& sc_lo, __m256i& sc_hi, __m256i& mn_lo,
-                     __m256i& mn_hi) {
-    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32));
-    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64));
-    const __m256i q2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 96));
-    const __m256i m6 = _mm256_set1_epi32(0x3F3F3F3F), m4 = _mm256_set1_epi32(0x0F0F0F0F);
-    const __m256i m2 = _mm256_set1_epi32(0x03030303);
-    sc_lo = _mm256_and_si256(q0, m6);
-    mn_lo = _mm256_and_si256(q1, m6);
-    sc_hi = _mm256_or_si256(_mm256_and_si256(q2, m4),
-                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q0, 6), m2), 4));
-    mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(q2, 4), m4),
-                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q1, 6), m2), 4));
-  }
   // Row r's sum over units of min[r][u] * (bsum[2u] + bsum[2u + 1]), exact, as 8 int32.
   static __m256i min_sums(__m256i mn_lo, __m256i mn_hi, const int16_t* bsums) {
     const __m256i pairs = _mm256_madd_epi16(
@@ -151,7 +160,7 @@ struct K4X8 {
   template <int S, int R>
   static void block(const uint8_t* sb, const X8Rows<R>& x, X8Acc* acc) {
     __m256i sc_lo, sc_hi, mn_lo, mn_hi;
-    scales(sb, sc_lo, sc_hi, mn_lo, mn_hi);
+    k4x8_scales(sb, sc_lo, sc_hi, mn_lo, mn_hi);
     const __m512i words_lo = _mm512_cvtepu8_epi16(sc_lo), words_hi = _mm512_cvtepu8_epi16(sc_hi);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4

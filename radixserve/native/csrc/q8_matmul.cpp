@@ -17,6 +17,7 @@
 #include "q8_formats.h"
 #include "q8_int4_x8.h"
 #include "q8_kquant_x8.h"
+#include "q8_kquant_x8_ymm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -181,8 +182,11 @@ void over_x8_groups(int64_t M, int64_t num_groups, Dot&& dot) {
 }
 
 // Repacked K-quants (kquant_blocks.h; X the 8-row kernel, L the layout, Rows the row
-// kernel): with AVX-512 X on every group and every activation row, the rows past the last group
-// on Rows; else every group unpacked for Rows. The same bits either way.
+// kernel): with AVX-512 or AVX2 X on every group and every activation row, the rows past the
+// last group on Rows; else (portable) every group unpacked for Rows. The same bits either way.
+#if defined(RADIXSERVE_Q8_ZMM) || defined(RADIXSERVE_Q8_YMM)
+#define RADIXSERVE_KQUANT_X8 1
+#endif
 template <typename X, typename L, typename Rows>
 at::Tensor run_x8(const at::Tensor& x, const uint8_t* w, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kQ8KBlock;
@@ -192,7 +196,7 @@ at::Tensor run_x8(const at::Tensor& x, const uint8_t* w, int64_t N) {
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = nb * L::kBytes, grouped = N / kX8Rows * kX8Rows;
-#if defined(RADIXSERVE_Q8_ZMM)
+#if defined(RADIXSERVE_KQUANT_X8)
   over_x8_groups(M, grouped / kX8Rows, [&](auto tile, int64_t g, int64_t m) {
     float* og = o + g * kX8Rows + m * N;
     x8_dot<X, decltype(tile)::value>(w + g * kX8Rows * row_bytes, buf.acts, m, og, N);
@@ -291,7 +295,7 @@ at::Tensor kquant_mm_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t q
   using radixserve_kquant::Q4KX8Layout;
   using radixserve_kquant::Q5KX8Layout;
   using radixserve_kquant::Q6KX8Layout;
-#if defined(RADIXSERVE_Q8_ZMM)
+#if defined(RADIXSERVE_KQUANT_X8)
   if (qtype == kQ4KX8) return run_x8<Q4KX8, Q4KX8Layout, Q4KRows>(x, w, N);
   if (qtype == kQ5KX8) return run_x8<Q5KX8, Q5KX8Layout, Q5KRows>(x, w, N);
   if (qtype == kQ6KX8) return run_x8<Q6KX8, Q6KX8Layout, Q6KRows>(x, w, N);
@@ -330,8 +334,16 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("q8_quantize(Tensor x, int block) -> (Tensor, Tensor)");
   // Which integer dot the int8-activation kernels were built with (avx512_vnni, avx2, portable).
   m.def("int_dot_level() -> str", [] { return std::string(kIntDot); });
-  // Whether repacked K-quants / Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512).
+  // Whether repacked K-quants run on their 8-row kernels here (AVX-512 or AVX2).
   m.def("kquant_x8_native() -> bool", [] {
+#if defined(RADIXSERVE_KQUANT_X8)
+    return true;
+#else
+    return false;
+#endif
+  });
+  // Whether repacked Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512).
+  m.def("int4_x8_native() -> bool", [] {
 #if defined(RADIXSERVE_Q8_ZMM)
     return true;
 #else
