@@ -200,6 +200,15 @@ using Q5KX8 = K4Y8<true>;
 
 struct Q6KX8 {
   static constexpr int64_t kBytes = 8 * 210;
+  // Bits 2s, 2s + 1 of each byte of qh as bits 4, 5 (one shift and one mask: 16-bit shifts,
+  // whatever crosses from the neighbouring byte lands outside the mask).
+  static inline __m256i q6_high_bits(__m256i qh, int s) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    if (s == 0) return _mm256_and_si256(_mm256_slli_epi16(qh, 4), mask);
+    if (s == 1) return _mm256_and_si256(_mm256_slli_epi16(qh, 2), mask);
+    if (s == 2) return _mm256_and_si256(qh, mask);
+    return _mm256_and_si256(_mm256_srli_epi16(qh, 2), mask);
+  }
   template <int S, int R>
   static inline __attribute__((always_inline)) void block(const uint8_t* sb, int h,
                                                           const X8Rows<R>& x, Y8Acc* acc) {
@@ -224,8 +233,7 @@ struct Q6KX8 {
           const int u = 4 * q + s, k = 2 * u + c / 2;  // the scale of codes 8c .. 8c + 7
           const __m256i low =
               _mm256_and_si256(s < 2 ? ql[s] : _mm256_srli_epi16(ql[s - 2], 4), nibble);
-          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), two);
-          const __m256i codes = or_shifted(low, high, 4);
+          const __m256i codes = _mm256_or_si256(low, q6_high_bits(qh, s));
           const __m256i scale = y8_spread(words[k / 4], k % 4);
           for (int r = 0; r < R; ++r)
             ints[r][c] = dot_scaled(ints[r][c], codes, y8_codes(x.xq[r] + 32 * u + 8 * c), scale);
