@@ -82,6 +82,23 @@ def test_a_lookup_counts_the_latest_occurrences_only(monkeypatch):
 # ---- the store -----------------------------------------------------------------------------
 
 
+def test_the_most_frequent_continuation_on_every_counting_path():
+    """Small sets (plain Python), a strict majority (checked in O(n)), unique and bincount
+    sets: the most frequent token and its count, ties to the smallest id."""
+    rng = np.random.default_rng(0)
+    for size in (1, 5, 32, 33, 100, 255, 256, 1024):
+        for spread in (1, 3, 40, 5000):
+            values = rng.integers(0, spread, size)
+            if spread == 40 and size > 2:  # mostly one token, as repeated outputs continue
+                values[: int(size * 0.9)] = 7
+                rng.shuffle(values)
+            counts = np.bincount(values)
+            want = (int(counts.argmax()), int(counts.max()))  # argmax: the smallest on a tie
+            assert suffix_match._most_frequent(values) == want, (size, spread)
+    tie = _arr([5, 3] * 40)  # no majority: the smaller id
+    assert suffix_match._most_frequent(tie) == (3, 40)
+
+
 def test_store_is_bounded_lru_per_namespace():
     store = SuffixStore(max_requests=3, max_tokens=100)
     for base in (100, 200, 300):

@@ -196,6 +196,11 @@ def _single(
 
 def _most_frequent(values: np.ndarray) -> tuple[int, int]:
     """The most frequent value of a non-negative array and its count."""
+    if values.size > _PYTHON_MAX:  # repeated outputs mostly agree: a strict majority is
+        for candidate in (int(values[0]), int(values[-1])):  # the answer, found in O(n)
+            count = int(np.count_nonzero(values == candidate))
+            if 2 * count > values.size:
+                return candidate, count
     if values.size >= _BINCOUNT_MIN:
         counts = np.bincount(values)
         token = int(counts.argmax())
