@@ -157,19 +157,20 @@ def walk(seq: np.ndarray, ends: np.ndarray, num: int, min_token_prob: float) -> 
     while len(tokens) < num:
         if ends.size == 1:  # one occurrence: what follows it, at the same probability
             return _single(seq, int(ends[0]), num, prob, min_token_prob, tokens, probs)
-        following = ends + 1
-        following = following[following < len(seq)]
+        following = ends + 1  # ascending, as `ends` always is: only the last may fall off
+        if following[-1] >= len(seq):
+            following = following[:-1]
         nxt = seq[following]
-        valid = nxt >= 0
-        if not valid.any():
+        valid = nxt[nxt >= 0]
+        if valid.size == 0:
             break
-        token, count = _most_frequent(nxt[valid])
+        token, count = _most_frequent(valid)
         prob *= count / ends.size
         if prob < min_token_prob:
             break
         tokens.append(token)
         probs.append(prob)
-        ends = following[valid][nxt[valid] == token]
+        ends = following[nxt == token]  # a separator (< 0) never equals a token
     return SuffixDraft(tokens, probs, float(sum(probs)), 0, ends)
 
 
