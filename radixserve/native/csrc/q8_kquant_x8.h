@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace radixserve_q8 {
 
@@ -37,6 +38,33 @@ struct X8Rows {
 };
 
 constexpr int64_t kX8Ahead = 1;  // groups ahead whose bytes are asked for (see the top)
+
+// The super-blocks of a group (`bytes` each), two at a time into lane sets 0 and 1 (an odd
+// last one into set 0): fn(b, set, rows) with activation rows m0 .. m0 + R - 1 of super-block
+// b. The first tile of rows (m0 == 0) asks for the next group's bytes as it goes.
+template <int R, typename Fn>
+inline void x8_blocks(const uint8_t* group, int64_t bytes, const Q8Acts& a, int64_t m0, Fn&& fn) {
+  const int64_t nb = a.num_blocks;
+  // past the last group this points beyond the weights: a prefetch never faults
+  const uint8_t* next = m0 == 0 ? group + kX8Ahead * nb * bytes : nullptr;
+  auto block = [&](int64_t b, auto set) {
+    if (next != nullptr) prefetch(next + b * bytes, bytes);
+    X8Rows<R> rows;
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = (m0 + r) * nb + b;
+      rows.xq[r] = a.qs + (m0 + r) * a.K + b * kQ8KBlock;
+      rows.dx[r] = a.d[ab];
+      rows.bsums[r] = a.bsums + ab * 16;
+    }
+    fn(b, set, rows);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, std::integral_constant<int, 0>{});
+    block(b + 1, std::integral_constant<int, 1>{});
+  }
+  if (b < nb) block(b, std::integral_constant<int, 0>{});
+}
 
 #if defined(__AVX2__)
 // The 8 rows' Q4_K / Q5_K scales (units 0-3, 4-7) and mins as bytes 4r + k, from the 3 words
@@ -112,27 +140,11 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
       for (int c = 0; c < 4; ++c) acc[r].sets[s][c] = _mm512_setzero_ps();
     acc[r].mins = _mm256_setzero_ps();
   }
-  const int64_t nb = a.num_blocks;
-  // past the last group this points beyond the weights: a prefetch never faults
-  const uint8_t* next = m0 == 0 ? group + kX8Ahead * nb * F::kBytes : nullptr;
-  auto block = [&](int64_t b, auto set) {
-    if (next != nullptr) prefetch(next + b * F::kBytes, F::kBytes);
-    X8Rows<R> rows;
-    for (int r = 0; r < R; ++r) {
-      const int64_t ab = (m0 + r) * nb + b;
-      rows.xq[r] = a.qs + (m0 + r) * a.K + b * kQ8KBlock;
-      rows.dx[r] = a.d[ab];
-      rows.bsums[r] = a.bsums + ab * 16;
+  x8_blocks<R>(group, F::kBytes, a, m0, [&](int64_t b, auto set, const X8Rows<R>& rows) {
+    for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r].ints[c] = _mm512_setzero_si512();
-    }
     F::template block<decltype(set)::value, R>(group + b * F::kBytes, rows, acc);
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, std::integral_constant<int, 0>{});
-    block(b + 1, std::integral_constant<int, 1>{});
-  }
-  if (b < nb) block(b, std::integral_constant<int, 0>{});
+  });
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(out + r * N, x8_finish(acc[r], _mm256_setzero_ps()));
 }

@@ -99,28 +99,11 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
         for (int c = 0; c < 4; ++c) half.sets[s][c] = _mm256_setzero_ps();
     acc[r].mins = _mm256_setzero_ps();
   }
-  const int64_t nb = a.num_blocks;
-  // past the last group this points beyond the weights: a prefetch never faults
-  const uint8_t* next = m0 == 0 ? group + kX8Ahead * nb * F::kBytes : nullptr;
-  auto block = [&](int64_t b, auto set) {
-    if (next != nullptr) prefetch(next + b * F::kBytes, F::kBytes);
-    X8Rows<R> rows;
-    for (int r = 0; r < R; ++r) {
-      const int64_t ab = (m0 + r) * nb + b;
-      rows.xq[r] = a.qs + (m0 + r) * a.K + b * kQ8KBlock;
-      rows.dx[r] = a.d[ab];
-      rows.bsums[r] = a.bsums + ab * 16;
-    }
-    for (int h = 0; h < 2; ++h)
-      F::template block<decltype(set)::value, R>(group + b * F::kBytes, h, rows, acc);
-    F::template finish_block<decltype(set)::value, R>(group + b * F::kBytes, rows, acc);
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, std::integral_constant<int, 0>{});
-    block(b + 1, std::integral_constant<int, 1>{});
-  }
-  if (b < nb) block(b, std::integral_constant<int, 0>{});
+  x8_blocks<R>(group, F::kBytes, a, m0, [&](int64_t b, auto set, const X8Rows<R>& rows) {
+    const uint8_t* sb = group + b * F::kBytes;
+    for (int h = 0; h < 2; ++h) F::template block<decltype(set)::value, R>(sb, h, rows, acc);
+    F::template finish_block<decltype(set)::value, R>(sb, rows, acc);
+  });
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N, y8_finish(acc[r]));
 }
 
