@@ -181,3 +181,28 @@ def test_a_prefill_workers_bootstrap_port_past_65535_is_refused():
     config = FleetConfig(prefill_workers=2, decode_workers=1)
     with pytest.raises(ValueError, match="--disaggregation-bootstrap-port .* at most 65535"):
         worker_engine_args({"disaggregation_bootstrap_port": 65535}, 1, config)
+
+
+def test_numpy_numbers_are_held_as_python_numbers():
+    """`Engine(page_size=np.int64(16))` (a size computed with numpy) was refused as not an
+    int; numpy integers and reals are now taken, stored as Python ints and floats, while a
+    numpy float where an int goes and a numpy bool stay refused."""
+    import numpy as np
+
+    from radixserve.config import split_engine_kwargs
+
+    kwargs = {
+        "page_size": np.int64(16),
+        "max_running_requests": np.int32(4),
+        "mem_fraction_static": np.float32(0.5),
+        "schedule_conservativeness": np.int64(1),  # an int where a float goes
+    }
+    configs = split_engine_kwargs(None, kwargs)
+    held = {k: getattr(c, k) for c in configs for k in kwargs if hasattr(c, k)}
+    assert held == {"page_size": 16, "max_running_requests": 4, "mem_fraction_static": 0.5,
+                    "schedule_conservativeness": 1}  # fmt: skip
+    assert [type(held[k]) for k in kwargs] == [int, int, float, int]
+    with pytest.raises(TypeError, match=r"page_size \(--page-size\) must be an int; got .*16\.0"):
+        split_engine_kwargs(None, {"page_size": np.float64(16.0)})
+    with pytest.raises(TypeError, match=r"page_size .* must be an int"):
+        split_engine_kwargs(None, {"page_size": np.bool_(True)})

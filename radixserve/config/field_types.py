@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Any
 
@@ -23,7 +24,9 @@ def flag_of(name: str) -> str:
 def check_field_types(cls: type, values: dict[str, Any]) -> None:
     """TypeError (ValueError for NaN) naming the keyword and its flag, for the first value in
     `values` that its field of `cls` cannot hold: int (not bool), float (int or float, not
-    NaN), str, bool, list[str]; `| None` fields also take None."""
+    NaN), str, bool, list[str]; `| None` fields also take None. Other integer and real types
+    (numpy's `np.int64(16)`, `np.float32(0.5)`) are held as Python ints and floats: `values`
+    is updated in place."""
     annotations = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     for name, value in values.items():
         annotation = annotations[name]
@@ -32,10 +35,22 @@ def check_field_types(cls: type, values: dict[str, Any]) -> None:
         if value is None and optional:
             continue
         named = f"{name} ({flag_of(name)})"
+        value = values[name] = _as_python_number(base, value)
         if not _holds(base, value):
             raise TypeError(f"{named} must be {_KINDS[base]}; got {value!r}")
         if base == "float" and math.isnan(value):
             raise ValueError(f"{named} must be a number; got nan")
+
+
+def _as_python_number(base: str, value: Any) -> Any:
+    """A non-bool Integral (a real for float fields) as int / float; anything else as it is."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if base in ("int", "float") and isinstance(value, numbers.Integral):
+        return int(value)
+    if base == "float" and isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 _KINDS = {
