@@ -100,9 +100,7 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
     acc[r].mins = _mm256_setzero_ps();
   }
   x8_blocks<R>(group, F::kBytes, a, m0, [&](int64_t b, auto set, const X8Rows<R>& rows) {
-    const uint8_t* sb = group + b * F::kBytes;
-    for (int h = 0; h < 2; ++h) F::template block<decltype(set)::value, R>(sb, h, rows, acc);
-    F::template finish_block<decltype(set)::value, R>(sb, rows, acc);
+    F::template block<decltype(set)::value, R>(group + b * F::kBytes, rows, acc);
   });
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N, y8_finish(acc[r]));
 }
@@ -111,7 +109,8 @@ template <bool kFifthBit>  // Q5_K: Q4_K's nibbles with bit u of qh as unit u's 
 struct K4Y8 {
   static constexpr int64_t kBytes = 8 * (kFifthBit ? 176 : 144);
   // Row r's sum over units of min[r][u] * (bsum[2u] + bsum[2u + 1]), exact, in lane r.
-  static inline __attribute__((always_inline)) __m256i min_sums(__m256i mn_lo, __m256i mn_hi, const int16_t* bsums) {
+  static inline __attribute__((always_inline)) __m256i min_sums(__m256i mn_lo, __m256i mn_hi,
+                                                                const int16_t* bsums) {
     const __m256i units = _mm256_madd_epi16(y8_load(reinterpret_cast<const uint8_t*>(bsums)),
                                             _mm256_set1_epi16(1));
     const __m256i words = _mm256_packs_epi32(units, units);  // |sum| <= 4064: units 0-3 | 4-7, twice
@@ -126,10 +125,25 @@ struct K4Y8 {
     return y8_pair_sums(half[0], half[1]);
   }
   template <int S, int R>
-  static inline __attribute__((always_inline)) void block(const uint8_t* sb, int h,
-                                                          const X8Rows<R>& x, Y8Acc* acc) {
+  static inline __attribute__((always_inline)) void block(const uint8_t* sb, const X8Rows<R>& x,
+                                                          Y8Acc* acc) {
     __m256i sc_lo, sc_hi, mn_lo, mn_hi;
     k4x8_scales(sb, sc_lo, sc_hi, mn_lo, mn_hi);
+    for (int h = 0; h < 2; ++h) half_ints<R>(sb, h, sc_lo, sc_hi, x, acc);
+    const __m256 d = y8_halves(sb), dmin = y8_halves(sb + 16);
+    for (int r = 0; r < R; ++r) {  // each of d, dmin times d_x rounded once (as `prod`)
+      const __m256 dd = fopaque(_mm256_mul_ps(d, _mm256_set1_ps(x.dx[r])));
+      const __m256 dm = fopaque(_mm256_mul_ps(dmin, _mm256_set1_ps(x.dx[r])));
+      y8_scale_ints<S>(acc[r], dd);
+      const __m256i msum = min_sums(mn_lo, mn_hi, x.bsums[r]);
+      acc[r].mins = _mm256_fnmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc[r].mins);
+    }
+  }
+  // Half h's integer lanes of one super-block (rows 4h .. 4h + 3), for each activation row.
+  template <int R>
+  static inline __attribute__((always_inline)) void half_ints(const uint8_t* sb, int h,
+                                                              __m256i sc_lo, __m256i sc_hi,
+                                                              const X8Rows<R>& x, Y8Acc* acc) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     __m256i ints[R][4];
     for (int r = 0; r < R; ++r)
@@ -161,21 +175,6 @@ struct K4Y8 {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r].half[h].ints[c] = ints[r][c];
   }
-  // The super-block's fp32 steps for the 8 rows, once both halves' integer lanes are in.
-  template <int S, int R>
-  static inline __attribute__((always_inline)) void finish_block(const uint8_t* sb,
-                                                                 const X8Rows<R>& x, Y8Acc* acc) {
-    __m256i sc_lo, sc_hi, mn_lo, mn_hi;
-    k4x8_scales(sb, sc_lo, sc_hi, mn_lo, mn_hi);
-    const __m256 d = y8_halves(sb), dmin = y8_halves(sb + 16);
-    for (int r = 0; r < R; ++r) {  // each of d, dmin times d_x rounded once (as `prod`)
-      const __m256 dd = fopaque(_mm256_mul_ps(d, _mm256_set1_ps(x.dx[r])));
-      const __m256 dm = fopaque(_mm256_mul_ps(dmin, _mm256_set1_ps(x.dx[r])));
-      y8_scale_ints<S>(acc[r], dd);
-      const __m256i msum = min_sums(mn_lo, mn_hi, x.bsums[r]);
-      acc[r].mins = _mm256_fnmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc[r].mins);
-    }
-  }
 };
 
 using Q4KX8 = K4Y8<false>;
@@ -193,14 +192,27 @@ struct Q6KX8 {
     return _mm256_and_si256(_mm256_srli_epi16(qh, 2), mask);
   }
   template <int S, int R>
-  static inline __attribute__((always_inline)) void block(const uint8_t* sb, int h,
-                                                          const X8Rows<R>& x, Y8Acc* acc) {
+  static inline __attribute__((always_inline)) void block(const uint8_t* sb, const X8Rows<R>& x,
+                                                          Y8Acc* acc) {
+    for (int h = 0; h < 2; ++h) half_ints<R>(sb, h, x, acc);
+    const __m256 d = y8_halves(sb);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dd = fopaque(_mm256_mul_ps(d, _mm256_set1_ps(x.dx[r])));
+      y8_scale_ints<S>(acc[r], dd);
+      const __m256i msum = _mm256_slli_epi32(scale_sums(sb, x.bsums[r]), 5);
+      acc[r].mins = _mm256_fnmadd_ps(dd, _mm256_cvtepi32_ps(msum), acc[r].mins);
+    }
+  }
+  // Half h's integer lanes of one super-block (rows 4h .. 4h + 3), for each activation row.
+  template <int R>
+  static inline __attribute__((always_inline)) void half_ints(const uint8_t* sb, int h,
+                                                              const X8Rows<R>& x, Y8Acc* acc) {
     // scales as int16: word 4r + i of words[z] is row 4h + r's scale 4z + i
     __m256i words[4];
     for (int z = 0; z < 4; ++z)
       words[z] = _mm256_cvtepi8_epi16(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 + 32 * z + 16 * h)));
-    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256i ints[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) ints[r][c] = _mm256_setzero_si256();
@@ -225,17 +237,6 @@ struct Q6KX8 {
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r].half[h].ints[c] = ints[r][c];
-  }
-  template <int S, int R>
-  static inline __attribute__((always_inline)) void finish_block(const uint8_t* sb,
-                                                                 const X8Rows<R>& x, Y8Acc* acc) {
-    const __m256 d = y8_halves(sb);
-    for (int r = 0; r < R; ++r) {
-      const __m256 dd = fopaque(_mm256_mul_ps(d, _mm256_set1_ps(x.dx[r])));
-      y8_scale_ints<S>(acc[r], dd);
-      const __m256i msum = _mm256_slli_epi32(scale_sums(sb, x.bsums[r]), 5);
-      acc[r].mins = _mm256_fnmadd_ps(dd, _mm256_cvtepi32_ps(msum), acc[r].mins);
-    }
   }
   // Row r's sum_k scale[k] bsum[k], exact, in lane r: bsums 4z .. 4z + 3 against the scales.
   static inline __attribute__((always_inline)) __m256i scale_sums(const uint8_t* sb,
