@@ -4,6 +4,7 @@ again; what the core imported itself is reported in /server_info's engine.core_s
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import pytest
 from native_http import get, post, run
 
 from conftest import API_KEY
+from radixserve.client.client import EngineDeadError
+from radixserve.client.core_client import MultiprocessClient
 from radixserve.client.core_start import (
     CORE_ENV_DEFAULTS,
     START_METHOD_ENV,
@@ -20,6 +23,8 @@ from radixserve.client.core_start import (
     exec_environ_names,
 )
 from radixserve.config.keys import ADMIN_API_KEY_ENV
+from radixserve.engine.protocol import StartFailed
+from radixserve.engine.wire import encode
 from radixserve.model.source import default_model_path
 from radixserve.model.tokenizer import model_tokenizer
 from radixserve.server.launch import EarlyTokenizer
@@ -89,6 +94,32 @@ def test_serve_says_why_its_core_did_not_start(tiny_chat_model, tmp_path):
     assert last.startswith("radixserve serve: engine core failed to start: ValueError: ")
     assert "--hicache-size 10000000.0: the host tier takes" in last
     assert "EOFError" not in done.stderr
+
+
+class CoreThatFailsBetweenPollAndCheck:
+    """A core process whose failure lands in the race window: it sends StartFailed and exits
+    after the client's poll timed out and before the client asks whether it is alive."""
+
+    exitcode = 1
+
+    def __init__(self, child_end):
+        self.child_end = child_end
+
+    def is_alive(self) -> bool:
+        self.child_end.send_bytes(encode(StartFailed(error="ValueError: --hicache-size too big")))
+        self.child_end.close()
+        return False
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+def test_a_core_that_fails_as_the_poll_times_out_still_says_why():
+    client = MultiprocessClient({})
+    client._conn, child_end = multiprocessing.Pipe()
+    client._process = CoreThatFailsBetweenPollAndCheck(child_end)
+    with pytest.raises(EngineDeadError, match="failed to start: ValueError: --hicache-size"):
+        client.wait_ready(timeout_s=5)
 
 
 FORK_PROBE = """

@@ -70,7 +70,9 @@ class MultiprocessClient(EngineClient):
         """Blocks until the launched core has loaded the model; returns its info."""
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.5):
-            if not self._process.is_alive():
+            # a core that failed sends StartFailed and then exits: it may do both between the
+            # poll above and this check, so a dead core's pipe is read once more before EOF
+            if not self._process.is_alive() and not self._conn.poll(0):
                 raise EngineDeadError(f"engine core exited with code {self._process.exitcode}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine core not ready after {timeout_s:.0f}s")
