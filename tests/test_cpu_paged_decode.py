@@ -80,11 +80,14 @@ def _ragged_lens(seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (3, 3), (2, 4), (1, 8), (1, 16)])
+@pytest.mark.parametrize(
+    "kv_heads,group", [(2, 1), (1, 3), (3, 3), (2, 4), (1, 6), (1, 8), (1, 16)]
+)
 @pytest.mark.parametrize("head_dim", [64, 24, 80])  # 80: a 64-float V tile and a tail
 @pytest.mark.parametrize("window", [None, 24])
 def test_kernel_matches_reference_fp32(ops, page_size, kv_heads, group, head_dim, window):
-    """Groups 1-8: the grouped kernel (AVX-512, head_dim 64 / 80); 16 and head_dim 24: per head."""
+    """Groups 1-8: the grouped kernel (AVX-512: head_dim 64 / 80, AVX2: 24 too: whole vectors;
+    the padded softmax at ragged lengths); group 16 and AVX-512's head_dim 24: per head."""
     pool = _pool(page_size, kv_heads, head_dim, torch.float32)
     batch, q, k, v = _decode_case(pool, _ragged_lens(head_dim + group), kv_heads * group)
     expected = _attend(TorchNativeBackend(pool, sliding_window=window), batch, q, k, v)

@@ -64,6 +64,7 @@ HEADERS = [
     CSRC / "block_dequant.h",
     CSRC / "paged_extend_blocks.h",
     CSRC / "paged_decode_blocks.h",
+    CSRC / "paged_decode_grouped.h",
     CSRC / "kquant_blocks.h",
     CSRC / "kquant_simd.h",
     CSRC / "q8_simd.h",

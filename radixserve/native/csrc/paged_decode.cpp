@@ -9,7 +9,8 @@
 // runs back to back), and each KV row is scored against its GQA group of query heads.
 // Positions go in blocks of kBlock (paged_decode_blocks.h): scores for the block, one
 // online-softmax rescale, then the weighted V sum; a KV head's GQA group of query heads is
-// done together where the build and head_dim allow. Slots are walked page by page. An fp32
+// done together where the build (AVX-512 or AVX2) and head_dim allow
+// (paged_decode_grouped.h). Slots are walked page by page. An fp32
 // block's rows are first read front to back (the hardware prefetchers then stream them); for
 // a bf16 pool the next block's rows are prefetched a KV head's part at a time between this
 // block's steps (16 x 4,096 positions, SmolLM2's heads, one thread, pool out of cache, fp32
@@ -23,7 +24,7 @@
 #include <torch/library.h>
 
 #include "common.h"
-#include "paged_decode_blocks.h"
+#include "paged_decode_grouped.h"
 
 #include <algorithm>
 #include <cmath>

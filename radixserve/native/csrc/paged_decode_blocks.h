@@ -1,9 +1,7 @@
 // The block steps of paged_decode.cpp (a block: kBlock positions of one query, every head):
-// scores, the online-softmax rescale, and the weighted V sum. With AVX-512 and a head_dim
-// of whole 16-float vectors, a KV head's GQA group of query heads is done together: each K
-// and V chunk is loaded once for the whole group (the loads, not the FMAs, bound the
-// per-head form); the FMAs and their order per output are the same, so the results are
-// the per-head form's bit for bit.
+// scores, the online-softmax rescale, and the weighted V sum, one query head at a time (plain
+// loops the compiler vectorizes); paged_decode_grouped.h does a KV head's GQA group of query
+// heads together with AVX-512 or AVX2 vectors and picks between the two forms.
 #pragma once
 
 #include <algorithm>
@@ -92,7 +90,7 @@ inline void touch_rows(const float* const* rows, int64_t n, int64_t floats) {
 // transposing tree (unpack, shuffle, add: 45 instructions for all 16 rows) instead of one
 // horizontal reduction per row, which cost more than the row's dot product itself.
 #if defined(__AVX512F__)
-inline void sum_rows(const __m512 (&a)[kKeyTile], float* sums) {
+inline void sum_rows(const __m512* a, float* sums) {  // a: kKeyTile vectors
   static_assert(kKeyTile == 16 && kLanes == 16, "the tree below sums 16 rows of 16");
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
@@ -217,113 +215,6 @@ inline void value_block(State& st, const Shape& s, const float* const* vrows, in
     }
     for (int64_t j = 0; j < n && d0 < D; ++j) axpy(out + d0, w[j], vrows[j] + off + d0, D - d0);
   }
-}
-
-#if defined(__AVX512F__)
-// Scores of one KV head's G query heads (q: [G, D], scores: head stride kBlock) against the
-// block's n keys, kKeyTile / G keys a tile: each key's 16-float chunk is loaded once and
-// multiplied into the G heads' accumulators, reduced together by the tree at the end.
-template <int G>
-void score_group(const float* q, const float* const* krows, int64_t off, int64_t D, int64_t n,
-                 float* scores) {
-  constexpr int kKeys = kKeyTile / G;
-  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
-    const int64_t m = std::min<int64_t>(kKeys, n - j0);
-    const float* kr[kKeys];  // a short tile repeats its last key
-    for (int jj = 0; jj < kKeys; ++jj) kr[jj] = krows[j0 + std::min<int64_t>(jj, m - 1)] + off;
-    __m512 acc[kKeyTile];
-    for (int i = 0; i < kKeyTile; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-      __m512 qv[G];
-      for (int g = 0; g < G; ++g) qv[g] = _mm512_loadu_ps(q + g * D + d0);
-      for (int jj = 0; jj < kKeys; ++jj) {
-        const __m512 kv = _mm512_loadu_ps(kr[jj] + d0);
-        for (int g = 0; g < G; ++g) {
-          acc[g * kKeys + jj] = _mm512_fmadd_ps(kv, qv[g], acc[g * kKeys + jj]);
-        }
-      }
-    }
-    float sums[kKeyTile];
-    sum_rows(acc, sums);
-    for (int g = 0; g < G; ++g) std::copy_n(sums + g * kKeys, m, scores + g * kBlock + j0);
-  }
-}
-
-// out[g] += sum_j w[g, j] v[j] for one KV head's G query heads (w: head stride kBlock, out:
-// head stride D), C 16-float chunks of each head's output held in registers across the
-// block's keys; each V chunk is loaded once for the G heads.
-template <int G, int C>
-void value_chunks(const float* w, const float* const* vrows, int64_t off, int64_t D, int64_t n,
-                  float* out, int64_t d0) {
-  __m512 acc[G][C];
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(out + g * D + d0 + c * kLanes);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vv = vrows[j] + off + d0;
-    __m512 vc[C];
-    for (int c = 0; c < C; ++c) vc[c] = _mm512_loadu_ps(vv + c * kLanes);
-    for (int g = 0; g < G; ++g) {
-      const __m512 wb = _mm512_set1_ps(w[g * kBlock + j]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(wb, vc[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + d0 + c * kLanes, acc[g][c]);
-  }
-}
-
-template <int G>
-void value_group(const float* w, const float* const* vrows, int64_t off, int64_t D, int64_t n,
-                 float* out) {
-  constexpr int C = G <= 4 ? 4 : 2;  // at most 16 accumulators
-  int64_t d0 = 0;
-  for (; d0 + C * kLanes <= D; d0 += C * kLanes) value_chunks<G, C>(w, vrows, off, D, n, out, d0);
-  for (; d0 < D; d0 += kLanes) value_chunks<G, 1>(w, vrows, off, D, n, out, d0);
-}
-
-// The block's scores, softmax and V sum, a KV head's group of G query heads at a time.
-template <int G>
-void attend_grouped(State& st, const Shape& s, const float* const* krows,
-                    const float* const* vrows, int64_t n, const Ahead& ahead) {
-  const int64_t D = s.head_dim;
-  for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-    ahead.fetch(ahead.k, h, 1);
-    score_group<G>(st.q.data() + h * G * D, krows, h * D, D, n, st.scores.data() + h * G * kBlock);
-  }
-  softmax_block(st, s, n);
-  for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-    ahead.fetch(ahead.v, h, 1);
-    value_group<G>(st.scores.data() + h * G * kBlock, vrows, h * D, D, n,
-                   st.acc.data() + h * G * D);
-  }
-}
-#endif
-
-// The block's scores, softmax and V sum for every head: grouped where the build and shape
-// allow (the same results), per head otherwise.
-inline void attend_rows(State& st, const Shape& s, const float* const* krows,
-                        const float* const* vrows, int64_t n, const Ahead& ahead) {
-#if defined(__AVX512F__)
-  if (s.head_dim % kLanes == 0) {
-    switch (s.group) {
-      case 1: return attend_grouped<1>(st, s, krows, vrows, n, ahead);
-      case 2: return attend_grouped<2>(st, s, krows, vrows, n, ahead);
-      case 3: return attend_grouped<3>(st, s, krows, vrows, n, ahead);
-      case 4: return attend_grouped<4>(st, s, krows, vrows, n, ahead);
-      case 5: return attend_grouped<5>(st, s, krows, vrows, n, ahead);
-      case 6: return attend_grouped<6>(st, s, krows, vrows, n, ahead);
-      case 7: return attend_grouped<7>(st, s, krows, vrows, n, ahead);
-      case 8: return attend_grouped<8>(st, s, krows, vrows, n, ahead);
-      default: break;
-    }
-  }
-#endif
-  ahead.fetch(ahead.k, 0, s.num_kv_heads);
-  ahead.fetch(ahead.v, 0, s.num_kv_heads);
-  score_block(st, s, krows, n);
-  softmax_block(st, s, n);
-  value_block(st, s, vrows, n);
 }
 
 }  // namespace radixserve_decode
