@@ -62,6 +62,24 @@ inline void dequant_int8(const int8_t* q, float d, Vec* w) {
     w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
   }
 }
+// The factored matmul's codes (block_matmul.cpp): a block's 32 codes as fp32 (exact), in
+// dequant_int4's / dequant_int8's element order, before any scale.
+#define RADIXSERVE_BLOCKS_FACTORED 1
+inline __attribute__((always_inline)) void codes_int4(const uint8_t* lo, const uint8_t* hi,
+                                                      Vec* c) {
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int64_t i = 0; i < 2; ++i) {
+    const __m256i v = widen_u8(i == 0 ? lo : hi);
+    c[i] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+    c[i + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+}
+inline __attribute__((always_inline)) void codes_int8(const int8_t* q, Vec* c) {
+  for (int64_t i = 0; i < 4; ++i) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
+    c[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+}
 #else
 constexpr int64_t kChains = 1;
 inline void dequant_int4(const uint8_t* lo, const uint8_t* hi, float d, float m, Vec* w) {

@@ -7,7 +7,10 @@
 //   int8 (Q8_0):        qs [N, K] int8; scales [N, K / 32] fp32, w = q * d
 // Each block's 32 weights are dequantized to fp32 once and multiplied into up to kTileRows
 // activation rows (fp32 FMAs, no rounding of the activations): exact to fp32 summation
-// order. A row's arithmetic is the same whatever the number of rows (row-invariant), so
+// order. AVX2 builds take the factored form instead, fewer FMAs a block (the block's codes
+// dotted with x, then its scale, and Int4's offsets against x's block sums once a row: the
+// dequantized weights' rounding never happens there, so its last bits differ from the other
+// levels'). A row's arithmetic is the same whatever the number of rows (row-invariant), so
 // --enable-deterministic-inference can use it for every batch. AVX512 / AVX2 intrinsics by
 // the build flags (plain loops otherwise: correct, slow); weight rows prefetched ahead;
 // activations past L1 taken tile by tile over chunks of weight rows; at::parallel_for over
@@ -22,6 +25,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -32,8 +36,9 @@ using radixserve_cpu::check_panel;
 
 // Activation rows sharing one dequantized block, at most: R x kChains x kVecs accumulators
 // stay in registers (AVX-512: 20 of 32 zmm at 5 rows, 9 rows take 2 passes instead of 3;
-// 6 rows measured slower at 9 rows on Zen 4; AVX2: 16 of 16 ymm at 4).
-#if defined(__AVX512F__)
+// 6 rows measured slower at 9 rows on Zen 4). AVX2's factored form: 4 codes, the scale and
+// 2 per row (t, acc), 15 of 16 ymm at 5 rows.
+#if defined(__AVX512F__) || defined(RADIXSERVE_BLOCKS_FACTORED)
 constexpr int64_t kTileRows = 5;
 #else
 constexpr int64_t kTileRows = 4;
@@ -42,6 +47,35 @@ constexpr int64_t kGrain = 16;    // output rows per parallel_for chunk, at leas
 constexpr int64_t kPrefetchRows = 4;  // weight rows asked for ahead of the one in use
 constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations exceed L1
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
+
+#if defined(RADIXSERVE_BLOCKS_FACTORED)
+inline __m256i first_lanes(int64_t count) {  // lane j set where j < count
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// Where block k of 8 goes in a row's block sums: Int4Rows::offsets' lane order.
+constexpr int64_t kOffsetOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+// A row's block sums: a whole number of 8s (the dequantized form has none).
+inline int64_t padded_blocks(int64_t num_blocks) { return (num_blocks + 7) / 8 * 8; }
+
+// Every activation row's block sums (4 vectors added, then across lanes), in kOffsetOrder
+// within each 8 blocks, zero past the last block: [M, padded_blocks].
+inline std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock, nbp = padded_blocks(nb);
+  std::vector<float> sums(M * nbp, 0.f);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      const Vec s = vadd(vadd(vload(xb), vload(xb + kLanes)),
+                         vadd(vload(xb + 2 * kLanes), vload(xb + 3 * kLanes)));
+      sums[r * nbp + b / 8 * 8 + kOffsetOrder[b % 8]] = vsum(s);
+    }
+  }
+  return sums;
+}
+#else
+inline int64_t padded_blocks(int64_t) { return 0; }
+#endif
 
 struct Int4Rows {
   const uint8_t* qs;
@@ -54,6 +88,38 @@ struct Int4Rows {
     const float* sm = scale_min + (n * num_blocks + b) * 2;
     dequant_int4(qs + (n * num_blocks + b) * kHalf, sm[0], sm[1], w);
   }
+#if defined(RADIXSERVE_BLOCKS_FACTORED)
+  static constexpr bool kOffsets = true;
+  // (always_inline: GCC kept an outlined copy called per block, at half the speed)
+  __attribute__((always_inline)) void codes(int64_t n, int64_t b, int64_t num_blocks,
+                                            Vec* c) const {
+    const uint8_t* q = qs + (n * num_blocks + b) * kHalf;
+    codes_int4(q, q + kHalf / 2, c);
+  }
+  float scale(int64_t n, int64_t b, int64_t num_blocks) const {
+    return scale_min[(n * num_blocks + b) * 2];
+  }
+  // sum_b m_b xs_b over row n's blocks, 8 at a time (xs: the activation row's block sums in
+  // offset_order, zero past the last block), in lanes.
+  Vec offsets(int64_t n, int64_t num_blocks, const float* xs) const {
+    const float* sm = scale_min + n * num_blocks * 2;
+    Vec acc = vzero();
+    for (int64_t b = 0; b < num_blocks; b += 8) {
+      const int64_t floats = 2 * std::min<int64_t>(8, num_blocks - b);
+      __m256 lo, hi;
+      if (floats == 16) {
+        lo = _mm256_loadu_ps(sm + 2 * b);
+        hi = _mm256_loadu_ps(sm + 2 * b + 8);
+      } else {
+        lo = _mm256_maskload_ps(sm + 2 * b, first_lanes(std::min<int64_t>(floats, 8)));
+        hi = floats > 8 ? _mm256_maskload_ps(sm + 2 * b + 8, first_lanes(floats - 8)) : vzero();
+      }
+      // (d, m) pairs of blocks 0-3 | 4-7 -> the m of blocks 0, 1, 4, 5, 2, 3, 6, 7
+      acc = vfma(_mm256_shuffle_ps(lo, hi, 0xDD), vload(xs + b), acc);
+    }
+    return acc;
+  }
+#endif
 };
 
 struct Int8Rows {
@@ -66,7 +132,21 @@ struct Int8Rows {
   void block(int64_t n, int64_t b, int64_t num_blocks, Vec* w) const {
     dequant_int8(qs + (n * num_blocks + b) * kBlock, scales[n * num_blocks + b], w);
   }
+#if defined(RADIXSERVE_BLOCKS_FACTORED)
+  static constexpr bool kOffsets = false;
+  __attribute__((always_inline)) void codes(int64_t n, int64_t b, int64_t num_blocks,
+                                            Vec* c) const {
+    codes_int8(qs + (n * num_blocks + b) * kBlock, c);
+  }
+  float scale(int64_t n, int64_t b, int64_t num_blocks) const { return scales[n * num_blocks + b]; }
+  Vec offsets(int64_t, int64_t, const float*) const { return vzero(); }
+#endif
 };
+
+// Block sums `offset` floats on (none in the dequantized form).
+inline const float* xs(const float* xsums, int64_t offset) {
+  return xsums == nullptr ? nullptr : xsums + offset;
+}
 
 // acc[c] += w * x over one block's vectors.
 inline void fma_block(Vec* acc, const Vec* w, const float* x) {
@@ -76,9 +156,39 @@ inline void fma_block(Vec* acc, const Vec* w, const float* x) {
 // out[r, n] for R activation rows starting at x (fp32, row stride K), one weight row n.
 // Block b goes to accumulator set b % kChains of its row: the same sums in the same order
 // for a row whatever R is.
+#if defined(RADIXSERVE_BLOCKS_FACTORED)
+// The factored form (AVX2): per block, t = the codes . x (one product and three FMAs, in
+// order), then acc = fma(t, d, acc); the offsets' m . (block sums of x) added at the end
+// (Int4). Fewer FMAs a block than dequantizing each weight first, the same for every R.
 template <int64_t R, typename Weights>
 void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float* x, int64_t K,
-              float* out, int64_t N) {
+              const float* xsums, float* out, int64_t N) {
+  Vec acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = vzero();
+  Vec c[kVecs];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    weights.codes(n, b, num_blocks, c);
+    const Vec d = vset1(weights.scale(n, b, num_blocks));
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xb = x + r * K + b * kBlock;
+      Vec t = _mm256_mul_ps(c[0], vload(xb));
+      for (int64_t i = 1; i < kVecs; ++i) t = vfma(c[i], vload(xb + i * kLanes), t);
+      acc[r] = vfma(t, d, acc[r]);
+    }
+  }
+  const int64_t nbp = padded_blocks(num_blocks);
+  for (int64_t r = 0; r < R; ++r) {
+    Vec total = acc[r];
+    if constexpr (Weights::kOffsets) {
+      total = vadd(total, weights.offsets(n, num_blocks, xsums + r * nbp));
+    }
+    out[r * N + n] = vsum(total);
+  }
+}
+#else
+template <int64_t R, typename Weights>
+void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float* x, int64_t K,
+              const float*, float* out, int64_t N) {
   Vec acc[R][kChains][kVecs];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < kChains; ++c)
@@ -102,22 +212,27 @@ void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float
     out[r * N + n] = vsum(total);
   }
 }
+#endif
 
 // Every activation row against weight row n, in tiles of up to kTileRows rows (the weight
 // row stays in L1 while the tiles pass over it).
 template <typename Weights>
 void dot_weight_row(const Weights& weights, int64_t n, int64_t num_blocks, const float* x,
-                    int64_t M, int64_t K, float* out, int64_t N) {
+                    const float* xsums, int64_t M, int64_t K, float* out, int64_t N) {
+  const int64_t nbp = padded_blocks(num_blocks);
   int64_t r = 0;
-  for (; r + kTileRows <= M; r += kTileRows)
-    dot_rows<kTileRows>(weights, n, num_blocks, x + r * K, K, out + r * N, N);
+  const auto tile = [&](auto rows) {  // rows: std::integral_constant, the tile's row count
+    dot_rows<decltype(rows)::value>(weights, n, num_blocks, x + r * K, K, xs(xsums, r * nbp),
+                                    out + r * N, N);
+  };
+  for (; r + kTileRows <= M; r += kTileRows) tile(std::integral_constant<int64_t, kTileRows>{});
   switch (M - r) {
-#if defined(__AVX512F__)
-    case 4: dot_rows<4>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+#if defined(__AVX512F__) || defined(RADIXSERVE_BLOCKS_FACTORED)
+    case 4: tile(std::integral_constant<int64_t, 4>{}); break;
 #endif
-    case 3: dot_rows<3>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
-    case 2: dot_rows<2>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
-    case 1: dot_rows<1>(weights, n, num_blocks, x + r * K, K, out + r * N, N); break;
+    case 3: tile(std::integral_constant<int64_t, 3>{}); break;
+    case 2: tile(std::integral_constant<int64_t, 2>{}); break;
+    case 1: tile(std::integral_constant<int64_t, 1>{}); break;
     default: break;
   }
 }
@@ -127,11 +242,12 @@ void dot_weight_row(const Weights& weights, int64_t n, int64_t num_blocks, const
 // of activations passes over a whole chunk before the next tile: each stays in L1.
 template <typename Weights>
 void dot_range(const Weights& weights, int64_t n0, int64_t n1, int64_t num_blocks,
-               const float* x, int64_t M, int64_t K, float* out, int64_t N) {
+               const float* x, const float* xsums, int64_t M, int64_t K, float* out, int64_t N) {
+  const int64_t nbp = padded_blocks(num_blocks);
   if (M <= kTileRows || M * K * static_cast<int64_t>(sizeof(float)) <= kL1Bytes) {
     for (int64_t n = n0; n < n1; ++n) {
       if (n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
-      dot_weight_row(weights, n, num_blocks, x, M, K, out, N);
+      dot_weight_row(weights, n, num_blocks, x, xsums, M, K, out, N);
     }
     return;
   }
@@ -141,7 +257,8 @@ void dot_range(const Weights& weights, int64_t n0, int64_t n1, int64_t num_block
       const int64_t rows = std::min(kTileRows, M - r);
       for (int64_t n = c0; n < c1; ++n) {
         if (r == 0 && n + kPrefetchRows < n1) weights.prefetch_row(n + kPrefetchRows, num_blocks);
-        dot_weight_row(weights, n, num_blocks, x + r * K, rows, K, out + r * N, N);
+        dot_weight_row(weights, n, num_blocks, x + r * K, xs(xsums, r * nbp), rows, K,
+                       out + r * N, N);
       }
     }
   }
@@ -162,8 +279,14 @@ at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
   const float* xf = activations_f32(x, scratch);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
+#if defined(RADIXSERVE_BLOCKS_FACTORED)
+  const std::vector<float> sums = block_sums(xf, M, K);
+  const float* xsums = sums.data();
+#else
+  const float* xsums = nullptr;
+#endif
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    dot_range(weights, n0, n1, num_blocks, xf, M, K, o, N);
+    dot_range(weights, n0, n1, num_blocks, xf, xsums, M, K, o, N);
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
