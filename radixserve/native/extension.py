@@ -93,11 +93,15 @@ _failure: CpuExtensionUnavailable | None = None
 
 def compiler_flags() -> list[str]:
     """-O3, OpenMP (at::parallel_for) and the SIMD flags of this CPU's level (with AVX512:
-    VNNI where the CPU has it). The flags are part of the build key."""
+    VNNI where the CPU has it). The flags are part of the build key.
+
+    -fno-trapping-math: the kernels never read the floating-point exception flags, and with
+    GCC's default a loop whose float math sits behind a branch (a softmax's exp of the scores
+    above -87) stays scalar; no value changes (no reassociation, no contraction)."""
     from radixserve.native.machine import cpu_flags
 
     level = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(level, [])]
+    flags = ["-O3", "-fopenmp", "-fno-trapping-math", *_ARCH_FLAGS.get(level, [])]
     if level == "AVX512" and "avx512_vnni" in cpu_flags():
         flags.append("-mavx512vnni")
     return flags

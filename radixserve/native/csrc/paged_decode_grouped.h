@@ -5,17 +5,15 @@
 // time. `attend_rows` picks this form where the build has one of the two and head_dim is
 // whole vectors, the per-head form otherwise.
 //
-// Bits: on AVX-512 the FMAs and their order per output, the tree and the softmax are the
-// per-head form's, so the results are its bit for bit. On AVX2 a score's products are summed
-// 8 lanes at a time (the per-head form's loops sum 16) and the softmax runs on vectors, so the
-// last bits may differ from the per-head form's; both are within the tests' tolerance of the
-// reference.
+// Bits: on AVX-512 the FMAs and their order per output, and the tree, are the per-head form's,
+// so the results are its bit for bit. On AVX2 a score's products are summed 8 lanes at a time
+// (the per-head form's loops sum 16), so the last bits may differ from the per-head form's;
+// both are within the tests' tolerance of the reference.
 #pragma once
 
 #include "paged_decode_blocks.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -38,7 +36,6 @@ struct Zmm {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void sum_tree(const V* a, float* sums) { sum_rows(a, sums); }
-  static void softmax(State& st, const Shape& s, int64_t n) { softmax_block(st, s, n); }
 };
 using Wide = Zmm;
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -62,59 +59,6 @@ struct Ymm {
     const V q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20),
                                          _mm256_permute2f128_ps(q0, q1, 0x31)));
-  }
-  static float max8(V v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
-  static float sum8(V v) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  }
-  // exp_nonpositive (common.h) on 8 lanes: the same polynomial, the same steps (x <= -87: 0;
-  // a NaN stays NaN).
-  static V exp_nonpositive8(V x) {
-    const V floor = _mm256_set1_ps(-87.f), big = _mm256_set1_ps(12582912.f);
-    const V dead = _mm256_cmp_ps(x, floor, _CMP_LE_OQ);
-    x = _mm256_max_ps(floor, x);
-    const V n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)), big), big);
-    const V r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, set1(0.693359375f))),
-                              _mm256_mul_ps(n, set1(2.12194440e-4f)));
-    V p = set1(1.9875691500e-4f);
-    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
-                    5.0000001201e-1f}) {
-      p = _mm256_add_ps(_mm256_mul_ps(p, r), set1(c));
-    }
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), set1(1.f));
-    const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23))));
-  }
-  // softmax_block's steps 8 scores at a time: a head's scores padded with -inf to whole
-  // vectors (its kBlock slots have room), then the max, the exps and their sum. (The plain
-  // loops took a third of a 1,024-position decode here.)
-  static void softmax(State& st, const Shape& s, int64_t n) {
-    if (s.cap > 0.f) return softmax_block(st, s, n);
-    const int64_t vecs = (n + kWidth - 1) / kWidth;
-    for (int64_t head = 0; head < s.num_heads; ++head) {
-      float* sc = st.scores.data() + head * kBlock;
-      std::fill(sc + n, sc + vecs * kWidth, kNegInf);
-      V most = set1(st.max[head]);
-      for (int64_t i = 0; i < vecs; ++i) most = _mm256_max_ps(most, load(sc + i * kWidth));
-      const float new_max = max8(most);
-      const float alpha = std::exp(st.max[head] - new_max);
-      st.sum[head] *= alpha;
-      scale_row(st.acc.data() + head * s.head_dim, alpha, s.head_dim);
-      V total = zero();
-      for (int64_t i = 0; i < vecs; ++i) {
-        const V w = exp_nonpositive8(_mm256_sub_ps(load(sc + i * kWidth), set1(new_max)));
-        store(sc + i * kWidth, w);
-        total = _mm256_add_ps(total, w);
-      }
-      st.sum[head] += sum8(total);
-      st.max[head] = new_max;
-    }
   }
 };
 using Wide = Ymm;
@@ -194,7 +138,7 @@ void attend_grouped(State& st, const Shape& s, const float* const* krows,
     score_group<Wide, G>(st.q.data() + h * G * D, krows, h * D, D, n,
                          st.scores.data() + h * G * kBlock);
   }
-  Wide::softmax(st, s, n);
+  softmax_block(st, s, n);
   for (int64_t h = 0; h < s.num_kv_heads; ++h) {
     ahead.fetch(ahead.v, h, 1);
     value_group<Wide, G>(st.scores.data() + h * G * kBlock, vrows, h * D, D, n,
