@@ -13,7 +13,15 @@ from radixserve.engine.speculative import SuffixDrafter, suffix_match
 from radixserve.engine.speculative.suffix import SuffixStore
 from radixserve.engine.speculative.suffix_match import SuffixLimits, speculate
 
-SUFFIX = {"speculative_algorithm": "SUFFIX", "speculative_num_draft_tokens": 6}
+# speculative_adaptive_threshold 0: never back off. What drafts and what they accept is what
+# these tests compare, not the verify's cost, which the engine learns from step times once a
+# step takes over 2 ms (a tiny model's does on a loaded or AVX2-only machine; then SUFFIX
+# backs off and the warm accept lengths read ~1, as test_spec_auto's NEVER_BACK_OFF says).
+SUFFIX = {
+    "speculative_algorithm": "SUFFIX",
+    "speculative_num_draft_tokens": 6,
+    "speculative_adaptive_threshold": 0.0,
+}
 
 
 def _limits(depth=24, factor=1.0, min_prob=0.1, num=8) -> SuffixLimits:
