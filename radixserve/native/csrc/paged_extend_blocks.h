@@ -19,6 +19,11 @@ constexpr int64_t kKeys = 64;      // key positions per online-softmax rescale
 constexpr int64_t kTileRows = 64;  // query rows (tokens x GQA heads) per work item, at most
 constexpr int64_t kLanes = 16;     // rows per register tile of the score product
 constexpr int64_t kKeyTile = 8;    // keys per register tile of the score product
+#if defined(__AVX512F__)
+constexpr int64_t kScoreLanes = kLanes;  // the tile's rows: kKeyTile accumulators of them
+#else
+constexpr int64_t kScoreLanes = 8;  // 8 ymm accumulators, not 16 (the whole register file)
+#endif
 constexpr int64_t kPvRows = 4;     // rows per register tile of the P V product
 
 struct Shape {
@@ -55,21 +60,21 @@ struct Tile {
 // S[j, m] = sum_d K[j, d] * Qt[d, m] for j < n, all padded rows m.
 inline void score_block(Tile& t, int64_t n, int64_t dim) {
   const int64_t P = t.padded;
-  for (int64_t m0 = 0; m0 < P; m0 += kLanes) {
+  for (int64_t m0 = 0; m0 < P; m0 += kScoreLanes) {
     for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
       const float* kr[kKeyTile];
       for (int64_t jj = 0; jj < kKeyTile; ++jj) kr[jj] = t.krows[std::min(j0 + jj, n - 1)];
-      float acc[kKeyTile][kLanes] = {};
+      float acc[kKeyTile][kScoreLanes] = {};
       for (int64_t d = 0; d < dim; ++d) {
         const float* qv = t.qt.data() + d * P + m0;
         for (int64_t jj = 0; jj < kKeyTile; ++jj) {
           const float kd = kr[jj][d];
 #pragma omp simd
-          for (int64_t l = 0; l < kLanes; ++l) acc[jj][l] += kd * qv[l];
+          for (int64_t l = 0; l < kScoreLanes; ++l) acc[jj][l] += kd * qv[l];
         }
       }
       for (int64_t jj = 0; jj < std::min(kKeyTile, n - j0); ++jj) {
-        std::copy(acc[jj], acc[jj] + kLanes, t.scores.data() + (j0 + jj) * P + m0);
+        std::copy(acc[jj], acc[jj] + kScoreLanes, t.scores.data() + (j0 + jj) * P + m0);
       }
     }
   }
