@@ -100,7 +100,7 @@ struct Int4Rows {
     return scale_min[(n * num_blocks + b) * 2];
   }
   // sum_b m_b xs_b over row n's blocks, 8 at a time (xs: the activation row's block sums in
-  // offset_order, zero past the last block), in lanes.
+  // kOffsetOrder, zero past the last block), in lanes.
   Vec offsets(int64_t n, int64_t num_blocks, const float* xs) const {
     const float* sm = scale_min + n * num_blocks * 2;
     Vec acc = vzero();
@@ -153,13 +153,12 @@ inline void fma_block(Vec* acc, const Vec* w, const float* x) {
   for (int64_t i = 0; i < kVecs; ++i) acc[i] = vfma(w[i], vload(x + i * kLanes), acc[i]);
 }
 
-// out[r, n] for R activation rows starting at x (fp32, row stride K), one weight row n.
-// Block b goes to accumulator set b % kChains of its row: the same sums in the same order
-// for a row whatever R is.
+// out[r, n] for R activation rows starting at x (fp32, row stride K), one weight row n: the
+// same sums in the same order for a row whatever R is.
 #if defined(RADIXSERVE_BLOCKS_FACTORED)
 // The factored form (AVX2): per block, t = the codes . x (one product and three FMAs, in
 // order), then acc = fma(t, d, acc); the offsets' m . (block sums of x) added at the end
-// (Int4). Fewer FMAs a block than dequantizing each weight first, the same for every R.
+// (Int4). Fewer FMAs a block than dequantizing each weight first.
 template <int64_t R, typename Weights>
 void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float* x, int64_t K,
               const float* xsums, float* out, int64_t N) {
@@ -186,6 +185,7 @@ void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float
   }
 }
 #else
+// The dequantized form: block b goes to accumulator set b % kChains of its row.
 template <int64_t R, typename Weights>
 void dot_rows(const Weights& weights, int64_t n, int64_t num_blocks, const float* x, int64_t K,
               const float*, float* out, int64_t N) {
