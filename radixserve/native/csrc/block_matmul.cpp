@@ -22,6 +22,7 @@
 
 #include "block_dequant.h"
 #include "common.h"
+#include "q8_simd.h"  // load_pairs: 8 blocks' (d, m) pairs, a tail masked
 
 #include <algorithm>
 #include <string>
@@ -49,10 +50,6 @@ constexpr int64_t kChunkRows = 16;     // weight rows per chunk when activations
 constexpr int64_t kL1Bytes = 32 * 1024;  // activations up to this size stay in L1 as they are
 
 #if defined(RADIXSERVE_BLOCKS_FACTORED)
-inline __m256i first_lanes(int64_t count) {  // lane j set where j < count
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 // Where block k of 8 goes in a row's block sums: Int4Rows::offsets' lane order.
 constexpr int64_t kOffsetOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
 // A row's block sums: a whole number of 8s (the dequantized form has none).
@@ -105,17 +102,10 @@ struct Int4Rows {
     const float* sm = scale_min + n * num_blocks * 2;
     Vec acc = vzero();
     for (int64_t b = 0; b < num_blocks; b += 8) {
-      const int64_t floats = 2 * std::min<int64_t>(8, num_blocks - b);
-      __m256 lo, hi;
-      if (floats == 16) {
-        lo = _mm256_loadu_ps(sm + 2 * b);
-        hi = _mm256_loadu_ps(sm + 2 * b + 8);
-      } else {
-        lo = _mm256_maskload_ps(sm + 2 * b, first_lanes(std::min<int64_t>(floats, 8)));
-        hi = floats > 8 ? _mm256_maskload_ps(sm + 2 * b + 8, first_lanes(floats - 8)) : vzero();
-      }
+      const auto pairs = radixserve_q8::load_pairs(
+          sm + 2 * b, static_cast<int>(2 * std::min<int64_t>(8, num_blocks - b)));
       // (d, m) pairs of blocks 0-3 | 4-7 -> the m of blocks 0, 1, 4, 5, 2, 3, 6, 7
-      acc = vfma(_mm256_shuffle_ps(lo, hi, 0xDD), vload(xs + b), acc);
+      acc = vfma(_mm256_shuffle_ps(pairs.lo, pairs.hi, 0xDD), vload(xs + b), acc);
     }
     return acc;
   }
@@ -139,7 +129,6 @@ struct Int8Rows {
     codes_int8(qs + (n * num_blocks + b) * kBlock, c);
   }
   float scale(int64_t n, int64_t b, int64_t num_blocks) const { return scales[n * num_blocks + b]; }
-  Vec offsets(int64_t, int64_t, const float*) const { return vzero(); }
 #endif
 };
 
@@ -280,8 +269,9 @@ at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
 #if defined(RADIXSERVE_BLOCKS_FACTORED)
-  const std::vector<float> sums = block_sums(xf, M, K);
-  const float* xsums = sums.data();
+  std::vector<float> sums;  // Int4's offsets only (Q8_0 has none)
+  if constexpr (Weights::kOffsets) sums = block_sums(xf, M, K);
+  const float* xsums = sums.empty() ? nullptr : sums.data();
 #else
   const float* xsums = nullptr;
 #endif
