@@ -145,18 +145,17 @@ struct K4Y8 {
                                                               __m256i sc_lo, __m256i sc_hi,
                                                               const X8Rows<R>& x, Y8Acc* acc) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256i ints[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) ints[r][c] = _mm256_setzero_si256();
     const __m256i words_lo = _mm256_cvtepu8_epi16(y8_half_bytes(sc_lo, h));
     const __m256i words_hi = _mm256_cvtepu8_epi16(y8_half_bytes(sc_hi, h));
+    __m256i scales[8];  // unit u's scales (4 rows)
+    for (int u = 0; u < 8; ++u) scales[u] = y8_spread(u < 4 ? words_lo : words_hi, u % 4);
+    // c outermost: R accumulators live at a time (the sums are exact in any order)
+#pragma GCC unroll 1
+    for (int c = 0; c < 4; ++c) {
+      __m256i ints[R];
+      for (int r = 0; r < R; ++r) ints[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m256i words = p < 2 ? words_lo : words_hi;
-      const __m256i scale_a = y8_spread(words, (2 * p) % 4);  // unit 2p's scales
-      const __m256i scale_b = y8_spread(words, (2 * p + 1) % 4);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
+      for (int p = 0; p < 4; ++p) {
         const __m256i raw = y8_load(sb + 128 + 256 * p + 64 * c + 32 * h);
         __m256i low = _mm256_and_si256(raw, nibble);
         __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
@@ -166,14 +165,13 @@ struct K4Y8 {
           high = or_shifted(high, _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
         }
         for (int r = 0; r < R; ++r) {
-          ints[r][c] = dot_scaled(ints[r][c], low, y8_codes(x.xq[r] + 64 * p + 8 * c), scale_a);
-          ints[r][c] =
-              dot_scaled(ints[r][c], high, y8_codes(x.xq[r] + 64 * p + 32 + 8 * c), scale_b);
+          ints[r] = dot_scaled(ints[r], low, y8_codes(x.xq[r] + 64 * p + 8 * c), scales[2 * p]);
+          ints[r] = dot_scaled(ints[r], high, y8_codes(x.xq[r] + 64 * p + 32 + 8 * c),
+                               scales[2 * p + 1]);
         }
       }
+      for (int r = 0; r < R; ++r) acc[r].half[h].ints[c] = ints[r];
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) acc[r].half[h].ints[c] = ints[r][c];
   }
 };
 
