@@ -60,7 +60,7 @@ inline __m512i zdot_scaled(__m512i acc, __m512i u, __m512i s, __m512i scale) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, pairs, scale);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, scale));
+  return pinned(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, scale)));
 #endif
 }
 inline Ints zfold(__m512i v) {

@@ -43,9 +43,6 @@ inline __m256i y8_codes(const int8_t* xq) {
 inline __m256i y8_spread(__m256i words, int k) {  // word 4r + i = word 4r + k (4 rows' words)
   return _mm256_shuffle_epi8(words, _mm256_broadcastsi128_si256(spread_pattern(k)));
 }
-// Pins an accumulator to a register here: GCC otherwise reassociates a chain of exact integer
-// adds into a tree whose partial products spill the register file.
-inline void y8_pin(__m256i& v) { asm("" : "+x"(v)); }
 inline __m256i y8_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256 y8_halves(const uint8_t* p) {  // 8 fp16 -> fp32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -171,7 +168,6 @@ struct K4Y8 {
           ints[r] = dot_scaled(ints[r], low, y8_codes(x.xq[r] + 64 * p + 8 * c), scales[2 * p]);
           ints[r] = dot_scaled(ints[r], high, y8_codes(x.xq[r] + 64 * p + 32 + 8 * c),
                                scales[2 * p + 1]);
-          y8_pin(ints[r]);
         }
       }
       for (int r = 0; r < R; ++r) acc[r].half[h].ints[c] = ints[r];
@@ -234,7 +230,6 @@ struct Q6KX8 {
           const __m256i scale = y8_spread(words[k / 4], k % 4);
           for (int r = 0; r < R; ++r)
             ints[r][c] = dot_scaled(ints[r][c], codes, y8_codes(x.xq[r] + 32 * u + 8 * c), scale);
-          for (int r = 0; r < R; ++r) y8_pin(ints[r][c]);
         }
       }
     }

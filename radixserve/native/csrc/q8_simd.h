@@ -31,6 +31,18 @@ constexpr const char* kIntDot = "avx2";
 constexpr const char* kIntDot = "portable";
 #endif
 
+#if defined(__AVX2__)
+// An integer accumulator held in a register at this point. Without it GCC reassociates a
+// chain of vpaddd (exact, so it may) into a tree that computes every vpmaddwd product of an
+// unrolled loop first and spills them: the 4-row x8 K-quant steps stored 25-300 vectors to
+// the stack, and took up to 1.4x longer (docs/performance.md, "Integer accumulators pinned").
+template <typename V>
+inline V pinned(V v) {
+  asm("" : "+v"(v));
+  return v;
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 using Bytes = __m256i;
 using Ints = __m256i;
@@ -49,14 +61,14 @@ inline Ints dot_us(Ints acc, Bytes u, Bytes s) {
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return pinned(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
 #endif
 }
 inline Ints dot_ss(Ints acc, Bytes w, Bytes x) {
   return dot_us(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 inline Ints dot_scaled(Ints acc, Bytes u, Bytes s, Scale scale) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale));
+  return pinned(_mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale)));
 }
 inline Floats fzero() { return _mm256_setzero_ps(); }
 inline Floats fset1(float a) { return _mm256_set1_ps(a); }
