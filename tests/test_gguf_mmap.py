@@ -137,7 +137,7 @@ def test_int8_repacks_k_quant_layers_with_the_same_logits(cpu_ops, untied_gguf, 
         start = layer.blocks.data_ptr()
         assert not any(m["start"] <= start < m["end"] for m in mappings)
     int4 = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
-    repacked_int4 = [Q4_0_X8] if int4_x8_native() else [None]  # layer 1's o_proj (AVX-512)
+    repacked_int4 = [Q4_0_X8] if int4_x8_native() else [None]  # layer 1's o_proj (AVX-512 / AVX2)
     assert [layer.x8_type for layer in int4] == repacked_int4
     monkeypatch.setattr(KQuantLinear, "can_repack", lambda self: False)
     monkeypatch.setattr(Int4WeightOnlyLinear, "can_repack", lambda self: False)

@@ -215,7 +215,7 @@ def test_repacked_q4_0_and_q4_1_give_the_row_layouts_bits(cpu_ops, qtype, n, k):
 @pytest.mark.parametrize("qtype", [Q4_0_X8, Q4_1_X8])
 def test_int8_repacks_gguf_int4_layers_and_keeps_every_output(cpu_ops, qtype):
     if not int4_x8_native():
-        pytest.skip("repacked int4 runs natively with AVX-512 only: never repacked here")
+        pytest.skip("repacked int4 runs natively with AVX-512 / AVX2 only: never repacked here")
     n, k = 37, 352
     qs, scale_min = gguf_int4_blocks(n, k, qtype, seed=1)
     codes = torch.stack([qs.view(n, -1, 16) & 0x0F, qs.view(n, -1, 16) >> 4], 2).reshape(n, k)

@@ -12,8 +12,8 @@ depend on how many rows share the call (--enable-deterministic-inference may use
 
 With int8 activations (q8_matmul.py, chosen by activation_choice.py) the same blocks meet
 activations quantized to int8 blocks in integer dots, as llama.cpp computes them; on AVX-512
-builds an int4 layer of a GGUF Q4_0 / Q4_1 then takes its rows 8 at a time, with fp16 scales
-(`int4_x8_type`, Int4WeightOnlyLinear.repack_rows8: the same bits).
+and AVX2 builds an int4 layer of a GGUF Q4_0 / Q4_1 then takes its rows 8 at a time, with
+fp16 scales (`int4_x8_type`, Int4WeightOnlyLinear.repack_rows8: the same bits).
 
 Chosen at load time (`--cpu-quant-kernel`, `resolve_cpu_quant_kernel`): only where the
 extension builds with AVX2 or AVX512 intrinsics; its portable build is correct but slower

@@ -269,7 +269,8 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     def can_repack(self) -> bool:
         """Whether `repack_rows8` applies: a "blocks" layer of at least 8 rows whose scales are
-        a GGUF Q4_0's or Q4_1's (fp16), on a build running that layout natively (AVX-512)."""
+        a GGUF Q4_0's or Q4_1's (fp16), on a build running that layout natively (AVX-512 or
+        AVX2)."""
         if self.backend != "blocks" or self.x8_type is not None:
             return False
         if self.out_features < q8_matmul.X8_ROWS or not q8_matmul.int4_x8_native():

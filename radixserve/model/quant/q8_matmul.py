@@ -45,7 +45,8 @@ def kquant_x8_native() -> bool:
 
 @functools.cache
 def int4_x8_native() -> bool:
-    """True where repacked Q4_0 / Q4_1 run on their own 8-row kernels (AVX-512 builds)."""
+    """True where repacked Q4_0 / Q4_1 run on their own 8-row kernels (AVX-512 and AVX2
+    builds)."""
     return _native("int4_x8_native")
 
 

@@ -1,4 +1,4 @@
-// Q4_0 / Q4_1 weights 8 rows at a time for the AVX-512 int8-activation matmul, the idea of
+// Q4_0 / Q4_1 weights 8 rows at a time for the AVX-512 / AVX2 int8-activation matmul, the idea of
 // llama.cpp's q4_0_8x8 (our own byte order): one 64-byte load holds 8 nibble bytes of a block
 // for all 8 rows, the 8 rows' scales are one fp16 vector, their offsets 8-row vectors; and the
 // scales are fp16 again, as the file has them (the row layout keeps fp32 pairs: 24 bytes a
@@ -17,12 +17,13 @@
 // Bits: each row's block sums (exact integers), its fp32 steps per block (into lane b % 8:
 // fma(d_w d_x, sum, acc) + m_w d_x sum q_x, each product rounded once) and the final reduction
 // are q8_formats.h's Int4Rows', and an fp16 scale is the fp32 value the row layout holds, so a
-// repacked weight gives the row layout's bits at any number of rows: the tests compare them. Without AVX-512 (and for the rows past the
-// last group) the bytes are unpacked to the row layout for Int4Rows (for_int4_rows_unpacked).
+// repacked weight gives the row layout's bits at any number of rows: the tests compare them.
+// On portable builds (and for the rows past the last group) the bytes are unpacked to the row
+// layout for Int4Rows (for_int4_rows_unpacked).
 #pragma once
 
 #include "kquant_blocks.h"
-#include "q8_kquant_x8.h"
+#include "q8_kquant_x8_ymm.h"
 
 #include <c10/util/Half.h>
 
@@ -207,6 +208,67 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
       pair[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][i]), _mm512_extractf32x8_ps(acc[r][i], 1));
     const __m256 sum = _mm256_add_ps(_mm256_add_ps(pair[0], pair[1]), _mm256_add_ps(pair[2], pair[3]));
     _mm256_storeu_ps(out + r * N, x8_finish(zero, sum));  // (0 + sum) + 0, as dot_rows
+  }
+}
+#endif
+
+#if defined(RADIXSERVE_Q8_YMM)
+// AVX2: the same steps on 8-lane vectors, a block at a time. Each 64-byte part of a block (8
+// rows' nibble bytes) is two 32-byte halves, rows 0-3 and rows 4-7; row i's block sum lands in
+// lane i (y8_pair_sums), so acc[r][b % 8] holds block slot b % 8 of the 8 rows, the lane
+// Int4Rows gives it, and the fp32 steps and the final order are the AVX-512 kernel's.
+template <bool kMin, int R>
+void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64_t N) {
+  __m256 acc[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 8; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t nb = a.num_blocks, bytes = kMin ? 20 : 18;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t group_bytes = radixserve_kquant::kX8Rows * nb * bytes;
+  const uint8_t* next = m0 == 0 ? group + kX8Ahead * group_bytes : nullptr;  // as x8_dot
+  for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
+    const int64_t n = std::min(kX8Chunk, nb - b0);
+    const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
+    if (next != nullptr) {
+      prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
+    }
+    const uint8_t* codes = chunk + (kMin ? 32 : 16) * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = b0 + j;
+      const __m256 d = y8_halves(chunk + 16 * j);
+      const __m256 m = kMin ? y8_halves(chunk + 16 * n + 16 * j)
+                            : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(8.f), d));
+      __m256i w[2][4];  // [rows 0-3, 4-7][codes 8c .. 8c + 7 of each row]
+      for (int h = 0; h < 2; ++h) {
+        const __m256i lo = y8_load(codes + 128 * j + 32 * h);
+        const __m256i hi = y8_load(codes + 128 * j + 64 + 32 * h);
+        w[h][0] = _mm256_and_si256(lo, nibble);
+        w[h][1] = _mm256_and_si256(hi, nibble);
+        w[h][2] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble);
+        w[h][3] = _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.qs + (m0 + r) * a.K + b * kQ8Block;
+        __m256i ints[2] = {izero(), izero()};
+        for (int c = 0; c < 4; ++c) {
+          const __m256i x = y8_codes(xq + 8 * c);
+          for (int h = 0; h < 2; ++h) ints[h] = dot_us(ints[h], w[h][c], x);
+        }
+        const __m256i sums = y8_pair_sums(ints[0], ints[1]);  // exact
+        const float* p = a.pairs + 2 * ((m0 + r) * nb + b);  // d_x, d_x sum q_x
+        const __m256 dd = fopaque(_mm256_mul_ps(d, _mm256_set1_ps(p[0])));
+        const __m256 off = fopaque(_mm256_mul_ps(m, _mm256_set1_ps(p[1])));
+        __m256& slot = acc[r][b % 8];
+        slot = _mm256_add_ps(_mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sums), slot), off);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): odd_sum's
+    const __m256* s = acc[r];
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
+                                     _mm256_add_ps(_mm256_add_ps(s[4], s[5]), _mm256_add_ps(s[6], s[7])));
+    _mm256_storeu_ps(out + r * N, _mm256_add_ps(_mm256_add_ps(_mm256_setzero_ps(), sum),
+                                                _mm256_setzero_ps()));  // (0 + sum) + 0, as dot_rows
   }
 }
 #endif

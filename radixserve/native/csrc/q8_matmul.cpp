@@ -227,8 +227,8 @@ at::Tensor int4_block_mm_q8(const at::Tensor& x, const at::Tensor& qs, const at:
   return run(x, Int4Rows{qs.data_ptr<uint8_t>(), scale_min.data_ptr<float>()}, N);
 }
 
-// Repacked Q4_0 / Q4_1 (q8_int4_x8.h): with AVX-512 the 8-row kernel on every group, the rows
-// past the last group unpacked for Int4Rows; else every row unpacked for Int4Rows.
+// Repacked Q4_0 / Q4_1 (q8_int4_x8.h): with AVX-512 or AVX2 the 8-row kernel on every group,
+// the rows past the last group unpacked for Int4Rows; else (portable) every row unpacked.
 at::Tensor int4_x8_mm_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   check_x(x, kQ8Block, "int4_x8_mm_q8");
   TORCH_CHECK(qtype == kQ40X8 || qtype == kQ41X8, "int4_x8_mm_q8: qtype ", qtype,
@@ -252,7 +252,7 @@ at::Tensor int4_x8_mm_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t 
     });
   };
   const int64_t grouped = N / kX8Rows * kX8Rows;
-#if defined(RADIXSERVE_Q8_ZMM)
+#if defined(RADIXSERVE_Q8_ZMM) || defined(RADIXSERVE_Q8_YMM)
   over_x8_groups(M, grouped / kX8Rows, [&](auto tile, int64_t g, int64_t m) {
     constexpr int R = decltype(tile)::value;
     const uint8_t* group = w + g * kX8Rows * L.row_bytes();
@@ -342,9 +342,9 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
     return false;
 #endif
   });
-  // Whether repacked Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512).
+  // Whether repacked Q4_0 / Q4_1 run on their 8-row kernels here (AVX-512 or AVX2).
   m.def("int4_x8_native() -> bool", [] {
-#if defined(RADIXSERVE_Q8_ZMM)
+#if defined(RADIXSERVE_Q8_ZMM) || defined(RADIXSERVE_Q8_YMM)
     return true;
 #else
     return false;
