@@ -117,6 +117,24 @@ void for_int4_rows_unpacked(const uint8_t* w, const Int4X8Layout& L, int64_t N, 
   }
 }
 
+// fn(b0, n, chunk, codes) over the chunks of a group (blocks b0 .. b0 + n - 1; `chunk` its
+// bytes, `codes` where its nibble bytes start). The first tile of rows (m0 == 0) asks for the
+// next group's bytes as it goes, as x8_dot does.
+template <bool kMin, typename Fn>
+inline void int4_x8_chunks(const uint8_t* group, const Q8Acts& a, int64_t m0, Fn&& fn) {
+  const int64_t nb = a.num_blocks, bytes = kMin ? 20 : 18;
+  const int64_t group_bytes = radixserve_kquant::kX8Rows * nb * bytes;
+  const uint8_t* next = m0 == 0 ? group + kX8Ahead * group_bytes : nullptr;
+  for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
+    const int64_t n = std::min(kX8Chunk, nb - b0);
+    const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
+    if (next != nullptr) {
+      prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
+    }
+    fn(b0, n, chunk, chunk + (kMin ? 32 : 16) * n);
+  }
+}
+
 #if defined(RADIXSERVE_Q8_ZMM)
 inline __m512 zopaque(__m512 v) {  // a product rounded once, never fused into an add
   __asm__("" : "+v"(v));
@@ -154,20 +172,13 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
-  const int64_t nb = a.num_blocks, bytes = kMin ? 20 : 18;
+  const int64_t nb = a.num_blocks;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // row i's even / odd lanes of two blocks' sums -> [block 0 rows 0-7 | block 1 rows 0-7]
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const int64_t group_bytes = radixserve_kquant::kX8Rows * nb * bytes;
-  const uint8_t* next = m0 == 0 ? group + kX8Ahead * group_bytes : nullptr;  // as x8_dot
-  for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
-    const int64_t n = std::min(kX8Chunk, nb - b0);
-    const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
-    if (next != nullptr) {
-      prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
-    }
-    const uint8_t* codes = chunk + (kMin ? 32 : 16) * n;
+  int4_x8_chunks<kMin>(group, a, m0, [&](int64_t b0, int64_t n, const uint8_t* chunk,
+                                         const uint8_t* codes) {
     for (int h = 0; 2 * h < n; ++h) {  // blocks j = 2h, 2h + 1 of the chunk (the second may not be)
       const int64_t blocks = std::min<int64_t>(2, n - 2 * h);
       const __m512 d = x8_halves(chunk + 32 * h, blocks);
@@ -200,7 +211,7 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
         acc[r][slot] = _mm512_add_ps(_mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(sums), acc[r][slot]), off);
       }
     }
-  }
+  });
   const X8Acc zero{};
   for (int r = 0; r < R; ++r) {  // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): odd_sum's
     __m256 pair[4];
@@ -222,17 +233,10 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
   __m256 acc[R][8];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 8; ++i) acc[r][i] = _mm256_setzero_ps();
-  const int64_t nb = a.num_blocks, bytes = kMin ? 20 : 18;
+  const int64_t nb = a.num_blocks;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const int64_t group_bytes = radixserve_kquant::kX8Rows * nb * bytes;
-  const uint8_t* next = m0 == 0 ? group + kX8Ahead * group_bytes : nullptr;  // as x8_dot
-  for (int64_t b0 = 0; b0 < nb; b0 += kX8Chunk) {
-    const int64_t n = std::min(kX8Chunk, nb - b0);
-    const uint8_t* chunk = group + b0 * radixserve_kquant::kX8Rows * bytes;
-    if (next != nullptr) {
-      prefetch(next + (chunk - group), n * radixserve_kquant::kX8Rows * bytes);
-    }
-    const uint8_t* codes = chunk + (kMin ? 32 : 16) * n;
+  int4_x8_chunks<kMin>(group, a, m0, [&](int64_t b0, int64_t n, const uint8_t* chunk,
+                                         const uint8_t* codes) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = b0 + j;
       const __m256 d = y8_halves(chunk + 16 * j);
@@ -262,7 +266,7 @@ void int4_x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, 
         slot = _mm256_add_ps(_mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sums), slot), off);
       }
     }
-  }
+  });
   for (int r = 0; r < R; ++r) {  // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): odd_sum's
     const __m256* s = acc[r];
     const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
