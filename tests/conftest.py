@@ -12,6 +12,14 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `make test` runs two xdist workers on CI's two cores: each worker, and every server, fleet
+# and child pytest it starts, runs one OpenMP thread. Two threads each oversubscribed the
+# cores, and each parallel region then waited on a descheduled thread (the suite took
+# 1100-1313 s so on a 2-core EPYC, 813 s with one thread each). Thread splits are tested
+# where a test sets its own count (assert_same_bits_on_one_and_two_threads).
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 
 from transformers import (  # noqa: E402
@@ -207,6 +215,20 @@ def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torc
     bound = x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().t())
     excess = (got.double() - expected).abs() - bound
     assert (excess <= 0).all(), f"off by {excess.max().item():.3g} past fp32's rounding bound"
+
+
+def assert_same_bits_on_one_and_two_threads(fn) -> None:
+    """fn() (a kernel call splitting its outputs over torch's threads) gives the same bits on
+    one thread and on two. The suite's workers run one thread each (top of this file), so
+    the kernels' thread splits are exercised here."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        assert torch.equal(fn(), one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def greedy(max_new_tokens=16, **extra):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_quantization_gguf import PROMPT, save_plain_llama, write_tiny_gguf
 
-from conftest import assert_within_fp32_rounding
+from conftest import assert_same_bits_on_one_and_two_threads, assert_within_fp32_rounding
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.quant.block_embedding import BlockEmbedding
@@ -74,14 +74,7 @@ def test_int8_blocks_equal_the_dequantized_matmul_and_each_row_its_one_row_call(
 def test_output_rows_split_over_threads_give_the_same_bits(cpu_ops):
     qs, scale_min, _ = _int4_weights(576, 301, seed=3)
     x = torch.randn(5, 576)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = int4_block_matmul(x, qs, scale_min)
-        torch.set_num_threads(2)
-        assert torch.equal(int4_block_matmul(x, qs, scale_min), one)
-    finally:
-        torch.set_num_threads(threads)
+    assert_same_bits_on_one_and_two_threads(lambda: int4_block_matmul(x, qs, scale_min))
 
 
 def test_gguf_nibble_order_round_trips():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_same_bits_on_one_and_two_threads
 from radixserve.model.quant.batch_invariant import (
     BatchInvariantLinear,
     dense_matmul,
@@ -65,15 +66,7 @@ def test_a_row_is_the_same_bits_at_any_place_of_any_batch():
 def test_one_and_two_threads_give_the_same_bits():
     x, weight = _data(576, 576, 9, torch.float32, torch.float32)
     packed = pack_dense_weight(weight)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = dense_matmul(x, packed, 576)
-        torch.set_num_threads(2)
-        two = dense_matmul(x, packed, 576)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    assert_same_bits_on_one_and_two_threads(lambda: dense_matmul(x, packed, 576))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 from kquant_reference import quantize_kquant
 
-from conftest import assert_within_fp32_rounding
+from conftest import assert_same_bits_on_one_and_two_threads, assert_within_fp32_rounding
 from radixserve.model.quant.kquant import (
     KQUANT_TYPES,
     KQuantLinear,
@@ -96,14 +96,7 @@ def test_output_rows_split_over_threads_give_the_same_bits(cpu_ops, type_name):
     packed = torch.from_numpy(random_blocks(301, 512, type_name, seed=3))
     qtype = KQUANT_TYPES[type_name][0]
     x = torch.randn(5, 512)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kquant_matmul(x, packed, qtype)
-        torch.set_num_threads(2)
-        assert torch.equal(kquant_matmul(x, packed, qtype), one)
-    finally:
-        torch.set_num_threads(threads)
+    assert_same_bits_on_one_and_two_threads(lambda: kquant_matmul(x, packed, qtype))
 
 
 def test_layer_runs_the_kernel_then_dequantizes_past_dequant_min_rows(cpu_ops):

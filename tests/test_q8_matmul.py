@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_kquant_matmul import random_blocks, reference_weight
 
+from conftest import assert_same_bits_on_one_and_two_threads
 from radixserve.model.quant import QuantizationError, activation_choice
 from radixserve.model.quant.block_matmul import pack_int4_blocks
 from radixserve.model.quant.kquant import (
@@ -250,6 +251,26 @@ def test_int8_repacks_gguf_int4_layers_and_keeps_every_output(cpu_ops, qtype):
     assert torch.equal(
         activation_choice._kernel(twin, x, True), activation_choice._kernel(row, x, True)
     )
+
+
+@pytest.mark.parametrize("layout", ["int4", "Q6_K", "Q4_K x8", "Q4_0 x8"])
+def test_output_rows_split_over_threads_give_the_same_bits(cpu_ops, layout):
+    """The int8-activation kernels, in the row layouts and repacked 8 rows at a time: 301
+    outputs (groups and a tail) split over two threads give one thread's bits."""
+    ops, n, k = torch.ops.radixserve_cpu, 301, 768
+    fmt, _, repacked = layout.partition(" ")
+    if fmt == "Q4_0":
+        qs, scale_min = gguf_int4_blocks(n, k, Q4_0_X8, seed=4)
+        matmul, weights = int4_x8_matmul_q8, (ops.int4_repack_x8(qs, scale_min, Q4_0_X8), Q4_0_X8)
+    elif repacked:
+        qtype = KQUANT_TYPES[fmt][0]
+        blocks = torch.from_numpy(random_blocks(n, k, fmt, 4))
+        matmul, weights = kquant_matmul_q8, (ops.kquant_repack_x8(blocks, qtype), qtype + X8_TYPE)
+    else:
+        matmul, weights = case(fmt, n, k, seed=4)[0], ()
+    for m in (5, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        assert_same_bits_on_one_and_two_threads(lambda x=x: matmul(x, *weights))
 
 
 def _kquant_model(type_name: str = "Q4_K", n: int = 64, k: int = 512) -> torch.nn.Module:
