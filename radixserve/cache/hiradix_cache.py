@@ -33,9 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from radixserve.cache.host_tier import HostTier, TierLayout, check_slot_accounting
+from radixserve.cache.host_tier import HostTier, check_slot_accounting, create_host_tier
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError, MatchResult
 from radixserve.cache.radix_cache import RadixCache
@@ -60,8 +58,6 @@ from radixserve.cache.tree_node import (
     tier_path,
 )
 from radixserve.config import HiCacheConfig
-from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
-from radixserve.native.machine import check_fits
 
 if TYPE_CHECKING:  # msgspec (the events' structs) is needed only with events on
     from radixserve.cache.kv_events import KVEventSink
@@ -387,30 +383,5 @@ def create_hierarchical_cache(
     pool: KVPool, config: HiCacheConfig, model_fingerprint: str, events: KVEventSink | None = None
 ) -> HiRadixCache:
     """A HiRadixCache over `pool` with a tier sized and placed by `--hicache-*`."""
-    s = pool.shape
-    dtype = str(pool.dtype).removeprefix("torch.")
-    layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
-    num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
-    if config.hicache_dir is None:
-        _check_host_memory(config, num_slots * layout.page_nbytes)
-    pinned = pool.device.type == "cuda"
-    tier = HostTier(layout, num_slots, config.hicache_dir, pin_memory=pinned)
+    tier = create_host_tier(pool, config)
     return HiRadixCache(pool, tier, config.hicache_write_policy, model_fingerprint, events)
-
-
-def _check_host_memory(config: HiCacheConfig, tier_bytes: int) -> None:
-    """An in-memory tier larger than the memory available is refused at start, naming the
-    flag that sized it (as SGLang refuses a host pool past its budget), where allocating it
-    would fail with the allocator's error or leave the machine to the OOM killer."""
-    if config.hicache_size > 0:
-        flag = f"--hicache-size {config.hicache_size}"
-    else:
-        flag = f"--hicache-ratio {config.hicache_ratio} (of the KV pool's pages)"
-    check_fits(
-        tier_bytes,
-        torch.device("cpu"),  # host memory, whatever the pool's device
-        f"{flag}: the host tier",
-        "lower it, give the KV pool a size (--max-total-tokens; on CPU --cpu-kv-cache-gb, "
-        f"else it takes {CPU_KV_MEMORY_FRACTION:.0%} of the memory available), or put the "
-        "tier on disk with --hicache-dir",
-    )

@@ -29,7 +29,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError
+from radixserve.config import HiCacheConfig
+from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
+from radixserve.native.machine import check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -250,3 +254,33 @@ def _allocate_file(fd: int, path: str, size: int) -> None:
             f"file {path} ({exc.strerror or exc}); free disk space or lower --hicache-size / "
             "--hicache-ratio"
         ) from exc
+
+
+def create_host_tier(pool: KVPool, config: HiCacheConfig) -> HostTier:
+    """The tier below `pool`, sized and placed by `--hicache-*` (in memory: refused at start
+    when larger than the memory available)."""
+    s = pool.shape
+    dtype = str(pool.dtype).removeprefix("torch.")
+    layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
+    num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
+    if config.hicache_dir is None:
+        _check_host_memory(config, num_slots * layout.page_nbytes)
+    return HostTier(layout, num_slots, config.hicache_dir, pin_memory=pool.device.type == "cuda")
+
+
+def _check_host_memory(config: HiCacheConfig, tier_bytes: int) -> None:
+    """An in-memory tier larger than the memory available is refused at start, naming the
+    flag that sized it (as SGLang refuses a host pool past its budget), where allocating it
+    would fail with the allocator's error or leave the machine to the OOM killer."""
+    if config.hicache_size > 0:
+        flag = f"--hicache-size {config.hicache_size}"
+    else:
+        flag = f"--hicache-ratio {config.hicache_ratio} (of the KV pool's pages)"
+    check_fits(
+        tier_bytes,
+        torch.device("cpu"),  # host memory, whatever the pool's device
+        f"{flag}: the host tier",
+        "lower it, give the KV pool a size (--max-total-tokens; on CPU --cpu-kv-cache-gb, "
+        f"else it takes {CPU_KV_MEMORY_FRACTION:.0%} of the memory available), or put the "
+        "tier on disk with --hicache-dir",
+    )
