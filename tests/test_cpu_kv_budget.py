@@ -12,7 +12,7 @@ from radixserve import Engine
 from radixserve.cli import main
 from radixserve.config import CacheConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
-from radixserve.fleet import launch
+from radixserve.fleet import kv_budget, launch
 from radixserve.model import runner
 from radixserve.model.runner import GiB, kv_budget_bytes
 from radixserve.model.source import default_model_path
@@ -63,20 +63,20 @@ def test_the_engine_sizes_its_pool_from_available_memory(tiny_chat_model, monkey
 
 
 def test_fleet_workers_share_the_default_pool_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 20 * GiB)
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 20 * GiB)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"\0" * 4096)
-    args = launch.split_cpu_kv_memory(4, {"model": str(model), "device": "cpu"})
+    args = kv_budget.split_cpu_kv_memory(4, {"model": str(model), "device": "cpu"})
     expected = (20 * GiB - 4 * 4096) * CPU_KV_MEMORY_FRACTION / 4 / GiB
     assert args["cpu_kv_cache_gb"] == pytest.approx(expected, abs=0.01)
     chosen = {"model": str(model), "device": "cpu", "max_total_tokens": 4096}
-    assert launch.split_cpu_kv_memory(4, chosen) == chosen
+    assert kv_budget.split_cpu_kv_memory(4, chosen) == chosen
 
 
 def test_a_fleet_of_the_default_model_shares_the_pool_memory(monkeypatch):
     """README's `radixserve fleet --workers 4` names no model: the default model's file is
     the weights each worker loads (it crashed on the missing path before any worker ran)."""
-    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 20 * GiB)
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 20 * GiB)
     monkeypatch.setattr(launch, "require_router", lambda: None)
     seen = {}
 

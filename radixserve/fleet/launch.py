@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,9 +43,9 @@ from radixserve.config import (
     ServerConfig,
     split_engine_kwargs,
 )
-from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.config.server import MAX_PORT
 from radixserve.fleet.auth import FleetKeys, fleet_keys, pd_secret_file, register_workers
+from radixserve.fleet.kv_budget import split_cpu_kv_memory
 from radixserve.fleet.probes import router_live, router_ready, worker_healthy
 from radixserve.fleet.router import PDWorkers, require_router, router_command
 from radixserve.fleet.worker_template import (
@@ -58,8 +57,6 @@ from radixserve.fleet.worker_template import (
     fork_from_template,
     own_pids,
 )
-from radixserve.model.source import ModelLoadError, default_model_path
-from radixserve.native.machine import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 WORKER_HOST = "127.0.0.1"
@@ -67,7 +64,6 @@ POLL_S = 0.5
 STOP_MARGIN_S = 15.0
 """After SIGTERM a worker drains for up to --drain-timeout (server/drain.py), then exits;
 a child still running this much later is killed."""
-GiB = 1 << 30
 SERVER_FLAGS_EXCLUDED = ("host", "port", "api_key", "api_key_file", "admin_api_key",
                          "admin_api_key_file", "router_url", "advertise_url")  # fmt: skip
 """Set by the fleet itself: workers listen on loopback; their key comes in the environment
@@ -238,43 +234,6 @@ def run_fleet(config: FleetConfig, server: ServerConfig, engine_args: dict[str, 
             stop_all([router, *workers], server.drain_timeout + STOP_MARGIN_S)
             if template is not None:
                 template.close()
-
-
-def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[str, Any]:
-    """CPU workers whose pool size nobody chose share the default (CPU_KV_MEMORY_FRACTION of
-    the memory available) between them: `--cpu-kv-cache-gb` per worker, logged; else as
-    given. Each worker alone would take the fraction of what it saw at its start."""
-    if engine_args.get("max_total_tokens") or engine_args.get("cpu_kv_cache_gb"):
-        return engine_args
-    if split_engine_kwargs(None, engine_args)[0].torch_device().type != "cpu":
-        return engine_args
-    available = available_memory_bytes()
-    if available is None:
-        return engine_args
-    weights = num_workers * model_file_bytes(engine_args["model"])
-    share = max(available - weights, 0) * CPU_KV_MEMORY_FRACTION / num_workers / GiB
-    logger.info(
-        "KV pool per worker: %.2f GiB (%.0f%% of %.1f GiB available, less %d copies of the "
-        "weights, / %d workers; --cpu-kv-cache-gb to choose)",
-        share, 100 * CPU_KV_MEMORY_FRACTION, available / GiB, num_workers, num_workers,
-    )  # fmt: skip
-    return engine_args | {"cpu_kv_cache_gb": max(round(share, 2), 0.01)}
-
-
-def model_file_bytes(model: str | None) -> int:
-    """Bytes of a model's weight files (a GGUF file, or a folder's safetensors / bin /
-    gguf; None: the default model's GGUF); 0 for a name that is not on disk (a built-in
-    config) or a default model that is not installed (each worker then says so)."""
-    try:
-        path = default_model_path() if model is None else Path(model)
-    except ModelLoadError:
-        return 0
-    if path.is_file():
-        return path.stat().st_size
-    if not path.is_dir():
-        return 0
-    files = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
-    return sum(p.stat().st_size for p in files)
 
 
 def fleet_children(
