@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -217,18 +218,25 @@ def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torc
     assert (excess <= 0).all(), f"off by {excess.max().item():.3g} past fp32's rounding bound"
 
 
+@contextlib.contextmanager
+def torch_threads(num_threads: int):
+    """torch's thread count set to `num_threads` within the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def assert_same_bits_on_one_and_two_threads(fn) -> None:
     """fn() (a kernel call splitting its outputs over torch's threads) gives the same bits on
     one thread and on two. The suite's workers run one thread each (top of this file), so
     the kernels' thread splits are exercised here."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = fn()
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert torch.equal(fn(), one)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def greedy(max_new_tokens=16, **extra):

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import SYSTEM, greedy, greedy_generate, make_engine, prompt_ids
+from conftest import SYSTEM, greedy, greedy_generate, make_engine, prompt_ids, torch_threads
 from radixserve.attention import create_attention_backend
 from radixserve.attention.cpu_fused import CpuFusedBackend
 from radixserve.attention.torch_native import TorchNativeBackend
@@ -139,12 +139,8 @@ def test_more_threads_than_requests_split_on_their_own(ops):
     pool = _pool(16, 3, 64, torch.float32)
     batch, q, k, v = _decode_case(pool, [700], 9)
     expected = _attend(TorchNativeBackend(pool), batch, q, k, v)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    with torch_threads(4):
         got = _attend(CpuFusedBackend(pool, ops=ops), batch, q, k, v)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(got, expected, **FP32_TOL)
 
 
@@ -232,12 +228,8 @@ def test_extend_kernel_with_threads_and_reused_pages(ops):
     pool = _pool(16, 2, 64, torch.float32)
     batch, q, k, v = _extend_case(pool, [160, 160, 3], [90, 41, 200], 6, torch.float32, 9)
     expected = _attend(TorchNativeBackend(pool), batch, q, k, v)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    with torch_threads(4):
         got = _attend(_all_in_place(pool, None, ops), batch, q, k, v)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(got, expected, **FP32_TOL)
 
 

@@ -1,10 +1,8 @@
 """HiRadixCache without a model: pages demoted to the tier, matched there, loaded back,
-the tier's own LRU, write policies, integrity of both tiers, and the saved index."""
+the tier's own LRU, write policies, integrity of both tiers (the saved index:
+test_hiradix_restart.py)."""
 
 from __future__ import annotations
-
-import json
-import logging
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_kv_events import replay, tree_prefixes
 from test_radix_cache_state_machine import NAMESPACES, TOKENS
 
-from radixserve.cache.hiradix_cache import INDEX_FILE, HiRadixCache
+from radixserve.cache.hiradix_cache import HiRadixCache
 from radixserve.cache.host_tier import HostTier, TierLayout
 from radixserve.cache.kv_events import BlockRemoved, KVEventSink
 from radixserve.cache.kv_pool import KVPool, PoolShape
@@ -240,82 +238,6 @@ def test_reset_frees_both_tiers():
 
 
 # ---- warm restart ----
-
-
-def _saved(tmp_path, fingerprint="m"):
-    cache = _cache(folder=str(tmp_path), fingerprint=fingerprint)
-    _computed(cache, SEQ_A)
-    _computed(cache, SEQ_A[:8] + SEQ_B[:8])
-    cache.close()
-
-
-def test_a_restarted_cache_finds_its_tier_and_loads_it(tmp_path):
-    _saved(tmp_path)
-    cache = _cache(folder=str(tmp_path))
-    match = cache.match_prefix(SEQ_A, max_tokens=16)
-    assert (match.num_tokens, match.host_tokens) == (0, 16)
-    cache.check_integrity()
-    loaded = _load(cache, SEQ_A[:8] + SEQ_B[:8])
-    assert _kv_values(cache, loaded.pages) == _expected(SEQ_A[:8] + SEQ_B[:8])
-
-
-def test_a_smaller_tier_keeps_the_saved_nodes_it_has_slots_for(tmp_path, caplog):
-    _saved(tmp_path)
-    index = json.loads((tmp_path / INDEX_FILE).read_text())
-    b_entry = next(e for e in index["entries"] if e[2][0] == SEQ_B[0])
-    assert max(b_entry[3]) == max(s for e in index["entries"] for s in e[3])
-    with caplog.at_level(logging.WARNING):
-        cache = _cache(folder=str(tmp_path), tier_slots=min(b_entry[3]))
-    assert "1 lie past the end of this" in caplog.text
-    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 16
-    assert cache.match_prefix(SEQ_A[:8] + SEQ_B[:8], max_tokens=16).host_tokens == 8
-    cache.check_integrity()
-    loaded = _load(cache, SEQ_A)
-    assert _kv_values(cache, loaded.pages) == _expected(SEQ_A)
-
-
-def test_a_tier_of_another_model_is_discarded_with_a_warning(tmp_path, caplog):
-    _saved(tmp_path, fingerprint="other")
-    with caplog.at_level(logging.WARNING):
-        cache = _cache(folder=str(tmp_path))
-    assert "another setup (differs in: model)" in caplog.text
-    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
-    assert not (tmp_path / INDEX_FILE).exists()
-    cache.check_integrity()
-
-
-def test_a_corrupted_page_drops_its_node_and_what_hangs_below(tmp_path, caplog):
-    _saved(tmp_path)
-    index = json.loads((tmp_path / INDEX_FILE).read_text())
-    top = next(e for e in index["entries"] if e[0] == -1)  # the shared first 2 pages
-    with open(tmp_path / "kv_tier.bin", "r+b") as f:
-        f.seek(top[3][1] * LAYOUT.page_nbytes + 5)
-        f.write(b"\x7f")
-    with caplog.at_level(logging.WARNING):
-        cache = _cache(folder=str(tmp_path))
-    assert "failed their checksums" in caplog.text
-    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
-    assert cache.tier.num_free == cache.tier.num_slots
-    cache.check_integrity()
-
-
-def test_the_index_is_saved_while_the_tier_changes(tmp_path, monkeypatch):
-    import radixserve.cache.hiradix_cache as hiradix
-
-    monkeypatch.setattr(hiradix, "PERSIST_INTERVAL_S", 0.0)
-    cache = _cache(folder=str(tmp_path))
-    _computed(cache, SEQ_A)  # write-through: saved at once, no close needed
-    entries = json.loads((tmp_path / INDEX_FILE).read_text())["entries"]
-    assert [e[2] for e in entries] == [SEQ_A]
-
-
-def test_an_unreadable_index_is_discarded(tmp_path, caplog):
-    _saved(tmp_path)
-    (tmp_path / INDEX_FILE).write_text("{not json")
-    with caplog.at_level(logging.WARNING):
-        cache = _cache(folder=str(tmp_path))
-    assert "unreadable index" in caplog.text
-    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
 
 
 # ---- random lifecycles ----

@@ -9,8 +9,8 @@ with 4 draft tokens, SUFFIX and AUTO with 4, give the plain greedy tokens, cold 
 from __future__ import annotations
 
 import pytest
-import torch
 
+from conftest import torch_threads
 from radixserve import Engine
 
 pytestmark = pytest.mark.slow
@@ -25,10 +25,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 40}
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def _engine(**flags) -> Engine:
