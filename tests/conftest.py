@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -17,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # and child pytest it starts, runs one OpenMP thread. Two threads each oversubscribed the
 # cores, and each parallel region then waited on a descheduled thread (the suite took
 # 1100-1313 s so on a 2-core EPYC, 813 s with one thread each). Thread splits are tested
-# where a test sets its own count (assert_same_bits_on_one_and_two_threads).
+# where a test sets its own count (kernel_checks.py).
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -204,39 +203,6 @@ def make_core(model, **kwargs):
 
     kwargs = {"max_total_tokens": 8192, "page_size": 16} | kwargs
     return EngineCore.build(*split_engine_kwargs(model, kwargs))
-
-
-def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """`got` = x @ weight.T computed in fp32 in any order: each entry within fp32's rounding
-    bound for its sum (K * eps * sum |x w|) of the fp64 product. Kernels and BLAS vendors
-    block their sums differently, so bits are not compared; a wrong row, offset or scale is
-    off by the size of the sum itself."""
-    x, weight = x.double(), weight.double()
-    expected = x @ weight.t()
-    bound = x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().t())
-    excess = (got.double() - expected).abs() - bound
-    assert (excess <= 0).all(), f"off by {excess.max().item():.3g} past fp32's rounding bound"
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int):
-    """torch's thread count set to `num_threads` within the block, then restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def assert_same_bits_on_one_and_two_threads(fn) -> None:
-    """fn() (a kernel call splitting its outputs over torch's threads) gives the same bits on
-    one thread and on two. The suite's workers run one thread each (top of this file), so
-    the kernels' thread splits are exercised here."""
-    with torch_threads(1):
-        one = fn()
-    with torch_threads(2):
-        assert torch.equal(fn(), one)
 
 
 def greedy(max_new_tokens=16, **extra):

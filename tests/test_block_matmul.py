@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import assert_same_bits_on_one_and_two_threads, assert_within_fp32_rounding
 from test_quantization_gguf import PROMPT, save_plain_llama, write_tiny_gguf
 
-from conftest import assert_same_bits_on_one_and_two_threads, assert_within_fp32_rounding
 from radixserve.config import CacheConfig, LoadConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model.quant.block_embedding import BlockEmbedding

@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
+from kernel_checks import torch_threads
 
-from conftest import SYSTEM, greedy, greedy_generate, make_engine, prompt_ids, torch_threads
+from conftest import SYSTEM, greedy, greedy_generate, make_engine, prompt_ids
 from radixserve.attention import create_attention_backend
 from radixserve.attention.cpu_fused import CpuFusedBackend
 from radixserve.attention.torch_native import TorchNativeBackend

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import assert_same_bits_on_one_and_two_threads
 
-from conftest import assert_same_bits_on_one_and_two_threads
 from radixserve.model.quant.batch_invariant import (
     BatchInvariantLinear,
     dense_matmul,

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
+from kernel_checks import assert_within_fp32_rounding
 from test_kquant_matmul import random_blocks
 from torch import nn
 
-from conftest import assert_within_fp32_rounding
 from radixserve.model.quant import activation_choice, dense_panels
 from radixserve.model.quant.kquant import KQuantLinear
 from radixserve.model.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear

@@ -10,9 +10,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
+from kernel_checks import assert_same_bits_on_one_and_two_threads, assert_within_fp32_rounding
 from kquant_reference import quantize_kquant
 
-from conftest import assert_same_bits_on_one_and_two_threads, assert_within_fp32_rounding
 from radixserve.model.quant.kquant import (
     KQUANT_TYPES,
     KQuantLinear,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import assert_same_bits_on_one_and_two_threads
 from test_kquant_matmul import random_blocks, reference_weight
 
-from conftest import assert_same_bits_on_one_and_two_threads
 from radixserve.model.quant import QuantizationError, activation_choice
 from radixserve.model.quant.block_matmul import pack_int4_blocks
 from radixserve.model.quant.kquant import (

@@ -9,8 +9,8 @@ with 4 draft tokens, SUFFIX and AUTO with 4, give the plain greedy tokens, cold 
 from __future__ import annotations
 
 import pytest
+from kernel_checks import torch_threads
 
-from conftest import torch_threads
 from radixserve import Engine
 
 pytestmark = pytest.mark.slow
