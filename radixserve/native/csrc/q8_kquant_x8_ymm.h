@@ -89,9 +89,16 @@ inline __m256 y8_finish(const Y8Acc& acc) {
 
 // out[r * N + 0..7] = activation row m0 + r (r < R) against the group at `group` (nb x8
 // super-blocks of F), as q8_kquant_x8.h's x8_dot. (Rows 0-3 over all super-blocks, then 4-7,
-// was slower: 1.2x on a Q6_K [2048, 8192] at one row.)
+// was slower: 1.2x on a Q6_K [2048, 8192] at one row.) A tile of more than F::kMaxTileRows
+// activation rows goes as smaller tiles: a row's bits do not depend on its tile.
 template <typename F, int R>
 void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64_t N) {
+  if constexpr (R > F::kMaxTileRows) {
+    constexpr int kFirst = F::kMaxTileRows;
+    x8_dot<F, kFirst>(group, a, m0, out, N);
+    x8_dot<F, R - kFirst>(group, a, m0 + kFirst, out + kFirst * N, N);
+    return;
+  }
   Y8Acc acc[R];
   for (int r = 0; r < R; ++r) {
     for (Y8Half& half : acc[r].half)
@@ -108,6 +115,7 @@ void x8_dot(const uint8_t* group, const Q8Acts& a, int64_t m0, float* out, int64
 template <bool kFifthBit>  // Q5_K: Q4_K's nibbles with bit u of qh as unit u's fifth bit
 struct K4Y8 {
   static constexpr int64_t kBytes = 8 * (kFifthBit ? 176 : 144);
+  static constexpr int kMaxTileRows = 4;  // q8_matmul.cpp's whole tile: one c's R sums live
   // Row r's sum over units of min[r][u] * (bsum[2u] + bsum[2u + 1]), exact, in lane r.
   static inline __attribute__((always_inline)) __m256i min_sums(__m256i mn_lo, __m256i mn_hi,
                                                                 const int16_t* bsums) {
@@ -180,6 +188,10 @@ using Q5KX8 = K4Y8<true>;
 
 struct Q6KX8 {
   static constexpr int64_t kBytes = 8 * 210;
+  // Two activation rows at a time: half_ints keeps R x 4 integer sums live, and at 4 rows
+  // those 16 fill every ymm register (spilled: 1.23x slower at 16-256 rows on a Zen 3; one
+  // row at a time was slower still, the codes built once per row)
+  static constexpr int kMaxTileRows = 2;
   // Bits 2s, 2s + 1 of each byte of qh as bits 4, 5 (one shift and one mask: 16-bit shifts,
   // whatever crosses from the neighbouring byte lands outside the mask).
   static inline __m256i q6_high_bits(__m256i qh, int s) {
