@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from test_hiradix_cache import LAYOUT, SEQ_A, SEQ_B, _cache, _computed, _load, _saved
+from test_hiradix_cache import LAYOUT, SEQ_A, SEQ_B, _cache, _computed, _load
+from test_hiradix_restart import _saved
 
 from radixserve.cache.hiradix_cache import INDEX_FILE
 from radixserve.cache.host_tier import TIER_FILE, HostTier
