@@ -9,7 +9,7 @@ import logging
 
 from test_hiradix_cache import LAYOUT, SEQ_A, SEQ_B, _cache, _computed, _expected, _kv_values, _load
 
-from radixserve.cache.hiradix_cache import INDEX_FILE
+from radixserve.cache.hiradix_cache import INDEX_FILE, HiRadixCache
 
 
 def _saved(tmp_path, fingerprint="m"):
@@ -44,14 +44,21 @@ def test_a_smaller_tier_keeps_the_saved_nodes_it_has_slots_for(tmp_path, caplog)
     assert _kv_values(cache, loaded.pages) == _expected(SEQ_A)
 
 
-def test_a_tier_of_another_model_is_discarded_with_a_warning(tmp_path, caplog):
-    _saved(tmp_path, fingerprint="other")
+def restarted_without_its_tier(tmp_path, caplog, warning: str) -> HiRadixCache:
+    """A cache restarted over tmp_path's saved tier that discards all of it (index removed),
+    saying `warning`."""
     with caplog.at_level(logging.WARNING):
         cache = _cache(folder=str(tmp_path))
-    assert "another setup (differs in: model)" in caplog.text
+    assert warning in caplog.text
     assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
     assert not (tmp_path / INDEX_FILE).exists()
     cache.check_integrity()
+    return cache
+
+
+def test_a_tier_of_another_model_is_discarded_with_a_warning(tmp_path, caplog):
+    _saved(tmp_path, fingerprint="other")
+    restarted_without_its_tier(tmp_path, caplog, "another setup (differs in: model)")
 
 
 def test_a_corrupted_page_drops_its_node_and_what_hangs_below(tmp_path, caplog):

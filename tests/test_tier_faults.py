@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from test_hiradix_cache import LAYOUT, SEQ_A, SEQ_B, _cache, _computed, _load
-from test_hiradix_restart import _saved
+from test_hiradix_restart import _saved, restarted_without_its_tier
 
 from radixserve.cache.hiradix_cache import INDEX_FILE
 from radixserve.cache.host_tier import TIER_FILE, HostTier
@@ -183,12 +183,7 @@ def _row(i, value):
 def test_a_corrupt_index_of_any_shape_is_discarded_with_a_warning(tmp_path, caplog, mutate):
     _saved(tmp_path)
     _index_with(tmp_path, mutate)
-    with caplog.at_level(logging.WARNING):
-        cache = _cache(folder=str(tmp_path))
-    assert "discarding the saved tier" in caplog.text
-    assert cache.match_prefix(SEQ_A, max_tokens=16).host_tokens == 0
-    assert not (tmp_path / INDEX_FILE).exists()
-    cache.check_integrity()
+    cache = restarted_without_its_tier(tmp_path, caplog, "discarding the saved tier")
     _computed(cache, SEQ_A)  # and the tier works on
     cache.evict(4)
     assert _load(cache, SEQ_A).num_tokens == 16
