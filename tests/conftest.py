@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # `make test` runs two xdist workers on CI's two cores: each worker, and every server, fleet
 # and child pytest it starts, runs one OpenMP thread. Two threads each oversubscribed the
 # cores, and each parallel region then waited on a descheduled thread (the suite took
-# 1100-1313 s so on a 2-core EPYC, 813 s with one thread each). Thread splits are tested
+# 1100-1313 s so on a 2-core EPYC, 813-947 s with one thread each). Thread splits are tested
 # where a test sets its own count (kernel_checks.py).
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -33,7 +33,7 @@ def torch_threads(num_threads: int):
 
 def assert_same_bits_on_one_and_two_threads(fn) -> None:
     """fn() (a kernel call splitting its outputs over torch's threads) gives the same bits on
-    one thread and on two. The suite's workers run one thread each (top of this file), so
+    one thread and on two. The suite's workers run one thread each (conftest.py), so
     the kernels' thread splits are exercised here."""
     with torch_threads(1):
         one = fn()
