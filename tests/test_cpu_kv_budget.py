@@ -14,9 +14,9 @@ from radixserve.config import CacheConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.fleet import kv_budget, launch
 from radixserve.model import runner
-from radixserve.model.runner import GiB, kv_budget_bytes
+from radixserve.model.runner import kv_budget_bytes
 from radixserve.model.source import default_model_path
-from radixserve.native.machine import available_memory_bytes
+from radixserve.native.machine import GiB, available_memory_bytes
 
 CPU = torch.device("cpu")
 

@@ -10,10 +10,9 @@ from typing import Any
 from radixserve.config import split_engine_kwargs
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
 from radixserve.model.source import ModelLoadError, default_model_path
-from radixserve.native.machine import available_memory_bytes
+from radixserve.native.machine import GiB, available_memory_bytes
 
 logger = logging.getLogger(__name__)
-GiB = 1 << 30
 
 
 def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[str, Any]:

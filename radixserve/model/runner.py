@@ -39,11 +39,10 @@ from radixserve.model.cuda_graph import (
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import LoadedModel, load_model
 from radixserve.model.lora import LoraWeights
-from radixserve.native.machine import available_memory_bytes
+from radixserve.native.machine import GiB, available_memory_bytes
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 CPU_KV_FALLBACK_GB = 4.0  # where the available memory cannot be read (not Linux)
 CPU_KV_MIN_BYTES = 64 << 20
 
