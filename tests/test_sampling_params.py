@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from radixserve.engine.protocol import AddRequests, RequestSpec
+from radixserve.engine.wire import decode_to_core, encode
 from radixserve.sampling import SamplingParams
 
 V = 32
@@ -157,6 +159,19 @@ def test_verify_accepts_boundaries():
         stop_token_ids=[0, V - 1],
         sampling_seed=2**70,
     ).verify(vocab_size=V)
+
+
+def test_an_int_for_a_float_parameter_is_parsed_as_that_float():
+    """An int temperature past 64 bits passed verify, then failed the core's wire: a 500."""
+    params = SamplingParams.from_dict({"temperature": 2**70, "top_p": 1})
+    assert params.temperature == float(2**70) and isinstance(params.top_p, float)
+    params.verify(vocab_size=V)
+    spec = RequestSpec(request_id="r", rid="r", input_ids=[1], params=params, seed=0)
+    assert decode_to_core(encode(AddRequests([spec]))).specs[0].params == params
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams.from_dict({"temperature": 10**400})
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=10**400).verify(vocab_size=V)
 
 
 def test_stop_strs_normalizes():

@@ -222,6 +222,11 @@ BASE = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content"
             "messages[0].content[0].type",
         ),
         (BASE | {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (  # a list or an object where a type name goes was a 500 (no dict key)
+            BASE | {"messages": [{"role": "user", "content": [{"type": ["text"]}]}]},
+            "messages[0].content[0].type",
+        ),
+        (BASE | {"tool_choice": {"type": {"a": 1}}, "tools": TOOLS}, "tool_choice"),
         (BASE | {"tool_choice": {"type": "sometimes"}, "tools": TOOLS}, "tool_choice"),
         (BASE | {"tool_choice": {"type": "tool", "name": "mul"}, "tools": TOOLS}, "tool_choice"),
         (BASE | {"tool_choice": {"type": "any"}}, "tool_choice"),

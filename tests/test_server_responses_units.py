@@ -122,6 +122,24 @@ def test_input_too_deep_for_the_template_is_a_400_naming_input():
 
 
 @pytest.mark.parametrize(
+    "item, param",
+    [
+        ({"role": ["user"], "content": "hi"}, "input[0].role"),
+        ({"type": {"a": 1}, "role": "user", "content": "hi"}, "input[0].type"),
+        (
+            {"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]},
+            "input[0].content[0].type",
+        ),
+    ],
+)
+def test_a_list_or_object_for_a_type_name_is_a_400(item, param):
+    """Such values were looked up in dicts of known names: unhashable, a 500."""
+    with pytest.raises(BadRequest) as info:
+        parse_responses_request({"model": "m", "input": [item]})
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(
     "extra, refused",
     [
         ({"service_tier": "default", "top_logprobs": 0, "background": None}, None),

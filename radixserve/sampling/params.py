@@ -96,7 +96,7 @@ class SamplingParams:
             elif key not in names:
                 raise ValueError(f"sampling_params.{key} is not a known sampling parameter")
             elif value is not None:
-                kwargs[key] = value
+                kwargs[key] = _as_float(key, value) if key in FLOAT_PARAMS else value
         return cls(**kwargs)
 
     @property
@@ -159,6 +159,10 @@ class SamplingParams:
         _check_reasoning(self)
 
 
+FLOAT_PARAMS = frozenset(f.name for f in fields(SamplingParams) if f.type == "float")
+"""The parameters typed float: ints given for them are parsed as floats."""
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -175,9 +179,20 @@ def _check_int(name: str, value: object, allowed: str, ok: Callable[[int], bool]
         raise ValueError(f"{name} must fit in a signed 64-bit integer; got {value!r}")
 
 
+def _as_float(name: str, value: object) -> object:
+    """An int given for a float parameter as that float (the core's wire takes no int past
+    64 bits); anything else unchanged, for `verify` to judge."""
+    if not _is_int(value):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number; got an integer too large") from None
+
+
 def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_number or not math.isfinite(value) or not ok(value):
+    if not is_number or not math.isfinite(_as_float(name, value)) or not ok(value):
         raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
 

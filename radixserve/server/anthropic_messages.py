@@ -215,8 +215,10 @@ def check_block(block: Any, where: str, allowed: tuple[str, ...]) -> dict[str, A
         raise BadRequest(f"{where} must be a content block object; got {block!r}"[:160], where)
     kind = block.get("type")
     if kind not in allowed:
-        reason = "is not supported by this server" if kind in UNSUPPORTED_BLOCKS else "is unknown"
-        if kind in BLOCK_KEYS:
+        reason = "is unknown"
+        if isinstance(kind, str) and kind in UNSUPPORTED_BLOCKS:  # (a list is no dict key)
+            reason = "is not supported by this server"
+        elif isinstance(kind, str) and kind in BLOCK_KEYS:
             reason = "is not allowed here"
         message = f"{where}.type {kind!r} {reason}; expected one of {allowed}"
         raise BadRequest(message[:200], f"{where}.type")

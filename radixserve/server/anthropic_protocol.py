@@ -293,7 +293,7 @@ def check_tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[ToolChoi
     if value is None:
         return ToolChoice("auto" if tools else "none"), False
     kind = value.get("type") if isinstance(value, dict) else None
-    keys = TOOL_CHOICE_KEYS.get(kind)
+    keys = TOOL_CHOICE_KEYS.get(kind) if isinstance(kind, str) else None
     name = value.get("name") if kind == "tool" else None
     single = value.get("disable_parallel_tool_use") if isinstance(value, dict) else None
     if (

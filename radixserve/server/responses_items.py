@@ -68,7 +68,7 @@ def check_item(item: Any, where: str) -> dict[str, Any]:
         "function_call_output": _check_call_output,
         "reasoning": _check_reasoning,
     }
-    if kind not in checks:
+    if not isinstance(kind, str) or kind not in checks:
         raise BadRequest(
             f"{where}.type {kind!r} is not supported by this server; expected one of "
             f"{sorted(checks)}",
@@ -106,7 +106,7 @@ def _message_item(role: str, content: list[dict[str, Any]], item_id: str | None 
 def _check_message(item: dict[str, Any], where: str) -> dict[str, Any]:
     check_fields(item, MESSAGE_KEYS, {}, where, of="a message")
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise BadRequest(
             f"{where}.role must be one of {sorted(ROLES)}; got {role!r}", f"{where}.role"
         )
@@ -128,8 +128,10 @@ def _check_part(part: Any, role: str, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     allowed = ("input_text", "output_text") if role == "assistant" else ("input_text",)
     if kind not in allowed:
-        reason = "is not supported by this server" if kind in UNSUPPORTED_PARTS else "is unknown"
-        if kind in TEXT_PART_KEYS:
+        reason = "is unknown"
+        if isinstance(kind, str) and kind in UNSUPPORTED_PARTS:  # (a list is no dict key)
+            reason = "is not supported by this server"
+        elif isinstance(kind, str) and kind in TEXT_PART_KEYS:
             reason = f"is not allowed in a {role} message"
         message = f"{where}.type {kind!r} {reason}; expected one of {allowed}"
         raise BadRequest(message[:200], param=f"{where}.type")
