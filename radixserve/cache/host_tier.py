@@ -33,7 +33,7 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.prefix_cache import CacheIntegrityError
 from radixserve.config import HiCacheConfig
 from radixserve.config.cache import CPU_KV_MEMORY_FRACTION
-from radixserve.native.machine import check_fits
+from radixserve.native.machine import GiB, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -264,23 +264,28 @@ def create_host_tier(pool: KVPool, config: HiCacheConfig) -> HostTier:
     layout = TierLayout(s.num_layers, s.page_size, s.num_kv_heads, s.head_dim, dtype)
     num_slots = config.num_tier_pages(pool.allocator.capacity, layout.page_nbytes)
     if config.hicache_dir is None:
-        _check_host_memory(config, num_slots * layout.page_nbytes)
+        pool_bytes = (pool.k.nbytes + pool.v.nbytes) if pool.device.type == "cpu" else 0
+        _check_host_memory(config, num_slots * layout.page_nbytes, pool_bytes)
     return HostTier(layout, num_slots, config.hicache_dir, pin_memory=pool.device.type == "cuda")
 
 
-def _check_host_memory(config: HiCacheConfig, tier_bytes: int) -> None:
+def _check_host_memory(config: HiCacheConfig, tier_bytes: int, pool_bytes: int) -> None:
     """An in-memory tier larger than the memory available is refused at start, naming the
     flag that sized it (as SGLang refuses a host pool past its budget), where allocating it
-    would fail with the allocator's error or leave the machine to the OOM killer."""
+    would fail with the allocator's error or leave the machine to the OOM killer. A CPU
+    pool's `pool_bytes` count too: allocated, but its pages are taken only as it fills, so
+    the memory available now still holds them (a tier filling it got the process killed
+    once the pool filled)."""
     if config.hicache_size > 0:
         flag = f"--hicache-size {config.hicache_size}"
     else:
         flag = f"--hicache-ratio {config.hicache_ratio} (of the KV pool's pages)"
+    beside = f" beside the KV pool's {pool_bytes / GiB:.1f} GiB" if pool_bytes else ""
     check_fits(
-        tier_bytes,
+        tier_bytes + pool_bytes,
         torch.device("cpu"),  # host memory, whatever the pool's device
-        f"{flag}: the host tier",
+        f"{flag}: the host tier ({tier_bytes / GiB:.1f} GiB){beside}",
         "lower it, give the KV pool a size (--max-total-tokens; on CPU --cpu-kv-cache-gb, "
-        f"else it takes {CPU_KV_MEMORY_FRACTION:.0%} of the memory available), or put the "
-        "tier on disk with --hicache-dir",
+        f"else it shares {CPU_KV_MEMORY_FRACTION:.0%} of the memory available with a tier "
+        "sized by --hicache-ratio), or put the tier on disk with --hicache-dir",
     )

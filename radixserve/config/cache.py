@@ -167,6 +167,12 @@ class HiCacheConfig:
         if self.hicache_dir is not None:
             _check_writable_dir(self.hicache_dir)
 
+    def memory_tier_ratio(self) -> float:
+        """The tier's size as a multiple of the pool's where it lives in memory and
+        --hicache-ratio sizes it; 0.0 otherwise (no tier, a tier on disk, --hicache-size)."""
+        in_memory = self.enable_hierarchical_cache and self.hicache_dir is None
+        return self.hicache_ratio if in_memory and self.hicache_size == 0 else 0.0
+
     def _verify_unused(self) -> None:
         for f in fields(self):
             if f.name != "enable_hierarchical_cache" and getattr(self, f.name) != f.default:

@@ -72,7 +72,13 @@ class EngineCore:
         )
         scheduler_config, parallel_config = checked.scheduler, checked.parallel
         lora_config = checked.lora
-        loaded, runner = _build_runner(load_config, cache_config, scheduler_config, parallel_config)
+        loaded, runner = _build_runner(
+            load_config,
+            cache_config,
+            scheduler_config,
+            parallel_config,
+            checked.hicache.memory_tier_ratio(),
+        )
         publisher = None
         try:
             _attach_lora(loaded, runner, lora_config, load_config.enable_deterministic_inference)
@@ -323,11 +329,13 @@ def _build_runner(
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     parallel_config: ParallelConfig,
+    tier_ratio: float,
 ) -> tuple[LoadedModel, ModelRunner | TPModelRunner]:
-    """One process's runner, or rank 0's TPModelRunner driving the other ranks."""
+    """One process's runner, or rank 0's TPModelRunner driving the other ranks; `tier_ratio`:
+    an in-memory host tier's share of the default KV memory (HiCacheConfig.memory_tier_ratio)."""
     if parallel_config.tp_size > 1:
         runner = TPModelRunner.create(
-            load_config, cache_config, parallel_config, scheduler_config.context_length
+            load_config, cache_config, parallel_config, scheduler_config.context_length, tier_ratio
         )
         return runner.loaded, runner
     loaded = load_model(load_config)
@@ -336,4 +344,4 @@ def _build_runner(
     loaded.model.rotary.reserve(
         _context_length(scheduler_config, loaded), load_config.torch_device()
     )
-    return loaded, ModelRunner.from_loaded(loaded, load_config, cache_config)
+    return loaded, ModelRunner.from_loaded(loaded, load_config, cache_config, tier_ratio)

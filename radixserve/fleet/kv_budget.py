@@ -18,20 +18,25 @@ logger = logging.getLogger(__name__)
 def split_cpu_kv_memory(num_workers: int, engine_args: dict[str, Any]) -> dict[str, Any]:
     """CPU workers whose pool size nobody chose share the default (CPU_KV_MEMORY_FRACTION of
     the memory available) between them: `--cpu-kv-cache-gb` per worker, logged; else as
-    given. Each worker alone would take the fraction of what it saw at its start."""
+    given. Each worker alone would take the fraction of what it saw at its start. A worker's
+    in-memory host tier takes its share of that memory too (runner.kv_budget_bytes)."""
     if engine_args.get("max_total_tokens") or engine_args.get("cpu_kv_cache_gb"):
         return engine_args
-    if split_engine_kwargs(None, engine_args)[0].torch_device().type != "cpu":
+    configs = split_engine_kwargs(None, engine_args)
+    if configs[0].torch_device().type != "cpu":
         return engine_args
+    tier_ratio = configs[5].memory_tier_ratio()
     available = available_memory_bytes()
     if available is None:
         return engine_args
     weights = num_workers * model_file_bytes(engine_args["model"])
-    share = max(available - weights, 0) * CPU_KV_MEMORY_FRACTION / num_workers / GiB
+    kv_bytes = max(available - weights, 0) * CPU_KV_MEMORY_FRACTION
+    share = kv_bytes / num_workers / (1 + tier_ratio) / GiB
     logger.info(
         "KV pool per worker: %.2f GiB (%.0f%% of %.1f GiB available, less %d copies of the "
-        "weights, / %d workers; --cpu-kv-cache-gb to choose)",
+        "weights, / %d workers%s; --cpu-kv-cache-gb to choose)",
         share, 100 * CPU_KV_MEMORY_FRACTION, available / GiB, num_workers, num_workers,
+        f", shared 1 : {tier_ratio:g} with the host tier" if tier_ratio else "",
     )  # fmt: skip
     return engine_args | {"cpu_kv_cache_gb": max(round(share, 2), 0.01)}
 

@@ -80,9 +80,11 @@ class ModelRunner:
         loaded: LoadedModel,
         load_config: LoadConfig | None = None,
         cache_config: CacheConfig | None = None,
+        tier_ratio: float = 0.0,
     ) -> ModelRunner:
         """Under tensor parallelism every rank calls this at once: the pool and attention
-        take the rank's shard of the heads, and all ranks agree on the smallest pool."""
+        take the rank's shard of the heads, and all ranks agree on the smallest pool.
+        `tier_ratio`: an in-memory host tier's share of the default KV memory (kv_budget_bytes)."""
         load_config = load_config or LoadConfig()
         cache_config = cache_config or CacheConfig()
         check_cpu_decode_stack(load_config.cpu_decode_stack)
@@ -94,7 +96,7 @@ class ModelRunner:
             sizes = capture_batch_sizes(cache_config.cuda_graph_max_bs)
             reserve = estimate_graph_memory(local, sizes, dtype)
         budget = kv_budget_bytes(
-            cache_config, device, reserve_bytes=reserve, num_ranks=loaded.model.tp.size
+            cache_config, device, reserve, num_ranks=loaded.model.tp.size, tier_ratio=tier_ratio
         )
         if budget is not None:
             budget = loaded.model.tp.min_int(budget, device)
@@ -243,12 +245,17 @@ def _free_memory(device: torch.device) -> int:
 
 
 def kv_budget_bytes(
-    cache_config: CacheConfig, device: torch.device, reserve_bytes: int = 0, num_ranks: int = 1
+    cache_config: CacheConfig,
+    device: torch.device,
+    reserve_bytes: int = 0,
+    num_ranks: int = 1,
+    tier_ratio: float = 0.0,
 ) -> int | None:
     """Memory for the KV pool: on CUDA what mem_fraction_static leaves after the weights and
     `reserve_bytes` (decode graphs); on CPU cpu_kv_cache_gb, else CPU_KV_MEMORY_FRACTION of
-    the memory available now (after the weights), split between `num_ranks` TP ranks; None
-    when max_total_tokens sizes the pool instead."""
+    the memory available now (after the weights), split between `num_ranks` TP ranks and
+    shared 1 : `tier_ratio` with an in-memory host tier (HiCacheConfig.memory_tier_ratio:
+    its pages are host memory too); None when max_total_tokens sizes the pool instead."""
     if cache_config.max_total_tokens is not None:
         return None
     if device.type == "cuda":
@@ -268,16 +275,17 @@ def kv_budget_bytes(
     if available is None:
         logger.info("KV pool: %.1f GiB (available memory unknown here)", CPU_KV_FALLBACK_GB)
         return int(CPU_KV_FALLBACK_GB * GiB)
-    budget = int(available * CPU_KV_MEMORY_FRACTION / num_ranks)
+    budget = int(available * CPU_KV_MEMORY_FRACTION / num_ranks / (1 + tier_ratio))
     if budget < CPU_KV_MIN_BYTES:
         raise ValueError(
             f"only {available / GiB:.2f} GiB of memory is available after loading the weights: "
             "too little for a KV pool; give --cpu-kv-cache-gb or --max-total-tokens"
         )
     logger.info(
-        "KV pool: %.1f GiB = %.0f%% of the %.1f GiB available%s (--cpu-kv-cache-gb or "
+        "KV pool: %.1f GiB = %.0f%% of the %.1f GiB available%s%s (--cpu-kv-cache-gb or "
         "--max-total-tokens to choose)",
         budget / GiB, 100 * CPU_KV_MEMORY_FRACTION, available / GiB,
         f", / {num_ranks} TP ranks" if num_ranks > 1 else "",
+        f", shared 1 : {tier_ratio:g} with the host tier (--hicache-ratio)" if tier_ratio else "",
     )  # fmt: skip
     return budget

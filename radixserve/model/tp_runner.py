@@ -68,6 +68,7 @@ class TPModelRunner:
         cache_config: CacheConfig,
         parallel_config: ParallelConfig,
         context_length: int | None = None,
+        tier_ratio: float = 0.0,
     ) -> TPModelRunner:
         """Spawns node 0's other ranks, builds rank 0 here, returns once every rank (those of
         other nodes too) has joined and is ready."""
@@ -92,6 +93,7 @@ class TPModelRunner:
             parallel_config=parallel_config,
             init_addr=init_addr,
             context_length=context_length,
+            tier_ratio=tier_ratio,
             num_threads=torch.get_num_threads(),
             log_level=logging.getLogger().level,
         )

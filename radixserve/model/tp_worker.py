@@ -51,6 +51,7 @@ class RankSpec:
     context_length: int | None  # the scheduler's; None: the model's max positions
     num_threads: int  # torch threads of each CPU rank
     log_level: int
+    tier_ratio: float = 0.0  # an in-memory host tier's share of the default KV memory
 
 
 def rank_load_config(load_config: LoadConfig, parallel: ParallelConfig, rank: int) -> LoadConfig:
@@ -82,7 +83,7 @@ def build_rank(
         loaded = load_model(load_config, tp)
         context_length = spec.context_length or loaded.config.max_position_embeddings
         loaded.model.rotary.reserve(context_length, device)  # before any graph captures it
-        runner = ModelRunner.from_loaded(loaded, load_config, spec.cache_config)
+        runner = ModelRunner.from_loaded(loaded, load_config, spec.cache_config, spec.tier_ratio)
         _check_ranks_agree(tp, loaded, runner, context_length)
         return loaded, runner
     except BaseException:
