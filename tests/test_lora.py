@@ -10,19 +10,14 @@ from __future__ import annotations
 import json
 import shutil
 
-import peft
 import pytest
 import requests
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from lora_data import NUM_NEW, base_config, build_lora_models, peft_references
 
 from conftest import (
-    TINY,
-    VOCAB,
     ServerProcess,
     greedy,
-    hf_greedy,
-    hf_model,
     make_core,
     make_engine,
     prompt_ids,
@@ -31,56 +26,16 @@ from radixserve.config import LoraConfig, ModelConfig
 from radixserve.model.lora import load_lora_weights
 from radixserve.model.lora_adapter import LoraAdapterError
 
-NUM_NEW = 8
-ADAPTERS = {  # name -> (target modules, r, lora_alpha, use_rslora)
-    "a1": (["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8, False),
-    "a2": (["q_proj", "gate_proj", "up_proj", "down_proj"], 8, 16, True),
-}
-
-
-def _base_config(**overrides) -> LlamaConfig:
-    settings = TINY | {"vocab_size": VOCAB, "max_position_embeddings": 2048}
-    return LlamaConfig(**(settings | overrides))
-
-
-def _save_adapter(base_folder, folder, targets, rank, alpha, rslora, seed) -> None:
-    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0
-    )
-    lora_model = peft.get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in lora_model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero: make the adapter change the output
-            param.data = torch.randn(param.shape, generator=generator) * 0.3
-    lora_model.save_pretrained(folder)
-
 
 @pytest.fixture(scope="module")
 def lora_models(tmp_path_factory):
     """The base folder and one folder per adapter."""
-    root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(_base_config(), dtype=torch.float32)
-    base.save_pretrained(root / "base")
-    folders = {}
-    for seed, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items()):
-        folders[name] = root / name
-        _save_adapter(root / "base", folders[name], targets, rank, alpha, rslora, seed + 1)
-    return root / "base", folders
+    return build_lora_models(tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")
 def references(lora_models):
-    """PEFT's greedy tokens per adapter (None: the plain model) for two prompts."""
-    base_folder, folders = lora_models
-    prompts = [prompt_ids(1, 20), prompt_ids(2, 35)]
-    plain = hf_model(base_folder)
-    out = {None: [hf_greedy(plain, p, NUM_NEW) for p in prompts]}
-    for name, folder in folders.items():
-        model = peft.PeftModel.from_pretrained(hf_model(base_folder), folder).eval()
-        out[name] = [hf_greedy(model, p, NUM_NEW) for p in prompts]
-    return prompts, out
+    return peft_references(lora_models)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +174,7 @@ def test_cli_generate_with_an_adapter(lora_engine, lora_models):
 
 
 def _model_config(**overrides) -> ModelConfig:
-    settings = _base_config(**overrides).to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    settings = base_config(**overrides).to_dict() | {"architectures": ["LlamaForCausalLM"]}
     return ModelConfig.from_hf_dict(settings)
 
 

@@ -142,6 +142,11 @@ def _verify_transfer(config: DisaggregationConfig) -> None:
         check_resolves(host, port, "--disaggregation-bootstrap-host")
 
 
+LORA_SPECULATION = ("NGRAM", "SUFFIX")
+"""Speculation LoRA serving takes: drafts from the prompt or earlier outputs (SUFFIX's are
+kept per cache namespace, which holds the adapter), verified by the adapter's own forward."""
+
+
 def _verify_lora(
     lora: LoraConfig, scheduler: SchedulerConfig, parallel: ParallelConfig, hicache: HiCacheConfig
 ) -> None:
@@ -151,10 +156,11 @@ def _verify_lora(
         return
     if parallel.tp_size > 1:
         raise ValueError(f"--enable-lora is not sharded over --tp-size {parallel.tp_size} yet")
-    if scheduler.speculative_algorithm is not None:
+    algorithm = scheduler.speculative_algorithm
+    if algorithm not in (None, *LORA_SPECULATION):  # their drafts are looked up, not computed
         raise ValueError(
-            f"--enable-lora does not work with --speculative-algorithm "
-            f"{scheduler.speculative_algorithm} yet (drafts would ignore the adapter)"
+            f"--enable-lora works with --speculative-algorithm {' or '.join(LORA_SPECULATION)} "
+            f"only, not {algorithm} yet (its draft model would run without the adapter)"
         )
     if hicache.enable_hierarchical_cache:
         raise ValueError(
