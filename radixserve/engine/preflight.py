@@ -162,8 +162,8 @@ def _verify_lora(
             f"--enable-lora works with --speculative-algorithm {' or '.join(LORA_SPECULATION)} "
             f"only, not {algorithm} yet (its draft model would run without the adapter)"
         )
-    if hicache.enable_hierarchical_cache:
-        raise ValueError(
-            "--enable-lora does not work with --enable-hierarchical-cache yet (a tier on disk "
-            "does not record which adapter weights its KV came from)"
+    if hicache.enable_hierarchical_cache and hicache.hicache_dir is not None:
+        raise ValueError(  # in memory, the adapter's load id in the namespace keys its pages
+            "--enable-lora does not work with --hicache-dir yet (a tier on disk does not "
+            "record which adapter weights its KV came from)"
         )
