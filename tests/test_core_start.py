@@ -92,7 +92,7 @@ def test_serve_says_why_its_core_did_not_start(tiny_chat_model, tmp_path):
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("radixserve serve: engine core failed to start: ValueError: ")
-    assert "--hicache-size 10000000.0: the host tier takes" in last
+    assert "--hicache-size 10000000.0: the host tier (" in last and "GiB free on cpu" in last
     assert "EOFError" not in done.stderr
 
 
