@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
+from aiohttp.http_exceptions import BadHttpMessage
 from native_http import get, post
 
 from conftest import ServerProcess, prompt_ids
@@ -158,3 +160,52 @@ def test_cache_tree_is_walked_once_per_interval_however_often_it_is_asked(bounde
         assert (await tree())["num_tokens"] > first["num_tokens"]  # the new prompt, now
 
     asyncio.run(go())
+
+
+def test_malformed_requests_get_400_and_at_most_a_log_line_per_interval(bounded):
+    """aiohttp logged each with an ERROR traceback: a client could fill the log at will."""
+    malformed = [
+        b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",  # URL past its limit
+        b"NOT A REQUEST LINE\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"b" * 10_000 + b"\r\n\r\n",
+    ]
+    before = len(bounded.log)
+
+    async def go():
+        answers = []
+        for sent in malformed * 10:
+            reader, writer = await asyncio.open_connection("127.0.0.1", bounded.port)
+            writer.write(sent)
+            answers.append(await asyncio.wait_for(reader.read(), 10))
+            writer.close()
+        return answers
+
+    for answer in asyncio.run(go()):
+        assert answer.split(b" ")[1] == b"400", answer[:80]  # (HTTP/1.0 for a bad line)
+    assert asyncio.run(get(bounded.url + "/health"))[0] == 200
+    time.sleep(0.5)  # the server's output reaches bounded.log from its reader thread
+    added = bounded.log[before:]
+    assert not any("Traceback" in line for line in added), "".join(added)
+    assert len([line for line in added if "malformed HTTP request" in line]) <= 1
+
+
+def test_the_malformed_request_filter_counts_what_it_held_back():
+    from aiohttp.http_exceptions import LineTooLong
+
+    from radixserve.server.http_runner import MalformedRequestFilter
+
+    def record(exc: Exception | None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc else None
+        return logging.LogRecord("aiohttp.server", logging.ERROR, "", 0, "Error", (), info)
+
+    held = MalformedRequestFilter(interval_s=3600)
+    first = record(LineTooLong("url", 8190))
+    assert held.filter(first) and first.levelno == logging.WARNING and first.exc_info is None
+    assert "1 malformed HTTP request(s)" in first.getMessage()
+    assert not held.filter(record(LineTooLong("url", 8190)))  # within the interval
+    assert held.unreported == 1 and held.filter(record(None))  # other errors pass untouched
+    every = MalformedRequestFilter(interval_s=0)
+    for _ in range(2):
+        assert every.filter(record(LineTooLong("header", 8190)))
+    preface = BadHttpMessage("Invalid method encountered:\n\n  b'PRI/Upgrade'")
+    assert not every.filter(record(preface))  # sglang-router's HTTP/2 probe: no line at all

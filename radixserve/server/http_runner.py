@@ -4,25 +4,53 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+MALFORMED_LOG_INTERVAL_S = 10.0
+"""At most one log line per this many seconds for malformed requests (MalformedRequestFilter)."""
 
-class Http2ProbeFilter(logging.Filter):
-    """Drops aiohttp's traceback for an HTTP/2 connection preface. sglang-router probes each
-    worker it adds for gRPC that way before it settles on HTTP/1.1; the probe still gets its
-    400, the log just stays readable."""
+
+class MalformedRequestFilter(logging.Filter):
+    """aiohttp logs every malformed request (a bad request line, a URL or header past its
+    limit, an HTTP/2 preface) at ERROR with its traceback, as often as a client sends one: a
+    client could fill the log at will. Each still gets its 400; the log gets one WARNING line
+    at most every `interval_s`, counting those since, and nothing for an HTTP/2 preface
+    (sglang-router probes each worker it adds for gRPC that way before it settles on
+    HTTP/1.1)."""
+
+    def __init__(self, interval_s: float = MALFORMED_LOG_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self.unreported = 0
+        self._last_report = -math.inf
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
+        if not isinstance(exc, BadHttpMessage):
+            return True
+        if "PRI/Upgrade" in str(exc):
+            return False
+        self.unreported += 1
+        now = time.monotonic()
+        if now - self._last_report < self.interval_s:
+            return False
+        detail = " ".join(str(exc).split())[:160]
+        record.msg = "%d malformed HTTP request(s) answered 400 since the last report; last: %s"
+        record.args = (self.unreported, f"{type(exc).__name__}: {detail}")
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text = None, None
+        self.unreported, self._last_report = 0, now
+        return True
 
 
-HTTP2_PROBE_FILTER = Http2ProbeFilter()
+MALFORMED_REQUEST_FILTER = MalformedRequestFilter()
 
 
 async def serve_app(
@@ -42,7 +70,7 @@ async def serve_app(
     (limits.runner_options). `listen_while_draining`: the listener closes after `drain()`
     instead of before (the app answers new requests itself meanwhile: server/drain.py)."""
     loop = asyncio.get_running_loop()
-    logging.getLogger("aiohttp.server").addFilter(HTTP2_PROBE_FILTER)  # once: filters are a set
+    logging.getLogger("aiohttp.server").addFilter(MALFORMED_REQUEST_FILTER)  # a set: added once
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **(limits or {}))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
