@@ -100,8 +100,10 @@ class HostTier:
 
     def _storage(self, num_slots: int, page_nbytes: int) -> torch.Tensor:
         if self.folder is None:
+            # not zeroed: a slot is read only once written, so its pages are taken as the tier
+            # fills, like the pool's (create_host_tier's check counts them all at start)
             shape = (num_slots, page_nbytes)
-            return torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         path = os.path.join(self.folder, TIER_FILE)
         self._lock_fd = _lock_exclusive(path)
         try:
