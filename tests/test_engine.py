@@ -298,7 +298,8 @@ def test_async_stream_yields_cumulative_outputs(tiny_chat_model):
         ({"input_ids": [1] * 30, "sampling_params": {"max_new_tokens": 2019}}, "at most 2018"),
         ({"input_ids": []}, "empty"),
         ({"input_ids": [VOCAB]}, "input_ids"),
-        ({"prompt": "a", "input_ids": [1]}, "exactly one"),
+        ({"prompt": "a", "input_ids": [1]}, "^prompt or input_ids: give exactly one"),
+        ({"prompt": 5}, "^prompt must be a string"),  # said `text`, the request field's name
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokenz": 3}}, "max_new_tokenz"),
         ({"input_ids": [1], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),

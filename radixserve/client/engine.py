@@ -14,7 +14,7 @@ from radixserve.cache.retention import prefix_pin_key, session_pin_key
 from radixserve.client.inproc_client import InProcessClient
 from radixserve.client.loop_thread import LoopThread
 from radixserve.client.output import LogprobCursor, format_output
-from radixserve.client.request_builder import GenerateArgs, RequestBuilder
+from radixserve.client.request_builder import GenerateArgs, RequestBuilder, renamed
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
@@ -173,7 +173,10 @@ class Engine:
     def _build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        return self.builder.build(args)
+        try:
+            return self.builder.build(args)
+        except ValueError as exc:  # the request's `text` is this method's `prompt`
+            raise ValueError(renamed(str(exc), {"text": "prompt"})) from exc
 
     async def _run(self, specs: list[RequestSpec], progress_bar: bool) -> list[RequestResult]:
         stream = ResultStream(self.client, specs, self.tokenizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -195,7 +196,7 @@ class RequestBuilder:
 
     def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:
         if (text is None) == (input_ids is None):
-            raise ValueError("text or input_ids: give exactly one (the prompt, as text or ids)")
+            raise ValueError("text or input_ids: give exactly one (the prompt)")
         if text is not None:
             batched = isinstance(text, list)
             texts = text if batched else [text]
@@ -259,6 +260,13 @@ class RequestBuilder:
             logprob_start_len=None if logprob is None else logprob.start_len,
             top_logprobs_num=0 if logprob is None else logprob.top_num,
         )
+
+
+def renamed(message: str, names: dict[str, str]) -> str:
+    """`message` with each core field name (a key of `names`, as a whole word) replaced by
+    the API's own name for it."""
+    pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b"
+    return re.sub(pattern, lambda match: names[match.group(1)], message)
 
 
 def _per_prompt(value, count: int, name: str) -> list:

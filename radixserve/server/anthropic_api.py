@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from radixserve.client.client import EngineDeadError
-from radixserve.client.request_builder import GenerateArgs
+from radixserve.client.request_builder import GenerateArgs, renamed
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.anthropic_protocol import MessagesRequest, parse_messages_request
@@ -39,7 +39,7 @@ from radixserve.server.anthropic_response import (
     usage,
 )
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.errors import BadRequest, renamed
+from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import ChoiceTracker, ToolCallTracker, check_model_name
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of

@@ -15,13 +15,6 @@ the statuses this server answers with a name of their own (405, 415, 503)."""
 _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 
 
-def renamed(message: str, names: dict[str, str]) -> str:
-    """`message` with each core field name (a key of `names`, as a whole word) replaced by
-    the API's own name for it."""
-    pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b"
-    return re.sub(pattern, lambda match: names[match.group(1)], message)
-
-
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict | None = None
 ) -> web.Response:

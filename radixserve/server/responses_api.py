@@ -28,11 +28,11 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.client.client import EngineDeadError
-from radixserve.client.request_builder import GenerateArgs
+from radixserve.client.request_builder import GenerateArgs, renamed
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.errors import BadRequest, renamed
+from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import (
     ChoiceTracker,
     ToolCallTracker,
