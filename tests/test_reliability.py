@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import pytest
 
 from conftest import greedy, make_engine, prompt_ids
-from radixserve.client.client import EngineClient
+from radixserve.client.client import EngineClient, EngineDeadError
 from radixserve.engine import core_loop
 from radixserve.engine.faults import ENV_VAR
 from radixserve.engine.protocol import RequestSpec
@@ -125,12 +125,38 @@ def test_the_core_waits_instead_of_spinning_while_no_step_can_progress(
         time.sleep(1.0)
         busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
         assert busy < 0.25, f"the process used {busy:.0%} of a core while nothing could run"
-        engine.abort_request("stuck")
+        engine.abort_request("another")  # (neither is SGLang's no-op, an empty rid)
+        engine.abort_request()
+        assert engine.get_stats()["num_compiling_reqs"] == 1
+        engine.abort_request(abort_all=True)
         thread.join(10)
         assert outputs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
         assert engine.get_stats()["num_compiling_reqs"] == 0
     finally:
         engine.shutdown()
+
+
+def test_shutdown_ends_a_stream_still_waiting_on_the_core(tiny_chat_model, monkeypatch):
+    """A consumer blocked on a stream never got an answer once the engine shut down: the
+    loop stopped before the core's last word (EngineDeadError) reached its task."""
+    stuck: Future = Future()
+    monkeypatch.setattr(GrammarBackend, "compile_async", lambda self, kind, spec: stuck)
+    engine = make_engine(tiny_chat_model)
+    errors: list[Exception] = []
+
+    def consume() -> None:
+        params = greedy(4, regex="[a-z]+")
+        try:
+            list(engine.generate(input_ids=prompt_ids(0), sampling_params=params, stream=True))
+        except EngineDeadError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    wait_for(lambda: engine.get_stats()["num_compiling_reqs"] == 1)
+    engine.shutdown()
+    thread.join(10)
+    assert not thread.is_alive() and "shut down" in str(errors[0])
 
 
 def test_a_finished_grammar_compile_wakes_the_waiting_core_at_once(tiny_chat_model, monkeypatch):

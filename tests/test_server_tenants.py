@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import aiohttp
+import pytest
 from native_http import get, post, run
 
 from conftest import ADMIN_API_KEY, API_KEY, prompt_ids
@@ -79,9 +80,11 @@ def test_pins_of_one_tenant_cannot_replace_or_unpin_anothers(keyed_server):
     assert unpin(SALT_A) == 200
 
 
-def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server):
-    """Tenant B may use A's running rid for its own request, and aborting that rid as B
-    (salt in the header or none) leaves A's request running; A's abort ends it."""
+@pytest.mark.parametrize("own_abort", [{"rid": "job-1"}, {"abort_all": True}])
+def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server, own_abort):
+    """Tenant B may use A's running rid for its own request, and aborting that rid or all
+    (SGLang's abort_all) as B (salt in the header or none) leaves A's request running; A's
+    abort ends it."""
     url = keyed_server.url
     long_run = {"temperature": 0, "max_new_tokens": 1900, "ignore_eos": True}
 
@@ -102,12 +105,13 @@ def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server):
                     url + "/generate", json=b_body | {"cache_salt": SALT_B}, headers=USER
                 ) as b_reply:
                     b_status = b_reply.status
-                await abort(session, {"rid": "job-1"}, as_tenant(SALT_B))
-                await abort(session, {"rid": "job-1"}, USER)  # the default namespace
+                for other in ({"rid": "job-1"}, {"abort_all": True}):
+                    await abort(session, other, as_tenant(SALT_B))
+                    await abort(session, other, USER)  # the default namespace
                 for _ in range(8):  # several steps after both aborts: A still decodes
                     events.append(await _next_event(stream))
                 assert events[-1]["meta_info"]["finish_reason"] is None
-                await abort(session, {"rid": "job-1", "cache_salt": SALT_A}, USER)
+                await abort(session, own_abort | {"cache_salt": SALT_A}, USER)
                 while (event := await _next_event(stream)) is not None:
                     events.append(event)
         return events, b_status

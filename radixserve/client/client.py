@@ -174,6 +174,18 @@ class EngineClient(ABC):
         self.abort(ids)
         return len(ids)
 
+    def abort_all(self, namespaces: list[str | None] | None = None) -> int:
+        """Aborts every running request in `namespaces` (None: in every namespace), as
+        SGLang's `abort_all`; returns how many."""
+        with self._lock:
+            ids = [
+                request_id
+                for request_id, (stream, index) in self._streams.items()
+                if namespaces is None or stream.specs[index].namespace in namespaces
+            ]
+        self.abort(ids)
+        return len(ids)
+
     def forget(self, request_ids: list[str]) -> None:
         """Stops routing these requests' deltas (their stream is gone)."""
         with self._lock:

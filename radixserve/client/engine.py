@@ -102,9 +102,13 @@ class Engine:
         results = await self._run(specs, progress_bar=False)
         return _shape(results, batched, return_text_in_logprobs)
 
-    def abort_request(self, rid: str) -> None:
-        """Aborts the running request with this rid (or its n > 1 samples)."""
-        self.client.abort_rid(rid)
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Aborts the running request with this rid (or its n > 1 samples), or with
+        `abort_all` every running request (SGLang's signature)."""
+        if abort_all:
+            self.client.abort_all()
+        elif rid:
+            self.client.abort_rid(rid)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache; refused (False) while requests are queued or running."""

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+STOP_GRACE_S = 1.0
+"""How long `LoopThread.stop` lets unfinished tasks run before it cancels them."""
 
 
 class LoopThread:
@@ -36,9 +38,28 @@ class LoopThread:
                 except StopAsyncIteration:
                     return
         finally:
-            self.run(agen.aclose())
+            if not self.loop.is_closed():  # (stopped under it: its error stands)
+                self.run(agen.aclose())
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Lets the tasks still on the loop finish (a stream whose engine shut down ends
+        with that error), cancels those that do not within `grace_s`, then stops the loop:
+        a caller waiting in `run` or `iterate` on another thread always gets an answer."""
+        if self.loop.is_closed():
+            return
+        future = asyncio.run_coroutine_threadsafe(_finish_tasks(grace_s), self.loop)
+        future.result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+
+
+async def _finish_tasks(grace_s: float) -> None:
+    """Waits up to `grace_s` for every other task on this loop, then cancels the rest."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=grace_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)

@@ -132,17 +132,25 @@ def _sse(body: Any) -> bytes:
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    """Aborts the request `rid` of the caller's namespace: the body's `cache_salt` (as the
-    request was sent with), else X-Cache-Salt, else the default one (admin: every one)."""
+    """Aborts the request `rid`, or with `abort_all` every request (SGLang's body; an empty
+    rid without it aborts nothing), of the caller's namespace: the body's `cache_salt` (as
+    the requests were sent with), else X-Cache-Salt, else the default one (admin: all)."""
     body = await read_json(request)
     body = body if isinstance(body, dict) else {}
-    rid, salt = body.get("rid"), body.get("cache_salt")
+    rid, salt = body.get("rid", ""), body.get("cache_salt")
+    abort_all = body.get("abort_all", False)
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string", param="rid")
+    if not isinstance(abort_all, bool):
+        raise BadRequest("abort_all must be true or false", param="abort_all")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("cache_salt must be a string", param="cache_salt")
     namespaces = [salt] if salt is not None else namespaces_shown(request)
-    state_of(request).client.abort_rid(rid, namespaces)
+    client = state_of(request).client
+    if abort_all:
+        client.abort_all(namespaces)
+    elif rid:
+        client.abort_rid(rid, namespaces)
     return web.json_response({"success": True})
 
 
