@@ -305,6 +305,11 @@ def test_http_lora_path_and_model(lora_server, references):
     assert chunks and {chunk["model"] for chunk in chunks} == {"a2"}
     models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
+    for card in models:  # OpenAI's GET /v1/models/{model} (it was a 404 for every name)
+        retrieved = requests.get(f"{url}/v1/models/{card['id']}", timeout=10).json()
+        assert retrieved | {"created": 0} == card | {"created": 0}
+    missing = requests.get(f"{url}/v1/models/a9", timeout=10)
+    assert missing.status_code == 404 and "a9" in missing.json()["error"]["message"]
 
 
 def test_http_load_and_unload(lora_server, lora_models, references, tmp_path):

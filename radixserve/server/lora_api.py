@@ -11,6 +11,8 @@ core's after each, so a request names only adapters the core serves.
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from radixserve.server.errors import BadRequest
@@ -32,11 +34,20 @@ def check_model_name(state: ServerState, model: str | None) -> str | None:
     return None
 
 
-def lora_model_cards(state: ServerState, card: dict) -> list[dict]:
-    """/v1/models' entries of the adapters (SGLang's: a model whose parent is the base)."""
-    return [
-        card | {"id": name, "root": name, "parent": state.served_model_name}
-        for name in sorted(state.builder.lora_adapters)
+def model_cards(state: ServerState) -> list[dict]:
+    """/v1/models' entries: the served model's card, then its LoRA adapters' (SGLang's: a
+    model whose parent is the base)."""
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "radixserve",
+        "root": state.model_path,
+        "max_model_len": state.client.info["context_length"],
+    }
+    adapters = sorted(state.builder.lora_adapters)
+    return [card] + [
+        card | {"id": name, "root": name, "parent": state.served_model_name} for name in adapters
     ]
 
 

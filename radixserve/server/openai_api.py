@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -36,7 +35,7 @@ from radixserve.engine.protocol import RequestSpec
 from radixserve.reasoning import StreamingReasoningParser
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.lora_api import check_model_name, lora_model_cards
+from radixserve.server.lora_api import check_model_name, model_cards
 from radixserve.server.openai_protocol import (
     NO_OP_VALUES,
     TOKENIZE_FIELDS,
@@ -64,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 def register_openai_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
@@ -74,16 +74,15 @@ def register_openai_routes(app: web.Application) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": model_cards(state_of(request))})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """OpenAI's GET /v1/models/{model}: its card, or a 404 naming what is served."""
     state = state_of(request)
-    card = {
-        "id": state.served_model_name,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "radixserve",
-        "root": state.model_path,
-        "max_model_len": state.client.info["context_length"],
-    }
-    return web.json_response({"object": "list", "data": [card, *lora_model_cards(state, card)]})
+    name = request.match_info["model"]
+    check_model_name(state, name)  # 404 unless it is the model or an adapter
+    return web.json_response(next(card for card in model_cards(state) if card["id"] == name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
