@@ -86,11 +86,12 @@ def test_max_tokens_beyond_the_context_is_rejected_not_clipped(openai_client, se
         assert message.endswith(f"at most {room} tokens can be generated")
 
 
-def test_tokenize_detokenize_round_trip(server):
-    status, tokens = post(server, "/tokenize", {"prompt": "Hello, round trip!"})
+@pytest.mark.parametrize("prefix", ["", "/v1"])  # SGLang serves both
+def test_tokenize_detokenize_round_trip(server, prefix):
+    status, tokens = post(server, prefix + "/tokenize", {"prompt": "Hello, round trip!"})
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
     assert tokens["max_model_len"] == 2048
-    status, text = post(server, "/detokenize", {"tokens": tokens["tokens"]})
+    status, text = post(server, prefix + "/detokenize", {"tokens": tokens["tokens"]})
     assert (status, text) == (200, {"prompt": "Hello, round trip!"})
 
 

@@ -66,8 +66,9 @@ def register_openai_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    for prefix in ("", "/v1"):  # SGLang serves both
+        app.router.add_post(prefix + "/tokenize", tokenize)
+        app.router.add_post(prefix + "/detokenize", detokenize)
 
 
 # ---- handlers ----------------------------------------------------------------------------
