@@ -54,6 +54,13 @@ def test_generate_accepts_the_routers_defaults(server):
     for value in ("yes", 1):
         status, out = run(post(server.url + "/generate", body | {"log_metrics": value}))
         assert status == 400 and out["error"]["param"] == "log_metrics"
+    # SGLang's data-parallel routing key and log opt-out change nothing on one worker
+    sglang_extras = {"routing_key": "session-7", "no_logs": True}
+    status, out = run(post(server.url + "/generate", body | sglang_extras))
+    assert status == 200 and len(out["output_ids"]) == 8
+    for key, wrong in (("routing_key", 7), ("no_logs", "yes")):
+        status, out = run(post(server.url + "/generate", body | {key: wrong}))
+        assert status == 400 and out["error"]["param"] == key
 
 
 def test_openai_routes_accept_the_routers_defaults(server):

@@ -40,6 +40,10 @@ GENERATE_FIELDS = GENERATE_ARG_NAMES | {"stream", "return_text_in_logprobs"}
 GENERATE_NO_OP_VALUES = {"log_metrics": True}
 """Fields accepted at their SGLang default only; sglang-router writes them into every body.
 (Other unknown fields are accepted while null, false or empty.)"""
+GENERATE_IGNORED_TYPES = {"routing_key": str, "no_logs": bool}
+"""SGLang fields that change nothing on one worker, accepted at any value of their type:
+`routing_key` picks a data-parallel rank (one engine has one; a router reads it first),
+`no_logs` keeps a request out of the logs (no request's content is ever logged here)."""
 
 
 # ---- middlewares -------------------------------------------------------------------------
@@ -80,6 +84,11 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
         raise BadRequest("request body must be a JSON object", param="body")
     for key, value in body.items():
         if key in GENERATE_FIELDS or value in (None, False, [], {}, ""):
+            continue
+        if (kind := GENERATE_IGNORED_TYPES.get(key)) is not None:
+            if not isinstance(value, kind):
+                message = f"{key} must be a {kind.__name__}; got {value!r}"
+                raise BadRequest(message[:200], param=key)
             continue
         if key not in GENERATE_NO_OP_VALUES or not is_same_value(value, GENERATE_NO_OP_VALUES[key]):
             raise BadRequest(f"{key} is not supported by this server", param=key)
