@@ -103,13 +103,19 @@ def test_an_unexpected_step_error_aborts_everything_and_the_engine_goes_on(
         engine.shutdown()
 
 
-def test_the_core_waits_instead_of_spinning_while_no_step_can_progress(
-    tiny_chat_model, monkeypatch
-):
-    """A grammar that never finishes compiling: the core thread must sleep, not spin."""
+@pytest.fixture
+def stuck_grammar_engine(tiny_chat_model, monkeypatch):
+    """An engine whose grammars never finish compiling."""
     stuck: Future = Future()
     monkeypatch.setattr(GrammarBackend, "compile_async", lambda self, kind, spec: stuck)
     engine = make_engine(tiny_chat_model)
+    yield engine
+    engine.shutdown()
+
+
+def test_the_core_waits_instead_of_spinning_while_no_step_can_progress(stuck_grammar_engine):
+    """A grammar that never finishes compiling: the core thread must sleep, not spin."""
+    engine = stuck_grammar_engine
     outputs: list[dict] = []
 
     def consume() -> None:
@@ -117,31 +123,26 @@ def test_the_core_waits_instead_of_spinning_while_no_step_can_progress(
         outputs.extend(engine.generate(input_ids=prompt_ids(0), sampling_params=params,
                                        rid="stuck", stream=True))  # fmt: skip
 
-    thread = threading.Thread(target=consume)
-    try:
-        thread.start()
-        wait_for(lambda: engine.get_stats()["num_compiling_reqs"] == 1)
-        cpu, wall = time.process_time(), time.perf_counter()
-        time.sleep(1.0)
-        busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
-        assert busy < 0.25, f"the process used {busy:.0%} of a core while nothing could run"
-        engine.abort_request("another")  # (neither is SGLang's no-op, an empty rid)
-        engine.abort_request()
-        assert engine.get_stats()["num_compiling_reqs"] == 1
-        engine.abort_request(abort_all=True)
-        thread.join(10)
-        assert outputs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
-        assert engine.get_stats()["num_compiling_reqs"] == 0
-    finally:
-        engine.shutdown()
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    wait_for(lambda: engine.get_stats()["num_compiling_reqs"] == 1)
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(1.0)
+    busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    assert busy < 0.25, f"the process used {busy:.0%} of a core while nothing could run"
+    engine.abort_request("another")  # (neither is SGLang's no-op, an empty rid)
+    engine.abort_request()
+    assert engine.get_stats()["num_compiling_reqs"] == 1
+    engine.abort_request(abort_all=True)
+    thread.join(10)
+    assert outputs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine.get_stats()["num_compiling_reqs"] == 0
 
 
-def test_shutdown_ends_a_stream_still_waiting_on_the_core(tiny_chat_model, monkeypatch):
+def test_shutdown_ends_a_stream_still_waiting_on_the_core(stuck_grammar_engine):
     """A consumer blocked on a stream never got an answer once the engine shut down: the
     loop stopped before the core's last word (EngineDeadError) reached its task."""
-    stuck: Future = Future()
-    monkeypatch.setattr(GrammarBackend, "compile_async", lambda self, kind, spec: stuck)
-    engine = make_engine(tiny_chat_model)
+    engine = stuck_grammar_engine
     errors: list[Exception] = []
 
     def consume() -> None:
