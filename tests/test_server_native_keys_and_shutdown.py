@@ -61,7 +61,8 @@ def test_api_key_and_queue_limit(own_servers):
 KNOWN_ROUTES = {
     "/generate", "/abort_request", "/flush_cache", "/concate_and_append_request",
     "/get_model_info", "/model_info", "/server_info", "/get_server_info", "/health_generate",
-    "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+    "/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions",
+    "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize",
     "/check_integrity", "/dashboard", "/dashboard/stats", "/dashboard/login", "/dashboard/{name}",
     "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
     "/v1/messages", "/v1/messages/count_tokens", "/load_lora_adapter", "/unload_lora_adapter",
