@@ -190,3 +190,26 @@ def test_metrics_parse_and_move(server):
         assert after[name] > before.get(name, 0), name
     assert "radixserve:kv_cache_usage_perc[]" in after
     assert "radixserve:num_requests_running[]" in after
+
+
+def test_flush_cache_waits_up_to_its_timeout_for_running_requests(server):
+    """SGLang's `/flush_cache?timeout=S`: refused at once while a request runs (the default
+    0), flushed once it ends when asked to wait."""
+    url = server.url + "/flush_cache"
+    long_run = {"input_ids": prompt_ids(21), "sampling_params": GREEDY | {"max_new_tokens": 400}}
+
+    async def scenario():
+        running = asyncio.create_task(post(server.url + "/generate", long_run))
+        for _ in range(200):  # until the request is admitted
+            _, info = await get(server.url + "/server_info")
+            if info["stats"]["num_running_reqs"] > 0:
+                break
+            await asyncio.sleep(0.02)
+        at_once = (await post(url, {}))[0]
+        waited = (await post(url + "?timeout=60", {}))[0]
+        return at_once, waited, (await running)[0]
+
+    assert run(scenario()) == (400, 200, 200)
+    for bad in ("-1", "nan", "x", "301"):
+        status, body = run(post(f"{url}?timeout={bad}", {}))
+        assert status == 400 and body["error"]["param"] == "timeout", bad

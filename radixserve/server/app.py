@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
@@ -37,6 +38,10 @@ HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 GENERATE_FIELDS = GENERATE_ARG_NAMES | {"stream", "return_text_in_logprobs"}
 """/generate's body: the request's fields, and how to answer (stream, logprob token texts)."""
+FLUSH_TIMEOUT_MAX_S = 300.0
+"""Longest `/flush_cache?timeout=` wait: a client holds its connection at most this long."""
+FLUSH_RETRY_S = 0.05
+"""How often a waiting flush asks the core again."""
 GENERATE_NO_OP_VALUES = {"log_metrics": True}
 """Fields accepted at their SGLang default only; sglang-router writes them into every body.
 (Other unknown fields are accepted while null, false or empty.)"""
@@ -164,9 +169,32 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    if await state_of(request).client.call("flush_cache"):
-        return web.Response(text="Cache flushed.\n")
-    return web.Response(status=400, text="Cache not flushed: requests are still running.\n")
+    """Empties the prefix cache once no request runs; SGLang's query `timeout` (seconds,
+    default 0, at most FLUSH_TIMEOUT_MAX_S) waits that long for the running ones to end."""
+    timeout = _flush_timeout(request.query.get("timeout", "0"))
+    deadline = loop_time() + timeout
+    client = state_of(request).client
+    while not await client.call("flush_cache"):
+        if loop_time() >= deadline:
+            message = "Cache not flushed: requests are still running.\n"
+            return web.Response(status=400, text=message)
+        await asyncio.sleep(min(FLUSH_RETRY_S, max(deadline - loop_time(), 0.0)))
+    return web.Response(text="Cache flushed.\n")
+
+
+def _flush_timeout(text: str) -> float:
+    try:
+        timeout = float(text)
+    except ValueError:
+        timeout = math.nan
+    if not 0 <= timeout <= FLUSH_TIMEOUT_MAX_S:  # (nan fails both)
+        message = f"timeout must be seconds in [0, {FLUSH_TIMEOUT_MAX_S:g}]; got {text!r}"
+        raise BadRequest(message[:200], param="timeout")
+    return timeout
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 async def concate_and_append_request(request: web.Request) -> web.Response:
