@@ -53,6 +53,7 @@ PROMPT_TEXT = st.sampled_from(["Hello", "The capital of France is", "a", "2 + 2 
 TOKEN_IDS = st.lists(st.integers(0, 49151), min_size=1, max_size=8)
 ODD_PROMPT = odd("", "x " * 100, [], [""], [-1], [10**9], [[]], [[1], "a"], [1, [2]], {"a": 1})
 
+LOGIT_BIAS = st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3)
 SAMPLING = {
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.05, 1),
@@ -70,6 +71,7 @@ SAMPLING = {
     "no_stop_trim": st.booleans(),
     "regex": REGEX,
     "json_schema": JSON_SCHEMA,
+    "logit_bias": LOGIT_BIAS,
 }
 ODD_SAMPLING = {
     "max_new_tokens": ODD_TOKENS,
@@ -90,7 +92,7 @@ ODD_SAMPLING = {
     "json_schema": ODD_JSON_SCHEMA,
     "ebnf": odd("root ::= undefined", 'root ::= "a"'),
     "stop_regex": JUNK,
-    "logit_bias": JUNK,
+    "logit_bias": odd({"5": -101}, {"-5": 1}, {"5": "1"}),
     "bogus": JUNK,
 }
 SAMPLING_PARAMS = fuzzed(
@@ -147,7 +149,7 @@ OPENAI_OPTIONAL = {
     "response_format": st.sampled_from(RESPONSE_FORMATS),
     "cache_salt": st.text(max_size=4),
     "user": st.text(max_size=4),
-    "logit_bias": st.just({}),
+    "logit_bias": LOGIT_BIAS,
 }
 ODD_OPENAI = {
     "model": odd("other", 5),
@@ -169,7 +171,7 @@ ODD_OPENAI = {
     "regex": ODD_REGEX | REGEX,
     "json_schema": ODD_JSON_SCHEMA | JSON_SCHEMA,
     "cache_salt": odd(5),
-    "logit_bias": odd({"5": 1}),
+    "logit_bias": odd({"5": 101}, {"x": 1}, {str(10**20): 1}, {"5": None}, [5]),
     "best_of": odd(1, 2),
     "suffix": odd("x"),
 }

@@ -30,7 +30,8 @@ def function_call(arguments: str) -> dict[str, Any]:
 REGRESSIONS = [
     # (path, body, status): bodies once answered wrongly, checked on every run.
     ("/generate", {"text": "a", "sampling_params": {"temperature": math.nan}}, 400),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"5": 1}}, 400),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"5": 101}}, 400),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {str(10**20): 1}}, 400),
     # Ints past int64 could not cross to the engine core: a 500, and the request stayed
     # registered (its rid in use, its queue slot taken) for good. A seed may be any int.
     ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": 10**30}}, 400),

@@ -35,6 +35,7 @@ SGLANG_DEFAULTS = dict(
     regex=None,
     json_schema=None,
     ebnf=None,
+    logit_bias=None,
 )
 
 
@@ -135,6 +136,15 @@ INVALID = [
     ("regex", 5),
     ("ebnf", ["root ::= x"]),
     ("json_schema", 3),
+    ("logit_bias", [1]),
+    ("logit_bias", {"x": 1}),
+    ("logit_bias", {" 1": 1}),
+    ("logit_bias", {"-1": 1}),
+    ("logit_bias", {str(V): 1}),
+    ("logit_bias", {"1": 101}),
+    ("logit_bias", {"1": float("nan")}),
+    ("logit_bias", {"1": True}),
+    ("logit_bias", {"1": 10**30}),
 ]
 
 
@@ -158,6 +168,7 @@ def test_verify_accepts_boundaries():
         stop="x",
         stop_token_ids=[0, V - 1],
         sampling_seed=2**70,
+        logit_bias={"0": -100, V - 1: 100, "07": 0.5},
     ).verify(vocab_size=V)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve.sampling import SamplingBatch, SamplingParams, sample, token_logprobs, top_logprobs
-from radixserve.sampling.sampler import apply_penalties
+from radixserve.sampling.sampler import apply_penalties, is_plain_argmax
 
 V = 32
 
@@ -212,6 +212,29 @@ def test_penalties_only_touch_their_rows():
     top = logits.argmax(-1).tolist()
     out = sample(logits, make_batch(params, output_ids=[[top[0]] * 9, [top[1]] * 9]))
     assert int(out[0]) != top[0] and int(out[1]) == top[1]
+
+
+def test_logit_bias_is_added_before_the_repetition_penalty():
+    logits = torch.tensor([2.0, -1.0, 3.0, -2.0])
+    params = SamplingParams(repetition_penalty=2.0, logit_bias={"0": -4, "2": 1.5})
+    out = penalized_logits(logits, params, [0, 2])  # 2 - 4 = -2 -> -4; 3 + 1.5 = 4.5 -> 2.25
+    assert out.tolist() == [-4.0, -1.0, 2.25, -2.0]
+
+
+def test_logit_bias_bans_and_forces_tokens_in_their_rows_only():
+    logits = random_logits(3)
+    top = logits.argmax(-1).tolist()
+    forced = (top[2] + 1) % V
+    params = [
+        SamplingParams(temperature=0, logit_bias={str(top[0]): -100}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, logit_bias={str(forced): 100}),
+    ]
+    assert not is_plain_argmax(params[0], 0) and is_plain_argmax(params[1], 0)
+    second = logits[0].topk(2).indices[1]
+    for seed in range(20):
+        out = sample(logits, make_batch(params, [seed] * 3)).tolist()
+        assert out == [second, top[1], forced]
 
 
 def test_min_new_tokens_blocks_eos_until_reached():

@@ -146,6 +146,22 @@ def test_top_logprobs_num_up_to_the_bound(server):
     assert [len(top) for top in out["meta_info"]["output_top_logprobs"]] == [20, 20]
 
 
+def test_logit_bias_forces_and_bans_tokens(server):
+    def output(params: dict) -> list[int]:
+        body = {"input_ids": prompt_ids(4), "sampling_params": GREEDY | params}
+        status, out = run(post(server.url + "/generate", body))
+        assert status == 200, out
+        return out["output_ids"]
+
+    plain = output({})
+    assert output({"temperature": 1.0, "logit_bias": {"77": 100}}) == [77] * 8
+    banned = output({"logit_bias": {str(plain[0]): -100}})
+    assert banned[0] != plain[0] and plain[0] not in banned
+    status, out = run(post(server.url + "/generate", {"text": "a", "sampling_params": {
+        "logit_bias": {"77": "high"}}}))  # fmt: skip
+    assert status == 400 and out["error"]["param"] == "logit_bias"
+
+
 def test_seeds_beyond_64_bits_sample_like_their_low_64_bits(server):
     """A seed past 64 bits once failed to reach the core (a 500 and a request never freed)."""
 

@@ -5,6 +5,7 @@ system prompt, completion and chat logprobs, and echo."""
 from __future__ import annotations
 
 import pytest
+from native_http import post, run
 from openai_calls import chat, complete, streamed_text, user
 
 LONG_SYSTEM = "You are a careful assistant who answers in short plain sentences. " * 20
@@ -61,6 +62,24 @@ def test_cached_tokens_on_a_repeated_system_prompt(openai_client):
     usage = chat(openai_client, messages=messages, max_tokens=2).usage
     assert usage.prompt_tokens > 200
     assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_logit_bias_forces_and_bans_tokens(openai_client, server):
+    """OpenAI's logit_bias (token id strings -> [-100, 100]) is the native sampling param."""
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    body = {"text": "Bias me", "sampling_params": params}
+    status, native = run(post(server.url + "/generate", body))
+    assert status == 200
+    forced = complete(openai_client, prompt="Bias me", temperature=1.0, logit_bias={"77": 100})
+    chat_forced = chat(openai_client, messages=user("Bias me"), logit_bias={"77": 100})
+    body["sampling_params"]["logit_bias"] = {"77": 100}
+    status, native_forced = run(post(server.url + "/generate", body))
+    assert status == 200 and native_forced["output_ids"] == [77] * 6
+    assert forced.choices[0].text == chat_forced.choices[0].message.content == native_forced["text"]
+    plain = complete(openai_client, prompt="Bias me").choices[0].text
+    banned = complete(openai_client, prompt="Bias me",
+                      logit_bias={str(native["output_ids"][0]): -100})  # fmt: skip
+    assert plain == native["text"] and banned.choices[0].text != plain
 
 
 def test_completion_logprobs(openai_client):

@@ -74,6 +74,20 @@ def test_logprobs_and_penalties_match_plain_decoding(periodic_model):
     assert got["spec_draft_token_num"] > 0
 
 
+def test_logit_bias_bans_a_drafted_token_as_plain_decoding_does(periodic_model):
+    """The store drafts the cycle, the banned token among it: each verify row is biased."""
+    prompt = prompt_ids(5, 40)
+    learnt = make_engine(periodic_model).generate(input_ids=prompt, sampling_params=greedy(30))
+    banned = learnt["output_ids"][3]
+    params = greedy(30, logit_bias={str(banned): -100})
+    expected = make_engine(periodic_model).generate(input_ids=prompt, sampling_params=params)
+    spec = make_engine(periodic_model, **NGRAM)
+    spec.generate(input_ids=prompt, sampling_params=greedy(30))  # the store learns the cycle
+    out = spec.generate(input_ids=prompt, sampling_params=params)
+    assert out["output_ids"] == expected["output_ids"] and banned not in out["output_ids"]
+    assert out["meta_info"]["spec_draft_token_num"] > 0
+
+
 def test_sampling_is_reproducible_and_n_samples_speculate(periodic_model):
     spec = make_engine(periodic_model, **NGRAM)
     params = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 24, "sampling_seed": 7}

@@ -192,6 +192,8 @@ class RequestBuilder:
             check_grammar(*parsed.grammar)
         if isinstance(parsed.json_schema, dict):  # as text: the wire takes no int past int64
             parsed.json_schema = parsed.grammar[1]
+        if parsed.logit_bias is not None:  # the wire's form: decimal keys, float values
+            parsed.logit_bias = {str(token): bias for token, bias in parsed.logit_bias_items()}
         return parsed
 
     def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -15,12 +16,16 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integer parameters (counts, lengths) must fit in int64: the engine core's wire format takes
 no larger ints. A seed may be any integer: only its low 64 bits are used."""
 
+LOGIT_BIAS_MAX = 100
+"""OpenAI's bound on a logit_bias value (either sign)."""
+TOKEN_KEY = re.compile(r"[0-9]{1,19}")
+"""A logit_bias key as JSON gives it: a token id in decimal."""
+
 # SGLang parameters we know but do not implement yet: null (or an empty value, which is
 # what the SGLang frontend sends when unset) is accepted, anything else is rejected.
 UNSUPPORTED_PARAMS = (
     "stop_regex",
     "structural_tag",
-    "logit_bias",
     "custom_params",
     "stream_interval",
 )
@@ -76,6 +81,10 @@ class SamplingParams:
     max_reasoning_tokens: int | None = None
     """Most reasoning tokens: reasoning that reaches it is ended by forcing `reasoning_end`
     (requires it); None: unbounded."""
+    logit_bias: dict[str, float] | None = None
+    """Added to the logits of the token ids it names (keys: token ids as decimal strings, as
+    OpenAI and SGLang send them; values in [-100, 100]) before penalties and sampling: -100
+    bans a token, 100 all but forces it."""
     speculative: bool = True
     """Let the engine speculate for this request when it runs with --speculative-algorithm;
     false: decode one token per step (the output is the same either way)."""
@@ -156,7 +165,12 @@ class SamplingParams:
         _check_bool("speculative", self.speculative)
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        check_logit_bias(self.logit_bias, vocab_size)
         _check_reasoning(self)
+
+    def logit_bias_items(self) -> list[tuple[int, float]]:
+        """`logit_bias` as (token id, bias) pairs (call after `verify`)."""
+        return [(int(token), float(bias)) for token, bias in (self.logit_bias or {}).items()]
 
 
 FLOAT_PARAMS = frozenset(f.name for f in fields(SamplingParams) if f.type == "float")
@@ -215,6 +229,24 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
     in_range = (lambda v: 0 <= v) if vocab_size is None else (lambda v: 0 <= v < vocab_size)
     if not isinstance(ids, (list, tuple, set)) or not all(_is_int(v) and in_range(v) for v in ids):
         raise ValueError(f"stop_token_ids must be {allowed}; got {ids!r}")
+
+
+def check_logit_bias(bias: object, vocab_size: int | None) -> None:
+    """A map of token ids (decimal strings or ints) in the vocabulary to numbers in
+    [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias; got {bias!r}"[:200])
+    top = "" if vocab_size is None else f" in [0, {vocab_size})"
+    for token, value in bias.items():
+        as_int = int(token) if isinstance(token, str) and TOKEN_KEY.fullmatch(token) else token
+        if not is_int64(as_int) or as_int < 0 or (vocab_size is not None and as_int >= vocab_size):
+            raise ValueError(f"logit_bias keys must be token ids{top}; got {token!r}"[:200])
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+            message = f"logit_bias values must be numbers in [-100, 100]; got {token!r}: {value!r}"
+            raise ValueError(message[:200])
 
 
 def _check_reasoning(params: SamplingParams) -> None:

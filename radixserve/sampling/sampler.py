@@ -5,7 +5,7 @@ other requests share the batch or where it sits: every op below is row-wise, and
 random draw is a Gumbel-max whose noise is a counter-based hash of (seed, step, vocab
 index), computed with int64 tensor ops on the logits' device.
 
-    logits -> repetition / frequency / presence penalties -> min_new_tokens mask
+    logits -> logit_bias -> repetition / frequency / presence penalties -> min_new_tokens mask
            -> greedy rows: argmax
            -> other rows: / temperature -> top-k, top-p, min-p -> argmax(logits + gumbel)
 """
@@ -44,6 +44,8 @@ class SamplingBatch:
     penalty_ids: torch.Tensor | None  # [B, L] output ids of rows with freq/presence penalty
     repetition_ids: torch.Tensor | None  # [B, L] prompt + output ids of rows with rep. penalty
     min_tokens_ids: torch.Tensor | None  # [B, S] ids blocked this step (min_new_tokens)
+    bias_ids: torch.Tensor | None  # [B, K] ids of each row's logit_bias
+    bias_values: torch.Tensor | None  # [B, K] float32: their biases (0 on padding)
 
     @classmethod
     def build(
@@ -105,6 +107,7 @@ class SamplingBatch:
             min_tokens_ids=_min_tokens_ids(
                 params, output_ids, stop_ids_when_min, vocab_size, device
             ),
+            **_logit_bias(params, vocab_size, device),
         )
 
 
@@ -131,6 +134,7 @@ def is_plain_argmax(params: SamplingParams, num_output_ids: int) -> bool:
         and params.repetition_penalty == 1
         and params.frequency_penalty == 0
         and params.presence_penalty == 0
+        and not params.logit_bias
         and num_output_ids >= params.min_new_tokens
     )
 
@@ -176,7 +180,12 @@ def scale_and_filter(
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition (HF: positive / p, negative * p), then frequency/presence (OpenAI)."""
+    """logit_bias (added to the model's logits, as OpenAI and vLLM do), then repetition
+    (HF: positive / p, negative * p), then frequency/presence (OpenAI)."""
+    if batch.bias_ids is not None:
+        bias = torch.zeros(logits.shape[0], batch.vocab_size + 1, device=logits.device)
+        bias.scatter_add_(1, batch.bias_ids, batch.bias_values)
+        logits = logits + bias[:, : batch.vocab_size]
     if batch.repetition_ids is not None:
         seen = _scatter_ids(batch.repetition_ids, batch.vocab_size, torch.bool)  # [B, V]
         rp = batch.repetition_penalties[:, None]
@@ -348,3 +357,16 @@ def _min_tokens_ids(
         if any(not 0 <= t < vocab_size for t in row):
             raise ValueError(f"stop ids for min_new_tokens must be in [0, {vocab_size}); got {row}")
     return _pad_ids(rows, vocab_size, device)
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> dict[str, torch.Tensor | None]:
+    """bias_ids and bias_values: each row's logit_bias, padded with (vocab_size, 0)."""
+    rows = [p.logit_bias_items() for p in params]
+    ids = _pad_ids([[token for token, _ in row] for row in rows], vocab_size, device)
+    if ids is None:
+        return {"bias_ids": None, "bias_values": None}
+    width = ids.shape[1]
+    values = [[bias for _, bias in row] + [0.0] * (width - len(row)) for row in rows]
+    return {"bias_ids": ids, "bias_values": torch.tensor(values, dtype=torch.float32).to(device)}

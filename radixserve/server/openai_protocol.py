@@ -32,7 +32,7 @@ MAX_TEMPERATURE = 2.0
 SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", "speculative",
+    "no_stop_trim", "speculative", "logit_bias",
 )  # fmt: skip
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
@@ -54,7 +54,7 @@ TOKENIZE_FIELDS = {
 # the SGLang extensions that sglang-router writes into every body it forwards, at its defaults
 # (it re-serializes requests; on completions, separating reasoning is a no-op).
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "continue_final_message": (False,), "separate_reasoning": (True,),
     "stream_reasoning": (True,), "return_hidden_states": (False,),
 }  # fmt: skip
