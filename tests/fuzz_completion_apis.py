@@ -241,11 +241,13 @@ CHAT_BODY = fuzzed(
             "tools": st.just([TOOL]),
             "tool_choice": st.sampled_from(["none", "auto"]),
             "chat_template_kwargs": TEMPLATE_KWARGS,
+            "continue_final_message": st.booleans(),
         },
     ),
     ODD_OPENAI
     | {
         "messages": ODD_MESSAGES,
+        "continue_final_message": odd(1, "yes"),
         "max_completion_tokens": ODD_TOKENS | SMALL_TOKENS,
         "logprobs": odd(1, "yes"),
         "top_logprobs": ODD_COUNT,

@@ -4,9 +4,10 @@ system prompt, completion and chat logprobs, and echo."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 from native_http import post, run
-from openai_calls import chat, complete, streamed_text, user
+from openai_calls import NO_EOS, chat, complete, streamed_text, user
 
 LONG_SYSTEM = "You are a careful assistant who answers in short plain sentences. " * 20
 
@@ -124,3 +125,27 @@ def test_echo_returns_the_prompt_and_its_logprobs(openai_client):
     assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
     assert all(v is not None for v in choice.logprobs.token_logprobs[1:])
     assert choice.logprobs.text_offset[num_prompt] == len("Echo this prompt")
+
+
+def test_continue_final_message_continues_the_assistant_turn(openai_client, server):
+    """SGLang's and vLLM's chat extra: a last assistant turn is left open and continued."""
+    messages = user("Name a colour.") + [{"role": "assistant", "content": "My favourite is"}]
+    body = {"messages": messages, "add_generation_prompt": False}
+    _, tokens = run(post(server.url + "/v1/tokenize", body))
+    _, closed_text = run(post(server.url + "/v1/detokenize", {"tokens": tokens["tokens"]}))
+    closed_text = closed_text["prompt"]
+    prompt = closed_text[: closed_text.rindex("My favourite is") + len("My favourite is")]
+    assert len(prompt) < len(closed_text)  # the template closed the turn after the text
+    expected = complete(openai_client, prompt=prompt)
+    extra = NO_EOS | {"continue_final_message": True}
+    continued = chat(openai_client, messages=messages, extra_body=extra)
+    assert continued.choices[0].message.content == expected.choices[0].text
+    assert continued.usage.prompt_tokens == expected.usage.prompt_tokens
+    closed = chat(openai_client, messages=messages)  # the turn closed, a new one opened
+    assert closed.usage.prompt_tokens > continued.usage.prompt_tokens
+    last_user = chat(openai_client, messages=user("Hi"), extra_body=extra)  # nothing to continue
+    plain = chat(openai_client, messages=user("Hi"))
+    assert last_user.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(openai_client, messages=messages, extra_body={"continue_final_message": "yes"})
+    assert exc.value.param == "continue_final_message"

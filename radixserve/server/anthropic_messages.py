@@ -75,12 +75,6 @@ def convert_conversation(system: Any, messages: Any, conversation: Conversation)
         _add_message(message, f"messages[{i}]", conversation)
 
 
-def ends_with_assistant_text(conversation: Conversation) -> bool:
-    """Whether the last turn is the assistant's text: the reply continues it (a prefill)."""
-    last = conversation.messages[-1] if conversation.messages else None
-    return last is not None and last["role"] == "assistant" and "tool_calls" not in last
-
-
 # ---- system ------------------------------------------------------------------------------
 
 

@@ -32,9 +32,9 @@ from radixserve.server.anthropic_messages import (
     Conversation,
     check_cache_control,
     convert_conversation,
-    ends_with_assistant_text,
 )
 from radixserve.server.chat_messages import check_template_kwargs
+from radixserve.server.chat_prompt import CONTINUE_FINAL_MESSAGE, ends_with_assistant_text
 from radixserve.server.errors import BadRequest
 from radixserve.server.reasoning import ReasoningOptions, thinking_of
 from radixserve.server.request_fields import check_fields
@@ -152,8 +152,8 @@ def _check_bool(body: dict, name: str) -> bool:
 def _template_kwargs(body: dict, conversation: Conversation) -> dict[str, Any]:
     """The template's extra variables; a last assistant turn is continued, not closed."""
     kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
-    if ends_with_assistant_text(conversation):
-        kwargs = kwargs | {"add_generation_prompt": False, "continue_final_message": True}
+    if ends_with_assistant_text(conversation.messages):
+        kwargs = kwargs | CONTINUE_FINAL_MESSAGE
     return kwargs
 
 

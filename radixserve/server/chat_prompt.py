@@ -71,6 +71,17 @@ def render_chat(
         raise BadRequest(f"{param} could not be rendered: {exc}", param=param) from exc
 
 
+CONTINUE_FINAL_MESSAGE = {"add_generation_prompt": False, "continue_final_message": True}
+"""Template kwargs that leave the last (assistant) turn open: the reply continues its text."""
+
+
+def ends_with_assistant_text(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last turn is the assistant's text, which a reply may continue (a prefill:
+    Anthropic's last assistant turn, OpenAI chat's `continue_final_message`)."""
+    last = messages[-1] if messages else None
+    return last is not None and last["role"] == "assistant" and "tool_calls" not in last
+
+
 def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 

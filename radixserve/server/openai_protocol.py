@@ -17,6 +17,7 @@ from typing import Any
 from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
+from radixserve.server.chat_prompt import CONTINUE_FINAL_MESSAGE, ends_with_assistant_text
 from radixserve.server.errors import BadRequest
 from radixserve.server.reasoning import ReasoningOptions, request_reasoning
 from radixserve.server.request_fields import check_fields
@@ -43,7 +44,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
     "parallel_tool_calls", "tools", "tool_choice", "separate_reasoning", "stream_reasoning",
-    "max_reasoning_tokens",
+    "max_reasoning_tokens", "continue_final_message",
 }  # fmt: skip
 TOKENIZE_FIELDS = {
     "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -55,7 +56,7 @@ TOKENIZE_FIELDS = {
 # (it re-serializes requests; on completions, separating reasoning is a no-op).
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "suffix": ("",),
-    "continue_final_message": (False,), "separate_reasoning": (True,),
+    "separate_reasoning": (True,),
     "stream_reasoning": (True,), "return_hidden_states": (False,),
 }  # fmt: skip
 """Fields accepted only at values that change nothing here."""
@@ -142,6 +143,8 @@ def _parse_completion(body: dict, parsed: OpenAIRequest) -> None:
 def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
     parsed.messages = check_messages(body.get("messages"))
     parsed.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    if check_bool(body, "continue_final_message") and ends_with_assistant_text(parsed.messages):
+        parsed.template_kwargs = parsed.template_kwargs | CONTINUE_FINAL_MESSAGE  # SGLang's rule
     top = check_top_count(body, "top_logprobs")
     if check_bool(body, "logprobs"):
         parsed.logprobs = top or 0
