@@ -162,6 +162,38 @@ def test_logit_bias_forces_and_bans_tokens(server):
     assert status == 400 and out["error"]["param"] == "logit_bias"
 
 
+def test_extra_key_names_the_cache_namespace_after_the_salt(server):
+    ids = [(j * 29 + 11) % 3000 + 700 for j in range(64)]
+
+    def cached(**fields) -> int:
+        body = {"input_ids": ids, "sampling_params": GREEDY | {"max_new_tokens": 1}} | fields
+        status, out = run(post(server.url + "/generate", body))
+        assert status == 200, out
+        return out["meta_info"]["cached_tokens"]
+
+    assert cached(cache_salt="ek-salt", extra_key="-key") == 0
+    assert cached(cache_salt="ek-salt-key") > 0  # SGLang's rule: the salt, then the key
+    assert cached(extra_key="ek-salt-key") > 0  # either alone is the namespace
+    assert cached(cache_salt="ek-salt") == 0 and cached(extra_key="-key") == 0
+    body = {"text": "a", "extra_key": 5}
+    status, out = run(post(server.url + "/generate", body))
+    assert status == 400 and out["error"]["param"] == "extra_key"
+
+
+def test_return_prompt_token_ids(server):
+    """SGLang's return_prompt_token_ids: the prompt's ids beside every output, streamed too."""
+    body = {"text": "Hello there", "sampling_params": GREEDY, "return_prompt_token_ids": True}
+    status, out = run(post(server.url + "/generate", body))
+    _, tokens = run(post(server.url + "/tokenize", {"prompt": "Hello there"}))
+    assert status == 200 and out["prompt_token_ids"] == tokens["tokens"]
+    events = run(stream_generate(server.url, body))
+    assert all(e["prompt_token_ids"] == tokens["tokens"] for e in events if isinstance(e, dict))
+    status, plain = run(post(server.url + "/generate", body | {"return_prompt_token_ids": False}))
+    assert status == 200 and "prompt_token_ids" not in plain
+    status, out = run(post(server.url + "/generate", body | {"return_prompt_token_ids": "yes"}))
+    assert status == 400 and out["error"]["param"] == "return_prompt_token_ids"
+
+
 def test_seeds_beyond_64_bits_sample_like_their_low_64_bits(server):
     """A seed past 64 bits once failed to reach the core (a 500 and a request never freed)."""
 

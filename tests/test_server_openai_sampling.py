@@ -83,6 +83,17 @@ def test_logit_bias_forces_and_bans_tokens(openai_client, server):
     assert plain == native["text"] and banned.choices[0].text != plain
 
 
+def test_extra_key_follows_the_salt_as_in_sglang(openai_client):
+    messages = [{"role": "system", "content": LONG_SYSTEM + "Keyed."}, *user("Hi")]
+
+    def cached(**fields) -> int:
+        usage = chat(openai_client, messages=messages, max_tokens=1, extra_body=NO_EOS | fields)
+        return usage.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="oa", extra_key="-k") == 0
+    assert cached(cache_salt="oa-k") > 0 and cached(cache_salt="oa") == 0
+
+
 def test_completion_logprobs(openai_client):
     response = complete(openai_client, prompt="Logprobs please", logprobs=2)
     logprobs = response.choices[0].logprobs

@@ -84,7 +84,7 @@ def test_pins_of_one_tenant_cannot_replace_or_unpin_anothers(keyed_server):
 def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server, own_abort):
     """Tenant B may use A's running rid for its own request, and aborting that rid or all
     (SGLang's abort_all) as B (salt in the header or none) leaves A's request running; A's
-    abort ends it."""
+    abort ends it. A's request names its namespace as SGLang's cache_salt + extra_key."""
     url = keyed_server.url
     long_run = {"temperature": 0, "max_new_tokens": 1900, "ignore_eos": True}
 
@@ -94,7 +94,8 @@ def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server, own_abort):
 
     async def scenario() -> tuple[list[dict], int]:
         async with aiohttp.ClientSession() as session:
-            body = {"input_ids": A_IDS, "rid": "job-1", "cache_salt": SALT_A, "stream": True}
+            salted = {"cache_salt": SALT_A[:6], "extra_key": SALT_A[6:]}  # SALT_A's namespace
+            body = {"input_ids": A_IDS, "rid": "job-1", "stream": True} | salted
             async with session.post(
                 url + "/generate", json=body | {"sampling_params": long_run}, headers=USER
             ) as stream:
@@ -111,6 +112,9 @@ def test_a_rid_is_its_tenants_own_to_reuse_and_abort(keyed_server, own_abort):
                 for _ in range(8):  # several steps after both aborts: A still decodes
                     events.append(await _next_event(stream))
                 assert events[-1]["meta_info"]["finish_reason"] is None
+                async with session.post(url + "/abort_request", json={"extra_key": 5},
+                                        headers=USER) as bad:  # fmt: skip
+                    assert bad.status == 400 and (await bad.json())["error"]["param"] == "extra_key"
                 await abort(session, own_abort | {"cache_salt": SALT_A}, USER)
                 while (event := await _next_event(stream)) is not None:
                     events.append(event)

@@ -22,9 +22,13 @@ class LogprobCursor:
 
 
 def format_output(
-    result: RequestResult, with_text: bool = False, cursor: LogprobCursor | None = None
+    result: RequestResult,
+    with_text: bool = False,
+    cursor: LogprobCursor | None = None,
+    prompt_ids: bool = False,
 ) -> dict[str, Any]:
-    """SGLang's output dict with the cumulative output so far."""
+    """SGLang's output dict with the cumulative output so far; `prompt_ids`: with SGLang's
+    top-level `prompt_token_ids` (its `return_prompt_token_ids`)."""
     text = result.text()
     finish = result.finish_reason
     meta: dict[str, Any] = {
@@ -48,7 +52,10 @@ def format_output(
         if cursor is not None:
             cursor.num_input = len(result.input_logprobs)
             cursor.num_output = len(result.output_logprobs)
-    return {"text": text, "output_ids": list(result.output_ids), "meta_info": meta}
+    out = {"text": text, "output_ids": list(result.output_ids), "meta_info": meta}
+    if prompt_ids:
+        out["prompt_token_ids"] = list(result.spec.input_ids)
+    return out
 
 
 def _logprob_fields(result: RequestResult, with_text: bool, since: LogprobCursor) -> dict:

@@ -29,7 +29,7 @@ from radixserve.sampling.params import SamplingParams, is_int64
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
-REQUEST_OPTIONS = ("priority", "session_id", "retention", *BOOTSTRAP_FIELDS)
+REQUEST_OPTIONS = ("priority", "session_id", "retention", "extra_key", *BOOTSTRAP_FIELDS)
 """Per-request options beside the prompt, sampling and logprobs, under the same names in every
 API that exposes them: /generate and OpenAI bodies, Engine.generate, the frontend's gen."""
 SEED_MASK = (1 << 64) - 1
@@ -51,6 +51,7 @@ class GenerateArgs:
     top_logprobs_num: int | None = None
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    extra_key: str | list[str] | None = None  # SGLang's: names the cache namespace after the salt
     priority: int | None = None  # higher first; needs --enable-priority-scheduling
     session_id: str | None = None  # an agent session: its next request ends its retention
     retention: dict | None = None  # {"ttl_s": s}: keep prompt + output pinned (needs session_id)
@@ -106,6 +107,7 @@ class RequestBuilder:
         params_list = _per_prompt(args.sampling_params, count, "sampling_params")
         rids = _per_prompt(args.rid, count, "rid")
         salts = _per_prompt(args.cache_salt, count, "cache_salt")
+        extra_keys = _per_prompt(args.extra_key, count, "extra_key")
         logprob = _logprob_request(args.return_logprob, args.logprob_start_len,
                                    args.top_logprobs_num)  # fmt: skip
         parsed = [self.sampling_params(p) for p in params_list]
@@ -113,11 +115,10 @@ class RequestBuilder:
         bootstraps = self._bootstraps(args, count)
         loras = [self.check_lora(name) for name in _per_prompt(args.lora_path, count, "lora_path")]
         specs = []
-        prompts = zip(token_lists, parsed, rids, salts, bootstraps, loras)
-        for ids, params, rid, salt, boot, lora in prompts:
+        prompts = zip(token_lists, parsed, rids, salts, extra_keys, bootstraps, loras)
+        for ids, params, rid, salt, extra_key, boot, lora in prompts:
             self.check_length(ids, params)
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError(f"cache_salt must be a string; got {salt!r}")
+            salt = salted_namespace(salt, extra_key)
             if boot is not None and params.n != 1:
                 raise ValueError("bootstrap_room pairs one prefill with one decode: n must be 1")
             self.check_salt(salt)
@@ -262,6 +263,17 @@ class RequestBuilder:
             logprob_start_len=None if logprob is None else logprob.start_len,
             top_logprobs_num=0 if logprob is None else logprob.top_num,
         )
+
+
+def salted_namespace(cache_salt: Any, extra_key: Any) -> str | None:
+    """The cache namespace a request's `cache_salt` and `extra_key` name, as SGLang joins
+    them: the salt followed by the key; either alone is the namespace; neither: None."""
+    for name, value in (("cache_salt", cache_salt), ("extra_key", extra_key)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} must be a string; got {value!r}"[:200])
+    if cache_salt is None or extra_key is None:
+        return extra_key if cache_salt is None else cache_salt
+    return cache_salt + extra_key
 
 
 def renamed(message: str, names: dict[str, str]) -> str:

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 from contextlib import aclosing
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.client.client import EngineBusyError, EngineDeadError
 from radixserve.client.output import LogprobCursor, format_output
-from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs
+from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs, salted_namespace
 from radixserve.client.result import ResultStream
 from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-GENERATE_FIELDS = GENERATE_ARG_NAMES | {"stream", "return_text_in_logprobs"}
-"""/generate's body: the request's fields, and how to answer (stream, logprob token texts)."""
+ANSWER_FIELDS = ("stream", "return_text_in_logprobs", "return_prompt_token_ids")
+"""/generate's fields on how to answer (the fields of `Answer`, in order)."""
+GENERATE_FIELDS = GENERATE_ARG_NAMES | set(ANSWER_FIELDS)
 FLUSH_TIMEOUT_MAX_S = 300.0
 """Longest `/flush_cache?timeout=` wait: a client holds its connection at most this long."""
 FLUSH_RETRY_S = 0.05
@@ -83,8 +84,17 @@ async def error_middleware(request: web.Request, handler):
 # ---- native API --------------------------------------------------------------------------
 
 
-def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
-    """SGLang's /generate body -> (args, stream, return_text_in_logprobs)."""
+@dataclass
+class Answer:
+    """How /generate answers, beside the request itself."""
+
+    stream: bool = False
+    with_text: bool = False  # return_text_in_logprobs: each logprob entry with its token's text
+    prompt_ids: bool = False  # return_prompt_token_ids: the prompt's token ids in every output
+
+
+def parse_generate(body: Any) -> tuple[GenerateArgs, Answer]:
+    """SGLang's /generate body -> (the request's args, how to answer)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
     for key, value in body.items():
@@ -97,29 +107,28 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, bool, bool]:
             continue
         if key not in GENERATE_NO_OP_VALUES or not is_same_value(value, GENERATE_NO_OP_VALUES[key]):
             raise BadRequest(f"{key} is not supported by this server", param=key)
-    stream = body.get("stream") or False
-    with_text = body.get("return_text_in_logprobs") or False
-    for name, value in (("stream", stream), ("return_text_in_logprobs", with_text)):
+    flags = [body.get(name) or False for name in ANSWER_FIELDS]
+    for name, value in zip(ANSWER_FIELDS, flags):
         if not isinstance(value, bool):
-            raise BadRequest(f"{name} must be a boolean; got {value!r}", param=name)
+            raise BadRequest(f"{name} must be a boolean; got {value!r}"[:200], param=name)
     args = GenerateArgs.from_fields(body, return_logprob=body.get("return_logprob") or False)
-    return args, stream, with_text
+    return args, Answer(*flags)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    args, stream, with_text = parse_generate(await read_json(request))
+    args, answer = parse_generate(await read_json(request))
     specs, batched = await state.off_loop(state.builder.build, args)
     results = state.open(specs)
     async with results:  # leaving before the requests end (client gone, failure) aborts them
-        if stream:
-            return await _stream_generate(request, state, results, with_text)
+        if answer.stream:
+            return await _stream_generate(request, state, results, answer)
         done = await state.run(results)
-    outputs = [format_output(r, with_text) for r in done]
+    outputs = [format_output(r, answer.with_text, prompt_ids=answer.prompt_ids) for r in done]
     return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 
 
-async def _stream_generate(request, state: ServerState, results: ResultStream, with_text: bool):
+async def _stream_generate(request, state: ServerState, results: ResultStream, answer: Answer):
     """SGLang's SSE: cumulative text per chunk, logprobs new since the last chunk; an engine
     failure ends the stream with an error event."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -130,7 +139,7 @@ async def _stream_generate(request, state: ServerState, results: ResultStream, w
             async for index, result in updates:
                 if not (result.output_ids or result.finished):
                     continue
-                chunk = format_output(result, with_text, cursors[index])
+                chunk = format_output(result, answer.with_text, cursors[index], answer.prompt_ids)
                 if len(cursors) > 1:
                     chunk["index"] = index
                 await response.write(_sse(chunk))
@@ -147,18 +156,21 @@ def _sse(body: Any) -> bytes:
 
 async def abort_request(request: web.Request) -> web.Response:
     """Aborts the request `rid`, or with `abort_all` every request (SGLang's body; an empty
-    rid without it aborts nothing), of the caller's namespace: the body's `cache_salt` (as
-    the requests were sent with), else X-Cache-Salt, else the default one (admin: all)."""
+    rid without it aborts nothing), of the caller's namespace: the body's `cache_salt` and
+    `extra_key` (as the requests were sent with), else X-Cache-Salt, else the default one
+    (admin: all)."""
     body = await read_json(request)
     body = body if isinstance(body, dict) else {}
-    rid, salt = body.get("rid", ""), body.get("cache_salt")
+    rid = body.get("rid", "")
+    try:
+        salt = salted_namespace(body.get("cache_salt"), body.get("extra_key"))
+    except ValueError as exc:
+        raise BadRequest(str(exc), param=str(exc).split()[0]) from None
     abort_all = body.get("abort_all", False)
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string", param="rid")
     if not isinstance(abort_all, bool):
         raise BadRequest("abort_all must be true or false", param="abort_all")
-    if salt is not None and not isinstance(salt, str):
-        raise BadRequest("cache_salt must be a string", param="cache_salt")
     namespaces = [salt] if salt is not None else namespaces_shown(request)
     client = state_of(request).client
     if abort_all:
