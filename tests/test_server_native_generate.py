@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 from native_http import GREEDY, get, post, run, stream_generate
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,12 +47,22 @@ def test_logprob_layout_and_prefill_only(server):
         "logprob_start_len": 0,
         "top_logprobs_num": 2,
         "return_text_in_logprobs": True,
+        "token_ids_logprob": [ids[4], 77],
     }
     _, out = run(post(server.url + "/generate", body))
     meta = out["meta_info"]
     assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == 20
     assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(len(t) == 2 for t in meta["output_top_logprobs"])
+    picked = meta["input_token_ids_logprobs"]  # SGLang's: per position, the asked ids in order
+    assert picked[0] is None and picked[4][0][1] == ids[4]
+    assert picked[4][0][0] == pytest.approx(meta["input_token_logprobs"][4][0], abs=1e-5)
+    assert [[e[1] for e in row] for row in meta["output_token_ids_logprobs"]] == [[ids[4], 77]] * 3
+    events = [e for e in run(stream_generate(server.url, body)) if isinstance(e, dict)]
+    streamed = [row for e in events for row in e["meta_info"]["output_token_ids_logprobs"]]
+    assert len(streamed) == 3  # each chunk carries only its new positions, as SGLang's
+    status, bad = run(post(server.url + "/generate", body | {"token_ids_logprob": [10**6]}))
+    assert status == 400 and bad["error"]["param"] == "token_ids_logprob"
     prefix = prompt_ids(4, 48)
     body = {"input_ids": prefix, "sampling_params": {"max_new_tokens": 0}}
     _, cached = run(post(server.url + "/generate", body))

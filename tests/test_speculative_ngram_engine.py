@@ -58,7 +58,8 @@ def test_max_new_tokens_and_stops_are_exact(periodic_model):
 def test_logprobs_and_penalties_match_plain_decoding(periodic_model):
     prompt = prompt_ids(5, 40)
     params = greedy(30, frequency_penalty=0.3, repetition_penalty=1.1)
-    args = dict(input_ids=prompt, return_logprob=True, top_logprobs_num=2)
+    args = dict(input_ids=prompt, return_logprob=True, top_logprobs_num=2,
+                token_ids_logprob=CYCLE[:2])  # fmt: skip
     expected = make_engine(periodic_model).generate(sampling_params=params, **args)
     spec = make_engine(periodic_model, **NGRAM)
     spec.generate(input_ids=prompt, sampling_params=greedy(30))  # the store learns the cycle
@@ -71,6 +72,9 @@ def test_logprobs_and_penalties_match_plain_decoding(periodic_model):
         [v for v, _, _ in want["output_token_logprobs"]],
         atol=1e-4,
     )
+    picked = [[e[0] for e in row] for row in got["output_token_ids_logprobs"]]
+    assert np.allclose(picked, [[e[0] for e in row] for row in want["output_token_ids_logprobs"]],
+                       atol=1e-4)  # fmt: skip
     assert got["spec_draft_token_num"] > 0
 
 

@@ -68,6 +68,7 @@ class Engine:
         session_id: str | None = None,
         retention: dict | None = None,
         lora_path: str | list[str] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one output dict; a list of prompts -> a list (n > 1: n per prompt)."""
         specs, batched = self._build(_generate_args(locals()))
@@ -94,6 +95,7 @@ class Engine:
         session_id: str | None = None,
         retention: dict | None = None,
         lora_path: str | list[str] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate; with stream=True returns an async iterator of cumulative outputs."""
         specs, batched = self._build(_generate_args(locals()))

@@ -68,10 +68,14 @@ def _logprob_fields(result: RequestResult, with_text: bool, since: LogprobCursor
         return [None if row is None else entries(row) for row in rows]
 
     i, o = since.num_input, since.num_output
-    return {
+    fields = {
         "input_token_logprobs": entries(result.input_logprobs[i:]),
         "output_token_logprobs": entries(result.output_logprobs[o:]),
         "input_top_logprobs": tops(result.input_top_logprobs[i:]),
         "output_top_logprobs": tops(result.output_top_logprobs[o:]),
         "output_token_logprobs_length": len(result.output_logprobs),
     }
+    if result.spec.token_ids_logprob:  # SGLang's keys, present when the ids were asked for
+        fields["input_token_ids_logprobs"] = tops(result.input_token_ids_logprobs[i:])
+        fields["output_token_ids_logprobs"] = tops(result.output_token_ids_logprobs[o:])
+    return fields

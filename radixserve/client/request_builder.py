@@ -32,6 +32,8 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 REQUEST_OPTIONS = ("priority", "session_id", "retention", "extra_key", *BOOTSTRAP_FIELDS)
 """Per-request options beside the prompt, sampling and logprobs, under the same names in every
 API that exposes them: /generate and OpenAI bodies, Engine.generate, the frontend's gen."""
+MAX_TOKEN_IDS_LOGPROB = 128
+"""Most token ids one request's token_ids_logprob may name (each position reports them all)."""
 SEED_MASK = (1 << 64) - 1
 """The sampler hashes a seed's low 64 bits, so any int seed is kept as just those: the same
 draws, and a value the engine core message (msgpack, 64 bits) can carry."""
@@ -49,6 +51,7 @@ class GenerateArgs:
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None  # one list, or one per prompt
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
     extra_key: str | list[str] | None = None  # SGLang's: names the cache namespace after the salt
@@ -110,22 +113,41 @@ class RequestBuilder:
         extra_keys = _per_prompt(args.extra_key, count, "extra_key")
         logprob = _logprob_request(args.return_logprob, args.logprob_start_len,
                                    args.top_logprobs_num)  # fmt: skip
+        picks = self._token_ids_logprob(args.token_ids_logprob, count)
         parsed = [self.sampling_params(p) for p in params_list]
         self._check_num_outputs(sum(params.n for params in parsed))
         bootstraps = self._bootstraps(args, count)
         loras = [self.check_lora(name) for name in _per_prompt(args.lora_path, count, "lora_path")]
         specs = []
-        prompts = zip(token_lists, parsed, rids, salts, extra_keys, bootstraps, loras)
-        for ids, params, rid, salt, extra_key, boot, lora in prompts:
+        prompts = zip(token_lists, parsed, rids, salts, extra_keys, bootstraps, loras, picks)
+        for ids, params, rid, salt, extra_key, boot, lora, picked in prompts:
             self.check_length(ids, params)
             salt = salted_namespace(salt, extra_key)
+            wants = logprob if logprob is None else replace(logprob, token_ids=picked)
             if boot is not None and params.n != 1:
                 raise ValueError("bootstrap_room pairs one prefill with one decode: n must be 1")
             self.check_salt(salt)
             lora_id = None if lora is None else self.lora_adapters[lora]
-            outputs = [self.new_spec(ids, params, rid, salt, logprob, i) for i in range(params.n)]
+            outputs = [self.new_spec(ids, params, rid, salt, wants, i) for i in range(params.n)]
             specs += [replace(spec, bootstrap=boot, lora_id=lora_id) for spec in outputs]
         return self.with_retention(specs, args), batched
+
+    def _token_ids_logprob(self, value: Any, count: int) -> list[tuple[int, ...]]:
+        """SGLang's token_ids_logprob per prompt: one list of ids for every prompt, or a list
+        of such lists, one per prompt; ids in the vocabulary, at most MAX_TOKEN_IDS_LOGPROB."""
+        if value is None:
+            return [()] * count
+        nested = isinstance(value, list) and bool(value) and isinstance(value[0], list)
+        lists = _per_prompt(value, count, "token_ids_logprob") if nested else [value] * count
+        for ids in lists:
+            ok = isinstance(ids, list) and len(ids) <= MAX_TOKEN_IDS_LOGPROB
+            if not ok or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
+                message = (
+                    f"token_ids_logprob must be a list of at most {MAX_TOKEN_IDS_LOGPROB} token "
+                    f"ids in [0, {self.vocab_size}), or one such list per prompt; got {value!r}"
+                )
+                raise ValueError(message[:240])
+        return [tuple(ids) for ids in lists]
 
     def check_lora(self, name: Any) -> str | None:
         """The adapter `lora_path` names (None: the base model), refused unless served."""
@@ -262,6 +284,7 @@ class RequestBuilder:
             namespace=salt,
             logprob_start_len=None if logprob is None else logprob.start_len,
             top_logprobs_num=0 if logprob is None else logprob.top_num,
+            token_ids_logprob=list(logprob.token_ids) if logprob and logprob.token_ids else None,
         )
 
 

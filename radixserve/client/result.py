@@ -33,6 +33,8 @@ class RequestResult:
         self.input_top_logprobs: list = []
         self.output_logprobs: list = []
         self.output_top_logprobs: list = []
+        self.input_token_ids_logprobs: list = []
+        self.output_token_ids_logprobs: list = []
         self.spec_counts: SpecCounts | None = None
         self.jump_forward_tokens = 0
         self.arrival_time = time.perf_counter()
@@ -53,6 +55,8 @@ class RequestResult:
         self.input_top_logprobs += delta.new_input_top_logprobs
         self.output_logprobs += delta.new_output_logprobs
         self.output_top_logprobs += delta.new_output_top_logprobs
+        self.input_token_ids_logprobs += delta.new_input_token_ids_logprobs
+        self.output_token_ids_logprobs += delta.new_output_token_ids_logprobs
         self.spec_counts = delta.spec_counts
         self.jump_forward_tokens = delta.jump_forward_tokens
         if delta.finish_reason is not None:

@@ -1,8 +1,10 @@
 """Collects a request's input and output logprobs as its chunks and tokens are computed.
 
 Entries are (logprob, token_id); the first input entry's logprob is None (no logits predict
-the first scored position), as in SGLang. Input entries cover prompt positions
-`start_len .. prompt_len - 1`; the scheduler never serves those positions from the cache.
+the first scored position), as in SGLang. Each position also gets its top-k entries and, with
+SGLang's token_ids_logprob, the entries of those ids (None at the first input position).
+Input entries cover prompt positions `start_len .. prompt_len - 1`; the scheduler never
+serves those positions from the cache.
 
 Output tokens that a grammar forced (jump-forward: appended unsampled) get, as in SGLang,
 the logprob the model gives them, read from the row that predicts each one once the extend
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.engine.request import Req
-from radixserve.sampling.logprobs import token_logprobs, top_logprobs
+from radixserve.sampling.logprobs import picked_logprobs, token_logprobs, top_logprobs
 
 
 def commit_logprobs(
@@ -61,6 +63,7 @@ def fill_unscored(req: Req) -> None:
     missing = req.output_ids[len(req.output_logprobs) :]
     req.output_logprobs.extend((None, token) for token in missing)
     req.output_top_logprobs.extend(None for _ in missing)
+    req.output_token_ids_logprobs.extend(None for _ in missing)
 
 
 def replace_last_output(req: Req, num_replaced: int, last_logits: torch.Tensor, token: int) -> None:
@@ -69,6 +72,7 @@ def replace_last_output(req: Req, num_replaced: int, last_logits: torch.Tensor, 
     if num_replaced:
         del req.output_logprobs[-num_replaced:]
         del req.output_top_logprobs[-num_replaced:]
+        del req.output_token_ids_logprobs[-num_replaced:]
     _commit_output(req, last_logits, token)
 
 
@@ -80,6 +84,7 @@ def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> Non
     if not req.input_logprobs:
         req.input_logprobs.append((None, req.input_ids[start]))
         req.input_top_logprobs.append(None)
+        req.input_token_ids_logprobs.append(None)
     first = max(chunk_start + 1, start + len(req.input_logprobs))
     last = min(chunk_start + chunk_logits.shape[0], prompt_len - 1)
     if first > last:
@@ -89,6 +94,7 @@ def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> Non
     values = token_logprobs(rows, ids).tolist()
     req.input_logprobs.extend(zip(values, ids.tolist()))
     req.input_top_logprobs.extend(_tops(rows, req.logprob.top_num))
+    req.input_token_ids_logprobs.extend(_picked(rows, req.logprob.token_ids))
 
 
 def _commit_forced(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> None:
@@ -104,6 +110,7 @@ def _commit_forced(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> No
     values = token_logprobs(rows, ids).tolist()
     req.output_logprobs.extend(zip(values, ids.tolist()))
     req.output_top_logprobs.extend(_tops(rows, req.logprob.top_num))
+    req.output_token_ids_logprobs.extend(_picked(rows, req.logprob.token_ids))
 
 
 def _commit_output(req: Req, last_logits: torch.Tensor, token: int) -> None:
@@ -111,6 +118,7 @@ def _commit_output(req: Req, last_logits: torch.Tensor, token: int) -> None:
     value = token_logprobs(row, torch.tensor([token], device=row.device)).item()
     req.output_logprobs.append((value, token))
     req.output_top_logprobs.extend(_tops(row, req.logprob.top_num))
+    req.output_token_ids_logprobs.extend(_picked(row, req.logprob.token_ids))
 
 
 def _tops(rows: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
@@ -118,3 +126,11 @@ def _tops(rows: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
         return [[] for _ in range(rows.shape[0])]
     values, ids = top_logprobs(rows, k)
     return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def _picked(rows: torch.Tensor, token_ids: tuple[int, ...]) -> list[list[tuple[float, int]]]:
+    """Per row, the logprobs of `token_ids` in their order (empty lists when none asked)."""
+    if not token_ids:
+        return [[] for _ in range(rows.shape[0])]
+    values = picked_logprobs(rows, torch.tensor(token_ids, device=rows.device)).tolist()
+    return [list(zip(row, token_ids)) for row in values]

@@ -54,6 +54,7 @@ class LogprobRequest:
 
     start_len: int = -1  # first prompt position with an input logprob; -1: output only
     top_num: int = 0
+    token_ids: tuple[int, ...] = ()  # SGLang's token_ids_logprob: reported at every position
 
 
 @dataclass(eq=False)
@@ -98,6 +99,8 @@ class Req:
     # None: a forced token that ended the request uncomputed (engine/logprobs.py)
     output_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # set by the scheduler when the request speculates
     jump_forward_tokens: int = 0  # output tokens its grammar forced (sampling/jump_forward.py)
 
@@ -109,7 +112,8 @@ class Req:
     def from_spec(cls, spec: RequestSpec) -> Req:
         logprob = None
         if spec.logprob_start_len is not None:
-            logprob = LogprobRequest(spec.logprob_start_len, spec.top_logprobs_num)
+            ids = tuple(spec.token_ids_logprob or ())
+            logprob = LogprobRequest(spec.logprob_start_len, spec.top_logprobs_num, ids)
         return cls(
             request_id=spec.request_id,
             rid=spec.rid,

@@ -19,6 +19,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return chosen - logits.logsumexp(dim=-1)
 
 
+def picked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[:, token_ids] for logits [N, V] and the same ids [K] in every
+    row; returns [N, K]."""
+    logits = logits.float()
+    return logits[:, token_ids.long()] - logits.logsumexp(dim=-1, keepdim=True)
+
+
 def top_logprobs(logits: torch.Tensor, k: int) -> TopLogprobs:
     """The k largest log-probabilities per row of logits [N, V] (k capped at V), descending."""
     if k < 0:
