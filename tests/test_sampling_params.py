@@ -36,6 +36,7 @@ SGLANG_DEFAULTS = dict(
     json_schema=None,
     ebnf=None,
     logit_bias=None,
+    structural_tag=None,
 )
 
 
@@ -91,7 +92,7 @@ def test_from_dict_rejects_unknown_key_by_name():
         SamplingParams.from_dict({"temprature": 0.5})
 
 
-@pytest.mark.parametrize("key", ["stop_regex", "structural_tag"])
+@pytest.mark.parametrize("key", ["stop_regex"])
 def test_from_dict_rejects_unsupported_constraints(key):
     with pytest.raises(ValueError, match=f"{key}.*not supported"):
         SamplingParams.from_dict({key: "a+"})
@@ -136,6 +137,7 @@ INVALID = [
     ("regex", 5),
     ("ebnf", ["root ::= x"]),
     ("json_schema", 3),
+    ("structural_tag", ["<a>"]),
     ("logit_bias", [1]),
     ("logit_bias", {"x": 1}),
     ("logit_bias", {" 1": 1}),

@@ -81,6 +81,13 @@ def test_bad_constraints_are_value_errors_naming_the_field(tiny_chat_model):
         ({"json_schema": "{nope"}, "json_schema"),
         ({"ebnf": "root ::= missing"}, "ebnf"),
         ({"regex": "a", "json_schema": {}}, "json_schema"),
+        ({"structural_tag": "{nope"}, "structural_tag"),
+        ({"structural_tag": {"structures": [], "triggers": []}}, "structural_tag"),
+        (
+            {"structural_tag": {"type": "structural_tag", "format": {"type": "bogus"}}},
+            "structural_tag",
+        ),
+        ({"ebnf": 'root ::= "a"', "structural_tag": {"x": 1}}, "structural_tag"),
     ]:
         with pytest.raises(ValueError, match=field):
             engine.generate(input_ids=prompt_ids(0), sampling_params=params)
@@ -113,3 +120,19 @@ def test_json_strings_refuse_raw_control_characters(tiny_chat_model):
     assert matcher.accept_string('{"city": "ab')
     assert not matcher.accept_string("\x08")
     assert matcher.accept_string('cd"}')
+
+
+def test_sglang_structural_tags_leave_text_free_until_a_trigger(tiny_chat_model):
+    """SGLang's form ({"structures": [{"begin", "schema", "end"}], "triggers"}): free text,
+    and after a trigger one of the structures, its JSON checked against its schema."""
+    add = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+           "additionalProperties": False}  # fmt: skip
+    structure = {"begin": "<function=add>", "schema": add, "end": "</function>"}
+    tag = json.dumps({"structures": [structure], "triggers": ["<function="]})
+    backend = make_engine(tiny_chat_model).scheduler.grammar
+    compiled = backend.compile_async("structural_tag", tag).result()
+    matcher = backend.matcher(compiled)
+    assert matcher.accept_string("Let me add them. <function=add>")
+    assert not matcher.accept_string('{"b": 2}')
+    assert matcher.accept_string('{"a": 2}</function> Done; any text again.')
+    assert not backend.matcher(compiled).accept_string("Now <function=mul>")

@@ -168,6 +168,18 @@ def test_response_format_on_completions_and_text_is_no_constraint(openai_client)
     assert response.choices[0].finish_reason == "length"
 
 
+def test_response_format_structural_tag_constrains_the_tagged_span(openai_client):
+    """SGLang's structural_tag, in xgrammar's form: here one tag the whole output must be."""
+    content = {"type": "json_schema", "json_schema": ADD}
+    tag = {"type": "tag", "begin": "<call>", "content": content, "end": "</call>"}
+    response_format = {"type": "structural_tag", "format": tag}
+    choice = chat(openai_client, response_format=response_format).choices[0]
+    text = choice.message.content
+    assert choice.finish_reason == "stop", repr(text)
+    assert text.startswith("<call>") and text.endswith("</call>")
+    jsonschema.validate(json.loads(text.removeprefix("<call>").removesuffix("</call>")), ADD)
+
+
 @pytest.mark.parametrize("name", ["regex", "json_schema"])
 def test_extra_constraint_fields(openai_client, name):
     spec = r"(yes|no), [0-9]{2}" if name == "regex" else json.dumps(ADD)
@@ -188,6 +200,8 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
                               "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
          "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}],
+                              "triggers": ["<a"]}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": ADD}}},
          "response_format"),
         ({"response_format": {"type": "json_object"}, "extra_body": {"regex": "a+"}}, "regex"),

@@ -212,9 +212,9 @@ class RequestBuilder:
         if parsed.sampling_seed is not None:
             parsed.sampling_seed &= SEED_MASK
         if parsed.grammar is not None:
-            check_grammar(*parsed.grammar)
-        if isinstance(parsed.json_schema, dict):  # as text: the wire takes no int past int64
-            parsed.json_schema = parsed.grammar[1]
+            kind, text = parsed.grammar
+            check_grammar(kind, text)
+            setattr(parsed, kind, text)  # an object as text: the wire takes no int past int64
         if parsed.logit_bias is not None:  # the wire's form: decimal keys, float values
             parsed.logit_bias = {str(token): bias for token, bias in parsed.logit_bias_items()}
         return parsed

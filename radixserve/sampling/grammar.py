@@ -1,4 +1,4 @@
-"""Constrained decoding through xgrammar: regex, JSON schema and EBNF.
+"""Constrained decoding through xgrammar: regex, JSON schema, EBNF and structural tags.
 
 JSON is generated compact (no free whitespace between tokens), so a small model cannot
 wander off into endless indentation; the JSON is the same value either way.
@@ -12,6 +12,7 @@ masks a batch's logits.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,7 @@ def check_grammar(kind: str, spec: str) -> None:
         "regex": xgr.Grammar.from_regex,
         "json_schema": xgr.Grammar.from_json_schema,
         "ebnf": xgr.Grammar.from_ebnf,
+        "structural_tag": structural_tag_grammar,
     }[kind]
     try:
         build(spec)
@@ -55,6 +57,73 @@ def json_schema_ebnf(spec: str) -> str:
     control characters inside strings."""
     grammar = _xgr().Grammar.from_json_schema(spec, any_whitespace=False)
     return str(grammar).replace(LOOSE_STRING_CHAR, STRICT_STRING_CHAR)
+
+
+STRUCTURAL = "structural_tag"
+
+
+def structural_tag_grammar(spec: str):
+    """The grammar of a structural tag: SGLang's form ({"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}, as its OpenAI `response_format` takes it) is written as
+    xgrammar's triggered tags; xgrammar's own form ({"type": "structural_tag", "format"})
+    is taken as it is. The tags' JSON is compact, as `json_schema`'s is."""
+    tag = json.loads(spec)
+    if isinstance(tag, dict) and "structures" in tag:
+        tag = _triggered_tags(tag)
+    return _xgr().Grammar.from_structural_tag(json.dumps(_compact_json(tag)))
+
+
+def _compact_json(node: Any) -> Any:
+    """`node` with each {"type": "json_schema", "json_schema": S} content written as the
+    grammar of `json_schema_ebnf` (xgrammar's own lets any whitespace in)."""
+    if isinstance(node, list):
+        return [_compact_json(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and set(node) == {"type", "json_schema"}:
+        schema = node["json_schema"]
+        schema = schema if isinstance(schema, str) else json.dumps(schema)
+        return {"type": "grammar", "grammar": json_schema_ebnf(schema)}
+    return {key: _compact_json(value) for key, value in node.items()}
+
+
+def _triggered_tags(tag: dict[str, Any]) -> dict[str, Any]:
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if set(tag) - {"type", "structures", "triggers"} or tag.get("type") not in (None, STRUCTURAL):
+        raise ValueError(f'takes "type": "{STRUCTURAL}", "structures" and "triggers" only')
+    if not isinstance(structures, list) or not all(_is_structure(s) for s in structures):
+        raise ValueError(
+            'structures must be a list of {"begin": str, "schema": object, "end": str}'
+        )
+    if (
+        not isinstance(triggers, list)
+        or not triggers
+        or not all(isinstance(t, str) for t in triggers)
+    ):
+        raise ValueError("triggers must be a non-empty list of strings")
+    tags = [
+        {
+            "type": "tag",
+            "begin": s["begin"],
+            "content": {"type": "json_schema", "json_schema": s.get("schema") or {}},
+            "end": s["end"],
+        }
+        for s in structures
+    ]
+    return {
+        "type": STRUCTURAL,
+        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags},
+    }
+
+
+def _is_structure(value: Any) -> bool:
+    if not isinstance(value, dict) or set(value) - {"begin", "schema", "end"}:
+        return False
+    schema = value.get("schema")
+    begin, end = value.get("begin"), value.get("end")
+    return (
+        isinstance(begin, str) and isinstance(end, str) and isinstance(schema, (dict, type(None)))
+    )
 
 
 @dataclass
@@ -120,6 +189,9 @@ class GrammarBackend:
             "regex": self._compiler.compile_regex,
             "json_schema": lambda schema: self._compiler.compile_grammar(json_schema_ebnf(schema)),
             "ebnf": self._compiler.compile_grammar,
+            "structural_tag": lambda tag: self._compiler.compile_grammar(
+                structural_tag_grammar(tag)
+            ),
         }[kind]
         try:
             return compile_fn(spec)

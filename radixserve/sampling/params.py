@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's threshold)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -25,7 +25,6 @@ TOKEN_KEY = re.compile(r"[0-9]{1,19}")
 # what the SGLang frontend sends when unset) is accepted, anything else is rejected.
 UNSUPPORTED_PARAMS = (
     "stop_regex",
-    "structural_tag",
     "custom_params",
     "stream_interval",
 )
@@ -75,6 +74,11 @@ class SamplingParams:
     """Constrain the output to JSON valid for this schema (a JSON string or an object)."""
     ebnf: str | None = None
     """Constrain the output to this EBNF grammar (GBNF dialect, start rule `root`)."""
+    structural_tag: str | dict | None = None
+    """Constrain tagged spans of the output (SGLang's / xgrammar's structural tag, a JSON
+    string or an object): SGLang's {"structures": [{"begin", "schema", "end"}], "triggers"}
+    (text is free until a trigger, then the tag's JSON follows), or xgrammar's {"type":
+    "structural_tag", "format": {...}}."""
     reasoning_end: str | None = None
     """The text that ends the output's reasoning (a reasoning parser's end marker): the
     constraint (regex, json_schema, ebnf) applies only after it; before it, output is free."""
@@ -126,7 +130,7 @@ class SamplingParams:
 
     @property
     def grammar(self) -> tuple[str, str] | None:
-        """The output constraint as (kind, spec): ("regex" | "json_schema" | "ebnf", text)."""
+        """The output constraint as (kind, spec): (one of GRAMMAR_KINDS, text)."""
         for kind in GRAMMAR_KINDS:
             value = getattr(self, kind)
             if value is not None:
@@ -262,11 +266,12 @@ def _check_reasoning(params: SamplingParams) -> None:
 def _check_grammar(params: SamplingParams) -> None:
     given = [kind for kind in GRAMMAR_KINDS if getattr(params, kind) is not None]
     if len(given) > 1:
-        raise ValueError(f"{given[1]}: give at most one of regex, json_schema, ebnf; got {given}")
+        raise ValueError(f"{given[1]}: give at most one of {', '.join(GRAMMAR_KINDS)}; got {given}")
     for kind in ("regex", "ebnf"):
         value = getattr(params, kind)
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{kind} must be a non-empty string; got {value!r}")
-    schema = params.json_schema
-    if schema is not None and not isinstance(schema, (str, dict)):
-        raise ValueError(f"json_schema must be a JSON string or an object; got {schema!r}")
+    for kind in ("json_schema", "structural_tag"):
+        value = getattr(params, kind)
+        if value is not None and not isinstance(value, (str, dict)):
+            raise ValueError(f"{kind} must be a JSON string or an object; got {value!r}"[:200])

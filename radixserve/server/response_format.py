@@ -47,7 +47,8 @@ def output_constraint(
 
 
 def check_response_format(value: Any) -> Constraint | None:
-    """`response_format`: text (none), json_object (any object) or json_schema (its schema)."""
+    """`response_format`: text (none), json_object (any object), json_schema (its schema) or
+    SGLang's structural_tag (its structures and triggers, or xgrammar's `format`)."""
     value = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
     if value is None or value == {"type": "text"}:
         return None
@@ -57,9 +58,16 @@ def check_response_format(value: Any) -> Constraint | None:
         schema = _json_schema_format(value.get("json_schema"))
         if schema is not None:
             return Constraint("response_format", "json_schema", _checked_schema(schema))
+    if isinstance(value, dict) and value.get("type") == "structural_tag":
+        try:
+            check_grammar("structural_tag", json.dumps(value))
+        except ValueError as exc:
+            raise BadRequest(f"response_format: {exc}"[:300], param="response_format") from exc
+        return Constraint("response_format", "structural_tag", value)
     raise BadRequest(
-        "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
-        "'json_schema', 'json_schema': {'name': str, 'schema': object, 'strict': bool}}; "
+        "response_format must be {'type': 'text'}, {'type': 'json_object'}, {'type': "
+        "'json_schema', 'json_schema': {'name': str, 'schema': object, 'strict': bool}} or "
+        "{'type': 'structural_tag', 'structures': [...], 'triggers': [...]}; "
         f"got {str(value)[:80]}",
         param="response_format",
     )
