@@ -92,6 +92,7 @@ ODD_SAMPLING = {
     "json_schema": ODD_JSON_SCHEMA,
     "ebnf": odd("root ::= undefined", 'root ::= "a"'),
     "stop_regex": JUNK,
+    "structural_tag": odd({"structures": [], "triggers": []}, "{", {"type": "structural_tag"}),
     "logit_bias": odd({"5": -101}, {"-5": 1}, {"5": "1"}),
     "bogus": JUNK,
 }
@@ -167,6 +168,8 @@ ODD_OPENAI = {
         {"type": "json_schema"},
         {"type": "xml"},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+        {"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<"]},
+        {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>"}},
     ),
     "regex": ODD_REGEX | REGEX,
     "json_schema": ODD_JSON_SCHEMA | JSON_SCHEMA,
