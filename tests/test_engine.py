@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from concurrent.futures import Future
 
 import pytest
@@ -355,6 +356,33 @@ def test_stream_never_shows_text_that_is_later_trimmed(tiny_chat_model):
     final = chunks[-1]["text"]
     assert final == full["text"][: full["text"].find(stop)]
     assert all(final.startswith(c["text"]) for c in chunks)  # no chunk shows the stop's start
+
+
+def test_stop_regex_ends_at_a_match_and_keeps_it(tiny_chat_model):
+    """SGLang's stop_regex: searched in the output's tail, the match left in the text; a
+    search that runs past its time bound aborts the request instead of stalling the engine."""
+    engine = make_engine(tiny_chat_model)
+    full = engine.generate(input_ids=prompt_ids(17), sampling_params=greedy(24))
+    piece = engine.tokenizer.decode(full["output_ids"][8:10])
+    pattern = re.escape(piece.strip()) + r"\S*"
+    out = engine.generate(input_ids=prompt_ids(17), sampling_params=greedy(24, stop_regex=pattern))
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert (
+        8 < len(out["output_ids"]) <= 10
+        and out["output_ids"] == full["output_ids"][: len(out["output_ids"])]
+    )
+    assert re.search(pattern, out["text"]) and full["text"].startswith(out["text"])
+    a_token = engine.tokenizer.encode("a")[-1]  # an output of "aaaa...": a pattern that backtracks
+    params = greedy(80, stop_regex=["zzz", r"(.*a){40}b"], logit_bias={str(a_token): 100})
+    slow = engine.generate(input_ids=prompt_ids(18), sampling_params=params)["meta_info"]
+    assert (
+        slow["finish_reason"]["type"] == "abort"
+        and "stop_regex" in slow["finish_reason"]["message"]
+    )
+    for bad in ("(unclosed", ["a"] * 17, "x" * 1025, [5]):
+        with pytest.raises(ValueError, match="^stop_regex"):
+            engine.generate(input_ids=[1], sampling_params={"stop_regex": bad})
+    engine.check_integrity()
 
 
 def test_one_token_prompt_has_its_null_input_logprob(tiny_chat_model):

@@ -37,6 +37,7 @@ SGLANG_DEFAULTS = dict(
     ebnf=None,
     logit_bias=None,
     structural_tag=None,
+    stop_regex=None,
 )
 
 
@@ -92,8 +93,8 @@ def test_from_dict_rejects_unknown_key_by_name():
         SamplingParams.from_dict({"temprature": 0.5})
 
 
-@pytest.mark.parametrize("key", ["stop_regex"])
-def test_from_dict_rejects_unsupported_constraints(key):
+@pytest.mark.parametrize("key", ["custom_params", "stream_interval"])
+def test_from_dict_rejects_unsupported_parameters(key):
     with pytest.raises(ValueError, match=f"{key}.*not supported"):
         SamplingParams.from_dict({key: "a+"})
 
@@ -138,6 +139,8 @@ INVALID = [
     ("ebnf", ["root ::= x"]),
     ("json_schema", 3),
     ("structural_tag", ["<a>"]),
+    ("stop_regex", "(unclosed"),
+    ("stop_regex", ["a", 5]),
     ("logit_bias", [1]),
     ("logit_bias", {"x": 1}),
     ("logit_bias", {" 1": 1}),

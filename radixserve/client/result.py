@@ -96,7 +96,7 @@ class RequestResult:
         if self.finished:
             ids = self.output_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-            return trim_stop(text, self.finish_reason, params.no_stop_trim)
+            return trim_stop(text, self.finish_reason, params.no_stop_trim, params.stop_strs)
         if self._detokenizer is None:
             self._detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         text = self._detokenizer.update(self.output_ids)

@@ -15,7 +15,12 @@ import torch
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.protocol import FinishReason
 from radixserve.engine.request import Req
-from radixserve.engine.stop import stop_string_hit
+from radixserve.engine.stop import (
+    STOP_REGEX_TIMEOUT_S,
+    StopRegexTimeout,
+    stop_regex_hit,
+    stop_string_hit,
+)
 from radixserve.sampling.grammar import GrammarBackend
 from radixserve.sampling.sampler import SamplingBatch, is_plain_argmax, sample, sample_argmax
 
@@ -72,6 +77,14 @@ class TokenSampler:
             self.grammar().mask_logits(logits, [r.grammar for r in reqs])
         return sample(logits, batch).tolist()
 
+    def _stop_regex_hit(self, req: Req) -> FinishReason | None:
+        try:
+            matched = stop_regex_hit(req, self.tokenizer)
+        except StopRegexTimeout as exc:
+            message = f"stop_regex {str(exc)[:80]!r} took longer than {STOP_REGEX_TIMEOUT_S} s"
+            return FinishReason.abort(message + " to search the output", status_code=400)
+        return None if matched is None else FinishReason.stop(matched)
+
     def min_tokens_stop_ids(self, req: Req) -> list[int]:
         """Ids blocked while `req` is below min_new_tokens (none once it is past it)."""
         if len(req.output_ids) >= req.params.min_new_tokens:
@@ -92,5 +105,7 @@ class TokenSampler:
             req.finish(FinishReason.stop(token))
         elif params.stop and (matched := stop_string_hit(req, self.tokenizer)):
             req.finish(FinishReason.stop(matched))
+        elif params.stop_regex and (matched := self._stop_regex_hit(req)):
+            req.finish(matched)
         elif len(req.output_ids) >= params.max_new_tokens:
             req.finish(FinishReason.of_length(params.max_new_tokens))

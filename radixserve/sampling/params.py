@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import regex as pyregex  # the `regex` package: patterns that can time out
+
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's threshold)."""
@@ -16,6 +18,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integer parameters (counts, lengths) must fit in int64: the engine core's wire format takes
 no larger ints. A seed may be any integer: only its low 64 bits are used."""
 
+MAX_STOP_REGEX = 16
+"""Most stop_regex patterns one request may give."""
+MAX_STOP_REGEX_CHARS = 1024
+"""Longest stop_regex pattern."""
 LOGIT_BIAS_MAX = 100
 """OpenAI's bound on a logit_bias value (either sign)."""
 TOKEN_KEY = re.compile(r"[0-9]{1,19}")
@@ -24,7 +30,6 @@ TOKEN_KEY = re.compile(r"[0-9]{1,19}")
 # SGLang parameters we know but do not implement yet: null (or an empty value, which is
 # what the SGLang frontend sends when unset) is accepted, anything else is rejected.
 UNSUPPORTED_PARAMS = (
-    "stop_regex",
     "custom_params",
     "stream_interval",
 )
@@ -56,6 +61,9 @@ class SamplingParams:
     """Stop string(s); the matched string is trimmed from the text unless no_stop_trim."""
     stop_token_ids: list[int] | None = None
     """Token ids that end generation (in addition to EOS)."""
+    stop_regex: str | list[str] | None = None
+    """Regular expression(s) that end generation once the output's tail (its last
+    STOP_REGEX_TAIL_TOKENS tokens) contains a match; the match stays in the text (SGLang's)."""
     ignore_eos: bool = False
     """Keep generating past EOS."""
     n: int = 1
@@ -124,6 +132,12 @@ class SamplingParams:
         return [s for s in stops if s]
 
     @property
+    def stop_regex_strs(self) -> list[str]:
+        """`stop_regex` as a list of non-empty patterns."""
+        stops = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
+        return [s for s in stops or [] if s]
+
+    @property
     def needs_matcher(self) -> bool:
         """Whether decoding is steered: a constraint, or a reasoning budget to enforce."""
         return self.grammar is not None or self.max_reasoning_tokens is not None
@@ -168,6 +182,7 @@ class SamplingParams:
         _check_bool("no_stop_trim", self.no_stop_trim)
         _check_bool("speculative", self.speculative)
         _check_stop(self.stop)
+        check_stop_regex(self.stop_regex)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
         check_logit_bias(self.logit_bias, vocab_size)
         _check_reasoning(self)
@@ -224,6 +239,26 @@ def _check_stop(stop: object) -> None:
         return
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise ValueError(f"stop must be a string or a list of strings; got {stop!r}")
+
+
+def check_stop_regex(value: object) -> None:
+    """A pattern or a list of at most MAX_STOP_REGEX, each at most MAX_STOP_REGEX_CHARS long,
+    that compile (the `regex` module's syntax, a superset of `re`'s)."""
+    if value is None:
+        return
+    patterns = [value] if isinstance(value, str) else value
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"stop_regex must be a string or a list of strings; got {value!r}"[:200])
+    if len(patterns) > MAX_STOP_REGEX or any(len(p) > MAX_STOP_REGEX_CHARS for p in patterns):
+        raise ValueError(
+            f"stop_regex takes at most {MAX_STOP_REGEX} patterns of at most "
+            f"{MAX_STOP_REGEX_CHARS} characters"
+        )
+    for pattern in patterns:
+        try:
+            pyregex.compile(pattern)
+        except (pyregex.error, RecursionError, OverflowError) as exc:
+            raise ValueError(f"stop_regex {pattern[:80]!r} does not compile: {exc}") from None
 
 
 def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
