@@ -385,6 +385,28 @@ def test_stop_regex_ends_at_a_match_and_keeps_it(tiny_chat_model):
     engine.check_integrity()
 
 
+def test_stream_interval_sends_tokens_in_groups(tiny_chat_model):
+    """SGLang's --stream-interval (and per request sampling_params.stream_interval): the
+    first token at once, then every N tokens, and the end."""
+    engine = make_engine(tiny_chat_model, stream_interval=3)
+    prompt = prompt_ids(19)
+
+    def lengths(**params) -> list[int]:
+        chunks = engine.generate(
+            input_ids=prompt, sampling_params=greedy(10, **params), stream=True
+        )
+        return [len(c["output_ids"]) for c in chunks]
+
+    grouped = lengths()
+    assert grouped[0] == 1 and grouped[-1] == 10 and set(grouped) <= {1, 4, 7, 10}
+    assert set(lengths(stream_interval=4)) <= {1, 5, 9, 10}
+    assert len(lengths(stream_interval=1)) > len(grouped)
+    with pytest.raises(ValueError, match="stream_interval"):
+        engine.generate(input_ids=prompt, sampling_params={"stream_interval": 0})
+    with pytest.raises(ValueError, match="stream_interval"):
+        make_engine(tiny_chat_model, stream_interval=0)
+
+
 def test_one_token_prompt_has_its_null_input_logprob(tiny_chat_model):
     engine = make_engine(tiny_chat_model)
     out = engine.generate(

@@ -38,6 +38,7 @@ SGLANG_DEFAULTS = dict(
     logit_bias=None,
     structural_tag=None,
     stop_regex=None,
+    stream_interval=None,
 )
 
 
@@ -93,7 +94,7 @@ def test_from_dict_rejects_unknown_key_by_name():
         SamplingParams.from_dict({"temprature": 0.5})
 
 
-@pytest.mark.parametrize("key", ["custom_params", "stream_interval"])
+@pytest.mark.parametrize("key", ["custom_params"])
 def test_from_dict_rejects_unsupported_parameters(key):
     with pytest.raises(ValueError, match=f"{key}.*not supported"):
         SamplingParams.from_dict({key: "a+"})
@@ -141,6 +142,8 @@ INVALID = [
     ("structural_tag", ["<a>"]),
     ("stop_regex", "(unclosed"),
     ("stop_regex", ["a", 5]),
+    ("stream_interval", 0),
+    ("stream_interval", 1.5),
     ("logit_bias", [1]),
     ("logit_bias", {"x": 1}),
     ("logit_bias", {" 1": 1}),

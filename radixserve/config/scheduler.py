@@ -68,6 +68,10 @@ class SchedulerConfig:
     grammar_cache_size: int = 64
     """Most compiled grammars (json_schema / regex / ebnf, failed compiles included) kept for
     reuse, least recently used dropped first."""
+    stream_interval: int = 1
+    """Send a request's new tokens to its caller every this many tokens (its first token and
+    its end at once; SGLang's); a request's sampling_params.stream_interval overrides it.
+    Larger: fewer, bigger stream chunks and less traffic between the core and the server."""
     disable_jump_forward: bool = False
     """Constrained requests (json_schema / regex / ebnf) sample every token, even where the
     grammar allows only one continuation; default: that continuation is appended unsampled
@@ -145,7 +149,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"pin_policy must be one of {', '.join(PIN_POLICIES)}; got {self.pin_policy!r}"
             )
-        for name in ("max_pins", "grammar_cache_size"):
+        for name in ("max_pins", "grammar_cache_size", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:

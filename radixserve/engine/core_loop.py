@@ -87,8 +87,10 @@ class CoreLoop:
             progressed = True
         wait = min(max(2 * self._stall_wait, STALL_WAIT_MIN_S), STALL_WAIT_MAX_S)
         self._stall_wait = 0.0 if progressed else wait
-        if changed:
-            self.transport.send(StepOutputs([self.deltas.delta(r) for r in changed]))
+        interval = self.core.scheduler.config.stream_interval
+        outputs = [self.deltas.delta(r) for r in changed if self.deltas.due(r, interval)]
+        if outputs:
+            self.transport.send(StepOutputs(outputs))
 
     def _handle(self, message: ToCore) -> None:
         scheduler = self.core.scheduler

@@ -23,6 +23,15 @@ class DeltaTracker:
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
 
+    def due(self, req: Req, default_interval: int) -> bool:
+        """Whether `req`'s caller gets what changed now: its first tokens, its end, and then
+        every `stream_interval` tokens (the request's, else `default_interval`)."""
+        interval = req.params.stream_interval or default_interval
+        if interval <= 1 or req.finished:
+            return True
+        sent = self._sent.get(req.request_id)
+        return sent is None or sent.output == 0 or len(req.output_ids) - sent.output >= interval
+
     def delta(self, req: Req) -> RequestOutput:
         sent = self._sent.setdefault(req.request_id, _Sent())
         # forced tokens (jump-forward) of a request with logprobs wait for theirs, so that

@@ -29,10 +29,7 @@ TOKEN_KEY = re.compile(r"[0-9]{1,19}")
 
 # SGLang parameters we know but do not implement yet: null (or an empty value, which is
 # what the SGLang frontend sends when unset) is accepted, anything else is rejected.
-UNSUPPORTED_PARAMS = (
-    "custom_params",
-    "stream_interval",
-)
+UNSUPPORTED_PARAMS = ("custom_params",)
 
 
 @dataclass
@@ -97,6 +94,9 @@ class SamplingParams:
     """Added to the logits of the token ids it names (keys: token ids as decimal strings, as
     OpenAI and SGLang send them; values in [-100, 100]) before penalties and sampling: -100
     bans a token, 100 all but forces it."""
+    stream_interval: int | None = None
+    """Stream this request's tokens every this many (its first and its end at once); None:
+    the engine's --stream-interval."""
     speculative: bool = True
     """Let the engine speculate for this request when it runs with --speculative-algorithm;
     false: decode one token per step (the output is the same either way)."""
@@ -174,6 +174,9 @@ class SamplingParams:
             lambda v: 0 < v <= 2,
         )
         _check_int("n", self.n, "an integer >= 1", lambda v: v >= 1)
+        if self.stream_interval is not None:
+            _check_int("stream_interval", self.stream_interval, "an integer >= 1 or null",
+                       lambda v: v >= 1)  # fmt: skip
         seed = self.sampling_seed  # any integer: only its low 64 bits are used
         if seed is not None and not _is_int(seed):
             raise ValueError(f"sampling_seed must be an integer or null; got {seed!r}")
