@@ -163,7 +163,13 @@ ODD_OPENAI = {
     "max_tokens": ODD_TOKENS,
     "min_tokens": ODD_TOKENS,
     "stream": odd(1, "true"),
-    "stream_options": odd({"include_usage": True}, {"include_usage": 1}, {"x": 1}),
+    "stream_options": odd(
+        {"include_usage": True},
+        {"include_usage": 1},
+        {"x": 1},
+        {"include_usage": True, "continuous_usage_stats": True},
+        {"continuous_usage_stats": "yes"},
+    ),
     "response_format": odd(
         {"type": "json_schema"},
         {"type": "xml"},

@@ -59,6 +59,20 @@ def test_stream_include_usage_ends_with_a_usage_chunk(openai_client, chat_api):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("chat_api", [False, True])
+def test_continuous_usage_stats_put_usage_in_every_chunk(openai_client, chat_api):
+    """vLLM's and SGLang's stream_options.continuous_usage_stats (with include_usage): each
+    chunk carries its choice's usage so far; the last, usage-only chunk the total."""
+    call, prompt = call_and_prompt(chat_api, "Hi")
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(call(openai_client, True, stream_options=options, **prompt))
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    alone = {"continuous_usage_stats": True}  # without include_usage: no usage at all
+    assert all(c.usage is None for c in call(openai_client, True, stream_options=alone, **prompt))
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_request(server, stream):
     def aborted() -> float:

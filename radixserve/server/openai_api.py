@@ -245,10 +245,15 @@ async def stream_response(
     async def send(body: dict[str, Any]) -> None:
         await response.write(f"data: {json.dumps(body)}\n\n".encode())
 
+    async def send_chunk(index: int, body: dict[str, Any]) -> None:
+        if parsed.continuous_usage:  # vLLM's / SGLang's: the choice's usage so far
+            body["usage"] = usage([stream.results[index]], 1)
+        await send(body)
+
     if shape.chat:
         for index in range(len(trackers)):
-            await send(shape.role_chunk(index))
-    await _send_deltas(state, shape, trackers, stream, send)
+            await send_chunk(index, shape.role_chunk(index))
+    await _send_deltas(state, shape, trackers, stream, send, send_chunk)
     if parsed.include_usage:
         await send(shape.usage_chunk(usage(stream.results, parsed.n)))
     await response.write(b"data: [DONE]\n\n")
@@ -261,14 +266,16 @@ async def _send_deltas(
     trackers: list[ChoiceTracker],
     stream: ResultStream,
     send: Callable[[dict[str, Any]], Awaitable[None]],
+    send_chunk: Callable[[int, dict[str, Any]], Awaitable[None]],
 ) -> None:
-    """Streams each choice's deltas; an engine or internal error becomes an error event."""
+    """Streams each choice's deltas (`send_chunk`: a choice's chunk); an engine or internal
+    error becomes an error event (`send`)."""
     try:
         async with aclosing(state.iterate(stream)) as updates:
             async for index, _ in updates:
                 delta = trackers[index].next_delta()
                 if delta is not None:
-                    await send(shape.chunk(index, delta))
+                    await send_chunk(index, shape.chunk(index, delta))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except EngineDeadError as exc:

@@ -79,6 +79,7 @@ class OpenAIRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     echo: bool = False
     cache_salt: Any = None
@@ -115,12 +116,14 @@ def parse_request(body: Any, chat: bool, tool_parser: str = DEFAULT_TOOL_PARSER)
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, NO_OP_VALUES)
     stream = check_bool(body, "stream")
     check_temperature(body)
+    include_usage, continuous_usage = check_stream_options(body.get("stream_options"), stream)
     parsed = OpenAIRequest(
         chat=chat,
         model=check_model(body),
         sampling=sampling_dict(body),
         stream=stream,
-        include_usage=check_stream_options(body.get("stream_options"), stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         cache_salt=body.get("cache_salt"),
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )
@@ -218,18 +221,23 @@ def check_top_count(body: dict, name: str, limit: int | None = MAX_LOGPROBS) -> 
     return value
 
 
-def check_stream_options(options: Any, stream: bool) -> bool:
-    """`stream_options.include_usage`; the options are only allowed on a stream."""
+def check_stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    """`stream_options`: (include_usage, continuous_usage_stats, which counts only with
+    include_usage, as in vLLM); the options are only allowed on a stream."""
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    shaped = isinstance(options, dict) and not set(options) - {"include_usage"}
-    if not shaped or not isinstance(options.get("include_usage", False), (bool, type(None))):
+    names = ("include_usage", "continuous_usage_stats")
+    shaped = isinstance(options, dict) and not set(options) - set(names)
+    if not shaped or not all(isinstance(options.get(n), (bool, type(None))) for n in names):
         raise bad_request(
-            f"stream_options must be {{'include_usage': bool}}; got {options!r}", "stream_options"
+            "stream_options must be {'include_usage': bool, 'continuous_usage_stats': bool}; "
+            f"got {options!r}"[:240],
+            "stream_options",
         )
-    return bool(options.get("include_usage"))
+    include = bool(options.get("include_usage"))
+    return include, include and bool(options.get("continuous_usage_stats"))
 
 
 def check_prompt(prompt: Any) -> list[str] | list[list[int]]:
