@@ -67,6 +67,7 @@ KNOWN_ROUTES = {
     "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
     "/v1/messages", "/v1/messages/count_tokens", "/load_lora_adapter", "/unload_lora_adapter",
     "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
+    "/open_session", "/close_session",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
 

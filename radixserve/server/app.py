@@ -29,6 +29,7 @@ from radixserve.server.lora_api import register_lora_routes
 from radixserve.server.request_fields import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.responses_api import register_responses_routes
+from radixserve.server.session_api import register_session_routes, remember, session_prompt
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
 from radixserve.server.tenants import namespaces_shown
 
@@ -117,13 +118,26 @@ def parse_generate(body: Any) -> tuple[GenerateArgs, Answer]:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    args, answer = parse_generate(await read_json(request))
+    body = await read_json(request)
+    session = body.pop("session_params", None) if isinstance(body, dict) else None
+    args, answer = parse_generate(body)
+    where = None
+    if session is not None:  # SGLang's sessions: the prompt follows the session's sequence
+        args, where = await session_prompt(state, args, session)
     specs, batched = await state.off_loop(state.builder.build, args)
+    if where is not None and len(specs) != 1:
+        raise BadRequest("session_params takes one output: n must be 1", param="session_params")
     results = state.open(specs)
     async with results:  # leaving before the requests end (client gone, failure) aborts them
         if answer.stream:
-            return await _stream_generate(request, state, results, answer)
-        done = await state.run(results)
+            response = await _stream_generate(request, state, results, answer)
+        else:
+            await state.run(results)
+    if where is not None:
+        remember(state, where, results.results)
+    if answer.stream:
+        return response
+    done = results.results
     outputs = [format_output(r, answer.with_text, prompt_ids=answer.prompt_ids) for r in done]
     return web.json_response(outputs if batched or len(outputs) > 1 else outputs[0])
 
@@ -363,6 +377,7 @@ def build_app(state: ServerState) -> web.Application:
     register_responses_routes(app)
     register_cache_routes(app)
     register_lora_routes(app)
+    register_session_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

@@ -19,6 +19,7 @@ from radixserve.engine.protocol import RequestSpec
 from radixserve.reasoning import ReasoningFormat
 from radixserve.server.errors import BadRequest
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.sessions import SessionStore
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
 T = TypeVar("T")
@@ -40,6 +41,8 @@ class ServerState:
     """The tool-call format (tool_parsers/): `--tool-call-parser`, or the chat template's."""
     reasoning_format: ReasoningFormat | None = None
     """`--reasoning-parser`'s format (radixserve/reasoning/); None: outputs are not split."""
+    sessions: SessionStore = field(default_factory=SessionStore)
+    """SGLang's sessions (/open_session, /generate's session_params)."""
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "radixserve-tokenize")
     )
