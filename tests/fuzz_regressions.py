@@ -106,4 +106,13 @@ REGRESSIONS = [
         200,
     ),
     ("/v1/chat/completions", CHAT | {"messages": [HI], "json_schema": TOO_LONG}, 200),
+    # SGLang's sessions and newer sampling params: malformed input is a 400 naming it.
+    ("/open_session", {"timeout": -1}, 400),
+    ("/open_session", {"session_id": 5}, 400),
+    ("/open_session", [1], 400),
+    ("/close_session", {"session_id": None}, 400),
+    ("/generate", {"text": "a", "session_params": []}, 400),
+    ("/generate", {"text": "a", "session_params": {"id": "x" * 300}}, 400),
+    ("/generate", {"text": "a", "sampling_params": {"stop_regex": "(" * 2000}}, 400),
+    ("/generate", {"text": "a", "return_logprob": True, "token_ids_logprob": [[1, 2]]}, 200),
 ]
