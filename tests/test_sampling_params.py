@@ -44,7 +44,8 @@ SGLANG_DEFAULTS = dict(
 
 # Ours, not SGLang's: a request may opt out of speculation; a reasoning parser defers the
 # constraint to the end of the reasoning and may bound the reasoning.
-EXTENSIONS = {"speculative": True, "reasoning_end": None, "max_reasoning_tokens": None}
+EXTENSIONS = {"speculative": True, "reasoning_end": None, "max_reasoning_tokens": None,
+              "allowed_token_ids": None}  # fmt: skip (the last: vLLM's)
 
 
 def test_defaults_match_sglang():
@@ -143,6 +144,9 @@ INVALID = [
     ("stop_regex", "(unclosed"),
     ("stop_regex", ["a", 5]),
     ("stream_interval", 0),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [V]),
+    ("allowed_token_ids", "1"),
     ("stream_interval", 1.5),
     ("logit_bias", [1]),
     ("logit_bias", {"x": 1}),

@@ -237,6 +237,21 @@ def test_logit_bias_bans_and_forces_tokens_in_their_rows_only():
         assert out == [second, top[1], forced]
 
 
+def test_allowed_token_ids_mask_their_rows_only():
+    logits = random_logits(3)
+    allowed = [3, 17, 29]
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=2.0, allowed_token_ids=[5]),
+    ]
+    assert not is_plain_argmax(params[0], 0)
+    best = max(allowed, key=lambda t: logits[0, t])
+    for seed in range(20):
+        out = sample(logits, make_batch(params, [seed] * 3)).tolist()
+        assert out == [best, int(logits[1].argmax()), 5]
+
+
 def test_min_new_tokens_blocks_eos_until_reached():
     eos = 3
     logits = torch.tensor([[0.0, 0.0, 0.0, 10.0]])

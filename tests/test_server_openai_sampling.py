@@ -160,3 +160,37 @@ def test_continue_final_message_continues_the_assistant_turn(openai_client, serv
     with pytest.raises(openai.BadRequestError) as exc:
         chat(openai_client, messages=messages, extra_body={"continue_final_message": "yes"})
     assert exc.value.param == "continue_final_message"
+
+
+def test_vllm_sampling_extras(openai_client, server):
+    """vLLM's include_stop_str_in_output, allowed_token_ids and (chat) add_generation_prompt."""
+    base = complete(openai_client, prompt="Count with me", max_tokens=10, logprobs=0)
+    stop = max(base.choices[0].logprobs.tokens[3:7], key=len)
+    text = base.choices[0].text
+    kept = complete(openai_client, prompt="Count with me", max_tokens=10, stop=[stop],
+                    extra_body=NO_EOS | {"include_stop_str_in_output": True})  # fmt: skip
+    assert kept.choices[0].text == text[: text.find(stop) + len(stop)]
+    allowed = [77, 78, 79]
+    params = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
+    body = {"text": "Pick", "sampling_params": params | {"allowed_token_ids": allowed}}
+    status, native = run(post(server.url + "/generate", body))
+    assert status == 200 and set(native["output_ids"]) <= set(allowed)
+    narrowed = complete(
+        openai_client, prompt="Pick", extra_body=NO_EOS | {"allowed_token_ids": [77]}
+    )
+    assert narrowed.choices[0].text == native_text(server, [77] * 6)
+    messages = user("Hi")
+    opened = chat(openai_client, messages=messages).usage.prompt_tokens
+    closed_turn = NO_EOS | {"add_generation_prompt": False}
+    closed = chat(openai_client, messages=messages, extra_body=closed_turn).usage.prompt_tokens
+    assert closed < opened
+    conflicting = {"include_stop_str_in_output": True, "no_stop_trim": False}
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(openai_client, prompt="x", extra_body=conflicting)
+    assert exc.value.param == "include_stop_str_in_output"
+
+
+def native_text(server, ids: list[int]) -> str:
+    status, out = run(post(server.url + "/detokenize", {"tokens": ids}))
+    assert status == 200
+    return out["prompt"]

@@ -225,3 +225,34 @@ def test_bad_constraints_and_tools_name_the_field(openai_client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(openai_client, **kwargs)
     assert exc.value.param == field and field.split("[")[0] in exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("structured", "check"),
+    [
+        ({"choice": ["red", "green", 'say "blue"']}, lambda t: t in ("red", "green", 'say "blue"')),
+        ({"regex": r"(yes|no), [0-9]{2}"}, lambda t: re.fullmatch(r"(yes|no), [0-9]{2}", t)),
+        ({"json": ADD}, lambda t: jsonschema.validate(json.loads(t), ADD) is None),
+        ({"grammar": 'root ::= "a" | "b"'}, lambda t: t in ("a", "b")),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ],
+)
+def test_vllm_structured_outputs(openai_client, structured, check):
+    """vLLM's structured_outputs (its one constraint field since v0.12) on chat."""
+    choice = chat(openai_client, extra_body={"structured_outputs": structured}).choices[0]
+    if "json_object" not in structured or choice.finish_reason == "stop":
+        assert check(choice.message.content), choice.message.content
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [{"choice": []}, {"regex": "(unclosed"}, {"json": ADD, "regex": "a"}, {"bogus": 1},
+     {"grammar": {"x": 1}}, [1]],
+)  # fmt: skip
+def test_bad_structured_outputs_name_the_field(openai_client, structured):
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(openai_client, extra_body={"structured_outputs": structured})
+    assert exc.value.param == "structured_outputs"
+    with pytest.raises(openai.BadRequestError) as exc:  # one constraint per request
+        chat(openai_client, extra_body={"structured_outputs": {"regex": "a"}, "regex": "b"})
+    assert exc.value.param == "regex"

@@ -215,6 +215,8 @@ class RequestBuilder:
             kind, text = parsed.grammar
             check_grammar(kind, text)
             setattr(parsed, kind, text)  # an object as text: the wire takes no int past int64
+        if parsed.allowed_token_ids is not None:  # the wire's form: a list
+            parsed.allowed_token_ids = list(parsed.allowed_token_ids)
         if parsed.logit_bias is not None:  # the wire's form: decimal keys, float values
             parsed.logit_bias = {str(token): bias for token, bias in parsed.logit_bias_items()}
         return parsed

@@ -97,6 +97,8 @@ class SamplingParams:
     stream_interval: int | None = None
     """Stream this request's tokens every this many (its first and its end at once); None:
     the engine's --stream-interval."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be sampled (the others are masked out); None: all."""
     speculative: bool = True
     """Let the engine speculate for this request when it runs with --speculative-algorithm;
     false: decode one token per step (the output is the same either way)."""
@@ -188,6 +190,7 @@ class SamplingParams:
         check_stop_regex(self.stop_regex)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
         check_logit_bias(self.logit_bias, vocab_size)
+        _check_allowed_token_ids(self.allowed_token_ids, vocab_size)
         _check_reasoning(self)
 
     def logit_bias_items(self) -> list[tuple[int, float]]:
@@ -264,13 +267,15 @@ def check_stop_regex(value: object) -> None:
             raise ValueError(f"stop_regex {pattern[:80]!r} does not compile: {exc}") from None
 
 
-def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
+def _check_stop_token_ids(
+    ids: object, vocab_size: int | None, name: str = "stop_token_ids"
+) -> None:
     if ids is None:
         return
     allowed = "a list of token ids" + ("" if vocab_size is None else f" in [0, {vocab_size})")
     in_range = (lambda v: 0 <= v) if vocab_size is None else (lambda v: 0 <= v < vocab_size)
     if not isinstance(ids, (list, tuple, set)) or not all(_is_int(v) and in_range(v) for v in ids):
-        raise ValueError(f"stop_token_ids must be {allowed}; got {ids!r}")
+        raise ValueError(f"{name} must be {allowed}; got {ids!r}"[:240])
 
 
 def check_logit_bias(bias: object, vocab_size: int | None) -> None:
@@ -289,6 +294,14 @@ def check_logit_bias(bias: object, vocab_size: int | None) -> None:
         if not is_number or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
             message = f"logit_bias values must be numbers in [-100, 100]; got {token!r}: {value!r}"
             raise ValueError(message[:200])
+
+
+def _check_allowed_token_ids(ids: object, vocab_size: int | None) -> None:
+    if ids is None:
+        return
+    _check_stop_token_ids(ids, vocab_size, "allowed_token_ids")
+    if not ids:
+        raise ValueError("allowed_token_ids must name at least one token id (null: all)")
 
 
 def _check_reasoning(params: SamplingParams) -> None:

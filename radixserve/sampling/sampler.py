@@ -46,6 +46,8 @@ class SamplingBatch:
     min_tokens_ids: torch.Tensor | None  # [B, S] ids blocked this step (min_new_tokens)
     bias_ids: torch.Tensor | None  # [B, K] ids of each row's logit_bias
     bias_values: torch.Tensor | None  # [B, K] float32: their biases (0 on padding)
+    allowed_ids: torch.Tensor | None  # [B, A] ids rows may sample (rows without: empty)
+    allowed_rows: torch.Tensor | None  # [B] bool: the rows that restrict their tokens
 
     @classmethod
     def build(
@@ -108,6 +110,7 @@ class SamplingBatch:
                 params, output_ids, stop_ids_when_min, vocab_size, device
             ),
             **_logit_bias(params, vocab_size, device),
+            **_allowed(params, vocab_size, device),
         )
 
 
@@ -135,6 +138,7 @@ def is_plain_argmax(params: SamplingParams, num_output_ids: int) -> bool:
         and params.frequency_penalty == 0
         and params.presence_penalty == 0
         and not params.logit_bias
+        and params.allowed_token_ids is None
         and num_output_ids >= params.min_new_tokens
     )
 
@@ -181,7 +185,12 @@ def scale_and_filter(
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logit_bias (added to the model's logits, as OpenAI and vLLM do), then repetition
-    (HF: positive / p, negative * p), then frequency/presence (OpenAI)."""
+    (HF: positive / p, negative * p), then frequency/presence (OpenAI); tokens outside a
+    row's allowed_token_ids (vLLM's) are masked first."""
+    if batch.allowed_ids is not None:
+        allowed = _scatter_ids(batch.allowed_ids, batch.vocab_size, torch.bool)
+        allowed |= ~batch.allowed_rows[:, None]
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if batch.bias_ids is not None:
         bias = torch.zeros(logits.shape[0], batch.vocab_size + 1, device=logits.device)
         bias.scatter_add_(1, batch.bias_ids, batch.bias_values)
@@ -370,3 +379,14 @@ def _logit_bias(
     width = ids.shape[1]
     values = [[bias for _, bias in row] + [0.0] * (width - len(row)) for row in rows]
     return {"bias_ids": ids, "bias_values": torch.tensor(values, dtype=torch.float32).to(device)}
+
+
+def _allowed(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> dict[str, torch.Tensor | None]:
+    """allowed_ids and allowed_rows: each row's allowed_token_ids, padded with vocab_size."""
+    if all(p.allowed_token_ids is None for p in params):
+        return {"allowed_ids": None, "allowed_rows": None}
+    ids = _pad_ids([p.allowed_token_ids or [] for p in params], vocab_size, device)
+    rows = torch.tensor([p.allowed_token_ids is not None for p in params]).to(device)
+    return {"allowed_ids": ids, "allowed_rows": rows}

@@ -33,18 +33,18 @@ MAX_TEMPERATURE = 2.0
 SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", "speculative", "logit_bias",
+    "no_stop_trim", "speculative", "logit_bias", "allowed_token_ids",
 )  # fmt: skip
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
-    *REQUEST_OPTIONS,
+    *REQUEST_OPTIONS, "include_stop_str_in_output", "structured_outputs",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
     "parallel_tool_calls", "tools", "tool_choice", "separate_reasoning", "stream_reasoning",
-    "max_reasoning_tokens", "continue_final_message",
+    "max_reasoning_tokens", "continue_final_message", "add_generation_prompt",
 }  # fmt: skip
 TOKENIZE_FIELDS = {
     "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -146,6 +146,9 @@ def _parse_completion(body: dict, parsed: OpenAIRequest) -> None:
 def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
     parsed.messages = check_messages(body.get("messages"))
     parsed.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    if body.get("add_generation_prompt") is not None:  # vLLM's, beside the template kwargs
+        kwargs = {"add_generation_prompt": check_bool(body, "add_generation_prompt")}
+        parsed.template_kwargs = parsed.template_kwargs | kwargs
     if check_bool(body, "continue_final_message") and ends_with_assistant_text(parsed.messages):
         parsed.template_kwargs = parsed.template_kwargs | CONTINUE_FINAL_MESSAGE  # SGLang's rule
     top = check_top_count(body, "top_logprobs")
@@ -167,6 +170,12 @@ def sampling_dict(body: dict) -> dict[str, Any]:
     params["max_new_tokens"] = body.get("max_tokens")
     params["min_new_tokens"] = body.get("min_tokens")
     params["sampling_seed"] = body.get("seed")
+    include_stop = body.get("include_stop_str_in_output")  # vLLM's name for no_stop_trim
+    if include_stop is not None:
+        if not isinstance(include_stop, bool) or params["no_stop_trim"] not in (None, include_stop):
+            message = "include_stop_str_in_output must be a boolean (agreeing with no_stop_trim)"
+            raise bad_request(message, param="include_stop_str_in_output")
+        params["no_stop_trim"] = include_stop
     return {name: value for name, value in params.items() if value is not None}
 
 

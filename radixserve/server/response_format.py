@@ -1,5 +1,6 @@
 """Output constraints: `response_format`, vLLM's and SGLang's `regex` / `json_schema` /
-`ebnf` extras, and a forced tool call, turned into SamplingParams' grammar field.
+`ebnf` extras, vLLM's `structured_outputs`, and a forced tool call, turned into
+SamplingParams' grammar field.
 
 A request carries one constraint at most; a second one is rejected, naming it.
 """
@@ -35,6 +36,7 @@ def output_constraint(
 ) -> Constraint | None:
     """The request's one output constraint, if any (a forced call in `tool_parser`'s format)."""
     given = [check_response_format(body.get("response_format"))]
+    given.append(check_structured_outputs(body.get("structured_outputs")))
     given += [Constraint(k, k, body[k]) for k in CONSTRAINT_FIELDS if body.get(k) is not None]
     given.append(forced_call_constraint(tools, tool_choice, tool_parser))
     given = [constraint for constraint in given if constraint is not None]
@@ -71,6 +73,46 @@ def check_response_format(value: Any) -> Constraint | None:
         f"got {str(value)[:80]}",
         param="response_format",
     )
+
+
+STRUCTURED_OUTPUTS = {"json", "regex", "choice", "grammar", "structural_tag", "json_object"}
+"""vLLM's `structured_outputs` kinds (one per request; `whitespace_pattern` only as null)."""
+
+
+def check_structured_outputs(value: Any) -> Constraint | None:
+    """vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" |
+    "structural_tag" | "json_object": ...}, one kind given."""
+    if value is None:
+        return None
+    given = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else None
+    if given == {"json_object": False}:
+        return None
+    if given is None or len(given) != 1 or not set(given) <= STRUCTURED_OUTPUTS:
+        raise BadRequest(
+            "structured_outputs must give one of json, regex, choice, grammar, structural_tag, "
+            f"json_object; got {str(value)[:80]}",
+            param="structured_outputs",
+        )
+    ((kind, spec),) = given.items()
+    if kind == "json_object" and spec is True:
+        kind, spec = "json", {"type": "object"}
+    if kind == "choice":
+        ok = isinstance(spec, list) and spec and all(isinstance(c, str) for c in spec)
+        if not ok:
+            raise BadRequest("structured_outputs.choice must be a non-empty list of strings",
+                             param="structured_outputs")  # fmt: skip
+        literals = (json.dumps(c, ensure_ascii=False) for c in spec)
+        kind, spec = "grammar", "root ::= " + " | ".join(literals)
+    ours = {"json": "json_schema", "regex": "regex", "grammar": "ebnf"}.get(kind, kind)
+    if not isinstance(spec, (str, dict)) or (isinstance(spec, dict) and ours in ("regex", "ebnf")):
+        raise BadRequest(f"structured_outputs.{kind} has the wrong type; got {str(spec)[:80]}",
+                         param="structured_outputs")  # fmt: skip
+    text = spec if isinstance(spec, str) else json.dumps(spec)
+    try:
+        check_grammar(ours, text)
+    except ValueError as exc:
+        raise BadRequest(f"structured_outputs: {exc}"[:300], param="structured_outputs") from exc
+    return Constraint("structured_outputs", ours, spec)
 
 
 def _json_schema_format(value: Any) -> dict[str, Any] | None:
