@@ -11,6 +11,7 @@ import pytest
 from native_http import GREEDY, get, post, run, stream_generate
 from prometheus_client.parser import text_string_to_metric_families
 
+import radixserve
 from conftest import prompt_ids
 
 
@@ -227,6 +228,9 @@ def test_info_endpoints(server):
     status, info = run(get(server.url + "/server_info"))
     assert status == 200 and info["page_size"] == 16 and "cache_hit_rate" in info["stats"]
     assert run(get(server.url + "/nope"))[0] == 404
+    assert run(get(server.url + "/ping"))[0] == run(post(server.url + "/ping", b""))[0] == 200
+    status, version = run(get(server.url + "/version"))  # vLLM's
+    assert status == 200 and version == {"version": radixserve.__version__}
 
 
 def _metrics(server) -> dict[str, float]:

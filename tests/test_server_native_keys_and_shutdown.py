@@ -67,9 +67,9 @@ KNOWN_ROUTES = {
     "/cache/pin", "/cache/unpin", "/cache/sessions", "/cache/tree",
     "/v1/messages", "/v1/messages/count_tokens", "/load_lora_adapter", "/unload_lora_adapter",
     "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
-    "/open_session", "/close_session",
+    "/open_session", "/close_session", "/version", "/reset_prefix_cache",
 }  # fmt: skip
-OPEN_ROUTES = {"/health", "/metrics"}  # probes and scrapers carry no key
+OPEN_ROUTES = {"/health", "/ping", "/metrics"}  # probes and scrapers carry no key
 
 
 def app_routes() -> list[tuple[str, str]]:

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import radixserve
 from radixserve.client.client import EngineBusyError, EngineDeadError
 from radixserve.client.output import LogprobCursor, format_output
 from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs, salted_namespace
@@ -310,6 +311,11 @@ def health_text(stats: dict) -> str:
     )
 
 
+async def version(request: web.Request) -> web.Response:
+    """vLLM's GET /version."""
+    return web.json_response({"version": radixserve.__version__})
+
+
 async def health_generate(request: web.Request) -> web.Response:
     """Generates one token (counted against the queue limit, like any request)."""
     state = state_of(request)
@@ -368,7 +374,11 @@ def build_app(state: ServerState) -> web.Application:
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, server_info)
-    app.router.add_get("/health", health)
+    for path in ("/health", "/ping"):  # /ping: vLLM's (and SageMaker's) probe
+        app.router.add_get(path, health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_post("/reset_prefix_cache", flush_cache)  # vLLM's name for it
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/check_integrity", check_integrity)
