@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.sampling.noise import as_int64, gumbel_noise
 from radixserve.sampling.params import SamplingParams
 
 
@@ -82,7 +83,7 @@ class SamplingBatch:
         )  # fmt: skip
         ints = _columns(  # [3, B]
             [
-                (vocab_size if p.top_k == -1 else min(p.top_k, vocab_size), _as_int64(s), len(o))
+                (vocab_size if p.top_k == -1 else min(p.top_k, vocab_size), as_int64(s), len(o))
                 for p, s, o in zip(params, seeds, output_ids)
             ],
             np.int64,
@@ -239,56 +240,6 @@ def filter_logits(
             remove |= probs < min_ps[:, None] * probs[:, :1]
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, filtered)
-
-
-# ---- seeded noise --------------------------------------------------------------------------
-# torch has no uint64: int64 holds the bit patterns; + and * wrap mod 2^64 like unsigned ones,
-# and right shifts are made logical by masking off the copied sign bits.
-
-
-def _as_int64(value: int) -> int:
-    """The signed int64 with the same low 64 bits as `value`."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_MUL_A = _as_int64(0xFF51AFD7ED558CCD)
-_MUL_B = _as_int64(0xC4CEB9FE1A85EC53)
-_STEP_STRIDE = _as_int64(0x9E3779B97F4A7C15)  # odd: distinct steps give distinct counters
-_VOCAB_STRIDE = _as_int64(0xD1B54A32D192ED03)
-_SEED_SALT = _as_int64(0x5EED5EED5EED5EED)
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """Avalanche finalizer (xorshift-multiply rounds): every output bit depends on every input."""
-    x = x ^ _shift_right(x, 33)
-    x = x * _MUL_A
-    x = x ^ _shift_right(x, 33)
-    x = x * _MUL_B
-    return x ^ _shift_right(x, 33)
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(0, 1) per (seed, step, vocab index) from the top 24 bits of a hash; [B, V] float32."""
-    row_keys = _mix64(_mix64(seeds ^ _SEED_SALT) + steps * _STEP_STRIDE)  # [B]
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _VOCAB_STRIDE
-    bits = _shift_right(_mix64(row_keys[:, None] + vocab[None, :]), 40)  # [B, V] in [0, 2^24)
-    # (bits + 0.5) can round up to 2^24 in float32; the clamp keeps u < 1 so log(u) < 0.
-    return ((bits.float() + 0.5) * 2.0**-24).clamp_(max=1 - 2.0**-24)
-
-
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise: argmax(logits + noise) is a draw from softmax(logits). [B, V]."""
-    return gumbel_from_uniform(uniform_noise(seeds, steps, vocab_size))
-
-
-def gumbel_from_uniform(uniform: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from U(0, 1) noise of the same shape."""
-    return -torch.log(-torch.log(uniform))
 
 
 # ---- building helpers ----------------------------------------------------------------------

@@ -22,13 +22,12 @@ import torch
 
 from radixserve.engine.request import Req
 from radixserve.engine.speculative.verifier import Verified
+from radixserve.sampling.noise import gumbel_from_uniform, uniform_noise
 from radixserve.sampling.sampler import (
     SamplingBatch,
     apply_min_tokens,
     apply_penalties,
-    gumbel_from_uniform,
     scale_and_filter,
-    uniform_noise,
 )
 
 

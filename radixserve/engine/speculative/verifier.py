@@ -24,14 +24,13 @@ import torch
 
 from radixserve.engine.request import Req
 from radixserve.sampling.grammar import GrammarBackend
+from radixserve.sampling.noise import gumbel_from_uniform, uniform_noise
 from radixserve.sampling.sampler import (
     SamplingBatch,
     apply_min_tokens,
     apply_penalties,
-    gumbel_from_uniform,
     is_plain_argmax,
     scale_and_filter,
-    uniform_noise,
 )
 
 NO_DRAFT = -1  # the draft column of a request's last (bonus) row
