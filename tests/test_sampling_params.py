@@ -45,7 +45,8 @@ SGLANG_DEFAULTS = dict(
 # Ours, not SGLang's: a request may opt out of speculation; a reasoning parser defers the
 # constraint to the end of the reasoning and may bound the reasoning.
 EXTENSIONS = {"speculative": True, "reasoning_end": None, "max_reasoning_tokens": None,
-              "allowed_token_ids": None}  # fmt: skip (the last: vLLM's)
+              "allowed_token_ids": None, "bad_words": None,
+              "bad_words_ids": None}  # fmt: skip (the last three: vLLM's)
 
 
 def test_defaults_match_sglang():
@@ -147,6 +148,10 @@ INVALID = [
     ("allowed_token_ids", []),
     ("allowed_token_ids", [V]),
     ("allowed_token_ids", "1"),
+    ("bad_words", "word"),
+    ("bad_words", [" "]),
+    ("bad_words_ids", [[]]),
+    ("bad_words_ids", [[V]]),
     ("stream_interval", 1.5),
     ("logit_bias", [1]),
     ("logit_bias", {"x": 1}),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve.sampling import SamplingBatch, SamplingParams, sample, token_logprobs, top_logprobs
-from radixserve.sampling.sampler import apply_penalties, is_plain_argmax
+from radixserve.sampling.sampler import apply_penalties, banned_next, is_plain_argmax
 
 V = 32
 
@@ -250,6 +250,18 @@ def test_allowed_token_ids_mask_their_rows_only():
     for seed in range(20):
         out = sample(logits, make_batch(params, [seed] * 3)).tolist()
         assert out == [best, int(logits[1].argmax()), 5]
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    """vLLM's rule: a word's last token is banned where the output ends with the rest."""
+    assert banned_next([[5], [7, 9], [1, 2, 3]], [4, 7]) == [5, 9]
+    assert banned_next([[1, 2, 3]], [1, 2]) == [3] and banned_next([[1, 2, 3]], [2]) == []
+    logits = torch.zeros(2, V)
+    logits[:, 9] = 5.0
+    params = [SamplingParams(temperature=0, bad_words_ids=[[7, 9]])] * 2
+    assert not is_plain_argmax(params[0], 0)
+    out = sample(logits, make_batch(params, output_ids=[[3, 7], [7, 3]])).tolist()
+    assert out[0] != 9 and out[1] == 9
 
 
 def test_min_new_tokens_blocks_eos_until_reached():

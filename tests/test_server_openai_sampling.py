@@ -163,7 +163,8 @@ def test_continue_final_message_continues_the_assistant_turn(openai_client, serv
 
 
 def test_vllm_sampling_extras(openai_client, server):
-    """vLLM's include_stop_str_in_output, allowed_token_ids and (chat) add_generation_prompt."""
+    """vLLM's include_stop_str_in_output, allowed_token_ids, bad_words and (chat)
+    add_generation_prompt."""
     base = complete(openai_client, prompt="Count with me", max_tokens=10, logprobs=0)
     stop = max(base.choices[0].logprobs.tokens[3:7], key=len)
     text = base.choices[0].text
@@ -184,10 +185,22 @@ def test_vllm_sampling_extras(openai_client, server):
     closed_turn = NO_EOS | {"add_generation_prompt": False}
     closed = chat(openai_client, messages=messages, extra_body=closed_turn).usage.prompt_tokens
     assert closed < opened
+    tokens = base.choices[0].logprobs.tokens
+    words = [(i, t) for i, t in enumerate(tokens) if t.startswith(" ") and t[1:].isalpha()]
+    position, word = next((i, t) for i, t in words if single_token(server, t))
+    banned = complete(openai_client, prompt="Count with me", max_tokens=10, logprobs=0,
+                      extra_body=NO_EOS | {"bad_words": [word.strip()]})  # fmt: skip
+    assert banned.choices[0].logprobs.tokens[:position] == tokens[:position]
+    assert word not in banned.choices[0].logprobs.tokens
     conflicting = {"include_stop_str_in_output": True, "no_stop_trim": False}
     with pytest.raises(openai.BadRequestError) as exc:
         complete(openai_client, prompt="x", extra_body=conflicting)
     assert exc.value.param == "include_stop_str_in_output"
+
+
+def single_token(server, text: str) -> bool:
+    status, out = run(post(server.url + "/tokenize", {"prompt": text}))
+    return status == 200 and len(out["tokens"]) == 1
 
 
 def native_text(server, ids: list[int]) -> str:

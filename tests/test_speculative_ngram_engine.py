@@ -90,6 +90,13 @@ def test_logit_bias_bans_a_drafted_token_as_plain_decoding_does(periodic_model):
     out = spec.generate(input_ids=prompt, sampling_params=params)
     assert out["output_ids"] == expected["output_ids"] and banned not in out["output_ids"]
     assert out["meta_info"]["spec_draft_token_num"] > 0
+    pair = learnt["output_ids"][5:7]  # vLLM's bad words, as ids: a drafted pair never completes
+    params = greedy(30, bad_words_ids=[pair])
+    expected = make_engine(periodic_model).generate(input_ids=prompt, sampling_params=params)
+    out = spec.generate(input_ids=prompt, sampling_params=params)
+    ids = out["output_ids"]
+    assert ids == expected["output_ids"]
+    assert all(ids[i : i + 2] != pair for i in range(len(ids) - 1))
 
 
 def test_sampling_is_reproducible_and_n_samples_speculate(periodic_model):

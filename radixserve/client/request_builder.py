@@ -25,7 +25,7 @@ from radixserve.cache.retention import check_pin_name, session_pin_key
 from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
 from radixserve.engine.request import LORA_NAMESPACE_SEP, MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
-from radixserve.sampling.params import SamplingParams, is_int64
+from radixserve.sampling.params import SamplingParams, check_bad_words, is_int64
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
@@ -215,11 +215,26 @@ class RequestBuilder:
             kind, text = parsed.grammar
             check_grammar(kind, text)
             setattr(parsed, kind, text)  # an object as text: the wire takes no int past int64
+        if parsed.bad_words:
+            words = self.bad_word_ids(parsed.bad_words)
+            parsed.bad_words_ids = (parsed.bad_words_ids or []) + words
+            check_bad_words(None, parsed.bad_words_ids, self.vocab_size)
         if parsed.allowed_token_ids is not None:  # the wire's form: a list
             parsed.allowed_token_ids = list(parsed.allowed_token_ids)
         if parsed.logit_bias is not None:  # the wire's form: decimal keys, float values
             parsed.logit_bias = {str(token): bias for token, bias in parsed.logit_bias_items()}
         return parsed
+
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each alone and after a space (as it follows
+        another word), both variants kept when they differ."""
+        found: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def _token_lists(self, text, input_ids) -> tuple[list[list[int]], bool]:
         if (text is None) == (input_ids is None):

@@ -18,6 +18,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integer parameters (counts, lengths) must fit in int64: the engine core's wire format takes
 no larger ints. A seed may be any integer: only its low 64 bits are used."""
 
+MAX_BAD_WORDS = 128
+"""Most bad_words one request may give."""
 MAX_STOP_REGEX = 16
 """Most stop_regex patterns one request may give."""
 MAX_STOP_REGEX_CHARS = 1024
@@ -99,6 +101,12 @@ class SamplingParams:
     the engine's --stream-interval."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be sampled (the others are masked out); None: all."""
+    bad_words: list[str] | None = None
+    """vLLM's: words never generated (tokenized with and without a leading space at intake,
+    into bad_words_ids; each word's last token is banned where the output ends with the
+    rest)."""
+    bad_words_ids: list[list[int]] | None = None
+    """The token sequences bad_words become (or given directly)."""
     speculative: bool = True
     """Let the engine speculate for this request when it runs with --speculative-algorithm;
     false: decode one token per step (the output is the same either way)."""
@@ -191,6 +199,7 @@ class SamplingParams:
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
         check_logit_bias(self.logit_bias, vocab_size)
         _check_allowed_token_ids(self.allowed_token_ids, vocab_size)
+        check_bad_words(self.bad_words, self.bad_words_ids, vocab_size)
         _check_reasoning(self)
 
     def logit_bias_items(self) -> list[tuple[int, float]]:
@@ -302,6 +311,23 @@ def _check_allowed_token_ids(ids: object, vocab_size: int | None) -> None:
     _check_stop_token_ids(ids, vocab_size, "allowed_token_ids")
     if not ids:
         raise ValueError("allowed_token_ids must name at least one token id (null: all)")
+
+
+def check_bad_words(words: object, ids: object, vocab_size: int | None) -> None:
+    """bad_words: at most MAX_BAD_WORDS non-blank strings; bad_words_ids: token id lists of
+    1 to 64 ids in the vocabulary, at most twice as many."""
+    if words is not None:
+        ok = isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)
+        if not ok or len(words) > MAX_BAD_WORDS or any(len(w) > 256 for w in words):
+            message = f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings"
+            raise ValueError(f"{message} of at most 256 characters; got {words!r}"[:240])
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > 2 * MAX_BAD_WORDS:
+            raise ValueError(f"bad_words_ids must be a list of token id lists; got {ids!r}"[:240])
+        for word in ids:
+            _check_stop_token_ids(word, vocab_size, "bad_words_ids")
+            if not word or len(word) > 64:
+                raise ValueError("bad_words_ids: each word must be 1 to 64 token ids")
 
 
 def _check_reasoning(params: SamplingParams) -> None:

@@ -44,7 +44,7 @@ class SamplingBatch:
     # Token ids padded with vocab_size (a column dropped after scattering); None = unused.
     penalty_ids: torch.Tensor | None  # [B, L] output ids of rows with freq/presence penalty
     repetition_ids: torch.Tensor | None  # [B, L] prompt + output ids of rows with rep. penalty
-    min_tokens_ids: torch.Tensor | None  # [B, S] ids blocked this step (min_new_tokens)
+    min_tokens_ids: torch.Tensor | None  # [B, S] ids blocked this step (min_new_tokens, bad words)
     bias_ids: torch.Tensor | None  # [B, K] ids of each row's logit_bias
     bias_values: torch.Tensor | None  # [B, K] float32: their biases (0 on padding)
     allowed_ids: torch.Tensor | None  # [B, A] ids rows may sample (rows without: empty)
@@ -140,6 +140,7 @@ def is_plain_argmax(params: SamplingParams, num_output_ids: int) -> bool:
         and params.presence_penalty == 0
         and not params.logit_bias
         and params.allowed_token_ids is None
+        and not params.bad_words_ids
         and num_output_ids >= params.min_new_tokens
     )
 
@@ -312,11 +313,26 @@ def _min_tokens_ids(
     vocab_size: int,
     device: torch.device | str,
 ) -> torch.Tensor | None:
+    """The ids each row may not sample this step: EOS and stop ids below min_new_tokens, and
+    the last token of each bad word whose other tokens end the output (vLLM's rule)."""
     rows = [s if len(o) < p.min_new_tokens else [] for p, o, s in zip(params, output_ids, stop_ids)]
     for row in filter(None, rows):
         if any(not 0 <= t < vocab_size for t in row):
             raise ValueError(f"stop ids for min_new_tokens must be in [0, {vocab_size}); got {row}")
+    for i, (p, output) in enumerate(zip(params, output_ids)):
+        if p.bad_words_ids:
+            rows[i] = list(rows[i]) + banned_next(p.bad_words_ids, output)
     return _pad_ids(rows, vocab_size, device)
+
+
+def banned_next(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of every word whose leading tokens the output ends with."""
+    banned = []
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and list(output[len(output) - head :]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def _logit_bias(

@@ -33,7 +33,7 @@ MAX_TEMPERATURE = 2.0
 SAMPLING_FIELDS = (
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", "speculative", "logit_bias", "allowed_token_ids",
+    "no_stop_trim", "speculative", "logit_bias", "allowed_token_ids", "bad_words",
 )  # fmt: skip
 COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
