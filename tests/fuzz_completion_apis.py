@@ -182,8 +182,13 @@ ODD_OPENAI = {
     "cache_salt": odd(5),
     "logit_bias": odd({"5": 101}, {"x": 1}, {str(10**20): 1}, {"5": None}, [5]),
     "best_of": odd(1, 2),
-    "structured_outputs": odd({"choice": []}, {"json": 5}, {"regex": "a", "grammar": "b"},
-                              {"choice": ["a", "b"]}, {"whitespace_pattern": " "}),  # fmt: skip
+    "structured_outputs": odd(
+        {"choice": []},
+        {"json": 5},
+        {"regex": "a", "grammar": "b"},
+        {"choice": ["a", "b"]},
+        {"whitespace_pattern": " "},
+    ),  # fmt: skip
     "include_stop_str_in_output": odd(1, True),
     "allowed_token_ids": odd([], [-1], [10**9], [5]),
     "suffix": odd("x"),

@@ -44,9 +44,14 @@ SGLANG_DEFAULTS = dict(
 
 # Ours, not SGLang's: a request may opt out of speculation; a reasoning parser defers the
 # constraint to the end of the reasoning and may bound the reasoning.
-EXTENSIONS = {"speculative": True, "reasoning_end": None, "max_reasoning_tokens": None,
-              "allowed_token_ids": None, "bad_words": None,
-              "bad_words_ids": None}  # fmt: skip (the last three: vLLM's)
+EXTENSIONS = {
+    "speculative": True,
+    "reasoning_end": None,
+    "max_reasoning_tokens": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "bad_words_ids": None,
+}  # fmt: skip (the last three: vLLM's)
 
 
 def test_defaults_match_sglang():

@@ -105,6 +105,23 @@ def test_completion_logprobs(openai_client):
         assert value == pytest.approx(max(top.values()))  # greedy picks the most likely
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(openai_client, server):
+    """vLLM's return_tokens_as_token_ids: every logprob token (top ones too) as token_id:N."""
+    plain = complete(openai_client, prompt="Logprobs please", logprobs=2)
+    named = complete(openai_client, prompt="Logprobs please", logprobs=2,
+                     extra_body=NO_EOS | {"return_tokens_as_token_ids": True})  # fmt: skip
+    tokens = named.choices[0].logprobs.tokens
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert "".join(plain.choices[0].logprobs.tokens) == native_text(server, ids)
+    assert all(
+        k.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs for k in top
+    )
+    assert named.choices[0].logprobs.text_offset == plain.choices[0].logprobs.text_offset
+    chat_named = chat(openai_client, messages=user("Hi"), logprobs=True, top_logprobs=1,
+                      extra_body=NO_EOS | {"return_tokens_as_token_ids": True})  # fmt: skip
+    assert all(c.token.startswith("token_id:") for c in chat_named.choices[0].logprobs.content)
+
+
 def test_chat_logprobs(openai_client):
     response = chat(openai_client, messages=user("Logprobs"), logprobs=True, top_logprobs=2)
     content = response.choices[0].logprobs.content

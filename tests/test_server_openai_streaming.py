@@ -19,7 +19,7 @@ from radixserve.client.result import RequestResult
 from radixserve.engine.protocol import FinishReason, RequestOutput, RequestSpec
 from radixserve.model.tokenizer import open_tokenizer
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.openai_api import ChoiceTracker
+from radixserve.server.choice_trackers import ChoiceTracker
 
 
 def call_and_prompt(chat_api: bool, text: str):

@@ -39,8 +39,9 @@ from radixserve.server.anthropic_response import (
     usage,
 )
 from radixserve.server.chat_prompt import render_chat
+from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
 from radixserve.server.errors import BadRequest
-from radixserve.server.openai_api import ChoiceTracker, ToolCallTracker, check_model_name
+from radixserve.server.openai_api import check_model_name
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas

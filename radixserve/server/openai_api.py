@@ -32,9 +32,9 @@ from radixserve.client.client import EngineDeadError
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
-from radixserve.reasoning import StreamingReasoningParser
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
+from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
 from radixserve.server.lora_api import check_model_name, model_cards
 from radixserve.server.openai_protocol import (
     NO_OP_VALUES,
@@ -47,10 +47,7 @@ from radixserve.server.openai_protocol import (
     parse_request,
 )
 from radixserve.server.openai_response import (
-    MIN_LOGPROB,
-    Delta,
     ResponseShape,
-    TokenLogprob,
     usage,
 )
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
@@ -191,7 +188,15 @@ def choice_trackers(
 ) -> list[ChoiceTracker]:
     """One tracker per choice; with `echo`, each starts with its prompt's text; with a
     reasoning parser, each splits off the reasoning; with tools offered, each splits the
-    rest into content and tool calls."""
+    rest into content and tool calls; vLLM's return_tokens_as_token_ids names logprob tokens
+    `token_id:N`."""
+    trackers = _trackers(state, parsed, ids, results)
+    for tracker in trackers:
+        tracker.tokens_as_ids = parsed.tokens_as_ids
+    return trackers
+
+
+def _trackers(state, parsed: OpenAIRequest, ids, results) -> list[ChoiceTracker]:
     fmt = state.reasoning_format if parsed.chat else None
     readers = [choice_reasoning_parser(fmt, parsed.reasoning) for _ in results]
     if parsed.offered_tools:
@@ -283,111 +288,6 @@ async def _send_deltas(
     except Exception:
         logger.exception("internal error while streaming %s", shape.id)
         await send(error_event("internal server error", 500))
-
-
-# ---- choices -----------------------------------------------------------------------------
-
-
-class ChoiceTracker:
-    """Turns one request's cumulative result into OpenAI deltas: new text, logprobs, finish;
-    with a `reasoning` parser, the text is split into reasoning and content."""
-
-    def __init__(
-        self,
-        result: RequestResult,
-        tokenizer,
-        echo_text: str = "",
-        reasoning: StreamingReasoningParser | None = None,
-    ):
-        self.result = result
-        self.reasoning = reasoning
-        self.tokenizer = tokenizer
-        self.pending_text = echo_text  # sent with the first delta
-        start = result.spec.logprob_start_len
-        self.echo_logprobs = start is not None and start >= 0
-        self.sent_text = ""
-        self.num_sent_logprobs = 0
-        self.text_offset = 0
-        self.finished = False
-
-    def next_delta(self) -> Delta | None:
-        """What is new since the last call; None when nothing is."""
-        if self.finished:
-            return None
-        text = self._new_text()
-        logprobs = self._new_logprobs() if self.result.spec.wants_logprobs else []
-        finish = finish_reason(self.result)
-        self.finished = finish is not None
-        reasoning = None
-        if self.reasoning is not None:
-            split = self.reasoning.feed(text, final=self.finished)
-            text, reasoning = split.content, split.reasoning
-        if not text and not reasoning and not logprobs and finish is None:
-            return None
-        return Delta(text, logprobs, finish, reasoning=reasoning)
-
-    def _new_text(self) -> str:
-        text = self.result.text()
-        new = text[len(self.sent_text) :]
-        if new:
-            self.sent_text = text
-        new, self.pending_text = self.pending_text + new, ""
-        return new
-
-    def _new_logprobs(self) -> list[TokenLogprob]:
-        result = self.result
-        inputs, input_tops = result.input_logprobs, result.input_top_logprobs
-        if self.echo_logprobs and not inputs and result.prompt_len == 1:
-            # The core scores no position of a one-token prompt, not even the first (None).
-            inputs, input_tops = [(None, result.spec.input_ids[0])], [None]
-        values, tops = inputs + result.output_logprobs, input_tops + result.output_top_logprobs
-        start, self.num_sent_logprobs = self.num_sent_logprobs, len(values)
-        return [self._entry(v, t, top) for (v, t), top in zip(values[start:], tops[start:])]
-
-    def _entry(self, value: float | None, token_id: int, top) -> TokenLogprob:
-        token = self.tokenizer.decode([token_id])
-        offset, self.text_offset = self.text_offset, self.text_offset + len(token)
-        top = None if top is None else [(self.tokenizer.decode([t]), _floor(v)) for v, t in top]
-        return TokenLogprob(token, None if value is None else _floor(value), top, offset)
-
-
-class ToolCallTracker(ChoiceTracker):
-    """A chat choice that may call tools, read by `parser` (or, given tool names, the
-    default format's streaming parser): its deltas carry content, the calls completed and
-    the call fragments streamed."""
-
-    def __init__(
-        self,
-        result: RequestResult,
-        tokenizer,
-        parser: ToolCallParser | list[str],
-        reasoning: StreamingReasoningParser | None = None,
-    ):
-        super().__init__(result, tokenizer, reasoning=reasoning)
-        self.parser = ToolCallParser(parser) if isinstance(parser, list) else parser
-
-    def next_delta(self) -> Delta | None:
-        delta = super().next_delta()
-        if delta is None:
-            return None
-        parsed = self.parser.feed(delta.text, final=delta.finish_reason is not None)
-        finish = delta.finish_reason
-        if finish == "stop" and self.parser.num_calls:
-            finish = "tool_calls"
-        reasoning = delta.reasoning
-        if not (parsed.content or parsed.calls or parsed.deltas or delta.logprobs or finish
-                or reasoning):  # fmt: skip
-            return None
-        return Delta(parsed.content, delta.logprobs, finish, parsed.calls, parsed.deltas, reasoning)
-
-
-def _floor(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
-
-
-def finish_reason(result: RequestResult) -> str | None:
-    """OpenAI's finish_reason: "stop", "length", or vLLM's "abort"; None while running."""
-    return None if result.finish_reason is None else result.finish_reason.kind
 
 
 def error_event(message: str, status: int) -> dict[str, Any]:

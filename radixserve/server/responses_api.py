@@ -32,13 +32,9 @@ from radixserve.client.request_builder import GenerateArgs, renamed
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
+from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
 from radixserve.server.errors import BadRequest
-from radixserve.server.openai_api import (
-    ChoiceTracker,
-    ToolCallTracker,
-    check_model_name,
-    with_default_max_tokens,
-)
+from radixserve.server.openai_api import check_model_name, with_default_max_tokens
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.responses_items import chat_messages
 from radixserve.server.responses_output import (
