@@ -180,8 +180,8 @@ def test_continue_final_message_continues_the_assistant_turn(openai_client, serv
 
 
 def test_vllm_sampling_extras(openai_client, server):
-    """vLLM's include_stop_str_in_output, allowed_token_ids, bad_words and (chat)
-    add_generation_prompt."""
+    """vLLM's include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens
+    and (chat) add_generation_prompt."""
     base = complete(openai_client, prompt="Count with me", max_tokens=10, logprobs=0)
     stop = max(base.choices[0].logprobs.tokens[3:7], key=len)
     text = base.choices[0].text
@@ -209,6 +209,16 @@ def test_vllm_sampling_extras(openai_client, server):
                       extra_body=NO_EOS | {"bad_words": [word.strip()]})  # fmt: skip
     assert banned.choices[0].logprobs.tokens[:position] == tokens[:position]
     assert word not in banned.choices[0].logprobs.tokens
+    long = complete(openai_client, prompt="one two three four five six seven eight nine ten")
+    cut = complete(openai_client, prompt="one two three four five six seven eight nine ten",
+                   extra_body=NO_EOS | {"truncate_prompt_tokens": 4})  # fmt: skip
+    assert long.usage.prompt_tokens > 4 == cut.usage.prompt_tokens
+    body = {"input_ids": list(range(300, 340)), "truncate_prompt_tokens": 7,
+            "sampling_params": {"max_new_tokens": 1}, "return_prompt_token_ids": True}  # fmt: skip
+    status, native = run(post(server.url + "/generate", body))
+    assert status == 200 and native["prompt_token_ids"] == list(range(333, 340))
+    status, bad = run(post(server.url + "/generate", body | {"truncate_prompt_tokens": 0}))
+    assert status == 400 and bad["error"]["param"] == "truncate_prompt_tokens"
     conflicting = {"include_stop_str_in_output": True, "no_stop_trim": False}
     with pytest.raises(openai.BadRequestError) as exc:
         complete(openai_client, prompt="x", extra_body=conflicting)

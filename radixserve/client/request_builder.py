@@ -25,11 +25,14 @@ from radixserve.cache.retention import check_pin_name, session_pin_key
 from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
 from radixserve.engine.request import LORA_NAMESPACE_SEP, MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
-from radixserve.sampling.params import SamplingParams, check_bad_words, is_int64
+from radixserve.sampling.params import INT64_MAX, SamplingParams, check_bad_words, is_int64
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
-REQUEST_OPTIONS = ("priority", "session_id", "retention", "extra_key", *BOOTSTRAP_FIELDS)
+REQUEST_OPTIONS = (
+    "priority", "session_id", "retention", "extra_key", "truncate_prompt_tokens",
+    *BOOTSTRAP_FIELDS,
+)  # fmt: skip
 """Per-request options beside the prompt, sampling and logprobs, under the same names in every
 API that exposes them: /generate and OpenAI bodies, Engine.generate, the frontend's gen."""
 MAX_TOKEN_IDS_LOGPROB = 128
@@ -62,6 +65,7 @@ class GenerateArgs:
     bootstrap_port: int | list[int] | None = None  # ... its bootstrap port
     bootstrap_room: int | list[int] | None = None  # ... the room pairing prefill and decode
     lora_path: str | list[str] | None = None  # the LoRA adapter's name (--lora-paths); None: base
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last k tokens (-1: ctx)
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> GenerateArgs:
@@ -106,6 +110,7 @@ class RequestBuilder:
     def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
         """Validated requests (n per prompt) and whether the input was a batch."""
         token_lists, batched = self._token_lists(args.text, args.input_ids)
+        token_lists = self._truncated(token_lists, args.truncate_prompt_tokens)
         count = len(token_lists)
         params_list = _per_prompt(args.sampling_params, count, "sampling_params")
         rids = _per_prompt(args.rid, count, "rid")
@@ -131,6 +136,16 @@ class RequestBuilder:
             outputs = [self.new_spec(ids, params, rid, salt, wants, i) for i in range(params.n)]
             specs += [replace(spec, bootstrap=boot, lora_id=lora_id) for spec in outputs]
         return self.with_retention(specs, args), batched
+
+    def _truncated(self, token_lists: list[list[int]], keep: Any) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: the context
+        length's worth)."""
+        if keep is None:
+            return token_lists
+        if not _is_int(keep) or not (keep == -1 or 1 <= keep <= INT64_MAX):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an int >= 1; got {keep!r}")
+        keep = self.context_length if keep == -1 else keep
+        return [ids[-keep:] for ids in token_lists]
 
     def _token_ids_logprob(self, value: Any, count: int) -> list[tuple[int, ...]]:
         """SGLang's token_ids_logprob per prompt: one list of ids for every prompt, or a list
