@@ -43,7 +43,8 @@ SGLANG_DEFAULTS = dict(
 
 
 # Ours, not SGLang's: a request may opt out of speculation; a reasoning parser defers the
-# constraint to the end of the reasoning and may bound the reasoning.
+# constraint to the end of the reasoning and may bound the reasoning; vLLM's allowed token
+# ids and bad words.
 EXTENSIONS = {
     "speculative": True,
     "reasoning_end": None,
@@ -51,7 +52,7 @@ EXTENSIONS = {
     "allowed_token_ids": None,
     "bad_words": None,
     "bad_words_ids": None,
-}  # fmt: skip (the last three: vLLM's)
+}
 
 
 def test_defaults_match_sglang():
