@@ -79,3 +79,19 @@ def test_the_dashboard_login_form_is_guarded_by_its_origin(server):
 
     assert run(login("http://evil.example")) == 403
     assert run(login(f"http://127.0.0.1:{server.port}")) == 303  # no key set: the page
+
+
+def test_a_file_upload_is_guarded_by_its_origin(server):
+    """/v1/files takes OpenAI's multipart uploads without a key; a foreign page's is a 403."""
+
+    async def upload(origin: str | None) -> int:
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", b"{}\n", filename="in.jsonl")
+        headers = {} if origin is None else {"Origin": origin}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/v1/files", data=form, headers=headers) as resp:
+                return resp.status
+
+    assert run(upload("http://evil.example")) == 403
+    assert run(upload(None)) == run(upload(f"http://127.0.0.1:{server.port}")) == 200

@@ -68,6 +68,8 @@ KNOWN_ROUTES = {
     "/v1/messages", "/v1/messages/count_tokens", "/load_lora_adapter", "/unload_lora_adapter",
     "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
     "/open_session", "/close_session", "/version", "/reset_prefix_cache",
+    "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+    "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/ping", "/metrics"}  # probes and scrapers carry no key
 

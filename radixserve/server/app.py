@@ -22,6 +22,7 @@ from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
 from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
 from radixserve.server.auth import auth_middleware, install_key_throttle
+from radixserve.server.batch_api import register_batch_routes
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
@@ -388,6 +389,7 @@ def build_app(state: ServerState) -> web.Application:
     register_cache_routes(app)
     register_lora_routes(app)
     register_session_routes(app)
+    register_batch_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

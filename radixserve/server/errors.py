@@ -18,7 +18,12 @@ _PARAM = re.compile(r"^(?:sampling parameter )?'?([a-z_][a-z0-9_.\[\]]*)'?\b")
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict | None = None
 ) -> web.Response:
-    body = {
+    return web.json_response(error_body(status, message, param), status=status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object; a 4xx without `param` names the field its message starts with."""
+    return {
         "error": {
             "message": message,
             "type": error_type(status),
@@ -26,7 +31,6 @@ def error_response(
             "code": status,
         }
     }
-    return web.json_response(body, status=status, headers=headers)
 
 
 def error_type(status: int) -> str:

@@ -93,7 +93,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
-    parsed = parse_request(await read_json(request), chat, state.tool_parser)
+    body = await read_json(request)
+    if isinstance(body, dict) and body.get("stream"):
+        return await _run_completion(state, body, chat, request)
+    return web.json_response(await _run_completion(state, body, chat))
+
+
+async def complete_body(state: ServerState, body: Any, chat: bool) -> dict[str, Any]:
+    """A non-streamed /v1/completions (chat=False) or /v1/chat/completions body's response
+    body (the batch API's lines run through here); bad input raises BadRequest."""
+    if isinstance(body, dict) and body.get("stream") is not None and body["stream"] is not False:
+        raise bad_request("stream must be false here", param="stream")
+    return await _run_completion(state, body, chat)
+
+
+async def _run_completion(state: ServerState, body: Any, chat: bool, request=None):
+    """The response body, or with `request` (a stream) the streamed response."""
+    parsed = parse_request(body, chat, state.tool_parser)
     lora_path = check_model_name(state, parsed.model)
     if chat:
         parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning,
@@ -103,11 +119,11 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     async with stream:  # leaving before the requests end (client gone, failure) aborts them
         trackers = choice_trackers(state, parsed, ids, stream.results)
         shape = ResponseShape(parsed, lora_path or state.served_model_name)
-        if parsed.stream:
+        if parsed.stream and request is not None:
             return await stream_response(request, state, shape, trackers, parsed, stream)
         results = await state.run(stream)
     deltas = [tracker.next_delta() for tracker in trackers]
-    return web.json_response(shape.response(deltas, usage(results, parsed.n)))
+    return shape.response(deltas, usage(results, parsed.n))
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -8,7 +8,9 @@
                     -> 403 unless Origin is loopback, --host or in --allowed-hosts;
                     -> 415 for a POST with a body that is not application/json
                     (bodiless POSTs, e.g. SGLang's /flush_cache, pass; the dashboard's login
-                    form is urlencoded: the Origin check covers it)
+                    form is urlencoded and /v1/files takes multipart uploads: the Origin
+                    check covers them; an upload only stores a bounded file, which running
+                    it as a batch, a JSON POST, would need)
 
 Requests that carry a valid key (or the dashboard cookie, SameSite=Strict) skip this: a page
 cannot know the key. /health and /metrics are open anyway (probes send their own Host).
@@ -30,6 +32,7 @@ from radixserve.server.state import state_of
 LOOPBACK_NAMES = frozenset({"localhost"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 JSON_TYPE = "application/json"
+FILE_UPLOAD_PATH = "/v1/files"
 
 
 @web.middleware
@@ -53,8 +56,11 @@ async def browser_guard_middleware(request: web.Request, handler):
 
 
 def needs_json(request: web.Request) -> bool:
-    """A POST that carries a body (the dashboard's login form aside)."""
-    return request.method == "POST" and request.body_exists and request.path != dashboard.LOGIN_PATH
+    """A POST that carries a body (the dashboard's login form and the Batch API's file upload,
+    multipart as OpenAI's, aside: the Origin check covers them)."""
+    if request.method != "POST" or not request.body_exists:
+        return False
+    return request.path not in (dashboard.LOGIN_PATH, FILE_UPLOAD_PATH)
 
 
 def allowed_hosts(config: ServerConfig) -> frozenset[str]:
