@@ -112,10 +112,7 @@ class BatchStore:
         return stored
 
     def file(self, owner: Owner, file_id: str) -> StoredFile:
-        stored = self.files.get((owner, file_id))
-        if stored is None:
-            raise BadRequest(f"no file {file_id!r}", param="file_id", status=404)
-        return stored
+        return _found(self.files.get((owner, file_id)), "file", file_id)
 
     def add_batch(self, owner: Owner, body: dict[str, Any]) -> Batch:
         """A new batch from POST /v1/batches' body, its input file checked."""
@@ -145,10 +142,7 @@ class BatchStore:
         return batch
 
     def batch(self, owner: Owner, batch_id: str) -> Batch:
-        batch = self._batches.get((owner, batch_id))
-        if batch is None:
-            raise BadRequest(f"no batch {batch_id!r}", param="batch_id", status=404)
-        return batch
+        return _found(self._batches.get((owner, batch_id)), "batch", batch_id)
 
     def batches(self, owner: Owner) -> list[Batch]:
         """The owner's batches, newest first."""
@@ -186,6 +180,13 @@ def parse_lines(data: bytes, endpoint: str) -> list[Line]:
     if not lines:
         raise BadRequest("the input file holds no request", param="input_file_id")
     return lines
+
+
+def _found(value: Any, kind: str, item_id: str) -> Any:
+    """`value`, or a 404 naming the file or batch the caller has no such one of."""
+    if value is None:
+        raise BadRequest(f"no {kind} {item_id!r}", param=f"{kind}_id", status=404)
+    return value
 
 
 def _is_metadata(value: Any) -> bool:
