@@ -159,12 +159,12 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
     output and error files and ends the batch."""
     outputs: list[str | None] = [None] * len(batch.lines)
     errors: list[str | None] = [None] * len(batch.lines)
-    queue = list(enumerate(batch.lines))
+    queue = iter(enumerate(batch.lines))  # shared by the workers: each line taken once
     chat = batch.endpoint == "/v1/chat/completions"
 
     async def worker() -> None:
-        while queue and batch.status == "in_progress":
-            index, line = queue.pop(0)
+        while batch.status == "in_progress" and (item := next(queue, None)) is not None:
+            index, line = item
             status, body = await _run_line(state, line, chat)
             record = _record(line, status, body)
             if status == 200:
