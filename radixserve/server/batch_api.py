@@ -48,6 +48,7 @@ TASKS_KEY = web.AppKey("batch_tasks", set)
 def register_batch_routes(app: web.Application) -> None:
     app[BATCHES_KEY] = BatchStore()
     app[TASKS_KEY] = set()
+    app.on_shutdown.append(_stop_batches)
     app.router.add_post("/v1/files", upload_file)
     app.router.add_get("/v1/files/{file_id}", retrieve_file)
     app.router.add_get("/v1/files/{file_id}/content", file_content)
@@ -56,6 +57,14 @@ def register_batch_routes(app: web.Application) -> None:
     app.router.add_get("/v1/batches", list_batches)
     app.router.add_get("/v1/batches/{batch_id}", retrieve_batch)
     app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+
+
+async def _stop_batches(app: web.Application) -> None:
+    """The server stops: running batches end with it (their lines are aborted)."""
+    tasks = list(app[TASKS_KEY])
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _owner(request: web.Request) -> Owner:
