@@ -98,6 +98,24 @@ def test_stop_sequence_ends_the_message_and_is_named(client):
     assert message.content[0].text == text[: text.index(stop)]
 
 
+def test_tenants_namespace_their_cache_by_header_or_cache_salt(client):
+    """A Messages request's namespace: X-Cache-Salt or the body's cache_salt, as on the
+    other chat APIs: one tenant's cached system prompt is never another's hit."""
+    system = "You keep the accounts of a small lighthouse, tersely. " * 20
+
+    def cached(headers=None, body=None) -> int:
+        extra = GREEDY | (body or {})
+        reply = create(client, system=system, max_tokens=2, extra_body=extra, extra_headers=headers)
+        return reply.usage.cache_read_input_tokens
+
+    cached({"X-Cache-Salt": "tenant-a"})
+    assert cached({"X-Cache-Salt": "tenant-b"}) == 0 and cached() == 0
+    assert cached({"X-Cache-Salt": "tenant-a"}) > 200
+    assert cached(body={"cache_salt": "tenant-a"}) > 200  # the same namespace
+    with pytest.raises(anthropic.BadRequestError):  # the two must agree
+        cached({"X-Cache-Salt": "tenant-a"}, {"cache_salt": "tenant-b"})
+
+
 def test_cache_read_and_creation_on_a_repeated_cached_system_prompt(client):
     text = "You answer as a terse ship's log keeper. " * 25
     system = [{"type": "text", "text": text, "cache_control": MARK}]

@@ -86,12 +86,14 @@ def test_logit_bias_forces_and_bans_tokens(openai_client, server):
 def test_extra_key_follows_the_salt_as_in_sglang(openai_client):
     messages = [{"role": "system", "content": LONG_SYSTEM + "Keyed."}, *user("Hi")]
 
-    def cached(**fields) -> int:
-        usage = chat(openai_client, messages=messages, max_tokens=1, extra_body=NO_EOS | fields)
+    def cached(headers=None, **fields) -> int:
+        usage = chat(openai_client, messages=messages, max_tokens=1, extra_body=NO_EOS | fields,
+                     extra_headers=headers)  # fmt: skip
         return usage.usage.prompt_tokens_details.cached_tokens
 
     assert cached(cache_salt="oa", extra_key="-k") == 0
     assert cached(cache_salt="oa-k") > 0 and cached(cache_salt="oa") == 0
+    assert cached({"X-Cache-Salt": "oa-k"}) > 0  # the header names the namespace too
 
 
 def test_completion_logprobs(openai_client):

@@ -44,6 +44,7 @@ from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
+from radixserve.server.tenants import SALT_HEADER
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class MessageRun:
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    parsed = parse_messages_request(await read_json(request), tool_parser=state.tool_parser)
+    salt = request.headers.get(SALT_HEADER)
+    parsed = parse_messages_request(await read_json(request), False, state.tool_parser, salt)
     lora_path = check_model_name(state, parsed.model)  # a LoRA adapter's name runs it
     if parsed.thinking_given and parsed.reasoning.thinking and state.reasoning_format is None:
         raise BadRequest(
@@ -195,7 +197,8 @@ def breakpoint_len(state: ServerState, parsed: MessagesRequest, ids: list[int]) 
 def build_specs(
     state: ServerState, parsed: MessagesRequest, ids: list[int], lora_path: str | None = None
 ) -> list[RequestSpec]:
-    args = GenerateArgs(input_ids=[ids], sampling_params=[parsed.sampling], lora_path=lora_path)
+    args = GenerateArgs(input_ids=[ids], sampling_params=[parsed.sampling], lora_path=lora_path,
+                        cache_salt=parsed.cache_salt)  # fmt: skip
     try:
         return state.builder.build(args)[0]
     except ValueError as exc:

@@ -43,6 +43,7 @@ from radixserve.server.response_format import (
     Constraint,
     forced_call_constraint,
 )
+from radixserve.server.tenants import check_salt
 from radixserve.server.tool_calls import NAME_PATTERN, ToolChoice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
@@ -62,6 +63,7 @@ MESSAGES_FIELDS = COUNT_FIELDS | {
     "top_p",
     "top_k",
     "metadata",
+    "cache_salt",
     *EXTRA_SAMPLING_FIELDS,
     *CONSTRAINT_FIELDS,
 }
@@ -95,6 +97,7 @@ class MessagesRequest:
     breakpoint_messages: list[dict[str, Any]] | None = None  # up to the last cache_control
     reasoning: ReasoningOptions = ReasoningOptions()
     thinking_given: bool = False  # the body asked for thinking (enabled or disabled)
+    cache_salt: str | None = None  # the namespace: cache_salt or the X-Cache-Salt header
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -103,10 +106,13 @@ class MessagesRequest:
 
 
 def parse_messages_request(
-    body: Any, count_only: bool = False, tool_parser: str = DEFAULT_TOOL_PARSER
+    body: Any,
+    count_only: bool = False,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
+    salt_header: str | None = None,
 ) -> MessagesRequest:
     """Checks a /v1/messages body (count_only: a /v1/messages/count_tokens one); a forced
-    call is constrained to `tool_parser`'s format."""
+    call is constrained to `tool_parser`'s format; `salt_header`: X-Cache-Salt."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
     check_fields(body, COUNT_FIELDS if count_only else MESSAGES_FIELDS, NO_OP_VALUES)
@@ -125,6 +131,7 @@ def parse_messages_request(
     if thinking is not None:
         kwargs = {"enable_thinking": thinking} | kwargs
     parsed = MessagesRequest(
+        cache_salt=check_salt(body.get("cache_salt"), salt_header),
         model=model,
         messages=conversation.messages,
         tools=tools,

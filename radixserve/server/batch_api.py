@@ -174,7 +174,7 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
     async def worker() -> None:
         while batch.status == "in_progress" and (item := next(queue, None)) is not None:
             index, line = item
-            status, body = await _run_line(state, line, chat)
+            status, body = await _run_line(state, line, chat, owner[1])
             record = _record(line, status, body)
             if status == 200:
                 outputs[index], batch.completed = record, batch.completed + 1
@@ -200,11 +200,14 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
         batch.status, batch.completed_at = "completed", now
 
 
-async def _run_line(state: ServerState, line: Line, chat: bool) -> tuple[int, dict[str, Any]]:
+async def _run_line(
+    state: ServerState, line: Line, chat: bool, salt: str | None
+) -> tuple[int, dict[str, Any]]:
+    """A line's status and body, in the batch owner's namespace (`salt`) unless it names one."""
     try:
         while True:
             try:
-                return 200, await complete_body(state, line.body, chat)
+                return 200, await complete_body(state, line.body, chat, salt)
             except EngineBusyError:  # the server's queue is full: wait for room
                 await asyncio.sleep(BUSY_RETRY_S)
     except BadRequest as exc:

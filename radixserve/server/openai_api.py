@@ -53,6 +53,7 @@ from radixserve.server.openai_response import (
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.request_fields import check_fields
 from radixserve.server.state import ServerState, read_json, state_of
+from radixserve.server.tenants import SALT_HEADER
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
@@ -94,22 +95,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request)
+    salt = request.headers.get(SALT_HEADER)
     if isinstance(body, dict) and body.get("stream"):
-        return await _run_completion(state, body, chat, request)
-    return web.json_response(await _run_completion(state, body, chat))
+        return await _run_completion(state, body, chat, salt, request)
+    return web.json_response(await _run_completion(state, body, chat, salt))
 
 
-async def complete_body(state: ServerState, body: Any, chat: bool) -> dict[str, Any]:
+async def complete_body(
+    state: ServerState, body: Any, chat: bool, salt: str | None = None
+) -> dict[str, Any]:
     """A non-streamed /v1/completions (chat=False) or /v1/chat/completions body's response
-    body (the batch API's lines run through here); bad input raises BadRequest."""
+    body, in namespace `salt` unless the body names one (the batch API's lines run through
+    here); bad input raises BadRequest."""
     if isinstance(body, dict) and body.get("stream") is not None and body["stream"] is not False:
         raise bad_request("stream must be false here", param="stream")
-    return await _run_completion(state, body, chat)
+    if isinstance(body, dict) and body.get("cache_salt") is not None:
+        salt = None  # the line's own namespace
+    return await _run_completion(state, body, chat, salt)
 
 
-async def _run_completion(state: ServerState, body: Any, chat: bool, request=None):
-    """The response body, or with `request` (a stream) the streamed response."""
-    parsed = parse_request(body, chat, state.tool_parser)
+async def _run_completion(state: ServerState, body: Any, chat: bool, salt=None, request=None):
+    """The response body, or with `request` (a stream) the streamed response; `salt`: the
+    X-Cache-Salt header's namespace."""
+    parsed = parse_request(body, chat, state.tool_parser, salt)
     lora_path = check_model_name(state, parsed.model)
     if chat:
         parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning,

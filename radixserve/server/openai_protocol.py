@@ -22,6 +22,7 @@ from radixserve.server.errors import BadRequest
 from radixserve.server.reasoning import ReasoningOptions, request_reasoning
 from radixserve.server.request_fields import check_fields
 from radixserve.server.response_format import CONSTRAINT_FIELDS, output_constraint
+from radixserve.server.tenants import check_salt
 from radixserve.server.tool_calls import ToolChoice, check_tool_choice, check_tools
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
@@ -111,9 +112,11 @@ class OpenAIRequest:
         return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], message)
 
 
-def parse_request(body: Any, chat: bool, tool_parser: str = DEFAULT_TOOL_PARSER) -> OpenAIRequest:
+def parse_request(
+    body: Any, chat: bool, tool_parser: str = DEFAULT_TOOL_PARSER, salt_header: str | None = None
+) -> OpenAIRequest:
     """Validates a /v1/completions (chat=False) or /v1/chat/completions body; a forced tool
-    call is constrained to `tool_parser`'s format."""
+    call is constrained to `tool_parser`'s format; `salt_header`: X-Cache-Salt."""
     body = check_object(body)
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, NO_OP_VALUES)
     stream = check_bool(body, "stream")
@@ -127,7 +130,7 @@ def parse_request(body: Any, chat: bool, tool_parser: str = DEFAULT_TOOL_PARSER)
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         tokens_as_ids=check_bool(body, "return_tokens_as_token_ids"),
-        cache_salt=body.get("cache_salt"),
+        cache_salt=check_salt(body.get("cache_salt"), salt_header),
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )
     if chat:

@@ -50,6 +50,7 @@ from radixserve.server.response_format import (
     forced_call_constraint,
 )
 from radixserve.server.responses_items import check_input
+from radixserve.server.tenants import check_salt
 from radixserve.server.tool_calls import ToolChoice, check_tools, checked_tool_choice
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
 
@@ -230,15 +231,6 @@ def _optional_str(body: dict, name: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise BadRequest(f"{name} must be a string; got {value!r}"[:160], param=name)
     return value
-
-
-def check_salt(value: Any, header: str | None) -> str | None:
-    """The namespace: `cache_salt` or the X-Cache-Salt header (both given: the same)."""
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"cache_salt must be a string; got {value!r}"[:160], param="cache_salt")
-    if value is not None and header is not None and value != header:
-        raise BadRequest("cache_salt and the X-Cache-Salt header differ", param="cache_salt")
-    return value if value is not None else header
 
 
 def check_metadata(value: Any) -> dict[str, str]:

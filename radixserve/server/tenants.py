@@ -22,11 +22,22 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.server.auth import is_admin
+from radixserve.server.errors import BadRequest
 
 SALT_HEADER = "X-Cache-Salt"
 """How a GET names the caller's namespace (a salt stays out of URLs and their logs)."""
 _LABEL_KEY = secrets.token_bytes(32)
 LABEL_HEX_CHARS = 16
+
+
+def check_salt(value: Any, header: str | None) -> str | None:
+    """A generation request's namespace: its body's `cache_salt` or its X-Cache-Salt header
+    (both given: the same), as every chat API reads it."""
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"cache_salt must be a string; got {value!r}"[:160], param="cache_salt")
+    if value is not None and header is not None and value != header:
+        raise BadRequest("cache_salt and the X-Cache-Salt header differ", param="cache_salt")
+    return value if value is not None else header
 
 
 def namespaces_shown(request: web.Request) -> list[str | None] | None:
