@@ -72,10 +72,20 @@ def test_session_retention_on_generate_and_the_openai_extra_body(retention_serve
         }
         status, answer = await post(url + "/v1/completions", completion)
         assert status == 200, answer
+        message = {  # Anthropic's Messages API takes the same request options
+            "model": "tiny",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Carry on with the plan."}],
+            "session_id": "agent-3",
+            "retention": {"ttl_s": 120},
+        }
+        status, answer = await post(url + "/v1/messages", message)
+        assert status == 200, answer
         pins = (await get(url + "/cache/sessions"))[1]["pins"]
         sessions = {p["name"]: p for p in pins if p["kind"] == "session"}
-        assert set(sessions) >= {"agent-1", "agent-2"}
+        assert set(sessions) >= {"agent-1", "agent-2", "agent-3"}
         assert 0 < sessions["agent-1"]["expires_in_s"] <= 120
+        assert (await post(url + "/cache/unpin", {"session_id": "agent-3"}))[0] == 200
         status, metrics = await get(url + "/metrics")
         assert status == 200 and "radixserve:num_pins 2.0" in metrics
         assert "radixserve:pins_degraded_total" in metrics

@@ -198,7 +198,7 @@ def build_specs(
     state: ServerState, parsed: MessagesRequest, ids: list[int], lora_path: str | None = None
 ) -> list[RequestSpec]:
     args = GenerateArgs(input_ids=[ids], sampling_params=[parsed.sampling], lora_path=lora_path,
-                        cache_salt=parsed.cache_salt)  # fmt: skip
+                        cache_salt=parsed.cache_salt, **parsed.options)  # fmt: skip
     try:
         return state.builder.build(args)[0]
     except ValueError as exc:

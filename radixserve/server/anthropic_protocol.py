@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.server.anthropic_messages import (
     Conversation,
     check_cache_control,
@@ -66,6 +67,7 @@ MESSAGES_FIELDS = COUNT_FIELDS | {
     "cache_salt",
     *EXTRA_SAMPLING_FIELDS,
     *CONSTRAINT_FIELDS,
+    *REQUEST_OPTIONS,
 }
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "standard_only"),
@@ -98,6 +100,7 @@ class MessagesRequest:
     reasoning: ReasoningOptions = ReasoningOptions()
     thinking_given: bool = False  # the body asked for thinking (enabled or disabled)
     cache_salt: str | None = None  # the namespace: cache_salt or the X-Cache-Salt header
+    options: dict[str, Any] = field(default_factory=dict)  # the REQUEST_OPTIONS given
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -132,6 +135,7 @@ def parse_messages_request(
         kwargs = {"enable_thinking": thinking} | kwargs
     parsed = MessagesRequest(
         cache_salt=check_salt(body.get("cache_salt"), salt_header),
+        options={name: body[name] for name in REQUEST_OPTIONS if name in body},
         model=model,
         messages=conversation.messages,
         tools=tools,
