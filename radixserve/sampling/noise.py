@@ -39,9 +39,15 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """U(0, 1) per (seed, step, vocab index) from the top 24 bits of a hash; [B, V] float32."""
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    return uniform_noise_at(seeds, steps, vocab[None, :])
+
+
+def uniform_noise_at(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`uniform_noise` at the vocab indices `ids` only ([B, K] or [1, K] for all rows): the
+    same values, without hashing the rest of the vocabulary. [B, K] float32."""
     row_keys = _mix64(_mix64(seeds ^ _SEED_SALT) + steps * _STEP_STRIDE)  # [B]
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _VOCAB_STRIDE
-    bits = _shift_right(_mix64(row_keys[:, None] + vocab[None, :]), 40)  # [B, V] in [0, 2^24)
+    bits = _shift_right(_mix64(row_keys[:, None] + ids * _VOCAB_STRIDE), 40)  # in [0, 2^24)
     # (bits + 0.5) can round up to 2^24 in float32; the clamp keeps u < 1 so log(u) < 0.
     return ((bits.float() + 0.5) * 2.0**-24).clamp_(max=1 - 2.0**-24)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.sampling.filters import filter_logits, filtered_draw
 from radixserve.sampling.noise import as_int64, gumbel_noise
 from radixserve.sampling.params import SamplingParams
 
@@ -161,9 +162,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice) -> torch.Tensor:
     """Temperature, filters, then a Gumbel-max draw for `logits` = the batch's `rows`."""
-    logits = scale_and_filter(logits, batch, rows)
-    noise = gumbel_noise(batch.seeds[rows], batch.steps[rows], batch.vocab_size)
-    return argmax_rows(logits + noise)
+    seeds, steps = batch.seeds[rows], batch.steps[rows]
+    logits = logits / batch.temperatures[rows, None]
+    flags = (batch.use_top_k, batch.use_top_p, batch.use_min_p)
+    if any(flags):  # over each row's candidates where they hold every kept token (filters.py)
+        return filtered_draw(logits, batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows],
+                             seeds, steps, flags)  # fmt: skip
+    return argmax_rows(logits + gumbel_noise(seeds, steps, batch.vocab_size))
 
 
 def scale_and_filter(
@@ -215,32 +220,6 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         return logits
     blocked = _scatter_ids(batch.min_tokens_ids, batch.vocab_size, torch.bool)  # [B, V]
     return logits.masked_fill(blocked, float("-inf"))
-
-
-def filter_logits(
-    logits: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    min_ps: torch.Tensor,
-    use_top_k: bool = True,
-    use_top_p: bool = True,
-    use_min_p: bool = True,
-) -> torch.Tensor:
-    """Sets tokens outside top-k, then top-p (renormalized), then min-p to -inf. [B, V]."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_top_k:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        remove |= ranks[None, :] >= top_ks[:, None]
-    if use_top_p or use_min_p:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        if use_top_p:
-            mass_before = probs.cumsum(dim=-1) - probs  # the top token always has 0 before it
-            remove |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1)
-        if use_min_p:
-            remove |= probs < min_ps[:, None] * probs[:, :1]
-    filtered = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, filtered)
 
 
 # ---- building helpers ----------------------------------------------------------------------
