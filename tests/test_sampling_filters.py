@@ -9,6 +9,7 @@ import torch
 
 from radixserve.sampling.filters import (
     CANDIDATES,
+    Filters,
     covered_rows,
     filter_logits,
     filtered_draw,
@@ -44,8 +45,8 @@ def test_the_candidate_path_keeps_what_the_sort_keeps():
     for flags in itertools.product([False, True], repeat=3):
         if not any(flags):
             continue
-        fast = filter_logits(logits, ks, ps, mins, *flags)
-        exact = sorted_filter(logits, ks, ps, mins, *flags)
+        filters = Filters(ks, ps, mins, *flags)
+        fast, exact = filter_logits(logits, filters), sorted_filter(logits, filters)
         differ = torch.isfinite(fast) != torch.isfinite(exact)
         for row, token in differ.nonzero().tolist():
             top_k = int(ks[row]) if flags[0] else V
@@ -65,21 +66,21 @@ def on_the_top_p_edge(row: torch.Tensor, token: int, top_k: int, top_p: float) -
 
 def test_draws_equal_the_full_vocabulary_draw():
     logits, ks, ps, mins = rows_and_params()
-    flags = (True, True, True)
+    filters = Filters(ks, ps, mins)
     seeds = torch.arange(len(logits)) * 7919
-    same = (torch.isfinite(filter_logits(logits, ks, ps, mins, *flags))
-            == torch.isfinite(sorted_filter(logits, ks, ps, mins, *flags))).all(dim=-1)  # fmt: skip
+    same = (torch.isfinite(filter_logits(logits, filters))
+            == torch.isfinite(sorted_filter(logits, filters))).all(dim=-1)  # fmt: skip
     assert same.float().mean() > 0.95
     for step in range(3):
         steps = torch.full((len(logits),), step)
-        fast = filtered_draw(logits, ks, ps, mins, seeds, steps, flags)
-        exact = sorted_filter(logits, ks, ps, mins, *flags) + gumbel_noise(seeds, steps, V)
+        fast = filtered_draw(logits, filters, seeds, steps)
+        exact = sorted_filter(logits, filters) + gumbel_noise(seeds, steps, V)
         assert torch.equal(fast[same], exact.max(dim=-1).indices[same])
 
 
 def test_each_size_covers_some_rows_and_the_sort_takes_the_rest():
     logits, ks, ps, mins = rows_and_params()
-    found, rest = covered_rows(logits, ks, ps, mins, (True, True, True))
+    found, rest = covered_rows(logits, Filters(ks, ps, mins))
     assert len(found) == 2 and rest.numel() > 0
     rows = torch.cat([rest, *(r for r, _ in found)])
     assert sorted(rows.tolist()) == list(range(len(logits)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.sampling.filters import filter_logits, filtered_draw
+from radixserve.sampling.filters import Filters, filter_logits, filtered_draw
 from radixserve.sampling.noise import as_int64, gumbel_noise
 from radixserve.sampling.params import SamplingParams
 
@@ -50,6 +50,15 @@ class SamplingBatch:
     bias_values: torch.Tensor | None  # [B, K] float32: their biases (0 on padding)
     allowed_ids: torch.Tensor | None  # [B, A] ids rows may sample (rows without: empty)
     allowed_rows: torch.Tensor | None  # [B] bool: the rows that restrict their tokens
+
+    @property
+    def filters_used(self) -> bool:
+        return self.use_top_k or self.use_top_p or self.use_min_p
+
+    def filters(self, rows: torch.Tensor | slice) -> Filters:
+        """The top-k / top-p / min-p of the batch's `rows` (filters.py)."""
+        return Filters(self.top_ks[rows], self.top_ps[rows], self.min_ps[rows],
+                       self.use_top_k, self.use_top_p, self.use_min_p)  # fmt: skip
 
     @classmethod
     def build(
@@ -164,10 +173,8 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | slice
     """Temperature, filters, then a Gumbel-max draw for `logits` = the batch's `rows`."""
     seeds, steps = batch.seeds[rows], batch.steps[rows]
     logits = logits / batch.temperatures[rows, None]
-    flags = (batch.use_top_k, batch.use_top_p, batch.use_min_p)
-    if any(flags):  # over each row's candidates where they hold every kept token (filters.py)
-        return filtered_draw(logits, batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows],
-                             seeds, steps, flags)  # fmt: skip
+    if batch.filters_used:  # over each row's candidates where they hold every kept token
+        return filtered_draw(logits, batch.filters(rows), seeds, steps)
     return argmax_rows(logits + gumbel_noise(seeds, steps, batch.vocab_size))
 
 
@@ -177,16 +184,8 @@ def scale_and_filter(
     """`logits` (the batch's `rows`, penalties applied) / temperature, then top-k, top-p and
     min-p: their softmax is the distribution a draw samples from. [len(rows), V]."""
     logits = logits / batch.temperatures[rows, None]
-    if batch.use_top_k or batch.use_top_p or batch.use_min_p:
-        logits = filter_logits(
-            logits,
-            batch.top_ks[rows],
-            batch.top_ps[rows],
-            batch.min_ps[rows],
-            use_top_k=batch.use_top_k,
-            use_top_p=batch.use_top_p,
-            use_min_p=batch.use_min_p,
-        )
+    if batch.filters_used:
+        logits = filter_logits(logits, batch.filters(rows))
     return logits
 
 
