@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from radixserve.sampling.filters import (
@@ -84,3 +85,22 @@ def test_each_size_covers_some_rows_and_the_sort_takes_the_rest():
     assert len(found) == 2 and rest.numel() > 0
     rows = torch.cat([rest, *(r for r, _ in found)])
     assert sorted(rows.tolist()) == list(range(len(logits)))
+
+
+def test_the_cpp_noise_is_the_torch_noise_bit_for_bit():
+    """csrc/seeded_noise.cpp (used once the kernels are loaded) against noise.py's torch
+    ops: seeds of every sign, late steps, ids per row and shared by all rows."""
+    from radixserve.native.extension import CpuExtensionUnavailable, load_cpu_ops
+    from radixserve.sampling.noise import hashed_uniform, row_keys
+
+    try:
+        ops = load_cpu_ops()
+    except CpuExtensionUnavailable as exc:
+        pytest.skip(str(exc))
+    seeds = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789])
+    steps = torch.tensor([0, 5, 1000, 7, 2**40, 3])
+    keys = row_keys(seeds, steps)
+    per_row = torch.randint(0, 2**31, (6, 300), generator=torch.Generator().manual_seed(1))
+    shared = torch.arange(V)[None, :]
+    for ids in (per_row, shared):
+        assert torch.equal(ops.uniform_noise_at(keys, ids), hashed_uniform(keys, ids))

@@ -57,6 +57,7 @@ SOURCES = [
     CSRC / "moe_experts.cpp",
     CSRC / "lora_segments.cpp",
     CSRC / "decode_stack.cpp",
+    CSRC / "seeded_noise.cpp",
 ]
 HEADERS = [
     CSRC / "common.h",
@@ -141,6 +142,12 @@ def load_cpu_ops() -> Any:
     except Exception as exc:  # any build/load failure means: use the reference path
         _failure = CpuExtensionUnavailable(f"C++ CPU kernels unavailable: {exc}")
         raise _failure from exc
+    return _loaded
+
+
+def loaded_cpu_ops() -> Any | None:
+    """`torch.ops.radixserve_cpu` if this process has already loaded it, else None: for
+    callers that may use the kernels but must never start a build (the sampler)."""
     return _loaded
 
 

@@ -3,12 +3,16 @@ step, vocab index), computed with int64 tensor ops on the logits' device, so a r
 draws depend only on its own seed and step.
 
 torch has no uint64: int64 holds the bit patterns; + and * wrap mod 2^64 like unsigned ones,
-and right shifts are made logical by masking off the copied sign bits.
+and right shifts are made logical by masking off the copied sign bits. On CPU, once the C++
+kernels are loaded (never loaded from here), `uniform_noise_at` runs csrc/seeded_noise.cpp:
+the same bits, in one pass.
 """
 
 from __future__ import annotations
 
 import torch
+
+from radixserve.native.extension import loaded_cpu_ops
 
 
 def as_int64(value: int) -> int:
@@ -46,8 +50,21 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
 def uniform_noise_at(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """`uniform_noise` at the vocab indices `ids` only ([B, K] or [1, K] for all rows): the
     same values, without hashing the rest of the vocabulary. [B, K] float32."""
-    row_keys = _mix64(_mix64(seeds ^ _SEED_SALT) + steps * _STEP_STRIDE)  # [B]
-    bits = _shift_right(_mix64(row_keys[:, None] + ids * _VOCAB_STRIDE), 40)  # in [0, 2^24)
+    keys = row_keys(seeds, steps)
+    ops = loaded_cpu_ops() if ids.device.type == "cpu" else None
+    if ops is not None:  # the same values in one pass (csrc/seeded_noise.cpp)
+        return ops.uniform_noise_at(keys, ids)
+    return hashed_uniform(keys, ids)
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's hash key: its seed and step mixed. [B] int64."""
+    return _mix64(_mix64(seeds ^ _SEED_SALT) + steps * _STEP_STRIDE)
+
+
+def hashed_uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) of (row key, vocab index) in torch ops (any device). [B, K] float32."""
+    bits = _shift_right(_mix64(keys[:, None] + ids * _VOCAB_STRIDE), 40)  # in [0, 2^24)
     # (bits + 0.5) can round up to 2^24 in float32; the clamp keeps u < 1 so log(u) < 0.
     return ((bits.float() + 0.5) * 2.0**-24).clamp_(max=1 - 2.0**-24)
 
