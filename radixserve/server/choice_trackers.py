@@ -20,6 +20,7 @@ class ChoiceTracker:
         tokenizer,
         echo_text: str = "",
         reasoning: StreamingReasoningParser | None = None,
+        tokens_as_ids: bool = False,
     ):
         self.result = result
         self.reasoning = reasoning
@@ -31,7 +32,7 @@ class ChoiceTracker:
         self.num_sent_logprobs = 0
         self.text_offset = 0
         self.finished = False
-        self.tokens_as_ids = False  # logprob tokens as vLLM's "token_id:N"
+        self.tokens_as_ids = tokens_as_ids  # logprob tokens as vLLM's "token_id:N"
 
     def next_delta(self) -> Delta | None:
         """What is new since the last call; None when nothing is."""
@@ -91,8 +92,9 @@ class ToolCallTracker(ChoiceTracker):
         tokenizer,
         parser: ToolCallParser | list[str],
         reasoning: StreamingReasoningParser | None = None,
+        tokens_as_ids: bool = False,
     ):
-        super().__init__(result, tokenizer, reasoning=reasoning)
+        super().__init__(result, tokenizer, reasoning=reasoning, tokens_as_ids=tokens_as_ids)
         self.parser = ToolCallParser(parser) if isinstance(parser, list) else parser
 
     def next_delta(self) -> Delta | None:

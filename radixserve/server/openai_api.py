@@ -94,11 +94,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = state_of(request)
-    body = await read_json(request)
     salt = request.headers.get(SALT_HEADER)
-    if isinstance(body, dict) and body.get("stream"):
-        return await _run_completion(state, body, chat, salt, request)
-    return web.json_response(await _run_completion(state, body, chat, salt))
+    answer = await _run_completion(state, await read_json(request), chat, salt, request)
+    return answer if isinstance(answer, web.StreamResponse) else web.json_response(answer)
 
 
 async def complete_body(
@@ -115,8 +113,8 @@ async def complete_body(
 
 
 async def _run_completion(state: ServerState, body: Any, chat: bool, salt=None, request=None):
-    """The response body, or with `request` (a stream) the streamed response; `salt`: the
-    X-Cache-Salt header's namespace."""
+    """The response body, or for a stream (given the `request` to answer) the streamed
+    response; `salt`: the X-Cache-Salt header's namespace."""
     parsed = parse_request(body, chat, state.tool_parser, salt)
     lora_path = check_model_name(state, parsed.model)
     if chat:
@@ -214,26 +212,20 @@ def choice_trackers(
     reasoning parser, each splits off the reasoning; with tools offered, each splits the
     rest into content and tool calls; vLLM's return_tokens_as_token_ids names logprob tokens
     `token_id:N`."""
-    trackers = _trackers(state, parsed, ids, results)
-    for tracker in trackers:
-        tracker.tokens_as_ids = parsed.tokens_as_ids
-    return trackers
-
-
-def _trackers(state, parsed: OpenAIRequest, ids, results) -> list[ChoiceTracker]:
     fmt = state.reasoning_format if parsed.chat else None
     readers = [choice_reasoning_parser(fmt, parsed.reasoning) for _ in results]
+    as_ids = parsed.tokens_as_ids
     if parsed.offered_tools:
         names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
         return [
             ToolCallTracker(r, state.tokenizer, ToolCallParser(names, state.tool_parser, schemas,
-                                                               parsed.stream), reader)
+                                                               parsed.stream), reader, as_ids)
             for r, reader in zip(results, readers)
         ]  # fmt: skip
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
-    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n], readers[i])
+    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n], readers[i], as_ids)
             for i, r in enumerate(results)]  # fmt: skip
 
 
