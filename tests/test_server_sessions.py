@@ -73,6 +73,10 @@ def test_sessions_are_their_namespaces_own_and_bad_input_is_named(server):
         post(server.url + "/open_session", {"session_id": sid, "cache_salt": "tenant-x"})
     )
     assert status == 400 and out["error"]["param"] == "session_id"  # already open
+    conflicting = post(server.url + "/open_session", {"cache_salt": "tenant-x"},
+                       headers={"X-Cache-Salt": "tenant-y"})  # fmt: skip
+    status, out = run(conflicting)  # the namespace is named once, as on every chat API
+    assert status == 400 and out["error"]["param"] == "cache_salt"
     status, out = run(post(server.url + "/open_session", {"streaming": True}))
     assert status == 400 and out["error"]["param"] == "streaming"
     assert run(post(server.url + "/close_session", {"session_id": sid}))[0] == 404  # not its own

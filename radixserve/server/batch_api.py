@@ -118,9 +118,9 @@ async def file_content(request: web.Request) -> web.Response:
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    store, file_id = request.app[BATCHES_KEY], request.match_info["file_id"]
-    store.file(_owner(request), file_id)  # 404 unless the caller's
-    store.files.pop((_owner(request), file_id))
+    store, file_id, owner = request.app[BATCHES_KEY], request.match_info["file_id"], _owner(request)
+    store.file(owner, file_id)  # 404 unless the caller's
+    store.files.pop((owner, file_id))
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
 

@@ -13,15 +13,12 @@ from radixserve.client.result import RequestResult
 from radixserve.server.errors import BadRequest
 from radixserve.server.sessions import Continuation
 from radixserve.server.state import ServerState, read_json, state_of
-from radixserve.server.tenants import SALT_HEADER
+from radixserve.server.tenants import SALT_HEADER, check_salt
 
 
 def namespace_of(request: web.Request, body: dict[str, Any]) -> str | None:
-    """The namespace a session call acts in: the body's cache_salt, else X-Cache-Salt."""
-    salt = body.get("cache_salt", request.headers.get(SALT_HEADER))
-    if salt is not None and not isinstance(salt, str):
-        raise BadRequest("cache_salt must be a string", param="cache_salt")
-    return salt
+    """The namespace a session call acts in: the body's cache_salt or X-Cache-Salt."""
+    return check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
 
 
 async def open_session(request: web.Request) -> web.Response:
