@@ -196,7 +196,7 @@ class SamplingParams:
         _check_bool("speculative", self.speculative)
         _check_stop(self.stop)
         check_stop_regex(self.stop_regex)
-        _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        _check_token_ids(self.stop_token_ids, vocab_size)
         check_logit_bias(self.logit_bias, vocab_size)
         _check_allowed_token_ids(self.allowed_token_ids, vocab_size)
         check_bad_words(self.bad_words, self.bad_words_ids, vocab_size)
@@ -276,9 +276,8 @@ def check_stop_regex(value: object) -> None:
             raise ValueError(f"stop_regex {pattern[:80]!r} does not compile: {exc}") from None
 
 
-def _check_stop_token_ids(
-    ids: object, vocab_size: int | None, name: str = "stop_token_ids"
-) -> None:
+def _check_token_ids(ids: object, vocab_size: int | None, name: str = "stop_token_ids") -> None:
+    """A list of token ids in the vocabulary (stop_token_ids, allowed_token_ids, a bad word)."""
     if ids is None:
         return
     allowed = "a list of token ids" + ("" if vocab_size is None else f" in [0, {vocab_size})")
@@ -308,7 +307,7 @@ def check_logit_bias(bias: object, vocab_size: int | None) -> None:
 def _check_allowed_token_ids(ids: object, vocab_size: int | None) -> None:
     if ids is None:
         return
-    _check_stop_token_ids(ids, vocab_size, "allowed_token_ids")
+    _check_token_ids(ids, vocab_size, "allowed_token_ids")
     if not ids:
         raise ValueError("allowed_token_ids must name at least one token id (null: all)")
 
@@ -325,7 +324,7 @@ def check_bad_words(words: object, ids: object, vocab_size: int | None) -> None:
         if not isinstance(ids, list) or len(ids) > 2 * MAX_BAD_WORDS:
             raise ValueError(f"bad_words_ids must be a list of token id lists; got {ids!r}"[:240])
         for word in ids:
-            _check_stop_token_ids(word, vocab_size, "bad_words_ids")
+            _check_token_ids(word, vocab_size, "bad_words_ids")
             if not word or len(word) > 64:
                 raise ValueError("bad_words_ids: each word must be 1 to 64 token ids")
 

@@ -198,9 +198,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         allowed |= ~batch.allowed_rows[:, None]
         logits = logits.masked_fill(~allowed, float("-inf"))
     if batch.bias_ids is not None:
-        bias = torch.zeros(logits.shape[0], batch.vocab_size + 1, device=logits.device)
-        bias.scatter_add_(1, batch.bias_ids, batch.bias_values)
-        logits = logits + bias[:, : batch.vocab_size]
+        logits = logits + _scatter_ids(
+            batch.bias_ids, batch.vocab_size, torch.float32, batch.bias_values
+        )
     if batch.repetition_ids is not None:
         seen = _scatter_ids(batch.repetition_ids, batch.vocab_size, torch.bool)  # [B, V]
         rp = batch.repetition_penalties[:, None]
@@ -247,13 +247,18 @@ def _pad_ids(
     return torch.tensor(padded, dtype=torch.int64).to(device)
 
 
-def _scatter_ids(ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Per-row counts (float) or presence (bool) of ids [B, L]; the padding column is dropped."""
+def _scatter_ids(
+    ids: torch.Tensor, vocab_size: int, dtype: torch.dtype, values: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row presence (bool), counts (float) or sums of `values` [B, L] of ids [B, L]; the
+    padding column is dropped."""
     out = torch.zeros(ids.shape[0], vocab_size + 1, dtype=dtype, device=ids.device)
     if dtype == torch.bool:
         out.scatter_(1, ids, True)
     else:
-        out.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=ids.device))
+        if values is None:
+            values = torch.ones(ids.shape, dtype=dtype, device=ids.device)
+        out.scatter_add_(1, ids, values)
     return out[:, :vocab_size]
 
 
