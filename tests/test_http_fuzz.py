@@ -1,6 +1,7 @@
 """Fuzzing the HTTP API: hypothesis bodies for /generate, /v1/completions,
-/v1/chat/completions, and the agent APIs /v1/messages and /v1/responses (their bodies and
-checks: fuzz_agent_apis.py), valid-ish and not, against one server that separates reasoning
+/v1/chat/completions, the agent APIs /v1/messages and /v1/responses (their bodies and
+checks: fuzz_agent_apis.py) and Ollama's /api/chat and /api/generate (fuzz_ollama_api.py),
+valid-ish and not, against one server that separates reasoning
 (`--reasoning-parser`) and reads tool calls.
 
 Every answer must be a 2xx (a stream ending in `data: [DONE]`, no request aborted by an
@@ -39,6 +40,7 @@ from fuzz_lifecycle import (  # noqa: F401 (collected here, against this file's 
     test_fuzz_disconnect_mid_stream,
     test_fuzz_stored_response_ids,
 )
+from fuzz_ollama_api import DEEP_FORMAT, OLLAMA_BODY, OLLAMA_PATH, ollama_problems
 from fuzz_regressions import REGRESSIONS
 from hypothesis import given
 
@@ -107,6 +109,21 @@ AGENT_PROBLEMS = {
 @given(path=MESSAGES_PATH, body=MESSAGES_BODY)
 def test_fuzz_anthropic_messages(fuzz_server, path, body):
     check_with(fuzz_server.url + path, for_path(path, body), anthropic_problems)
+
+
+@FUZZ_SETTINGS
+@given(path=OLLAMA_PATH, body=OLLAMA_BODY)
+def test_fuzz_ollama(fuzz_server, path, body):
+    check_with(fuzz_server.url + path, body, ollama_problems)
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+@FUZZ_SETTINGS
+@given(extra=DEEP_FORMAT)
+def test_fuzz_ollama_deep_format(fuzz_server, path, extra):
+    body = {"model": "tiny", "messages": [], "prompt": "", "stream": False} | extra
+    body = {k: v for k, v in body.items() if k != ("prompt" if path == "/api/chat" else "messages")}
+    check_with(fuzz_server.url + path, body, ollama_problems)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import sys
 
 import anthropic
 import jsonschema
+import ollama
 import openai
 import pytest
 from tool_call_data import ADD
@@ -223,6 +224,25 @@ def test_content_blocks_stream_thinking_then_call_fragments():
         {"type": "tool_use", "id": "toolu_ab", "name": "add", "input": {"a": 1}},
         {"type": "text", "text": "done"},
     ]
+
+
+# ---- Ollama ------------------------------------------------------------------------------
+
+
+def test_ollama_think_splits_thinking_as_chat_completions_does(server, client):
+    local = ollama.Client(host=server.url)
+    options = {"temperature": 0, "num_predict": 12}
+    for think, extra in [(True, {}), (False, NO_THINKING)]:
+        expected = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12,
+                                                  temperature=0, extra_body=extra)  # fmt: skip
+        message = expected.choices[0].message
+        reply = local.chat(MODEL, QUESTION, think=think, options=options)
+        assert reply.message.content == (message.content or "")
+        assert (reply.message.thinking or None) == getattr(message, "reasoning_content", None)
+        chunks = list(local.chat(MODEL, QUESTION, think=think, options=options, stream=True))
+        assert "".join(c.message.thinking or "" for c in chunks) == (reply.message.thinking or "")
+    assert "thinking" in local.show(MODEL).capabilities
+    assert local.generate(MODEL, "Hi", think=True, options=options).thinking
 
 
 # ---- OpenAI Responses --------------------------------------------------------------------

@@ -28,6 +28,7 @@ from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.lora_api import register_lora_routes
+from radixserve.server.ollama_api import ollama_error_middleware, register_ollama_routes
 from radixserve.server.request_fields import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
 from radixserve.server.responses_api import register_responses_routes
@@ -352,10 +353,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    drain = Drain()  # inside anthropic_error_middleware: its 503 in each API's error shape
+    drain = Drain()  # inside the API error middlewares: its 503 in each API's error shape
     app = web.Application(
         middlewares=[
             anthropic_error_middleware,
+            ollama_error_middleware,
             drain.middleware,
             error_middleware,
             auth_middleware,
@@ -390,6 +392,7 @@ def build_app(state: ServerState) -> web.Application:
     register_lora_routes(app)
     register_session_routes(app)
     register_batch_routes(app)
+    register_ollama_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

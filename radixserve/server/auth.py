@@ -16,7 +16,8 @@ shares one loopback address, and one client's wrong keys would lock all of them 
 
 Admin routes (ADMIN_PATHS, the dashboard) answer a user 403 (401 when it sent no key).
 /cache/tree and /cache/sessions answer a user about its own namespace only (tenants.py).
-/health (and vLLM's /ping) and /metrics are open to everyone: probes and scrapers carry no key.
+/health (and vLLM's /ping), /metrics and `/` (a fixed text: the Ollama CLI's heartbeat) are open
+to everyone: probes and scrapers carry no key.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from radixserve.server.errors import error_response
 from radixserve.server.limits import API_KEY_MAX_FAILURES, LoginThrottle
 from radixserve.server.state import state_of
 
-OPEN_PATHS = ("/health", "/ping", "/metrics")
-"""The only paths served without a key: probes and scrapers carry none. Not
-/health_generate: it runs a generation on the GPU."""
+OPEN_PATHS = ("/health", "/ping", "/metrics", "/")
+"""The only paths served without a key: probes and scrapers carry none (`/` is the Ollama
+CLI's heartbeat, a fixed text). Not /health_generate: it runs a generation on the GPU."""
 ADMIN_PATHS = (
     "/flush_cache", "/reset_prefix_cache", "/check_integrity", "/load_lora_adapter",
     "/unload_lora_adapter",
