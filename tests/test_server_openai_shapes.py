@@ -102,3 +102,49 @@ def test_tokenize_rejects_bad_input(server):
     assert status == 400
     status, body = post(server, "/tokenize", {"prompt": "a", "model": "other"})
     assert status == 404 and body["error"]["param"] == "model"
+
+
+# ---- vLLM's return_token_ids ---------------------------------------------------------------
+
+IDS = {"return_token_ids": True, "ignore_eos": True}
+
+
+def test_chat_return_token_ids_whole_and_streamed(openai_client, server):
+    messages = user("Count to three.")
+    response = chat(openai_client, messages=messages, max_tokens=8, extra_body=IDS)
+    _, tokens = post(server, "/tokenize", {"messages": messages})
+    assert response.model_extra["prompt_token_ids"] == tokens["tokens"]
+    [choice] = response.choices
+    output_ids = choice.model_extra["token_ids"]
+    assert len(output_ids) == response.usage.completion_tokens == 8
+    _, text = post(server, "/detokenize", {"tokens": output_ids})
+    assert text["prompt"] == choice.message.content
+    chunks = list(chat(openai_client, stream=True, messages=messages, max_tokens=8,
+                       extra_body=IDS))  # fmt: skip
+    assert chunks[0].model_extra["prompt_token_ids"] == tokens["tokens"]
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    streamed = [i for c in chunks for ch in c.choices for i in ch.model_extra.get("token_ids", [])]
+    assert streamed == output_ids
+    plain = chat(openai_client, messages=messages, max_tokens=8)
+    assert "prompt_token_ids" not in plain.model_extra
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
+def test_completion_return_token_ids_per_choice(openai_client, server):
+    prompts = ["The sky is", "One, two,"]
+    response = complete(openai_client, prompt=prompts, n=2, max_tokens=5, extra_body=IDS)
+    expected = [post(server, "/tokenize", {"prompt": p})[1]["tokens"] for p in prompts]
+    for i, choice in enumerate(response.choices):
+        assert choice.model_extra["prompt_token_ids"] == expected[i // 2]
+        assert len(choice.model_extra["token_ids"]) == 5
+    chunks = list(complete(openai_client, stream=True, prompt=prompts, n=2, max_tokens=5,
+                           extra_body=IDS))  # fmt: skip
+    seen: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            extra = choice.model_extra
+            assert ("prompt_token_ids" in extra) == (choice.index not in seen)
+            seen.setdefault(choice.index, []).extend(extra["token_ids"])
+    assert [seen[i] for i in range(4)] == [c.model_extra["token_ids"] for c in response.choices]
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        complete(openai_client, prompt="x", extra_body={"return_token_ids": "yes"})

@@ -29,6 +29,7 @@ class ChoiceTracker:
         start = result.spec.logprob_start_len
         self.echo_logprobs = start is not None and start >= 0
         self.sent_text = ""
+        self.num_sent_ids = 0
         self.num_sent_logprobs = 0
         self.text_offset = 0
         self.finished = False
@@ -49,6 +50,12 @@ class ChoiceTracker:
         if not text and not reasoning and not logprobs and finish is None:
             return None
         return Delta(text, logprobs, finish, reasoning=reasoning)
+
+    def take_token_ids(self) -> list[int]:
+        """The output token ids not taken before (vLLM's per-chunk `token_ids`)."""
+        ids = self.result.output_ids[self.num_sent_ids :]
+        self.num_sent_ids += len(ids)
+        return ids
 
     def _new_text(self) -> str:
         text = self.result.text()

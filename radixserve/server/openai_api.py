@@ -46,10 +46,7 @@ from radixserve.server.openai_protocol import (
     check_object,
     parse_request,
 )
-from radixserve.server.openai_response import (
-    ResponseShape,
-    usage,
-)
+from radixserve.server.openai_response import Delta, ResponseShape, usage
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.request_fields import check_fields
 from radixserve.server.state import ServerState, read_json, state_of
@@ -124,12 +121,20 @@ async def _run_completion(state: ServerState, body: Any, chat: bool, salt=None, 
     stream = state.open(build_specs(state, parsed, ids, lora_path))
     async with stream:  # leaving before the requests end (client gone, failure) aborts them
         trackers = choice_trackers(state, parsed, ids, stream.results)
-        shape = ResponseShape(parsed, lora_path or state.served_model_name)
+        asked_ids = ids if parsed.token_ids else None
+        shape = ResponseShape(parsed, lora_path or state.served_model_name, asked_ids)
         if parsed.stream and request is not None:
             return await stream_response(request, state, shape, trackers, parsed, stream)
         results = await state.run(stream)
-    deltas = [tracker.next_delta() for tracker in trackers]
+    deltas = [with_token_ids(shape, t, t.next_delta()) for t in trackers]
     return shape.response(deltas, usage(results, parsed.n))
+
+
+def with_token_ids(shape: ResponseShape, tracker: ChoiceTracker, delta: Delta | None):
+    """`delta` with the output ids its choice gained since the last one, when asked."""
+    if delta is not None and shape.prompt_ids is not None:
+        delta.token_ids = tracker.take_token_ids()
+    return delta
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -294,7 +299,7 @@ async def _send_deltas(
     try:
         async with aclosing(state.iterate(stream)) as updates:
             async for index, _ in updates:
-                delta = trackers[index].next_delta()
+                delta = with_token_ids(shape, trackers[index], trackers[index].next_delta())
                 if delta is not None:
                     await send_chunk(index, shape.chunk(index, delta))
     except (ConnectionResetError, asyncio.CancelledError):

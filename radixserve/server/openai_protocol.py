@@ -40,7 +40,7 @@ COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
     *REQUEST_OPTIONS, "include_stop_str_in_output", "structured_outputs",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "return_token_ids",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -83,6 +83,7 @@ class OpenAIRequest:
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
+    token_ids: bool = False  # vLLM's return_token_ids: prompt and output token ids returned
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     echo: bool = False
     cache_salt: Any = None
@@ -130,6 +131,7 @@ def parse_request(
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         tokens_as_ids=check_bool(body, "return_tokens_as_token_ids"),
+        token_ids=check_bool(body, "return_token_ids"),
         cache_salt=check_salt(body.get("cache_salt"), salt_header),
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )

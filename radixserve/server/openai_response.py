@@ -37,30 +37,45 @@ class Delta:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
     reasoning: str | None = None
+    token_ids: list[int] | None = None  # the output ids since the last delta, when asked
 
 
 class ResponseShape:
     """Builds the response bodies and stream chunks of one request in OpenAI's shapes."""
 
-    def __init__(self, parsed: OpenAIRequest, model: str):
+    def __init__(
+        self, parsed: OpenAIRequest, model: str, prompt_ids: list[list[int]] | None = None
+    ):
+        """`prompt_ids`: each prompt's token ids, given when vLLM's return_token_ids asks for
+        them (and each choice's output ids then come in its deltas' `token_ids`)."""
         self.chat = parsed.chat
         self.with_logprobs = parsed.logprobs is not None
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.prompt_ids = prompt_ids
+        self.n = parsed.n
+        self._unstarted = set(range(len(prompt_ids) * parsed.n)) if prompt_ids else set()
 
     def response(self, deltas: list[Delta], usage: dict[str, Any]) -> dict[str, Any]:
         choices = [self._choice(i, delta, chunk=False) for i, delta in enumerate(deltas)]
-        return self._head(chunk=False) | {"choices": choices, "usage": usage}
+        body = self._head(chunk=False) | {"choices": choices, "usage": usage}
+        if self.chat and self.prompt_ids is not None:  # vLLM's: the response's, once
+            body["prompt_token_ids"] = self.prompt_ids[0]
+        return body
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         return self._head(chunk=True) | {"choices": [self._choice(index, delta, chunk=True)]}
 
     def role_chunk(self, index: int) -> dict[str, Any]:
-        """The first chunk of a chat choice: the assistant's role, no content yet."""
+        """The first chunk of a chat choice: the assistant's role, no content yet (and the
+        prompt's ids in the stream's first chunk, when asked)."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}  # fmt: skip
-        return self._head(chunk=True) | {"choices": [choice]}
+        body = self._head(chunk=True) | {"choices": [choice]}
+        if self.prompt_ids is not None and index == 0:
+            body["prompt_token_ids"] = self.prompt_ids[0]
+        return body
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._head(chunk=True) | {"choices": [], "usage": usage}
@@ -85,6 +100,15 @@ class ResponseShape:
             choice["message"] = chat_message(delta)
         choice["logprobs"] = self._logprobs(delta.logprobs)
         choice["finish_reason"] = delta.finish_reason
+        if delta.token_ids is not None:
+            choice["token_ids"] = delta.token_ids
+        if (
+            not self.chat
+            and self.prompt_ids is not None
+            and (not chunk or index in self._unstarted)
+        ):
+            self._unstarted.discard(index)  # a completion choice's: in its first chunk
+            choice["prompt_token_ids"] = self.prompt_ids[index // self.n]
         return choice
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
