@@ -109,6 +109,33 @@ def test_workers_join_and_rejoin_a_restarted_router(fleet):
 
 
 @needs_router
+def test_the_router_reads_each_workers_load(fleet):
+    """sglang-router polls each worker's /get_load (its power_of_two policy's input): a
+    worker running a long request reports its KV tokens, an idle one none."""
+    router, workers = fleet
+    router.wait_for_workers([w.url for w in workers])
+    body = {"input_ids": prompt_ids(7, 64), "sampling_params": LOAD | {"max_new_tokens": 400}}
+    busy = threading.Thread(target=lambda: run(post(workers[0].url + "/generate", body,
+                                                    headers=AUTH)))  # fmt: skip
+    busy.start()
+    try:
+        loads = {}
+        deadline = time.monotonic() + 30
+        while not loads.get(workers[0].url) and time.monotonic() < deadline:
+            request = urllib.request.Request(router.url + "/get_loads", headers=AUTH)
+            with urllib.request.urlopen(request, timeout=5) as response:
+                loads = {w["worker"]: w["load"] for w in json.loads(response.read())["workers"]}
+            time.sleep(0.1)
+        assert loads[workers[0].url] >= 64 and loads[workers[1].url] == 0, loads
+    finally:
+        busy.join(60)
+    request = urllib.request.Request(workers[1].url + "/get_load", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        [load] = json.loads(response.read())
+    assert load["dp_rank"] == 0 and load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0
+
+
+@needs_router
 def test_sigterm_under_load_loses_no_request(fleet):
     router, workers = fleet
     router.wait_for_workers([w.url for w in workers])

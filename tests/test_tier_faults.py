@@ -20,7 +20,7 @@ from test_hiradix_restart import _saved, restarted_without_its_tier
 
 from radixserve.cache.hiradix_cache import INDEX_FILE
 from radixserve.cache.host_tier import TIER_FILE, HostTier
-from radixserve.server.app import health_text
+from radixserve.server.info_api import health_text
 from radixserve.server.metrics import ServerMetrics
 
 

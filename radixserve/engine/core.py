@@ -222,6 +222,9 @@ class EngineCore:
         return {
             "num_running_reqs": len(scheduler.running),
             "num_waiting_reqs": len(scheduler.waiting) + len(scheduler.inbox),
+            "num_waiting_tokens": sum(
+                len(r.input_ids) for r in (*scheduler.waiting, *scheduler.inbox)
+            ),
             "page_size": pool.page_size,
             "pool_capacity_pages": pool.allocator.capacity,
             "pool_free_pages": pool.allocator.num_free,

@@ -1,4 +1,5 @@
-"""The aiohttp application: middlewares, SGLang's native API, health and server info."""
+"""The aiohttp application: middlewares, SGLang's native API (/generate, /abort_request,
+/flush_cache), and every other API's routes registered from its own module."""
 
 from __future__ import annotations
 
@@ -7,18 +8,15 @@ import json
 import logging
 import math
 from contextlib import aclosing
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
-import radixserve
 from radixserve.client.client import EngineBusyError, EngineDeadError
 from radixserve.client.output import LogprobCursor, format_output
 from radixserve.client.request_builder import GENERATE_ARG_NAMES, GenerateArgs, salted_namespace
 from radixserve.client.result import ResultStream
-from radixserve.config import redact_secrets
 from radixserve.server import dashboard, openai_api
 from radixserve.server.anthropic_api import anthropic_error_middleware, register_anthropic_routes
 from radixserve.server.auth import auth_middleware, install_key_throttle
@@ -26,6 +24,7 @@ from radixserve.server.batch_api import register_batch_routes
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
+from radixserve.server.info_api import register_info_routes
 from radixserve.server.limits import body_size_middleware, max_body_bytes
 from radixserve.server.lora_api import register_lora_routes
 from radixserve.server.ollama_api import ollama_error_middleware, register_ollama_routes
@@ -38,8 +37,6 @@ from radixserve.server.tenants import namespaces_shown
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 5.0
-HEALTH_GENERATE_TIMEOUT_S = 20.0
 ANSWER_FIELDS = ("stream", "return_text_in_logprobs", "return_prompt_token_ids")
 """/generate's fields on how to answer (the fields of `Answer`, in order)."""
 GENERATE_FIELDS = GENERATE_ARG_NAMES | set(ANSWER_FIELDS)
@@ -248,110 +245,6 @@ async def concate_and_append_request(request: web.Request) -> web.Response:
     return web.json_response({"success": True})
 
 
-# ---- info and health ---------------------------------------------------------------------
-
-
-def model_paths(state: ServerState) -> dict[str, str]:
-    """SGLang's `model_path` and `tokenizer_path`, which sglang-router reads from server info."""
-    tokenizer_path = state.client.info.get("tokenizer_path") or state.model_path
-    return {"model_path": state.model_path, "tokenizer_path": tokenizer_path}
-
-
-async def model_info(request: web.Request) -> web.Response:
-    state = state_of(request)
-    info = state.client.info
-    return web.json_response({
-        **model_paths(state),
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": "default",
-        "has_image_understanding": False,
-        "has_audio_understanding": False,
-        "model_type": info.get("architecture"),
-        "architectures": [info.get("architecture")],
-        "served_model_name": state.served_model_name,
-    })  # fmt: skip
-
-
-async def server_info(request: web.Request) -> web.Response:
-    state = state_of(request)
-    stats = await state.client.call("get_stats")
-    return web.json_response({
-        **redact_secrets(state.engine_args),
-        **redact_secrets(asdict(state.config)),
-        **model_paths(state),
-        "served_model_name": state.served_model_name,
-        "engine": redact_secrets(state.client.info),
-        "num_active_requests": state.client.num_active,
-        "stats": stats,
-    })  # fmt: skip
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 while the engine core answers (its body names what runs degraded, if anything);
-    503 at once when it is gone."""
-    state = state_of(request)
-    if state.client.dead:
-        reason = state.client.dead_reason
-        return web.Response(status=503, text=f"engine core is not running: {reason}\n")
-    try:
-        stats = await state.client.call("get_stats", timeout_s=HEALTH_TIMEOUT_S)
-    except (asyncio.TimeoutError, RuntimeError):
-        return web.Response(status=503, text="engine core not responding\n")
-    return web.Response(text=health_text(stats))
-
-
-def health_text(stats: dict) -> str:
-    """A healthy /health's body: empty, or what runs degraded while it keeps serving (the
-    host tier backing off after a write error)."""
-    backoff = stats.get("hicache_write_backoff_s", 0)
-    if not backoff:
-        return ""
-    error = stats.get("hicache_last_write_error", "")
-    return (
-        f"degraded: hicache writes off for {backoff:.0f} s after {error}; serving from the pool\n"
-    )
-
-
-async def version(request: web.Request) -> web.Response:
-    """vLLM's GET /version."""
-    return web.json_response({"version": radixserve.__version__})
-
-
-async def health_generate(request: web.Request) -> web.Response:
-    """Generates one token (counted against the queue limit, like any request)."""
-    state = state_of(request)
-    args = GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 1})
-    specs, _ = state.builder.build(args)
-    try:
-        await asyncio.wait_for(state.run(state.open(specs)), HEALTH_GENERATE_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return web.Response(status=503, text="generation timed out\n")
-    return web.Response(text="")
-
-
-async def check_integrity(request: web.Request) -> web.Response:
-    """Admin check (soak tests): every KV page is free, owned by the radix tree, or held by a
-    running request. 200 with the pool's counts, or 500 naming what broke."""
-    state = state_of(request)
-    try:
-        await state.client.check_integrity()
-    except EngineDeadError:
-        raise
-    except RuntimeError as exc:
-        return error_response(500, f"integrity check failed: {exc}")
-    stats = await state.client.stats()
-    keys = ("pool_capacity_pages", "pool_free_pages", "tree_pages", "num_running_reqs",
-            "num_waiting_reqs")  # fmt: skip
-    return web.json_response({"ok": True, **{k: stats[k] for k in keys}})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    state = state_of(request)
-    body = state.metrics.render(await state.client.call("get_stats"))
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
 def build_app(state: ServerState) -> web.Application:
     drain = Drain()  # inside the API error middlewares: its 503 in each API's error shape
     app = web.Application(
@@ -373,18 +266,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/flush_cache", flush_cache)  # it changes state: never on a GET
     app.router.add_post("/concate_and_append_request", concate_and_append_request)
-    for path in ("/get_model_info", "/model_info"):
-        app.router.add_get(path, model_info)
-    for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, server_info)
-    for path in ("/health", "/ping"):  # /ping: vLLM's (and SageMaker's) probe
-        app.router.add_get(path, health)
-    app.router.add_post("/ping", health)
-    app.router.add_get("/version", version)
     app.router.add_post("/reset_prefix_cache", flush_cache)  # vLLM's name for it
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/check_integrity", check_integrity)
+    register_info_routes(app)
     openai_api.register_openai_routes(app)
     register_anthropic_routes(app)
     register_responses_routes(app)
