@@ -5,7 +5,10 @@ chat-completions message list that chat_prompt.py renders (one template path for
     user text blocks                      -> {"role": "user", "content": text}
     user tool_result blocks               -> {"role": "tool", "tool_call_id", "content"}
     assistant text + tool_use blocks      -> {"role": "assistant", "content", "tool_calls"}
-    assistant thinking blocks             -> left out (earlier reasoning is not replayed)
+    assistant thinking blocks             -> the turn's reasoning (`reasoning_content`: the
+                                             chat template keeps or drops it, as Qwen3's
+                                             keeps it after the last user turn); redacted
+                                             thinking is left out
 
 Text blocks of one turn are joined with "\n" (as chat completions joins text parts); a
 tool_result's content may be a string or text blocks, and `is_error: true` prefixes it with
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.server.chat_messages import with_reasoning
 from radixserve.server.errors import BadRequest
 from radixserve.server.request_fields import check_fields
 
@@ -128,8 +132,10 @@ def _add_blocks(role: str, blocks: list, where: str, conversation: Conversation)
             conversation.messages.append(_tool_result(block, f"{where}[{j}]"))
         elif block["type"] == "tool_use":
             turn.calls.append(_tool_use(block, f"{where}[{j}]"))
+        elif block["type"] == "thinking":
+            turn.reasoning.append(block["thinking"])
         elif block["type"] in THINKING_BLOCKS:
-            pass
+            pass  # redacted: nothing this server could read
         else:
             turn.texts.append(block["text"])
         if block.get("cache_control") is not None:
@@ -144,11 +150,14 @@ class _Turn:
         self.role = role
         self.texts: list[str] = []
         self.calls: list[dict[str, Any]] = []
+        self.reasoning: list[str] = []
 
     def message(self) -> dict[str, Any] | None:
         if not self.texts and not self.calls:
             return None
         message = {"role": self.role, "content": "\n".join(self.texts)}
+        if self.reasoning:
+            message |= with_reasoning("\n".join(self.reasoning))
         return message | {"tool_calls": list(self.calls)} if self.calls else message
 
     def flush_into(self, conversation: Conversation, keep_empty: bool = False) -> None:
@@ -217,9 +226,11 @@ def check_block(block: Any, where: str, allowed: tuple[str, ...]) -> dict[str, A
         message = f"{where}.type {kind!r} {reason}; expected one of {allowed}"
         raise BadRequest(message[:200], f"{where}.type")
     check_fields(block, BLOCK_KEYS[kind], {}, where, of=f"a {kind} block")
-    if kind == "text" and not isinstance(block.get("text"), str):
+    text_key = {"text": "text", "thinking": "thinking"}.get(kind)
+    if text_key is not None and not isinstance(block.get(text_key), str):
+        got = block.get(text_key)
         raise BadRequest(
-            f"{where}.text must be a string; got {block.get('text')!r}"[:160], f"{where}.text"
+            f"{where}.{text_key} must be a string; got {got!r}"[:160], f"{where}.{text_key}"
         )
     if block.get("citations") is not None:
         raise BadRequest(f"{where}.citations is not supported by this server", f"{where}.citations")

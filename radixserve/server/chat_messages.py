@@ -1,6 +1,6 @@
 """A chat request's input, checked: the messages (roles, text content, tool calls and
-results) and the chat template's extra variables. Shared by /v1/chat/completions and
-/tokenize; chat_prompt.py renders what passes."""
+results, an assistant turn's past reasoning) and the chat template's extra variables.
+Shared by /v1/chat/completions and /tokenize; chat_prompt.py renders what passes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from radixserve.server.tool_calls import check_message_tool_calls
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = ("role", "content", "name")
-ROLE_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
+REASONING_KEYS = ("reasoning_content", "reasoning")
+"""An assistant turn's reasoning, as SGLang and vLLM return it (vLLM's newer name: reasoning)
+and agents send it back."""
+ROLE_KEYS = {"assistant": ("tool_calls", *REASONING_KEYS), "tool": ("tool_call_id",)}
 MAX_TEMPLATE_KWARGS_DEPTH = 32
 """How deeply chat_template_kwargs may nest: far past any template's switches, well short of
 Python's recursion limit, which rendering (transformers walks the template's data) hits."""
@@ -40,7 +43,26 @@ def _check_message(message: Any, where: str) -> dict[str, Any]:
     checked["content"] = "" if content is None and has_calls else _content_text(content, where)
     if message.get("name") is not None:
         checked["name"] = _check_str(message["name"], f"{where}.name")
-    return checked
+    reasoning = _reasoning(message, where)
+    return checked | (with_reasoning(reasoning) if reasoning else {})
+
+
+def _reasoning(message: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's reasoning text, under either name (the two must agree)."""
+    given = {k: message[k] for k in REASONING_KEYS if message.get(k) is not None}
+    for key, value in given.items():
+        _check_str(value, f"{where}.{key}")
+    if len(set(given.values())) > 1:
+        raise BadRequest(f"{where}.reasoning and {where}.reasoning_content disagree",
+                         param=f"{where}.reasoning")  # fmt: skip
+    return next(iter(given.values()), None)
+
+
+def with_reasoning(text: str) -> dict[str, str]:
+    """The keys that carry an assistant turn's past reasoning into the chat template: HF
+    templates that keep it (Qwen3, DeepSeek-V3.1, GLM-4.5: after the last user turn) read
+    `reasoning_content`, gpt-oss's reads `thinking`; the others ignore both."""
+    return {"reasoning_content": text, "thinking": text}
 
 
 def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:

@@ -7,11 +7,12 @@ turn's input) converted to the chat-completions message list that chat_prompt.py
         parts: input_text, output_text (assistant), each {"type", "text"}
     {"type": "function_call", "call_id", "name", "arguments"}   -> an assistant tool call
     {"type": "function_call_output", "call_id", "output"}       -> a `tool` turn
-    {"type": "reasoning", ...}                                   -> kept, not rendered
+    {"type": "reasoning", "content": [reasoning_text parts]}     -> the reasoning of the
+        assistant turn right after it (`reasoning_content`: the chat template keeps or drops
+        it, as Qwen3's keeps it after the last user turn)
 
 Messages: an assistant message and the function calls right after it are one assistant turn
-(content + tool_calls); calls without a message before them get an empty one. Past reasoning
-items are not shown to the model, as reasoning models' chat templates drop past thinking.
+(content + tool_calls); calls without a message before them get an empty one.
 Images, files, audio and item references are a 400 naming the item.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from radixserve.server.chat_messages import with_reasoning
 from radixserve.server.errors import BadRequest
 from radixserve.server.request_fields import check_fields
 from radixserve.server.tool_calls import json_object
@@ -184,7 +186,19 @@ def _check_reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
     summary = item.get("summary", [])
     if not isinstance(summary, list):
         raise BadRequest(f"{where}.summary must be a list", param=f"{where}.summary")
-    return {"type": "reasoning", "id": _item_id(item, "reasoning", where), "summary": summary}
+    content = item.get("content") or []
+    shaped = isinstance(content, list) and all(
+        isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "reasoning_text"
+        and isinstance(p["text"], str) for p in content
+    )  # fmt: skip
+    if not shaped:
+        raise BadRequest(
+            f"{where}.content must be a list of {{'type': 'reasoning_text', 'text': str}} parts; "
+            f"got {str(content)[:80]}",
+            param=f"{where}.content",
+        )
+    checked = {"type": "reasoning", "id": _item_id(item, "reasoning", where), "summary": summary}
+    return checked | ({"content": content} if content else {})
 
 
 # ---- items -> chat messages --------------------------------------------------------------
@@ -193,8 +207,12 @@ def _check_reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Normalized items as chat messages (see the module doc), in order."""
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items' text, for the assistant turn that follows
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            reasoning += [part["text"] for part in item.get("content", [])]
+            continue
         if kind == "message":
             text = "\n".join(part["text"] for part in item["content"])
             messages.append({"role": ROLES[item["role"]], "content": text})
@@ -204,6 +222,10 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
+        if reasoning and messages[-1]["role"] == "assistant":
+            earlier = messages[-1].get("reasoning_content")  # a turn's calls each reasoned
+            messages[-1] |= with_reasoning("\n".join([*([earlier] if earlier else []), *reasoning]))
+        reasoning = []  # reasoning before any other turn reads to no one: dropped
     return messages
 
 
