@@ -102,6 +102,22 @@ def test_auto_tool_choice_finds_calls_in_the_text(openai_client, stream):
     jsonschema.validate(arguments, ADD)
 
 
+TWO_CALLS = AUTO_CALL + r"\n" + AUTO_CALL.removeprefix(r"Sure\. ")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(openai_client, stream):
+    kwargs = {"tools": TOOLS, "max_tokens": 160, "extra_body": {"regex": TWO_CALLS}}
+    for parallel, expected in [(None, 2), (False, 1)]:
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        if stream:
+            _, calls, finish = streamed_calls(chat(openai_client, True, **kwargs, **extra))
+        else:
+            choice = chat(openai_client, **kwargs, **extra).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+        assert len(calls) == expected and finish == "tool_calls"
+
+
 def test_auto_without_a_call_is_a_plain_message(openai_client):
     choice = chat(
         openai_client, tools=TOOLS, max_tokens=8, extra_body={"ignore_eos": True}

@@ -100,15 +100,20 @@ class ToolCallTracker(ChoiceTracker):
         parser: ToolCallParser | list[str],
         reasoning: StreamingReasoningParser | None = None,
         tokens_as_ids: bool = False,
+        single_call: bool = False,
     ):
         super().__init__(result, tokenizer, reasoning=reasoning, tokens_as_ids=tokens_as_ids)
         self.parser = ToolCallParser(parser) if isinstance(parser, list) else parser
+        self.single_call = single_call  # parallel_tool_calls false: calls after the first dropped
 
     def next_delta(self) -> Delta | None:
         delta = super().next_delta()
         if delta is None:
             return None
         parsed = self.parser.feed(delta.text, final=delta.finish_reason is not None)
+        if self.single_call:
+            parsed.calls = [call for call in parsed.calls if call.index == 0]
+            parsed.deltas = [piece for piece in parsed.deltas if piece.index == 0]
         finish = delta.finish_reason
         if finish == "stop" and self.parser.num_calls:
             finish = "tool_calls"

@@ -224,7 +224,8 @@ def choice_trackers(
         names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
         return [
             ToolCallTracker(r, state.tokenizer, ToolCallParser(names, state.tool_parser, schemas,
-                                                               parsed.stream), reader, as_ids)
+                                                               parsed.stream), reader, as_ids,
+                            parsed.single_call)
             for r, reader in zip(results, readers)
         ]  # fmt: skip
     echoes = [""] * len(ids)

@@ -4,7 +4,7 @@ Field names follow OpenAI, plus vLLM's and SGLang's extra sampling fields (`rege
 `json_schema`, `ebnf` constrain the output, like `response_format`; one constraint at most:
 see response_format.py).
 A field this server does not know is rejected when it carries a value (null is fine), so
-nothing is silently accepted and ignored, except `user` and `parallel_tool_calls` (as in vLLM).
+nothing is silently accepted and ignored, except `user` (as in vLLM).
 Chat messages: chat_messages.py; tools: tool_calls.py; responses: openai_response.py.
 """
 
@@ -91,6 +91,7 @@ class OpenAIRequest:
     max_tokens_name: str = "max_tokens"
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice("none")
+    single_call: bool = False  # parallel_tool_calls false: at most one call per choice
     reasoning: ReasoningOptions = ReasoningOptions()
 
     @property
@@ -169,6 +170,7 @@ def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
         parsed.max_tokens_name = "max_completion_tokens"
     parsed.tools = check_tools(body.get("tools"))
     parsed.tool_choice = check_tool_choice(body.get("tool_choice"), parsed.tools)
+    parsed.single_call = not check_bool(body, "parallel_tool_calls", True)
     parsed.reasoning = request_reasoning(body, parsed.template_kwargs, check_bool, check_top_count)
 
 
