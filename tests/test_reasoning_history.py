@@ -14,7 +14,7 @@ from radixserve.server.anthropic_protocol import parse_messages_request
 from radixserve.server.chat_messages import check_messages
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.errors import BadRequest
-from radixserve.server.responses_items import chat_messages, check_input
+from radixserve.server.responses_items import chat_messages, check_input, seal_reasoning
 
 THINKING_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: "
@@ -106,3 +106,20 @@ def test_chat_completions_accept_an_assistant_turns_reasoning(openai_client):
     plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
     again = openai_client.chat.completions.create(model="tiny", messages=plain, max_tokens=2)
     assert reply.usage.prompt_tokens == again.usage.prompt_tokens  # SmolLM2's drops it
+
+
+def test_sealed_reasoning_opens_into_the_next_assistant_turn():
+    parts = [{"type": "reasoning_text", "text": "Add 1 and 2."}]
+    sealed = seal_reasoning(parts)
+    assert sealed.startswith("rsv1:") and "Add 1" not in sealed
+    items = check_input([
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"type": "reasoning", "summary": [], "encrypted_content": sealed},
+        {"role": "assistant", "content": "3"},
+    ])  # fmt: skip
+    assert items[1]["content"] == parts
+    assert chat_messages(items)[1]["reasoning_content"] == "Add 1 and 2."
+    for bad in ("gAAAAABotherserver", "rsv1:!!!", seal_reasoning([{"type": "x", "text": "y"}])):
+        with pytest.raises(BadRequest) as caught:
+            check_input([{"type": "reasoning", "summary": [], "encrypted_content": bad}])
+        assert caught.value.param == "input[0].encrypted_content"

@@ -269,6 +269,25 @@ def test_responses_reasoning_item_before_the_message_and_streamed(client):
     assert events[-1].response.output_text == response.output_text
 
 
+def test_responses_include_encrypted_reasoning_replays_it_without_store(client):
+    response = respond(client, include=["reasoning.encrypted_content"], store=False)
+    reasoning = response.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content.startswith("rsv1:")
+    assert getattr(respond(client).output[0], "encrypted_content", None) is None
+    replay = [{"role": "user", "content": "What is 1 + 2?"},
+              {"type": "reasoning", "id": reasoning.id, "summary": [],
+               "encrypted_content": reasoning.encrypted_content},
+              {"role": "assistant", "content": response.output_text},
+              {"role": "user", "content": "And 2 + 2?"}]  # fmt: skip
+    again = client.responses.create(model=MODEL, input=replay, max_output_tokens=4, store=False)
+    assert again.status in ("completed", "incomplete")
+    forged = [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]
+    for body, field in [({"include": ["message.output_text.logprobs"]}, "include"),
+                        ({"input": forged}, "encrypted_content")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=field):
+            respond(client, **body)
+
+
 def test_responses_schema_after_reasoning_and_reasoning_effort(client):
     fmt = {"type": "json_schema", "name": "n", "schema": SCHEMA}
     response = client.responses.create(

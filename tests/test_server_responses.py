@@ -328,7 +328,7 @@ BASE = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
         (BASE | {"metadata": {"k": 1}}, "metadata"),
         (BASE | {"store": "yes"}, "store"),
         (BASE | {"previous_response_id": "resp_nope"}, "previous_response_id"),
-        (BASE | {"include": ["reasoning.encrypted_content"]}, "include"),
+        (BASE | {"include": ["message.output_text.logprobs"]}, "include"),
         (BASE | {"conversation": "conv_1"}, "conversation"),
     ],
 )

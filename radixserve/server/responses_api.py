@@ -144,7 +144,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             history=history,
             tracker=_tracker(state, parsed, result),
             shape=ResponseShape(lora_path or state.served_model_name, parsed.echo()),
-            items=OutputItems(single_call=not parsed.parallel_tool_calls),
+            items=OutputItems(not parsed.parallel_tool_calls, parsed.sealed_reasoning),
             count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
         )
         if parsed.stream:

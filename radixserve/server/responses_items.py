@@ -9,7 +9,8 @@ turn's input) converted to the chat-completions message list that chat_prompt.py
     {"type": "function_call_output", "call_id", "output"}       -> a `tool` turn
     {"type": "reasoning", "content": [reasoning_text parts]}     -> the reasoning of the
         assistant turn right after it (`reasoning_content`: the chat template keeps or drops
-        it, as Qwen3's keeps it after the last user turn)
+        it, as Qwen3's keeps it after the last user turn); without content, the parts
+        its `encrypted_content` holds (seal_reasoning)
 
 Messages: an assistant message and the function calls right after it are one assistant turn
 (content + tool_calls); calls without a message before them get an empty one.
@@ -18,6 +19,8 @@ Images, files, audio and item references are a 400 naming the item.
 
 from __future__ import annotations
 
+import base64
+import json
 import uuid
 from typing import Any
 
@@ -37,6 +40,8 @@ CALL_KEYS = {"type", "call_id", "name", "arguments", "id", "status", "namespace"
 OUTPUT_KEYS = {"type", "call_id", "output", "id", "status"}
 REASONING_KEYS = {"type", "id", "summary", "content", "encrypted_content", "status"}
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "refusal")
+SEAL_PREFIX = "rsv1:"
+"""What starts every `encrypted_content` this server writes (seal_reasoning)."""
 ITEM_ID_PREFIXES = {
     "message": "msg_",
     "function_call": "fc_",
@@ -187,18 +192,51 @@ def _check_reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(summary, list):
         raise BadRequest(f"{where}.summary must be a list", param=f"{where}.summary")
     content = item.get("content") or []
-    shaped = isinstance(content, list) and all(
-        isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "reasoning_text"
-        and isinstance(p["text"], str) for p in content
-    )  # fmt: skip
-    if not shaped:
+    if not isinstance(content, list) or not all(_is_reasoning_part(p) for p in content):
         raise BadRequest(
             f"{where}.content must be a list of {{'type': 'reasoning_text', 'text': str}} parts; "
             f"got {str(content)[:80]}",
             param=f"{where}.content",
         )
+    sealed = item.get("encrypted_content")
+    if not content and sealed is not None:
+        content = open_reasoning(sealed, f"{where}.encrypted_content")
     checked = {"type": "reasoning", "id": _item_id(item, "reasoning", where), "summary": summary}
     return checked | ({"content": content} if content else {})
+
+
+def seal_reasoning(content: list[dict[str, Any]]) -> str:
+    """A reasoning item's `encrypted_content`: its reasoning_text parts, opaque to the client
+    and read back by `open_reasoning` on any worker. Not encrypted: the same item carries
+    the text in `content` (this server never hides a model's reasoning from its caller), so
+    secrecy would protect nothing; it is there for clients that replay reasoning with
+    store=false through this field, as OpenAI's docs have them do."""
+    payload = json.dumps({"v": 1, "content": content}, separators=(",", ":"))
+    return SEAL_PREFIX + base64.urlsafe_b64encode(payload.encode()).decode()
+
+
+def open_reasoning(value: Any, where: str) -> list[dict[str, Any]]:
+    """The reasoning_text parts `seal_reasoning` wrote; a 400 naming `where` for anything
+    else (another server's encrypted content included)."""
+    try:
+        if not isinstance(value, str) or not value.startswith(SEAL_PREFIX):
+            raise ValueError("not this server's")
+        payload = json.loads(base64.urlsafe_b64decode(value[len(SEAL_PREFIX) :]))
+        content = payload["content"]
+        if not all(_is_reasoning_part(part) for part in content):
+            raise ValueError("not reasoning_text parts")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadRequest(f"{where} was not written by this server ({exc})"[:200], where) from None
+    return content
+
+
+def _is_reasoning_part(part: Any) -> bool:
+    return (
+        isinstance(part, dict)
+        and set(part) == {"type", "text"}
+        and part["type"] == "reasoning_text"
+        and isinstance(part["text"], str)
+    )
 
 
 # ---- items -> chat messages --------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 
 from radixserve.client.result import RequestResult
 from radixserve.server.openai_response import Delta
-from radixserve.server.responses_items import new_id
+from radixserve.server.responses_items import new_id, seal_reasoning
 from radixserve.server.tool_calls import ToolCall, ToolCallDelta
 
 Event = dict[str, Any]  # one stream event's data; its `type` is the SSE event name
@@ -71,6 +71,7 @@ class OutputItems:
     stream events for what changed (without sequence numbers: ResponseShape adds them)."""
 
     single_call: bool = False  # parallel_tool_calls false: the first call only
+    sealed_reasoning: bool = False  # include reasoning.encrypted_content
     items: list[dict[str, Any]] = field(default_factory=list)
     open_message: dict[str, Any] | None = None
     open_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # parser index -> item
@@ -124,6 +125,8 @@ class OutputItems:
         text = item["content"][0]["text"]
         events = [self._reasoning_event("response.reasoning_text.done", text=text)]
         item["status"] = "completed"
+        if self.sealed_reasoning:
+            item["encrypted_content"] = seal_reasoning(item["content"])
         events.append(self._item_event("response.output_item.done", item))
         self.open_reasoning = None
         return events

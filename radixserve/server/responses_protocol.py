@@ -22,7 +22,8 @@ Field by field:
   effort reaches the chat template as `reasoning_effort` (gpt-oss's template reads it);
   `reasoning.summary` is accepted and not produced; `separate_reasoning`,
   `stream_reasoning`, `max_reasoning_tokens` as on chat completions (server/reasoning.py).
-Accepted at their no-op values only: `include` [], `truncation` "disabled", `background`
+`include` takes "reasoning.encrypted_content" (reasoning items then carry it: responses_items.py
+seals and opens it). Accepted at their no-op values only: `truncation` "disabled", `background`
 false, `service_tier` "auto" / "default", `prompt_cache_retention` "in_memory", `top_logprobs`
 0, `stream_options` without settings; `user` and `prompt_cache_key` are taken
 and not used (the radix cache caches every prefix). Any other field is a 400 naming it.
@@ -83,6 +84,7 @@ RESPONSES_FIELDS = {
     "prompt_cache_key",
     "chat_template_kwargs",
     "cache_salt",
+    "include",
     "reasoning",
     "separate_reasoning",
     "stream_reasoning",
@@ -91,7 +93,6 @@ RESPONSES_FIELDS = {
     *REQUEST_OPTIONS,
 }
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "include": ([],),
     "truncation": ("disabled",),
     "background": (False,),
     "service_tier": ("auto", "default"),
@@ -100,6 +101,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "stream_options": ({}, {"include_obfuscation": False}),
 }
 """Fields accepted only at values that change nothing here."""
+INCLUDE_REASONING = "reasoning.encrypted_content"
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -134,6 +136,7 @@ class ResponsesRequest:
     options: dict[str, Any] = field(default_factory=dict)  # the REQUEST_OPTIONS given
     reasoning: ReasoningOptions = ReasoningOptions()
     effort: str | None = None  # reasoning.effort, echoed
+    sealed_reasoning: bool = False  # include reasoning.encrypted_content
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -192,6 +195,7 @@ def parse_responses_request(
     )
     for name in ("user", "prompt_cache_key"):
         _optional_str(body, name)
+    parsed.sealed_reasoning = _check_include(body.get("include"))
     parsed.effort = _check_reasoning(body.get("reasoning"), parsed.template_kwargs)
     parsed.reasoning = request_reasoning(body, parsed.template_kwargs, check_bool, check_top_count)
     parsed.text_format = _check_text(body.get("text"), parsed, tool_parser)
@@ -199,6 +203,18 @@ def parse_responses_request(
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _check_include(value: Any) -> bool:
+    """`include`: [] or ["reasoning.encrypted_content"] (whether reasoning items carry it)."""
+    if value is None or value == []:
+        return False
+    if not isinstance(value, list) or set(value) != {INCLUDE_REASONING}:
+        raise BadRequest(
+            f"include may name only {INCLUDE_REASONING!r} on this server; got {value!r}"[:200],
+            param="include",
+        )
+    return True
 
 
 def _check_reasoning(value: Any, template_kwargs: dict[str, Any]) -> str | None:
