@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from radixserve.client.client import EngineDeadError
-from radixserve.client.request_builder import GenerateArgs, renamed
+from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.anthropic_protocol import MessagesRequest, parse_messages_request
@@ -39,13 +39,12 @@ from radixserve.server.anthropic_response import (
     usage,
 )
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
+from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name
-from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
+from radixserve.server.reasoning import reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tenants import SALT_HEADER
-from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -199,19 +198,12 @@ def build_specs(
 ) -> list[RequestSpec]:
     args = GenerateArgs(input_ids=[ids], sampling_params=[parsed.sampling], lora_path=lora_path,
                         cache_salt=parsed.cache_salt, **parsed.options)  # fmt: skip
-    try:
-        return state.builder.build(args)[0]
-    except ValueError as exc:
-        raise BadRequest(renamed(str(exc), CORE_NAMES)) from exc
+    return state.build_one(args, CORE_NAMES)
 
 
 def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult) -> ChoiceTracker:
-    reasoning = choice_reasoning_parser(state.reasoning_format, parsed.reasoning)
-    if parsed.offered_tools:
-        names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
-        parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
-        return ToolCallTracker(result, state.tokenizer, parser, reasoning)
-    return ChoiceTracker(result, state.tokenizer, reasoning=reasoning)
+    return chat_tracker(result, state.tokenizer, state.reasoning_format, parsed.reasoning,
+                        parsed.offered_tools, state.tool_parser, parsed.stream)  # fmt: skip
 
 
 def _stop_or_raise(result: RequestResult, finish: str | None) -> tuple[str, str | None]:

@@ -4,10 +4,13 @@ logprobs, the finish, reasoning split off, tool calls read from the content."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from radixserve.client.result import RequestResult
-from radixserve.reasoning import StreamingReasoningParser
+from radixserve.reasoning import ReasoningFormat, StreamingReasoningParser
 from radixserve.server.openai_response import MIN_LOGPROB, Delta, TokenLogprob
-from radixserve.server.tool_calls import ToolCallParser
+from radixserve.server.reasoning import ReasoningOptions, choice_reasoning_parser
+from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 
 class ChoiceTracker:
@@ -122,6 +125,25 @@ class ToolCallTracker(ChoiceTracker):
                 or reasoning):  # fmt: skip
             return None
         return Delta(parsed.content, delta.logprobs, finish, parsed.calls, parsed.deltas, reasoning)
+
+
+def chat_tracker(
+    result: RequestResult,
+    tokenizer,
+    reasoning_format: ReasoningFormat | None,
+    reasoning: ReasoningOptions,
+    tools: list[dict[str, Any]] | None,
+    tool_parser: str,
+    stream: bool,
+) -> ChoiceTracker:
+    """One chat choice's reader, as the Messages, Responses and Ollama APIs make it: its
+    reasoning split off first (with `--reasoning-parser`), then, with `tools` offered, its
+    calls read from the content in `tool_parser`'s format."""
+    reader = choice_reasoning_parser(reasoning_format, reasoning)
+    if not tools:
+        return ChoiceTracker(result, tokenizer, reasoning=reader)
+    parser = ToolCallParser(tool_names(tools), tool_parser, tool_schemas(tools), stream)
+    return ToolCallTracker(result, tokenizer, parser, reader)
 
 
 def _floor(logprob: float) -> float:

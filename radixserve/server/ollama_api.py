@@ -27,19 +27,18 @@ from aiohttp import web
 
 import radixserve
 from radixserve.client.client import EngineDeadError
-from radixserve.client.request_builder import GenerateArgs, renamed
+from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
+from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
 from radixserve.server.ollama_protocol import DEFAULT_TAG, OllamaRequest, parse_ollama_request
 from radixserve.server.ollama_response import ModelFacts, OllamaShape, Timings
 from radixserve.server.openai_api import with_default_max_tokens
-from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
+from radixserve.server.reasoning import reasoning_sampling
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tenants import SALT_HEADER
-from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -235,19 +234,12 @@ def build_specs(state: ServerState, parsed: OllamaRequest, ids: list[int], lora_
         lora_path=lora_path,
         **parsed.options,
     )
-    try:
-        return state.builder.build(args)[0]
-    except ValueError as exc:
-        raise BadRequest(renamed(str(exc), CORE_NAMES)) from exc
+    return state.build_one(args, CORE_NAMES)
 
 
 def _tracker(state: ServerState, parsed: OllamaRequest, result: RequestResult) -> ChoiceTracker:
-    reasoning = choice_reasoning_parser(state.reasoning_format, parsed.reasoning)
-    if parsed.tools:
-        names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
-        parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
-        return ToolCallTracker(result, state.tokenizer, parser, reasoning)
-    return ChoiceTracker(result, state.tokenizer, reasoning=reasoning)
+    return chat_tracker(result, state.tokenizer, state.reasoning_format, parsed.reasoning,
+                        parsed.tools, state.tool_parser, parsed.stream)  # fmt: skip
 
 
 def _done_reason(result: RequestResult) -> str:

@@ -28,14 +28,14 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.client.client import EngineDeadError
-from radixserve.client.request_builder import GenerateArgs, renamed
+from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
+from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name, with_default_max_tokens
-from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
+from radixserve.server.reasoning import reasoning_sampling
 from radixserve.server.responses_items import chat_messages
 from radixserve.server.responses_output import (
     Event,
@@ -49,7 +49,6 @@ from radixserve.server.responses_protocol import ResponsesRequest, parse_respons
 from radixserve.server.responses_store import Owner, ResponseStore, StoredResponse, owner_of
 from radixserve.server.state import STATE_KEY, ServerState, read_json, state_of
 from radixserve.server.tenants import SALT_HEADER
-from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -276,21 +275,12 @@ def build_specs(
         lora_path=lora_path,
         **parsed.options,
     )
-    try:
-        return state.builder.build(args)[0]
-    except ValueError as exc:
-        raise BadRequest(renamed(str(exc), CORE_NAMES)) from exc
+    return state.build_one(args, CORE_NAMES)
 
 
 def _tracker(state: ServerState, parsed: ResponsesRequest, result: RequestResult) -> ChoiceTracker:
-    """The choice's reader: reasoning split off first (with --reasoning-parser), then tool
-    calls read from the content (with tools offered)."""
-    reader = choice_reasoning_parser(state.reasoning_format, parsed.reasoning)
-    if parsed.offered_tools:
-        names, schemas = tool_names(parsed.tools), tool_schemas(parsed.tools)
-        parser = ToolCallParser(names, state.tool_parser, schemas, parsed.stream)
-        return ToolCallTracker(result, state.tokenizer, parser, reader)
-    return ChoiceTracker(result, state.tokenizer, reasoning=reader)
+    return chat_tracker(result, state.tokenizer, state.reasoning_format, parsed.reasoning,
+                        parsed.offered_tools, state.tool_parser, parsed.stream)  # fmt: skip
 
 
 # ---- streaming ---------------------------------------------------------------------------

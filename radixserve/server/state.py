@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from radixserve.client.client import EngineClient
-from radixserve.client.request_builder import RequestBuilder
+from radixserve.client.request_builder import GenerateArgs, RequestBuilder, renamed
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import ServerConfig
 from radixserve.engine.protocol import RequestSpec
@@ -56,6 +56,14 @@ class ServerState:
         """Runs tokenization or template rendering off the event loop, so that one huge
         prompt never stalls the other streams."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def build_one(self, args: GenerateArgs, names: dict[str, str]) -> list[RequestSpec]:
+        """The specs of `args`' one prompt; a core validation error is a 400 whose message
+        calls the fields as the API does (`names`: SamplingParams' name -> the API's)."""
+        try:
+            return self.builder.build(args)[0]
+        except ValueError as exc:
+            raise BadRequest(renamed(str(exc), names)) from exc
 
     def open(self, specs: list[RequestSpec]) -> ResultStream:
         """Submits `specs` now: capacity check and registration happen together (a burst can
