@@ -204,11 +204,18 @@ def test_router_command_maps_log_level_and_lets_extra_args_override():
         ("cpu_cores_per_worker", 0),
         ("base_gpu_id", -1),
         ("prefill_workers", -1),
+        ("policy", "power_of_two"),
     ],
 )
 def test_fleet_config_errors_name_the_flag(field, value):
     with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
         FleetConfig(**{field: value})
+
+
+def test_power_of_two_needs_a_pd_fleet_of_two_and_two():
+    FleetConfig(policy="power_of_two", prefill_workers=2, decode_workers=2)
+    with pytest.raises(ValueError, match="at least 2 prefill and 2 decode"):
+        FleetConfig(policy="power_of_two", prefill_workers=1, decode_workers=2)
 
 
 def test_missing_router_is_a_clear_error(monkeypatch, tiny_chat_model):

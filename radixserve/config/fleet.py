@@ -11,7 +11,8 @@ from radixserve.config.field_types import flag_of
 from radixserve.config.server import MAX_PORT, check_host
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
-"""sglang-router's --policy choices that need no extra setup (`manual` needs routing keys)."""
+"""sglang-router's --policy choices (`manual` needs routing keys; power_of_two, workers on the
+router's command line: a PD fleet's, see FleetConfig._check_power_of_two)."""
 DEFAULT_WORKERS = 2
 """A fixed fleet's size when --workers is not given."""
 
@@ -113,6 +114,7 @@ class FleetConfig:
         if self.policy not in ROUTER_POLICIES:
             allowed = " | ".join(ROUTER_POLICIES)
             raise ValueError(f"--policy must be one of {allowed}; got {self.policy!r}")
+        self._check_power_of_two()
         if (self.prefill_workers == 0) != (self.decode_workers == 0):
             raise ValueError(
                 "--prefill-workers and --decode-workers go together (both >= 1 for a PD "
@@ -130,6 +132,24 @@ class FleetConfig:
             raise ValueError(
                 f"--worker-base-port {self.worker_base_port} + {self.num_workers} workers "
                 f"passes port {MAX_PORT}; lower it"
+            )
+
+    def _check_power_of_two(self) -> None:
+        """sglang-router (0.3) refuses power_of_two unless its workers are on its command line
+        at start, two of each kind at least: a PD fleet's are; a data-parallel fleet's join it
+        once it runs (with their key), so the router would exit at once."""
+        if self.policy != "power_of_two":
+            return
+        if not self.pd_disaggregation:
+            raise ValueError(
+                "--policy power_of_two needs the workers on sglang-router's command line at "
+                "start, and a data-parallel fleet's join it afterwards: use cache_aware, "
+                "round_robin or random (or run sglang-router yourself with --worker-urls)"
+            )
+        if min(self.prefill_workers, self.decode_workers) < 2:
+            raise ValueError(
+                "--policy power_of_two needs at least 2 prefill and 2 decode workers; got "
+                f"{self.prefill_workers} and {self.decode_workers}"
             )
 
     def _check_autoscale(self) -> None:
