@@ -57,6 +57,8 @@ def test_root_version_tags_and_show(client, server):
         assert response.status == 200
     with urllib.request.urlopen(server.url + "/api/version") as response:
         assert json.loads(response.read())["version"]
+    [loaded] = client.ps().models
+    assert loaded.model == MODEL and loaded.expires_at.year == 9999 and loaded.context_length
     [model] = client.list().models
     assert model.model == MODEL and model.size > 0 and len(model.digest) == 64
     assert model.details.format == "safetensors" and model.details.family == "llama"

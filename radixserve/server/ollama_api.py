@@ -1,6 +1,6 @@
 """Ollama's API, as SGLang serves it, for the Ollama CLI (`OLLAMA_HOST=http://127.0.0.1:30000
 ollama run MODEL`), the `ollama` Python library and the agent tools built on them:
-GET/HEAD / (the CLI's heartbeat), GET /api/version, GET /api/tags, POST /api/show,
+GET/HEAD / (the CLI's heartbeat), GET /api/version, GET /api/tags, GET /api/ps, POST /api/show,
 POST /api/chat and POST /api/generate.
 
 A chat (or generate) body is checked by ollama_protocol.py, rendered by the model's chat
@@ -59,6 +59,8 @@ CORE_NAMES = {
     "input_ids": "prompt token ids",
 }
 """SamplingParams' names in core validation messages, as an Ollama body calls them."""
+NEVER = "9999-12-31T23:59:59Z"
+"""/api/ps's `expires_at`: the model stays loaded until the server stops."""
 FACTS_KEY = web.AppKey("ollama_model_facts", ModelFacts)
 NDJSON = "application/x-ndjson"
 
@@ -67,6 +69,7 @@ def register_ollama_routes(app: web.Application) -> None:
     app.router.add_get("/", root)  # HEAD too (aiohttp adds it to every GET route)
     app.router.add_get("/api/version", api_version)
     app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", running)
     app.router.add_post("/api/show", show)
     app.router.add_post("/api/chat", chat)
     app.router.add_post("/api/generate", generate)
@@ -111,6 +114,17 @@ async def tags(request: web.Request) -> web.Response:
     facts = await model_facts(request)
     names = [state.served_model_name, *sorted(state.builder.lora_adapters)]
     return web.json_response({"models": [facts.entry(name) for name in names]})
+
+
+async def running(request: web.Request) -> web.Response:
+    """`ollama ps`: the model (and its adapters) loaded, for as long as the server runs."""
+    state = state_of(request)
+    facts = await model_facts(request)
+    names = [state.served_model_name, *sorted(state.builder.lora_adapters)]
+    context = state.client.info["context_length"]
+    models = [facts.entry(name) | {"expires_at": NEVER, "size_vram": 0,
+                                   "context_length": context} for name in names]  # fmt: skip
+    return web.json_response({"models": models})
 
 
 async def show(request: web.Request) -> web.Response:
