@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from openai_calls import MODEL, chat, complete, user
+from openai_calls import MODEL, NO_EOS, chat, complete, user
 
 
 def post(server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -148,3 +148,42 @@ def test_completion_return_token_ids_per_choice(openai_client, server):
     assert [seen[i] for i in range(4)] == [c.model_extra["token_ids"] for c in response.choices]
     with pytest.raises(openai.BadRequestError, match="return_token_ids"):
         complete(openai_client, prompt="x", extra_body={"return_token_ids": "yes"})
+
+
+# ---- vLLM's prompt_logprobs ------------------------------------------------------------------
+
+
+def test_completion_prompt_logprobs_score_every_prompt_token(openai_client):
+    prompt = "The quick brown fox jumps"
+    response = complete(openai_client, prompt=prompt, logprobs=1, max_tokens=3,
+                        extra_body=NO_EOS | {"prompt_logprobs": 2})  # fmt: skip
+    echoed = complete(openai_client, prompt=prompt, logprobs=1, max_tokens=3, echo=True)
+    [choice] = response.choices
+    scored = choice.model_extra["prompt_logprobs"]
+    prompt_len = response.usage.prompt_tokens
+    assert len(scored) == prompt_len and scored[0] is None
+    echo_values = echoed.choices[0].logprobs.token_logprobs[1:prompt_len]
+    for position, expected in zip(scored[1:], echo_values):
+        token, *tops = position.items()  # the prompt's token first, then the top 2
+        assert token[1]["logprob"] == pytest.approx(expected, abs=1e-4)
+        ranked = sorted(v["rank"] for v in position.values())
+        assert {1, 2} <= set(ranked) and token[1]["rank"] >= 1
+        best = max(v["logprob"] for v in position.values())
+        assert (token[1]["rank"] == 1) == (token[1]["logprob"] == pytest.approx(best, abs=1e-6))
+        assert all(isinstance(v["decoded_token"], str) for v in position.values())
+    # the choice's own logprobs: output tokens only, one alternative each (not the prompt's 2)
+    assert len(choice.logprobs.token_logprobs) == 3
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_chat_prompt_logprobs_and_streaming_refused(openai_client):
+    response = chat(openai_client, messages=user("Hi"), max_tokens=2,
+                    extra_body=NO_EOS | {"prompt_logprobs": 0})  # fmt: skip
+    scored = response.model_extra["prompt_logprobs"]
+    assert len(scored) == response.usage.prompt_tokens and scored[0] is None
+    assert all(len(position) == 1 for position in scored[1:])  # k = 0: the prompt token only
+    assert response.choices[0].logprobs is None
+    for extra, field in [({"prompt_logprobs": 21}, "prompt_logprobs"),
+                         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=field):
+            complete(openai_client, prompt="x", extra_body=extra)

@@ -35,6 +35,7 @@ class RequestResult:
         self.output_top_logprobs: list = []
         self.input_token_ids_logprobs: list = []
         self.output_token_ids_logprobs: list = []
+        self.input_ranks: list = []  # with spec.input_ranks: each scored prompt token's rank
         self.spec_counts: SpecCounts | None = None
         self.jump_forward_tokens = 0
         self.arrival_time = time.perf_counter()
@@ -57,6 +58,7 @@ class RequestResult:
         self.output_top_logprobs += delta.new_output_top_logprobs
         self.input_token_ids_logprobs += delta.new_input_token_ids_logprobs
         self.output_token_ids_logprobs += delta.new_output_token_ids_logprobs
+        self.input_ranks += delta.new_input_ranks
         self.spec_counts = delta.spec_counts
         self.jump_forward_tokens = delta.jump_forward_tokens
         if delta.finish_reason is not None:

@@ -51,6 +51,7 @@ class DeltaTracker:
             new_output_logprobs=req.output_logprobs[sent.output_logprobs :],
             new_output_top_logprobs=req.output_top_logprobs[sent.output_logprobs :],
             new_input_token_ids_logprobs=req.input_token_ids_logprobs[sent.input_logprobs :],
+            new_input_ranks=req.input_ranks[sent.input_logprobs :],
             new_output_token_ids_logprobs=req.output_token_ids_logprobs[sent.output_logprobs :],
             spec_counts=None if req.spec_counts is None else req.spec_counts.copy(),
             jump_forward_tokens=req.jump_forward_tokens,

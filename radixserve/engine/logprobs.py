@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 
 from radixserve.engine.request import Req
-from radixserve.sampling.logprobs import picked_logprobs, token_logprobs, top_logprobs
+from radixserve.sampling.logprobs import (
+    picked_logprobs,
+    token_logprobs,
+    token_ranks,
+    top_logprobs,
+)
 
 
 def commit_logprobs(
@@ -85,6 +90,8 @@ def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> Non
         req.input_logprobs.append((None, req.input_ids[start]))
         req.input_top_logprobs.append(None)
         req.input_token_ids_logprobs.append(None)
+        if req.logprob.ranks:
+            req.input_ranks.append(None)
     first = max(chunk_start + 1, start + len(req.input_logprobs))
     last = min(chunk_start + chunk_logits.shape[0], prompt_len - 1)
     if first > last:
@@ -95,6 +102,8 @@ def _commit_input(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> Non
     req.input_logprobs.extend(zip(values, ids.tolist()))
     req.input_top_logprobs.extend(_tops(rows, req.logprob.top_num))
     req.input_token_ids_logprobs.extend(_picked(rows, req.logprob.token_ids))
+    if req.logprob.ranks:
+        req.input_ranks.extend(token_ranks(rows, ids).tolist())
 
 
 def _commit_forced(req: Req, chunk_start: int, chunk_logits: torch.Tensor) -> None:

@@ -141,6 +141,7 @@ class RequestSpec:
     logprob_start_len: int | None = None  # None: no logprobs; -1: output logprobs only
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None  # ids whose logprobs every position reports
+    input_ranks: bool = False  # each scored prompt token's rank too (vLLM's prompt_logprobs)
     priority: int = 0  # higher first (SGLang's field); needs --enable-priority-scheduling
     lora_id: int | None = None  # load id of its LoRA adapter (model/lora.py); None: the base
     session_id: str | None = None  # admitting it ends the session's previous retention pin
@@ -168,6 +169,7 @@ class RequestOutput:
     new_output_logprobs: list[LogprobEntry] = field(default_factory=list)
     new_output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     new_input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
+    new_input_ranks: list[int | None] = field(default_factory=list)  # with input_ranks
     new_output_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # totals so far; None: the request does not speculate
     jump_forward_tokens: int = 0  # total so far: output tokens its grammar forced, unsampled

@@ -55,6 +55,7 @@ class LogprobRequest:
     start_len: int = -1  # first prompt position with an input logprob; -1: output only
     top_num: int = 0
     token_ids: tuple[int, ...] = ()  # SGLang's token_ids_logprob: reported at every position
+    ranks: bool = False  # each scored prompt token's rank among the vocabulary (1: the top)
 
 
 @dataclass(eq=False)
@@ -100,6 +101,7 @@ class Req:
     output_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_ranks: list[int | None] = field(default_factory=list)  # with logprob.ranks
     output_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # set by the scheduler when the request speculates
     jump_forward_tokens: int = 0  # output tokens its grammar forced (sampling/jump_forward.py)
@@ -113,7 +115,9 @@ class Req:
         logprob = None
         if spec.logprob_start_len is not None:
             ids = tuple(spec.token_ids_logprob or ())
-            logprob = LogprobRequest(spec.logprob_start_len, spec.top_logprobs_num, ids)
+            logprob = LogprobRequest(
+                spec.logprob_start_len, spec.top_logprobs_num, ids, spec.input_ranks
+            )
         return cls(
             request_id=spec.request_id,
             rid=spec.rid,

@@ -19,6 +19,14 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return chosen - logits.logsumexp(dim=-1)
 
 
+def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of token_ids[i] among logits [N, V] (1: the largest; ties share the
+    better rank, as vLLM counts them); returns [N]."""
+    logits = logits.float()
+    chosen = logits.gather(1, token_ids.long()[:, None])
+    return (logits > chosen).sum(dim=-1) + 1
+
+
 def picked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[:, token_ids] for logits [N, V] and the same ids [K] in every
     row; returns [N, K]."""

@@ -24,13 +24,19 @@ class ChoiceTracker:
         echo_text: str = "",
         reasoning: StreamingReasoningParser | None = None,
         tokens_as_ids: bool = False,
+        echo_logprobs: bool | None = None,
     ):
+        """`echo_logprobs`: the choice's logprobs start with its prompt's (completions' echo);
+        by default when the request scores its prompt, but not for vLLM's prompt_logprobs,
+        which are reported apart (openai_response.prompt_logprobs)."""
         self.result = result
         self.reasoning = reasoning
         self.tokenizer = tokenizer
         self.pending_text = echo_text  # sent with the first delta
-        start = result.spec.logprob_start_len
-        self.echo_logprobs = start is not None and start >= 0
+        if echo_logprobs is None:
+            start = result.spec.logprob_start_len
+            echo_logprobs = start is not None and start >= 0 and not result.spec.input_ranks
+        self.echo_logprobs = echo_logprobs
         self.sent_text = ""
         self.num_sent_ids = 0
         self.num_sent_logprobs = 0
@@ -71,7 +77,9 @@ class ChoiceTracker:
     def _new_logprobs(self) -> list[TokenLogprob]:
         result = self.result
         inputs, input_tops = result.input_logprobs, result.input_top_logprobs
-        if self.echo_logprobs and not inputs and result.prompt_len == 1:
+        if not self.echo_logprobs:  # scored for prompt_logprobs, reported apart
+            inputs, input_tops = [], []
+        elif not inputs and result.prompt_len == 1:
             # The core scores no position of a one-token prompt, not even the first (None).
             inputs, input_tops = [(None, result.spec.input_ids[0])], [None]
         values, tops = inputs + result.output_logprobs, input_tops + result.output_top_logprobs

@@ -24,6 +24,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -46,7 +47,7 @@ from radixserve.server.openai_protocol import (
     check_object,
     parse_request,
 )
-from radixserve.server.openai_response import Delta, ResponseShape, usage
+from radixserve.server.openai_response import Delta, ResponseShape, prompt_logprobs, usage
 from radixserve.server.reasoning import choice_reasoning_parser, reasoning_sampling
 from radixserve.server.request_fields import check_fields
 from radixserve.server.state import ServerState, read_json, state_of
@@ -127,7 +128,10 @@ async def _run_completion(state: ServerState, body: Any, chat: bool, salt=None, 
             return await stream_response(request, state, shape, trackers, parsed, stream)
         results = await state.run(stream)
     deltas = [with_token_ids(shape, t, t.next_delta()) for t in trackers]
-    return shape.response(deltas, usage(results, parsed.n))
+    scored = None
+    if parsed.prompt_logprobs is not None:
+        scored = await state.off_loop(prompt_logprobs, results, state.tokenizer)
+    return shape.response(deltas, usage(results, parsed.n), scored)
 
 
 def with_token_ids(shape: ResponseShape, tracker: ChoiceTracker, delta: Delta | None):
@@ -180,22 +184,28 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
 def build_specs(
     state: ServerState, parsed: OpenAIRequest, ids: list[list[int]], lora_path: str | None = None
 ) -> list[RequestSpec]:
-    """n requests per prompt, in choice order (prompt p, sample i -> index p*n + i)."""
+    """n requests per prompt, in choice order (prompt p, sample i -> index p*n + i); vLLM's
+    prompt_logprobs scores the prompt from position 0 with the larger top-k of the two asked
+    (each choice's output entries are cut back to `logprobs` when shown)."""
     logprobs = parsed.logprobs is not None
+    scores_prompt = (parsed.echo and logprobs) or parsed.prompt_logprobs is not None
     args = GenerateArgs(
         input_ids=ids,
         sampling_params=[with_default_max_tokens(state, parsed.sampling, len(p)) for p in ids],
-        return_logprob=logprobs,
-        logprob_start_len=0 if parsed.echo and logprobs else None,
-        top_logprobs_num=parsed.logprobs,
+        return_logprob=logprobs or parsed.prompt_logprobs is not None,
+        logprob_start_len=0 if scores_prompt else None,
+        top_logprobs_num=max(parsed.logprobs or 0, parsed.prompt_logprobs or 0),
         cache_salt=parsed.cache_salt,
         lora_path=lora_path,
         **parsed.options,
     )
     try:
-        return state.builder.build(args)[0]
+        specs = state.builder.build(args)[0]
     except ValueError as exc:
         raise ValueError(parsed.openai_message(str(exc))) from exc
+    if parsed.prompt_logprobs is None:
+        return specs
+    return [replace(spec, input_ranks=True) for spec in specs]
 
 
 def with_default_max_tokens(state: ServerState, sampling: dict, prompt_len: int) -> dict:
@@ -231,8 +241,9 @@ def choice_trackers(
     echoes = [""] * len(ids)
     if parsed.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in parsed.prompt]
-    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n], readers[i], as_ids)
-            for i, r in enumerate(results)]  # fmt: skip
+    echo_logprobs = parsed.echo and parsed.logprobs is not None
+    return [ChoiceTracker(r, state.tokenizer, echoes[i // parsed.n], readers[i], as_ids,
+                          echo_logprobs) for i, r in enumerate(results)]  # fmt: skip
 
 
 def tokenize_body(tokenizer, body: dict) -> list[int]:

@@ -40,7 +40,7 @@ COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
     *REQUEST_OPTIONS, "include_stop_str_in_output", "structured_outputs",
-    "return_tokens_as_token_ids", "return_token_ids",
+    "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -85,6 +85,7 @@ class OpenAIRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
     token_ids: bool = False  # vLLM's return_token_ids: prompt and output token ids returned
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank + top k
     echo: bool = False
     cache_salt: Any = None
     options: dict[str, Any] = field(default_factory=dict)  # the REQUEST_OPTIONS given
@@ -133,9 +134,12 @@ def parse_request(
         continuous_usage=continuous_usage,
         tokens_as_ids=check_bool(body, "return_tokens_as_token_ids"),
         token_ids=check_bool(body, "return_token_ids"),
+        prompt_logprobs=check_top_count(body, "prompt_logprobs"),
         cache_salt=check_salt(body.get("cache_salt"), salt_header),
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )
+    if stream and parsed.prompt_logprobs is not None:  # as vLLM
+        raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     if chat:
         _parse_chat(body, parsed)
     else:

@@ -50,6 +50,8 @@ class ResponseShape:
         them (and each choice's output ids then come in its deltas' `token_ids`)."""
         self.chat = parsed.chat
         self.with_logprobs = parsed.logprobs is not None
+        self.top_limit = parsed.logprobs or 0  # output alternatives shown (prompt_logprobs' k
+        # may have made the core compute more)
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -57,11 +59,19 @@ class ResponseShape:
         self.n = parsed.n
         self._unstarted = set(range(len(prompt_ids) * parsed.n)) if prompt_ids else set()
 
-    def response(self, deltas: list[Delta], usage: dict[str, Any]) -> dict[str, Any]:
+    def response(
+        self, deltas: list[Delta], usage: dict[str, Any], scored: list[list] | None = None
+    ) -> dict[str, Any]:
+        """The whole response; `scored`: each choice's prompt_logprobs (vLLM's), when asked."""
         choices = [self._choice(i, delta, chunk=False) for i, delta in enumerate(deltas)]
         body = self._head(chunk=False) | {"choices": choices, "usage": usage}
         if self.chat and self.prompt_ids is not None:  # vLLM's: the response's, once
             body["prompt_token_ids"] = self.prompt_ids[0]
+        if scored is not None and self.chat:
+            body["prompt_logprobs"] = scored[0]
+        elif scored is not None:
+            for choice, entries in zip(choices, scored):
+                choice["prompt_logprobs"] = entries
         return body
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
@@ -114,6 +124,7 @@ class ResponseShape:
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.with_logprobs:
             return None
+        entries = [e._replace(top=e.top[: self.top_limit]) if e.top else e for e in entries]
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
 
 
@@ -152,6 +163,29 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
             for e in entries
         ]
     }
+
+
+def prompt_logprobs(results: list[RequestResult], tokenizer) -> list[list]:
+    """vLLM's prompt_logprobs of each choice: None for the first prompt token (nothing
+    predicts it), then per position {token id: {"logprob", "rank", "decoded_token"}}, the
+    prompt's token first (its rank among the vocabulary), then the top k (ranks 1..k)."""
+    return [_prompt_entries(result, tokenizer) for result in results]
+
+
+def _prompt_entries(result: RequestResult, tokenizer) -> list:
+    entries: list = [None]
+    scored = zip(result.input_logprobs[1:], result.input_top_logprobs[1:], result.input_ranks[1:])
+    for (value, token), tops, rank in scored:
+        position = {str(token): _scored(value, rank, token, tokenizer)}
+        for i, (top_value, top_token) in enumerate(tops or []):
+            position.setdefault(str(top_token), _scored(top_value, i + 1, top_token, tokenizer))
+        entries.append(position)
+    return entries[: max(result.prompt_len, 1)]
+
+
+def _scored(value: float, rank: int, token: int, tokenizer) -> dict[str, Any]:
+    return {"logprob": max(value, MIN_LOGPROB), "rank": rank,
+            "decoded_token": tokenizer.decode([token])}  # fmt: skip
 
 
 def usage(results: list[RequestResult], n: int) -> dict[str, int | dict[str, int]]:
