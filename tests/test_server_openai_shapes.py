@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 from typing import Any
 
 import openai
 import pytest
 from openai_calls import MODEL, NO_EOS, chat, complete, user
+
+from radixserve.server.openai_api import prompt_ids
+from radixserve.server.openai_protocol import parse_request
 
 
 def post(server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -187,3 +191,48 @@ def test_chat_prompt_logprobs_and_streaming_refused(openai_client):
                          ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")]:  # fmt: skip
         with pytest.raises(openai.BadRequestError, match=field):
             complete(openai_client, prompt="x", extra_body=extra)
+
+
+# ---- request ids and special tokens ----------------------------------------------------------
+
+
+def test_a_chat_request_named_by_rid_or_request_id_is_aborted_by_it(openai_client, server):
+    for name in ("rid", "request_id"):
+        rid = f"agent-step-{name}"
+        stream = chat(openai_client, stream=True, messages=user("Go on and on."), max_tokens=2000,
+                      extra_body=NO_EOS | {name: rid})  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)  # the role chunk: the request runs
+        status, reply = post(server, "/abort_request", {"rid": rid})
+        assert status == 200 and reply == {"success": True}
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "abort" and len(finishes) < 2000
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(openai_client, messages=user("x"), extra_body={"rid": "a", "request_id": "b"})
+    assert caught.value.param == "request_id"
+
+
+def test_add_special_tokens_follows_vllms_defaults():
+    class Recorder:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def __init__(self):
+            self.calls = []
+
+        def encode(self, text, add_special_tokens=True):
+            self.calls.append(add_special_tokens)
+            return [1, 2]
+
+        def apply_chat_template(self, messages, **kwargs):
+            return "".join(m["content"] for m in messages)
+
+    state = SimpleNamespace(tokenizer=Recorder(), tool_parser="qwen25")
+    for body, chat_api, expected in [
+        ({"prompt": "a"}, False, True),
+        ({"prompt": "a", "add_special_tokens": False}, False, False),
+        ({"messages": user("a")}, True, False),
+        ({"messages": user("a"), "add_special_tokens": True}, True, True),
+    ]:  # fmt: skip
+        state.tokenizer.calls.clear()
+        prompt_ids(state, parse_request(body | {"model": MODEL}, chat_api))
+        assert state.tokenizer.calls == [expected]

@@ -177,8 +177,12 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
         text = render_chat(
             tokenizer, parsed.messages, parsed.template_kwargs, tools, state.tool_parser
         )
-        return [tokenizer.encode(text, add_special_tokens=False)]
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompt]
+        return [tokenizer.encode(text, add_special_tokens=bool(parsed.add_special_tokens))]
+    special = parsed.add_special_tokens is not False  # vLLM's defaults: chat off, prompts on
+    return [
+        tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)
+        for p in parsed.prompt
+    ]
 
 
 def build_specs(

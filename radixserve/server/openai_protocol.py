@@ -40,7 +40,8 @@ COMMON_FIELDS = {
     *SAMPLING_FIELDS, "model", "max_tokens", "seed", "min_tokens", "logprobs", "stream",
     "stream_options", "cache_salt", "user", "response_format", *CONSTRAINT_FIELDS,
     *REQUEST_OPTIONS, "include_stop_str_in_output", "structured_outputs",
-    "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs",
+    "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs", "rid", "request_id",
+    "add_special_tokens",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -60,6 +61,9 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "suffix": ("",),
     "separate_reasoning": (True,),
     "stream_reasoning": (True,), "return_hidden_states": (False,),
+    # vLLM's extras at their defaults, which its clients send as they are
+    "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "echo": (False,), "mm_processor_kwargs": ({},),
 }  # fmt: skip
 """Fields accepted only at values that change nothing here."""
 
@@ -86,6 +90,7 @@ class OpenAIRequest:
     token_ids: bool = False  # vLLM's return_token_ids: prompt and output token ids returned
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank + top k
+    add_special_tokens: bool | None = None  # vLLM's; None: chat False, completions True
     echo: bool = False
     cache_salt: Any = None
     options: dict[str, Any] = field(default_factory=dict)  # the REQUEST_OPTIONS given
@@ -135,9 +140,13 @@ def parse_request(
         tokens_as_ids=check_bool(body, "return_tokens_as_token_ids"),
         token_ids=check_bool(body, "return_token_ids"),
         prompt_logprobs=check_top_count(body, "prompt_logprobs"),
+        add_special_tokens=check_bool(body, "add_special_tokens", None),
         cache_salt=check_salt(body.get("cache_salt"), salt_header),
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )
+    rid = _request_id(body)
+    if rid is not None:
+        parsed.options["rid"] = rid
     if stream and parsed.prompt_logprobs is not None:  # as vLLM
         raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     if chat:
@@ -148,6 +157,15 @@ def parse_request(
     if constraint is not None:
         parsed.sampling[constraint.kind] = constraint.spec
     return parsed
+
+
+def _request_id(body: dict) -> Any:
+    """SGLang's `rid` or vLLM's `request_id`: the request's id, as /abort_request names it
+    (n > 1: each choice's is the id + "-i"); given both, they must agree."""
+    given = {name: body[name] for name in ("rid", "request_id") if body.get(name) is not None}
+    if len(given) == 2 and given["rid"] != given["request_id"]:
+        raise bad_request("rid and request_id name the same thing: give one", param="request_id")
+    return next(iter(given.values()), None)
 
 
 def _parse_completion(body: dict, parsed: OpenAIRequest) -> None:
