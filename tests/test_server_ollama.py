@@ -159,6 +159,10 @@ def test_chat_tool_calls_and_tool_history(client):
     ]
     reply = client.chat(MODEL, history, tools=TOOLS, options=GREEDY)
     assert reply.done
+    history[1]["thinking"] = "I add them."  # the turn's reasoning, for templates that keep it
+    assert client.chat(MODEL + ":latest", history, tools=TOOLS, options=GREEDY).model == (
+        MODEL + ":latest"
+    )
 
 
 def test_chat_logprobs(client):

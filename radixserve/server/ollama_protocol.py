@@ -17,8 +17,9 @@ Field by field (both endpoints unless said):
   started with `--reasoning-parser` to be true (checked by the route).
 - `logprobs` and `top_logprobs` (0-20), `keep_alive` (accepted: the model stays loaded).
 - chat: `messages` (roles system, user, assistant, tool; `tool_calls` with object arguments,
-  `tool_name` on results; an assistant's `thinking` is dropped, as templates drop past
-  reasoning; `images` are a 400: the models here read text only), `tools` (OpenAI's form).
+  `tool_name` on results; an assistant's `thinking` is the turn's reasoning, which the chat
+  template keeps or drops; `images` are a 400: the models here read text only), `tools`
+  (OpenAI's form).
 - generate: `prompt`, `system`, `raw` (the prompt as is, no template), `context` (token ids a
   previous response returned, put before the prompt); `suffix`, `template` (a request's own
   template) and `images` are a 400.
@@ -148,7 +149,7 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
     if not isinstance(model, str) or not model:
         raise BadRequest(f"model is required: a model name; got {model!r}", param="model")
     parsed = OllamaRequest(
-        model=model.removesuffix(DEFAULT_TAG),
+        model=model,  # answers name it as asked; the route looks it up without DEFAULT_TAG
         chat=chat,
         stream=_bool(body, "stream", True),
         think=_think(body.get("think")),
@@ -194,6 +195,8 @@ def _message(message: Any, where: str) -> dict[str, Any]:
             f"{where}.images: this server's models read text only", param=f"{where}.images"
         )
     converted = {"role": message.get("role"), "content": message.get("content") or ""}
+    if message.get("thinking") and message.get("role") == "assistant":  # the turn's reasoning
+        converted["reasoning_content"] = message["thinking"]
     if message.get("role") == "tool":
         name = message.get("tool_name")
         call_id = message.get("tool_call_id") or name or ""
