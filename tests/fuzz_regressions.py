@@ -115,4 +115,6 @@ REGRESSIONS = [
     ("/generate", {"text": "a", "session_params": {"id": "x" * 300}}, 400),
     ("/generate", {"text": "a", "sampling_params": {"stop_regex": "(" * 2000}}, 400),
     ("/generate", {"text": "a", "return_logprob": True, "token_ids_logprob": [[1, 2]]}, 200),
+    # Responses' include: a list of unhashable values was a 500.
+    ("/v1/responses", RESPONSES | {"input": "hi", "include": [[], {"a": 1}]}, 400),
 ]

@@ -209,7 +209,7 @@ def _check_include(value: Any) -> bool:
     """`include`: [] or ["reasoning.encrypted_content"] (whether reasoning items carry it)."""
     if value is None or value == []:
         return False
-    if not isinstance(value, list) or set(value) != {INCLUDE_REASONING}:
+    if not isinstance(value, list) or any(item != INCLUDE_REASONING for item in value):
         raise BadRequest(
             f"include may name only {INCLUDE_REASONING!r} on this server; got {value!r}"[:200],
             param="include",
