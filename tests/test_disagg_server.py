@@ -134,7 +134,7 @@ def test_pd_through_the_real_router(server, pd_servers):
         [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         + ["--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
         + ["--host", "127.0.0.1", "--port", str(router_port), "--policy", "round_robin"]
-        + ["--prometheus-host", "127.0.0.1"],
+        + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
