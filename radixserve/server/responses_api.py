@@ -249,9 +249,43 @@ def previous_history(
 def render_prompt(
     state: ServerState, parsed: ResponsesRequest, history: list[dict[str, Any]]
 ) -> list[int]:
-    """The prompt's token ids: instructions, the chain's items, this turn's input."""
+    """The prompt's token ids: instructions, the chain's items, this turn's input; with
+    `truncation: "auto"`, without the oldest items when they would not fit (OpenAI's rule:
+    the conversation loses its beginning, the instructions stay)."""
+    items = [*history, *parsed.input_items]
+    ids = _render_items(state, parsed, items)
+    if parsed.truncation != "auto":
+        return ids
+    builder = state.builder
+    room = parsed.sampling.get("max_new_tokens") or 1
+    limit = min(builder.context_length, builder.capacity_tokens) - room
+    if len(ids) <= limit:
+        return ids
+    low, high = 1, len(items) - 1  # the fewest leading items dropped that make it fit
+    best = None
+    while low <= high:
+        cut = _item_boundary(items, (low + high) // 2)
+        fitted = _render_items(state, parsed, items[cut:]) if cut < len(items) else None
+        if fitted is not None and len(fitted) <= limit:
+            best, high = fitted, (low + high) // 2 - 1
+        else:
+            low = (low + high) // 2 + 1
+    return best if best is not None else _render_items(state, parsed, items[-1:])
+
+
+def _item_boundary(items: list[dict[str, Any]], cut: int) -> int:
+    """`cut`, moved past the items that would start the kept part dangling: results of calls
+    dropped before them, and reasoning of a dropped turn."""
+    while cut < len(items) - 1 and items[cut]["type"] in ("function_call_output", "reasoning"):
+        cut += 1
+    return cut
+
+
+def _render_items(
+    state: ServerState, parsed: ResponsesRequest, items: list[dict[str, Any]]
+) -> list[int]:
     system = [{"role": "system", "content": parsed.instructions}] if parsed.instructions else []
-    messages = system + chat_messages([*history, *parsed.input_items])
+    messages = system + chat_messages(items)
     if not messages:
         raise BadRequest("input has no message, call or call output to answer", param="input")
     text = render_chat(

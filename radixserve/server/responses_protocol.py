@@ -23,7 +23,8 @@ Field by field:
   `reasoning.summary` is accepted and not produced; `separate_reasoning`,
   `stream_reasoning`, `max_reasoning_tokens` as on chat completions (server/reasoning.py).
 `include` takes "reasoning.encrypted_content" (reasoning items then carry it: responses_items.py
-seals and opens it). Accepted at their no-op values only: `truncation` "disabled", `background`
+seals and opens it); `truncation` "auto" drops the oldest items of the conversation until the
+prompt fits (responses_api.render_prompt). Accepted at their no-op values only: `background`
 false, `service_tier` "auto" / "default", `prompt_cache_retention` "in_memory", `top_logprobs`
 0, `stream_options` without settings; `user` and `prompt_cache_key` are taken
 and not used (the radix cache caches every prefix). Any other field is a 400 naming it.
@@ -85,6 +86,7 @@ RESPONSES_FIELDS = {
     "chat_template_kwargs",
     "cache_salt",
     "include",
+    "truncation",
     "reasoning",
     "separate_reasoning",
     "stream_reasoning",
@@ -93,7 +95,6 @@ RESPONSES_FIELDS = {
     *REQUEST_OPTIONS,
 }
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "truncation": ("disabled",),
     "background": (False,),
     "service_tier": ("auto", "default"),
     "prompt_cache_retention": ("in_memory",),
@@ -102,6 +103,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 }
 """Fields accepted only at values that change nothing here."""
 INCLUDE_REASONING = "reasoning.encrypted_content"
+TRUNCATIONS = ("disabled", "auto")
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -137,6 +139,7 @@ class ResponsesRequest:
     reasoning: ReasoningOptions = ReasoningOptions()
     effort: str | None = None  # reasoning.effort, echoed
     sealed_reasoning: bool = False  # include reasoning.encrypted_content
+    truncation: str = "disabled"  # "auto": the oldest items dropped until the prompt fits
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -162,7 +165,7 @@ class ResponsesRequest:
             "text": {"format": self.text_format},
             "reasoning": {"effort": self.effort, "summary": None},
             "store": self.store,
-            "truncation": "disabled",
+            "truncation": self.truncation,
         }
 
 
@@ -196,6 +199,12 @@ def parse_responses_request(
     for name in ("user", "prompt_cache_key"):
         _optional_str(body, name)
     parsed.sealed_reasoning = _check_include(body.get("include"))
+    parsed.truncation = body.get("truncation") or "disabled"
+    if parsed.truncation not in TRUNCATIONS:
+        raise BadRequest(
+            f"truncation must be one of {TRUNCATIONS}; got {body.get('truncation')!r}"[:200],
+            param="truncation",
+        )
     parsed.effort = _check_reasoning(body.get("reasoning"), parsed.template_kwargs)
     parsed.reasoning = request_reasoning(body, parsed.template_kwargs, check_bool, check_top_count)
     parsed.text_format = _check_text(body.get("text"), parsed, tool_parser)
