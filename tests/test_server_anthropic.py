@@ -348,14 +348,8 @@ def test_blocks_become_chat_messages_in_order():
         ],
     }
     parsed = parse_messages_request(body)
-    assert [m["role"] for m in parsed.messages] == [
-        "system",
-        "user",
-        "assistant",
-        "tool",
-        "user",
-        "assistant",
-    ]
+    roles = ["system", "user", "assistant", "tool", "user", "assistant"]
+    assert [m["role"] for m in parsed.messages] == roles
     assert parsed.messages[0]["content"] == "A\nB"
     call = parsed.messages[2]["tool_calls"][0]
     assert call["function"] == {"name": "add", "arguments": {"a": 1, "b": 2}}
