@@ -117,4 +117,9 @@ REGRESSIONS = [
     ("/generate", {"text": "a", "return_logprob": True, "token_ids_logprob": [[1, 2]]}, 200),
     # Responses' include: a list of unhashable values was a 500.
     ("/v1/responses", RESPONSES | {"input": "hi", "include": [[], {"a": 1}]}, 400),
+    # Conversations: malformed bodies are a 400 naming the field.
+    ("/v1/conversations", {"items": "hi"}, 400),
+    ("/v1/conversations", {"metadata": 5}, 400),
+    ("/v1/conversations", {"items": [{"type": "message", "role": "user", "content": 5}]}, 400),
+    ("/v1/conversations", {"bogus": 1}, 400),
 ]

@@ -70,7 +70,10 @@ KNOWN_ROUTES = {
     "/open_session", "/close_session", "/version", "/reset_prefix_cache",
     "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
     "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel",
-    "/get_load", "/api/version", "/api/tags", "/api/ps", "/api/show", "/api/chat", "/api/generate",
+    "/get_load", "/api/version", "/api/tags", "/api/ps", "/v1/conversations",
+    "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items",
+    "/v1/conversations/{conversation_id}/items/{item_id}", "/api/show", "/api/chat",
+    "/api/generate",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/ping", "/metrics", "/"}  # probes and scrapers carry no key
 

@@ -22,6 +22,7 @@ from radixserve.server.anthropic_api import anthropic_error_middleware, register
 from radixserve.server.auth import auth_middleware, install_key_throttle
 from radixserve.server.batch_api import register_batch_routes
 from radixserve.server.cache_api import register_cache_routes
+from radixserve.server.conversations_api import register_conversation_routes
 from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.info_api import register_info_routes
@@ -271,6 +272,7 @@ def build_app(state: ServerState) -> web.Application:
     openai_api.register_openai_routes(app)
     register_anthropic_routes(app)
     register_responses_routes(app)
+    register_conversation_routes(app)
     register_cache_routes(app)
     register_lora_routes(app)
     register_session_routes(app)
