@@ -85,3 +85,21 @@ def test_agents_sdk_session_keeps_the_history_between_runs(server):
     assert roles[:2] == ["user", "assistant"] and roles[2:] == ["user", "assistant"]
     grown = second.raw_responses[0].usage.input_tokens - first.raw_responses[0].usage.input_tokens
     assert grown > 0  # the second run's prompt carries the first run's turn
+
+
+def test_a_response_in_a_conversation_continues_it_and_joins_it(client):
+    conversation = client.conversations.create(items=[user("My name is Ada.")])
+    ask = {"model": MODEL, "input": "What is my name?", "max_output_tokens": 4}
+    response = client.responses.create(**ask, conversation=conversation.id)
+    assert response.conversation.id == conversation.id
+    items = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert [i.type for i in items][:2] == ["message", "message"]
+    assert items[1].content[0].text == "What is my name?" and len(items) == 3  # + the answer
+    alone = client.responses.create(**ask)
+    assert response.usage.input_tokens > alone.usage.input_tokens  # the history came first
+    for extra, status in [({"previous_response_id": alone.id}, 400), ({}, 404)]:
+        target = conversation.id if extra else "conv_missing"
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.responses.create(model=MODEL, input="x", conversation=target, **extra)
+        assert caught.value.status_code == status
+        assert caught.value.body["param"] == "conversation"

@@ -330,7 +330,7 @@ BASE = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
         (BASE | {"previous_response_id": "resp_nope"}, "previous_response_id"),
         (BASE | {"include": ["message.output_text.logprobs"]}, "include"),
         (BASE | {"truncation": "middle"}, "truncation"),
-        (BASE | {"conversation": "conv_1"}, "conversation"),
+        (BASE | {"conversation": 5}, "conversation"),
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field(server, body, param):

@@ -29,7 +29,7 @@ from aiohttp import web
 from radixserve.server.errors import BadRequest
 from radixserve.server.request_fields import check_fields
 from radixserve.server.responses_items import check_input
-from radixserve.server.responses_protocol import check_metadata
+from radixserve.server.responses_options import check_metadata
 from radixserve.server.responses_store import Owner, owner_of
 from radixserve.server.state import STATE_KEY, read_json
 from radixserve.server.tenants import SALT_HEADER
@@ -151,6 +151,31 @@ async def delete_item(request: web.Request) -> web.Response:
     item = _item(conversation, request.match_info["item_id"])
     _put(request, replace(conversation, items=[i for i in conversation.items if i is not item]))
     return web.json_response(conversation.card())
+
+
+# ---- a Response's conversation ------------------------------------------------------------
+
+
+def conversation_items(app: web.Application, owner: Owner, conversation_id: str) -> list:
+    """The items a Response with `conversation` continues; 404 naming the field if absent."""
+    conversation = app[STORE_KEY].get((owner, conversation_id))
+    if conversation is None:
+        raise BadRequest(f"no conversation {conversation_id!r}", param="conversation", status=404)
+    return conversation.items
+
+
+def append_items(
+    app: web.Application, owner: Owner, conversation_id: str, items: list[dict[str, Any]]
+) -> bool:
+    """Adds a finished Response's input and output items to its conversation; False when it
+    is gone (deleted meanwhile) or would pass the bounds: the Response stands either way."""
+    store = app[STORE_KEY]
+    conversation = store.get((owner, conversation_id))
+    if conversation is None or len(conversation.items) + len(items) > MAX_ITEMS:
+        return False
+    grown = replace(conversation, items=conversation.items + items)
+    num_bytes = grown.num_bytes()
+    return num_bytes <= store.max_bytes and store.put((owner, conversation_id), grown, num_bytes)
 
 
 # ---- helpers -----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
+from radixserve.server.conversations_api import append_items, conversation_items
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name, with_default_max_tokens
 from radixserve.server.reasoning import reasoning_sampling
@@ -87,6 +88,7 @@ class ResponseRun:
     shape: ResponseShape
     items: OutputItems
     count_tokens: Callable[[str], list[int]]  # the reasoning's tokens, for its usage
+    app: web.Application | None = None  # where a `conversation` lives
 
     @property
     def result(self) -> RequestResult:
@@ -111,6 +113,12 @@ class ResponseRun:
         return self.shape.response("failed", self.items.items, error=error_event(message))
 
     def save(self, store: ResponseStore, response: dict[str, Any]) -> None:
+        """Stores the response (`store`), and adds this turn to its `conversation`."""
+        if self.parsed.conversation and self.app is not None:
+            turn = [*self.parsed.input_items, *self.items.items]
+            if not append_items(self.app, self.owner, self.parsed.conversation, turn):
+                logger.warning("conversation %s could not take response %s's items",
+                               self.parsed.conversation, response["id"])  # fmt: skip
         if not self.parsed.store:
             return
         inputs = self.parsed.input_items
@@ -132,6 +140,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     lora_path = check_model_name(state, parsed.model)  # a LoRA adapter's name runs it
     owner = owner_of(request, parsed.cache_salt)
     history = previous_history(store, owner, parsed.previous_response_id)
+    if parsed.conversation:
+        history = conversation_items(request.app, owner, parsed.conversation)
     ids = await state.off_loop(render_prompt, state, parsed, history)
     parsed.sampling = reasoning_sampling(state.reasoning_format, parsed.reasoning, parsed.sampling)
     stream = state.open(build_specs(state, parsed, ids, lora_path))
@@ -145,6 +155,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             shape=ResponseShape(lora_path or state.served_model_name, parsed.echo()),
             items=OutputItems(not parsed.parallel_tool_calls, parsed.sealed_reasoning),
             count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
+            app=request.app,
         )
         if parsed.stream:
             return await stream_response(request, state, run, stream)

@@ -52,6 +52,13 @@ from radixserve.server.response_format import (
     forced_call_constraint,
 )
 from radixserve.server.responses_items import check_input
+from radixserve.server.responses_options import (
+    check_conversation,
+    check_include,
+    check_metadata,
+    check_reasoning,
+    optional_str,
+)
 from radixserve.server.tenants import check_salt
 from radixserve.server.tool_calls import ToolChoice, check_tools, checked_tool_choice
 from radixserve.server.tool_parsers import DEFAULT_TOOL_PARSER
@@ -79,6 +86,7 @@ RESPONSES_FIELDS = {
     "text",
     "store",
     "previous_response_id",
+    "conversation",
     "metadata",
     "stream",
     "user",
@@ -102,11 +110,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "stream_options": ({}, {"include_obfuscation": False}),
 }
 """Fields accepted only at values that change nothing here."""
-INCLUDE_REASONING = "reasoning.encrypted_content"
 TRUNCATIONS = ("disabled", "auto")
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 TEXT_KEYS = {"format", "verbosity"}
 FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -131,6 +135,7 @@ class ResponsesRequest:
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     store: bool = True
     previous_response_id: str | None = None
+    conversation: str | None = None  # a /v1/conversations id: its items first, this turn's after
     metadata: dict[str, str] = field(default_factory=dict)
     stream: bool = False
     cache_salt: str | None = None
@@ -158,6 +163,7 @@ class ResponsesRequest:
             "metadata": self.metadata,
             "parallel_tool_calls": self.parallel_tool_calls,
             "previous_response_id": self.previous_response_id,
+            "conversation": {"id": self.conversation} if self.conversation else None,
             "temperature": self.sampling.get("temperature", 1.0),
             "top_p": self.sampling.get("top_p", 1.0),
             "tool_choice": tool_choice,
@@ -183,13 +189,13 @@ def parse_responses_request(
     parsed = ResponsesRequest(
         model=check_model(body),
         input_items=check_input(body.get("input")),
-        instructions=_optional_str(body, "instructions"),
+        instructions=optional_str(body, "instructions"),
         sampling=sampling_dict(body),
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=check_bool(body, "parallel_tool_calls", True),
         store=check_bool(body, "store", True),
-        previous_response_id=_optional_str(body, "previous_response_id"),
+        previous_response_id=optional_str(body, "previous_response_id"),
         metadata=check_metadata(body.get("metadata")),
         stream=check_bool(body, "stream"),
         cache_salt=check_salt(body.get("cache_salt"), salt_header),
@@ -197,86 +203,22 @@ def parse_responses_request(
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
     )
     for name in ("user", "prompt_cache_key"):
-        _optional_str(body, name)
-    parsed.sealed_reasoning = _check_include(body.get("include"))
+        optional_str(body, name)
+    parsed.conversation = check_conversation(body.get("conversation"))
+    if parsed.conversation and parsed.previous_response_id:
+        raise BadRequest("conversation cannot be combined with previous_response_id: give one",
+                         param="conversation")  # fmt: skip
+    parsed.sealed_reasoning = check_include(body.get("include"))
     parsed.truncation = body.get("truncation") or "disabled"
     if parsed.truncation not in TRUNCATIONS:
         raise BadRequest(
             f"truncation must be one of {TRUNCATIONS}; got {body.get('truncation')!r}"[:200],
             param="truncation",
         )
-    parsed.effort = _check_reasoning(body.get("reasoning"), parsed.template_kwargs)
+    parsed.effort = check_reasoning(body.get("reasoning"), parsed.template_kwargs)
     parsed.reasoning = request_reasoning(body, parsed.template_kwargs, check_bool, check_top_count)
     parsed.text_format = _check_text(body.get("text"), parsed, tool_parser)
     return parsed
-
-
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-
-
-def _check_include(value: Any) -> bool:
-    """`include`: [] or ["reasoning.encrypted_content"] (whether reasoning items carry it)."""
-    if value is None or value == []:
-        return False
-    if not isinstance(value, list) or any(item != INCLUDE_REASONING for item in value):
-        raise BadRequest(
-            f"include may name only {INCLUDE_REASONING!r} on this server; got {value!r}"[:200],
-            param="include",
-        )
-    return True
-
-
-def _check_reasoning(value: Any, template_kwargs: dict[str, Any]) -> str | None:
-    """`reasoning` {"effort", "summary"}: the effort (None: not given), put into
-    `template_kwargs` ("none": enable_thinking false; else reasoning_effort)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
-        raise BadRequest(
-            f"reasoning must be an object with effort and summary; got {value!r}"[:160],
-            param="reasoning",
-        )
-    effort = value.get("effort")
-    if effort is None:
-        return None
-    if effort not in REASONING_EFFORTS:
-        raise BadRequest(
-            f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
-            param="reasoning.effort",
-        )
-    if effort == "none":
-        template_kwargs.setdefault("enable_thinking", False)
-    else:
-        template_kwargs.setdefault("reasoning_effort", effort)
-    return effort
-
-
-def _optional_str(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"{name} must be a string; got {value!r}"[:160], param=name)
-    return value
-
-
-def check_metadata(value: Any) -> dict[str, str]:
-    """At most 16 pairs of strings, keys up to 64 characters, values up to 512 (OpenAI's)."""
-    if value is None:
-        return {}
-    if (
-        not isinstance(value, dict)
-        or len(value) > MAX_METADATA_PAIRS
-        or not all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS for k in value)
-        or not all(
-            isinstance(v, str) and len(v) <= MAX_METADATA_VALUE_CHARS for v in value.values()
-        )
-    ):
-        raise BadRequest(
-            f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs (keys up "
-            f"to {MAX_METADATA_KEY_CHARS} characters, values up to {MAX_METADATA_VALUE_CHARS}); "
-            f"got {value!r}"[:240],
-            param="metadata",
-        )
-    return value
 
 
 # ---- sampling ----------------------------------------------------------------------------
