@@ -28,7 +28,7 @@ from aiohttp import web
 
 from radixserve.server.errors import BadRequest
 from radixserve.server.request_fields import check_fields
-from radixserve.server.responses_items import check_input
+from radixserve.server.responses_items import check_input, item_page
 from radixserve.server.responses_options import check_metadata
 from radixserve.server.responses_store import Owner, owner_of
 from radixserve.server.state import STATE_KEY, read_json
@@ -39,8 +39,6 @@ MAX_ITEMS_PER_CALL = 20
 """OpenAI's bound on the items one create call adds."""
 MAX_ITEMS = 10_000
 """Items one conversation holds at most (older ones stay: the add is refused)."""
-DEFAULT_LIST_LIMIT = 20
-MAX_LIST_LIMIT = 100
 
 
 @dataclass
@@ -120,26 +118,8 @@ async def add_items(request: web.Request) -> web.Response:
 
 
 async def list_items(request: web.Request) -> web.Response:
-    for key, value in request.query.items():
-        if key not in ("after", "limit", "order") and not (key == "include" and not value):
-            raise BadRequest(f"query parameter {key} is not supported by this server", key)
-    query = request.query
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise BadRequest(f"order must be 'asc' or 'desc'; got {order!r}", param="order")
-    items = _conversation(request).items
-    ordered = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise BadRequest(f"after names no item of this conversation: {after!r}", "after")
-        ordered = ordered[ids.index(after) + 1 :]
-    limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
-        raise BadRequest(f"limit must be an integer in [1, {MAX_LIST_LIMIT}]; got {limit!r}",
-                         param="limit")  # fmt: skip
-    return web.json_response(_page(ordered[: int(limit)], has_more=len(ordered) > int(limit)))
+    page = item_page(_conversation(request).items, request.query, "this conversation")
+    return web.json_response(page)
 
 
 async def retrieve_item(request: web.Request) -> web.Response:

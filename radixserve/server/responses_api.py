@@ -37,7 +37,7 @@ from radixserve.server.conversations_api import append_items, conversation_items
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name, with_default_max_tokens
 from radixserve.server.reasoning import reasoning_sampling
-from radixserve.server.responses_items import chat_messages
+from radixserve.server.responses_items import chat_messages, check_list_query, item_page
 from radixserve.server.responses_output import (
     Event,
     OutputItems,
@@ -60,8 +60,6 @@ CORE_NAMES = {
     "input_ids": "prompt token ids",
 }
 """SamplingParams' names in core validation messages, as a Responses body calls them."""
-MAX_LIST_LIMIT = 100
-DEFAULT_LIST_LIMIT = 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -185,46 +183,12 @@ async def delete_response(request: web.Request) -> web.Response:
 
 async def list_input_items(request: web.Request) -> web.Response:
     """A stored response's input items, paged by `after` (an item id) and `limit`."""
-    _check_query(request, {"after", "limit", "order", "include"})
-    items = _stored(request).input_items
-    query = request.query
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise BadRequest(f"order must be 'asc' or 'desc'; got {order!r}", param="order")
-    ordered = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise BadRequest(f"after names no input item of this response: {after!r}", "after")
-        ordered = ordered[ids.index(after) + 1 :]
-    limit = _list_limit(query.get("limit"))
-    page = ordered[:limit]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(ordered) > limit,
-        }
-    )
+    page = item_page(_stored(request).input_items, request.query, "this response's input")
+    return web.json_response(page)
 
 
 def _check_query(request: web.Request, known: set[str]) -> None:
-    for key, value in request.query.items():
-        if key not in known and not (key == "include" and not value):
-            raise BadRequest(f"query parameter {key} is not supported by this server", key)
-
-
-def _list_limit(value: str | None) -> int:
-    if value is None:
-        return DEFAULT_LIST_LIMIT
-    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST_LIMIT:
-        raise BadRequest(
-            f"limit must be an integer in [1, {MAX_LIST_LIMIT}]; got {value!r}", "limit"
-        )
-    return int(value)
+    check_list_query(request.query, known)
 
 
 def _stored(request: web.Request) -> StoredResponse:

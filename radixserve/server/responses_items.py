@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from radixserve.server.chat_messages import with_reasoning
@@ -279,3 +280,44 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
         last = {"role": "assistant", "content": ""}
         messages.append(last)
     last.setdefault("tool_calls", []).append(call)
+
+
+# ---- lists of items ----------------------------------------------------------------------
+
+DEFAULT_LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+
+
+def check_list_query(query: Mapping[str, str], known: set[str]) -> None:
+    """A list or get route's query: only `known` parameters (an empty `include` passes)."""
+    for key, value in query.items():
+        if key not in known and not (key == "include" and not value):
+            raise BadRequest(f"query parameter {key} is not supported by this server", key)
+
+
+def item_page(items: list[dict[str, Any]], query: Mapping[str, str], of: str) -> dict[str, Any]:
+    """`items` as OpenAI's list routes page them: `order` (asc | desc, default desc), `after`
+    (an item id of `of`, e.g. "this conversation"), `limit` (1-100, default 20)."""
+    check_list_query(query, {"after", "limit", "order", "include"})
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order must be 'asc' or 'desc'; got {order!r}", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise BadRequest(f"after names no item of {of}: {after!r}", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+        message = f"limit must be an integer in [1, {MAX_LIST_LIMIT}]; got {limit!r}"
+        raise BadRequest(message, param="limit")
+    page = ordered[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > int(limit),
+    }
