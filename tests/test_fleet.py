@@ -186,13 +186,20 @@ def test_colliding_fleet_ports_are_refused_naming_both_owners(tiny_chat_model):
         fleet_children(
             config, ServerConfig(), engine_args | {"disaggregation_bootstrap_port": 41000}
         )
+    config.router_port, config.router_prometheus_port = 40300, 40200  # worker 0's HTTP port
+    with pytest.raises(ValueError, match=r"40200 is both the router's metrics .* worker 0"):
+        fleet_children(
+            config, ServerConfig(), engine_args | {"disaggregation_bootstrap_port": 41000}
+        )
 
 
 def test_router_command_maps_log_level_and_lets_extra_args_override():
     command = router_command(
-        ["http://a"], "h", 1, "round_robin", log_level="warning", extra_args="--policy random"
-    )
+        ["http://a"], "h", 1, "round_robin", log_level="warning", extra_args="--policy random",
+        prometheus_port=29123,
+    )  # fmt: skip
     assert command[command.index("--log-level") + 1] == "warn"
+    assert command[command.index("--prometheus-port") + 1] == "29123"
     assert command[-2:] == ["--policy", "random"]  # the router's argparse: the last one wins
 
 

@@ -131,9 +131,9 @@ class FleetProcess:
         command = [sys.executable, "-m", "radixserve.cli", "fleet", model]
         command += ["--workers", str(workers), "--router-port", str(router_port)]
         command += ["--worker-base-port", str(base), "--max-total-tokens", "16384", *flags]
-        if "--router-args" not in flags:  # the router's metrics port: 29000 unless told, and
-            # another router (a test on the other xdist worker) may hold that one
-            command += ["--router-args", f"--prometheus-port {free_port_run(1)}"]
+        # the router's metrics port: 29000 unless told, and another router (a test on the
+        # other xdist worker) may hold that one
+        command += ["--router-prometheus-port", str(free_port_run(1))]
         self._launch(command, cwd=cwd, env=env)
 
     def _launch(

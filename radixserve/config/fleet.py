@@ -64,6 +64,9 @@ class FleetConfig:
     """Prefill/decode disaggregation: this many decode workers, with --prefill-workers."""
     router_port: int = 30000
     """Port the router listens on: the fleet's one public endpoint."""
+    router_prometheus_port: int = 29000
+    """Port the router serves its Prometheus metrics on (on --host; sglang-router's default):
+    a second fleet on the machine needs another."""
     worker_base_port: int = 31000
     """Worker i listens on 127.0.0.1:(worker_base_port + i)."""
     policy: str = "cache_aware"
@@ -99,7 +102,9 @@ class FleetConfig:
             if getattr(self, name) is not None and getattr(self, name) < minimum:
                 flag = flag_of(name)
                 raise ValueError(f"{flag} must be >= {minimum}; got {getattr(self, name)}")
-        for name, low in (("router_port", 1), ("worker_base_port", 1), ("fleet_port", 0)):
+        ports = (("router_port", 1), ("router_prometheus_port", 1), ("worker_base_port", 1),
+                 ("fleet_port", 0))  # fmt: skip
+        for name, low in ports:
             if not low <= getattr(self, name) <= MAX_PORT:
                 flag = flag_of(name)
                 raise ValueError(

@@ -246,7 +246,7 @@ def fleet_children(
     each with its key in its environment (`keys`, default: fleet_keys)."""
     keys = keys or fleet_keys(server, config.pd_disaggregation)
     workers = worker_children(config, server, engine_args)
-    check_ports(workers, config.router_port)
+    check_ports(workers, config.router_port, config.router_prometheus_port)
     for worker in workers:
         worker.env = worker.env | keys.worker_env()
     command = router_command(
@@ -256,16 +256,22 @@ def fleet_children(
         config.policy,
         log_level=server.log_level,
         extra_args=config.router_args,
+        prometheus_port=config.router_prometheus_port,
     )
     url = f"http://{server.host}:{config.router_port}"
     return workers, Child("router", command, url, env=keys.router_env())
 
 
-def check_ports(workers: list[Child], router_port: int) -> None:
+def check_ports(workers: list[Child], router_port: int, metrics_port: int | None = None) -> None:
     """Raises ValueError naming the flags when two of the fleet's fixed ports are the same
-    (router, worker HTTP = --worker-base-port + i, prefill bootstrap =
+    (router, its metrics, worker HTTP = --worker-base-port + i, prefill bootstrap =
     --disaggregation-bootstrap-port + i): the second process would fail to bind."""
     owners: dict[int, str] = {router_port: "the router (--router-port)"}
+    if metrics_port is not None:
+        if metrics_port in owners:
+            raise ValueError(f"port {metrics_port} is both the router (--router-port) and its "
+                             "metrics (--router-prometheus-port); move one")  # fmt: skip
+        owners[metrics_port] = "the router's metrics (--router-prometheus-port)"
     for w in workers:
         port = int(w.url.rsplit(":", 1)[1])
         uses = [(port, f"{w.name}'s HTTP port (--worker-base-port + i)")]

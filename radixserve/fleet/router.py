@@ -55,12 +55,16 @@ def router_command(
     policy: str,
     log_level: str | None = None,
     extra_args: str = "",
+    prometheus_port: int | None = None,
 ) -> list[str]:
     """sglang-router's launcher in this interpreter, fronting `workers` (urls, or a PD
     fleet's); `extra_args` come last, so they override. Its key travels in the environment
-    (ROUTER_API_KEY_ENV), never on this command line."""
+    (ROUTER_API_KEY_ENV), never on this command line. `prometheus_port`: its metrics port
+    (None: the router's default, 29000)."""
     command = [sys.executable, ROUTER_LAUNCHER, "--host", host, "--port", str(port)]
     command += ["--prometheus-host", host]  # its metrics port binds 0.0.0.0 by default
+    if prometheus_port is not None:
+        command += ["--prometheus-port", str(prometheus_port)]
     command += [*worker_flags(workers), "--policy", policy]
     if log_level:
         command += ["--log-level", ROUTER_LOG_LEVELS.get(log_level, log_level)]
