@@ -4,6 +4,7 @@ frontend's threads) can drive the async request stream from any thread."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -18,16 +19,24 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
+        self._waiting: set[concurrent.futures.Future] = set()  # what `run` callers wait on
+        self._lock = threading.Lock()
+        self._stopping = False
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` on the loop and waits for its result (cancelled if the wait is
-        interrupted, e.g. by KeyboardInterrupt)."""
+        interrupted, e.g. by KeyboardInterrupt; RuntimeError if the loop stops first)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            self._waiting.add(future)
         try:
             return future.result()
         except BaseException:
             future.cancel()
             raise
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
         """Iterates an async generator from this thread; closing the iterator closes it."""
@@ -39,7 +48,11 @@ class LoopThread:
                     return
         finally:
             if not self.loop.is_closed():  # (stopped under it: its error stands)
-                self.run(agen.aclose())
+                try:
+                    self.run(agen.aclose())
+                except (RuntimeError, concurrent.futures.CancelledError):
+                    if not self._stopping:  # the loop stopping under the close: the
+                        raise  # stream's own error (engine shut down) is the answer
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Lets the tasks still on the loop finish (a stream whose engine shut down ends
@@ -47,10 +60,16 @@ class LoopThread:
         a caller waiting in `run` or `iterate` on another thread always gets an answer."""
         if self.loop.is_closed():
             return
+        self._stopping = True
         future = asyncio.run_coroutine_threadsafe(_finish_tasks(grace_s), self.loop)
         future.result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
+        with self._lock:  # coroutines sent after the last tasks finished never ran: their
+            stranded = [f for f in self._waiting if not f.done()]  # callers get an answer
+        for future in stranded:
+            if not future.cancel():
+                future.set_exception(RuntimeError("the event loop stopped"))
         self.loop.close()
 
 
