@@ -39,7 +39,7 @@ from radixserve.server.anthropic_response import (
     usage,
 )
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
+from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name
 from radixserve.server.reasoning import reasoning_sampling
@@ -208,11 +208,8 @@ def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult)
 
 def _stop_or_raise(result: RequestResult, finish: str | None) -> tuple[str, str | None]:
     """The message's stop; an aborted request has none in Anthropic's terms: an error."""
-    reason = result.finish_reason
-    if finish is None or reason is None or reason.is_abort:
-        message = reason.message if reason is not None else None
-        status = reason.status_code if reason is not None else None
-        raise BadRequest(f"request aborted: {message or 'no reason given'}", status=status or 503)
+    if finish is None or is_aborted(result):
+        raise aborted(result)
     return stop_reason(result, finish)
 
 

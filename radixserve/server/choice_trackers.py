@@ -8,6 +8,7 @@ from typing import Any
 
 from radixserve.client.result import RequestResult
 from radixserve.reasoning import ReasoningFormat, StreamingReasoningParser
+from radixserve.server.errors import BadRequest
 from radixserve.server.openai_response import MIN_LOGPROB, Delta, TokenLogprob
 from radixserve.server.reasoning import ReasoningOptions, choice_reasoning_parser
 from radixserve.server.tool_calls import ToolCallParser, tool_names, tool_schemas
@@ -156,6 +157,21 @@ def chat_tracker(
 
 def _floor(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
+
+
+def aborted(result: RequestResult) -> BadRequest:
+    """The error a request that ended without an answer (aborted, or no finish at all) is on
+    the APIs whose answers have no abort of their own (Messages, Responses, Ollama): 503
+    unless the abort names its status."""
+    reason = result.finish_reason
+    message = reason.message if reason is not None else None
+    status = reason.status_code if reason is not None else None
+    return BadRequest(f"request aborted: {message or 'no reason given'}", status=status or 503)
+
+
+def is_aborted(result: RequestResult) -> bool:
+    """Whether the request ended without an answer: aborted, or not finished."""
+    return result.finish_reason is None or result.finish_reason.is_abort
 
 
 def finish_reason(result: RequestResult) -> str | None:

@@ -30,7 +30,7 @@ from radixserve.client.client import EngineDeadError
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
+from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
 from radixserve.server.ollama_protocol import DEFAULT_TAG, OllamaRequest, parse_ollama_request
@@ -258,12 +258,9 @@ def _tracker(state: ServerState, parsed: OllamaRequest, result: RequestResult) -
 
 def _done_reason(result: RequestResult) -> str:
     """Ollama's done_reason ("stop" or "length"); an aborted request is an error."""
-    reason = result.finish_reason
-    if reason is None or reason.is_abort:
-        message = reason.message if reason is not None else None
-        status = reason.status_code if reason is not None else None
-        raise BadRequest(f"request aborted: {message or 'no reason given'}", status=status or 503)
-    return "length" if reason.kind == "length" else "stop"
+    if is_aborted(result):
+        raise aborted(result)
+    return "length" if result.finish_reason.kind == "length" else "stop"
 
 
 async def _stream(

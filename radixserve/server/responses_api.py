@@ -32,7 +32,7 @@ from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, chat_tracker
+from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
 from radixserve.server.conversations_api import append_items, conversation_items
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name, with_default_max_tokens
@@ -94,13 +94,8 @@ class ResponseRun:
 
     def final(self, finish: str) -> dict[str, Any]:
         """The finished Response object; an aborted request raises (503 unless it says)."""
-        reason = self.result.finish_reason
-        if finish == "abort" or reason is None or reason.is_abort:
-            message = reason.message if reason is not None else None
-            status = reason.status_code if reason is not None else None
-            raise BadRequest(
-                f"request aborted: {message or 'no reason given'}", status=status or 503
-            )
+        if finish == "abort" or is_aborted(self.result):
+            raise aborted(self.result)
         status, incomplete = status_of(finish)
         reasoning = self.items.reasoning_text
         num_reasoning = len(self.count_tokens(reasoning)) if reasoning else 0
@@ -168,12 +163,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
-    _check_query(request, set())
+    check_list_query(request.query, set())
     return web.json_response(_stored(request).response)
 
 
 async def delete_response(request: web.Request) -> web.Response:
-    _check_query(request, set())  # as retrieve_response: a parameter is refused, not ignored
+    check_list_query(request.query, set())  # as retrieve_response: refused, not ignored
     response_id = request.match_info["response_id"]
     owner = owner_of(request, request.headers.get(SALT_HEADER))
     if not store_of(request).delete(owner, response_id):
@@ -185,10 +180,6 @@ async def list_input_items(request: web.Request) -> web.Response:
     """A stored response's input items, paged by `after` (an item id) and `limit`."""
     page = item_page(_stored(request).input_items, request.query, "this response's input")
     return web.json_response(page)
-
-
-def _check_query(request: web.Request, known: set[str]) -> None:
-    check_list_query(request.query, known)
 
 
 def _stored(request: web.Request) -> StoredResponse:
@@ -239,12 +230,12 @@ def render_prompt(
     low, high = 1, len(items) - 1  # the fewest leading items dropped that make it fit
     best = None
     while low <= high:
-        cut = _item_boundary(items, (low + high) // 2)
-        fitted = _render_items(state, parsed, items[cut:]) if cut < len(items) else None
-        if fitted is not None and len(fitted) <= limit:
-            best, high = fitted, (low + high) // 2 - 1
+        middle = (low + high) // 2
+        fitted = _render_items(state, parsed, items[_item_boundary(items, middle) :])
+        if len(fitted) <= limit:
+            best, high = fitted, middle - 1
         else:
-            low = (low + high) // 2 + 1
+            low = middle + 1
     return best if best is not None else _render_items(state, parsed, items[-1:])
 
 
