@@ -262,25 +262,23 @@ def fleet_children(
     return workers, Child("router", command, url, env=keys.router_env())
 
 
-def check_ports(workers: list[Child], router_port: int, metrics_port: int | None = None) -> None:
+def check_ports(workers: list[Child], router_port: int, metrics_port: int) -> None:
     """Raises ValueError naming the flags when two of the fleet's fixed ports are the same
     (router, its metrics, worker HTTP = --worker-base-port + i, prefill bootstrap =
     --disaggregation-bootstrap-port + i): the second process would fail to bind."""
-    owners: dict[int, str] = {router_port: "the router (--router-port)"}
-    if metrics_port is not None:
-        if metrics_port in owners:
-            raise ValueError(f"port {metrics_port} is both the router (--router-port) and its "
-                             "metrics (--router-prometheus-port); move one")  # fmt: skip
-        owners[metrics_port] = "the router's metrics (--router-prometheus-port)"
+    uses = [(router_port, "the router (--router-port)"),
+            (metrics_port, "the router's metrics (--router-prometheus-port)")]  # fmt: skip
     for w in workers:
-        port = int(w.url.rsplit(":", 1)[1])
-        uses = [(port, f"{w.name}'s HTTP port (--worker-base-port + i)")]
+        uses.append(
+            (int(w.url.rsplit(":", 1)[1]), f"{w.name}'s HTTP port (--worker-base-port + i)")
+        )
         if w.bootstrap_port is not None:
             uses.append((w.bootstrap_port, f"{w.name}'s --disaggregation-bootstrap-port + i"))
-        for port, owner in uses:
-            if port in owners:
-                raise ValueError(f"port {port} is both {owners[port]} and {owner}; move one")
-            owners[port] = owner
+    owners: dict[int, str] = {}
+    for port, owner in uses:
+        if port in owners:
+            raise ValueError(f"port {port} is both {owners[port]} and {owner}; move one")
+        owners[port] = owner
 
 
 def describe(config: FleetConfig) -> str:
