@@ -203,10 +203,7 @@ def build_specs(
         lora_path=lora_path,
         **parsed.options,
     )
-    try:
-        specs = state.builder.build(args)[0]
-    except ValueError as exc:
-        raise ValueError(parsed.openai_message(str(exc))) from exc
+    specs = state.build_one(args, parsed.core_names)
     if parsed.prompt_logprobs is None:
         return specs
     return [replace(spec, input_ranks=True) for spec in specs]

@@ -10,7 +10,6 @@ Chat messages: chat_messages.py; tools: tool_calls.py; responses: openai_respons
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,15 +108,15 @@ class OpenAIRequest:
         """The tools the prompt shows: none when tool_choice is "none"."""
         return self.tools if self.tool_choice.mode != "none" else None
 
-    def openai_message(self, message: str) -> str:
-        """A core validation message with SGLang's field names turned into OpenAI's."""
-        names = {
+    @property
+    def core_names(self) -> dict[str, str]:
+        """SamplingParams' names in core validation messages, as this body calls them."""
+        return {
             "max_new_tokens": self.max_tokens_name,
             "min_new_tokens": "min_tokens",
             "sampling_seed": "seed",
             "input_ids": "prompt token ids",
         }
-        return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], message)
 
 
 def parse_request(
