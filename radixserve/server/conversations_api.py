@@ -28,7 +28,7 @@ from aiohttp import web
 
 from radixserve.server.errors import BadRequest
 from radixserve.server.request_fields import check_fields
-from radixserve.server.responses_items import check_input, item_page
+from radixserve.server.responses_items import check_input, item_page, list_body
 from radixserve.server.responses_options import check_metadata
 from radixserve.server.responses_store import Owner, owner_of
 from radixserve.server.state import STATE_KEY, read_json
@@ -41,19 +41,34 @@ MAX_ITEMS = 10_000
 """Items one conversation holds at most (older ones stay: the add is refused)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Conversation:
+    """One conversation; a change makes a new value (the stored one stays as it was if the
+    new one cannot be stored). `items_bytes`: its items' JSON sizes, kept as items come and
+    go, so that an add measures the new items only."""
+
     id: str
     created_at: int
     metadata: dict[str, str] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
+    items_bytes: int = 0
 
     def card(self) -> dict[str, Any]:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at,
                 "metadata": self.metadata}  # fmt: skip
 
     def num_bytes(self) -> int:
-        return len(json.dumps([self.metadata, self.items]))
+        """len(json.dumps([metadata, items])), without serializing the items again."""
+        separators = 2 * max(len(self.items) - 1, 0)
+        return len(json.dumps([self.metadata, []])) + self.items_bytes + separators
+
+    def with_items(self, items: list[dict[str, Any]]) -> Conversation:
+        added = sum(len(json.dumps(item)) for item in items)
+        return replace(self, items=self.items + items, items_bytes=self.items_bytes + added)
+
+    def without(self, item: dict[str, Any]) -> Conversation:
+        kept = [i for i in self.items if i is not item]
+        return replace(self, items=kept, items_bytes=self.items_bytes - len(json.dumps(item)))
 
 
 STORE_KEY = web.AppKey("conversations", TtlStore)
@@ -81,7 +96,7 @@ async def create(request: web.Request) -> web.Response:
     body = await _body(request, {"items", "metadata"})
     items = _items(body.get("items"), allow_empty=True)
     conversation = Conversation("conv_" + uuid.uuid4().hex, int(time.time()),
-                                check_metadata(body.get("metadata")), items)  # fmt: skip
+                                check_metadata(body.get("metadata"))).with_items(items)  # fmt: skip
     _put(request, conversation)
     return web.json_response(conversation.card())
 
@@ -113,8 +128,8 @@ async def add_items(request: web.Request) -> web.Response:
     conversation = _conversation(request)
     if len(conversation.items) + len(items) > MAX_ITEMS:
         raise BadRequest(f"a conversation holds at most {MAX_ITEMS} items", param="items")
-    _put(request, replace(conversation, items=conversation.items + items))
-    return web.json_response(_page(items, has_more=False))
+    _put(request, conversation.with_items(items))
+    return web.json_response(list_body(items, has_more=False))
 
 
 async def list_items(request: web.Request) -> web.Response:
@@ -129,7 +144,7 @@ async def retrieve_item(request: web.Request) -> web.Response:
 async def delete_item(request: web.Request) -> web.Response:
     conversation = _conversation(request)
     item = _item(conversation, request.match_info["item_id"])
-    _put(request, replace(conversation, items=[i for i in conversation.items if i is not item]))
+    _put(request, conversation.without(item))
     return web.json_response(conversation.card())
 
 
@@ -153,9 +168,7 @@ def append_items(
     conversation = store.get((owner, conversation_id))
     if conversation is None or len(conversation.items) + len(items) > MAX_ITEMS:
         return False
-    grown = replace(conversation, items=conversation.items + items)
-    num_bytes = grown.num_bytes()
-    return num_bytes <= store.max_bytes and store.put((owner, conversation_id), grown, num_bytes)
+    return _keep(store, (owner, conversation_id), conversation.with_items(items))
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -199,12 +212,17 @@ def _key(request: web.Request, conversation_id: str) -> tuple[Owner, str]:
 
 
 def _put(request: web.Request, conversation: Conversation) -> None:
-    """Stores `conversation` (a new value: the stored one stays as it was if this fails)."""
-    store, num_bytes = _store(request), conversation.num_bytes()
-    if num_bytes > store.max_bytes:
+    """Stores `conversation` for the request's caller; 413 when it is past the byte bound."""
+    if not _keep(_store(request), _key(request, conversation.id), conversation):
         raise BadRequest("the conversation would be larger than --responses-store-max-mb",
                          param="items", status=413)  # fmt: skip
-    store.put(_key(request, conversation.id), conversation, num_bytes)
+
+
+def _keep(store: TtlStore, key: tuple[Owner, str], conversation: Conversation) -> bool:
+    """Stores `conversation` under `key`; False (the stored value untouched) when it alone
+    is past the store's byte bound."""
+    num_bytes = conversation.num_bytes()
+    return num_bytes <= store.max_bytes and store.put(key, conversation, num_bytes)
 
 
 def _conversation(request: web.Request) -> Conversation:
@@ -222,13 +240,3 @@ def _item(conversation: Conversation, item_id: str) -> dict[str, Any]:
             return item
     raise BadRequest(f"no item {item_id!r} in conversation {conversation.id!r}",
                      param="item_id", status=404)  # fmt: skip
-
-
-def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": has_more,
-    }

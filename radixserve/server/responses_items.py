@@ -313,11 +313,15 @@ def item_page(items: list[dict[str, Any]], query: Mapping[str, str], of: str) ->
     if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
         message = f"limit must be an integer in [1, {MAX_LIST_LIMIT}]; got {limit!r}"
         raise BadRequest(message, param="limit")
-    page = ordered[: int(limit)]
+    return list_body(ordered[: int(limit)], has_more=len(ordered) > int(limit))
+
+
+def list_body(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's list object of `items` (each with an id)."""
     return {
         "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(ordered) > int(limit),
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
     }
