@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.client.request_builder import REQUEST_OPTIONS
-from radixserve.engine.request import MAX_LOGPROBS
 from radixserve.server.chat_messages import check_messages
 from radixserve.server.errors import BadRequest
+from radixserve.server.openai_protocol import check_chat_logprobs
 from radixserve.server.reasoning import ReasoningOptions
 from radixserve.server.request_fields import check_fields
 from radixserve.server.response_format import check_response_format
@@ -170,7 +170,7 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
     constraint = _format(body.get("format"))
     if constraint is not None:
         parsed.sampling["json_schema"] = constraint
-    parsed.logprobs = _logprobs(body)
+    parsed.logprobs = check_chat_logprobs(body)
     return parsed
 
 
@@ -282,20 +282,6 @@ def _format(value: Any) -> dict[str, Any] | None:
     raise BadRequest(
         f'format must be "json" or a JSON schema object; got {value!r}'[:160], param="format"
     )
-
-
-def _logprobs(body: dict) -> int | None:
-    top = body.get("top_logprobs")
-    if top is not None and not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
-        raise BadRequest(
-            f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]; got {top!r}",
-            param="top_logprobs",
-        )
-    if _bool(body, "logprobs", False):
-        return top or 0
-    if top:
-        raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    return None
 
 
 # ---- options -----------------------------------------------------------------------------

@@ -181,11 +181,7 @@ def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:
         parsed.template_kwargs = parsed.template_kwargs | kwargs
     if check_bool(body, "continue_final_message") and ends_with_assistant_text(parsed.messages):
         parsed.template_kwargs = parsed.template_kwargs | CONTINUE_FINAL_MESSAGE  # SGLang's rule
-    top = check_top_count(body, "top_logprobs")
-    if check_bool(body, "logprobs"):
-        parsed.logprobs = top or 0
-    elif top:
-        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    parsed.logprobs = check_chat_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         parsed.sampling["max_new_tokens"] = body["max_completion_tokens"]
         parsed.max_tokens_name = "max_completion_tokens"
@@ -259,6 +255,17 @@ def check_top_count(body: dict, name: str, limit: int | None = MAX_LOGPROBS) -> 
         allowed = f"in [0, {limit}]" if limit is not None else ">= 0"
         raise bad_request(f"{name} must be an integer {allowed}; got {value!r}", param=name)
     return value
+
+
+def check_chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (a boolean) with `top_logprobs` (0-20): the alternatives shown per
+    token, or None without logprobs (Ollama's bodies take the same pair)."""
+    top = check_top_count(body, "top_logprobs")
+    if check_bool(body, "logprobs"):
+        return top or 0
+    if top:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    return None
 
 
 def check_stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
