@@ -34,6 +34,12 @@ def check_model_name(state: ServerState, model: str | None) -> str | None:
     return None
 
 
+def adapter_names(state: ServerState) -> list[str]:
+    """The LoRA adapters loaded now, by name, in order: what every model list shows after the
+    served model."""
+    return sorted(state.builder.lora_adapters)
+
+
 def model_cards(state: ServerState) -> list[dict]:
     """/v1/models' entries: the served model's card, then its LoRA adapters' (SGLang's: a
     model whose parent is the base)."""
@@ -45,9 +51,9 @@ def model_cards(state: ServerState) -> list[dict]:
         "root": state.model_path,
         "max_model_len": state.client.info["context_length"],
     }
-    adapters = sorted(state.builder.lora_adapters)
     return [card] + [
-        card | {"id": name, "root": name, "parent": state.served_model_name} for name in adapters
+        card | {"id": name, "root": name, "parent": state.served_model_name}
+        for name in adapter_names(state)
     ]
 
 

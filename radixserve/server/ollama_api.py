@@ -32,7 +32,7 @@ from radixserve.client.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
 from radixserve.server.errors import BadRequest
-from radixserve.server.lora_api import check_model_name
+from radixserve.server.lora_api import adapter_names, check_model_name
 from radixserve.server.ollama_protocol import DEFAULT_TAG, OllamaRequest, parse_ollama_request
 from radixserve.server.ollama_response import ModelFacts, OllamaShape, Timings
 from radixserve.server.openai_api import with_default_max_tokens
@@ -112,7 +112,7 @@ async def tags(request: web.Request) -> web.Response:
     """The served model and its LoRA adapters (each an adapter of the same files)."""
     state = state_of(request)
     facts = await model_facts(request)
-    names = [state.served_model_name, *sorted(state.builder.lora_adapters)]
+    names = [state.served_model_name, *adapter_names(state)]
     return web.json_response({"models": [facts.entry(name) for name in names]})
 
 
@@ -120,7 +120,7 @@ async def running(request: web.Request) -> web.Response:
     """`ollama ps`: the model (and its adapters) loaded, for as long as the server runs."""
     state = state_of(request)
     facts = await model_facts(request)
-    names = [state.served_model_name, *sorted(state.builder.lora_adapters)]
+    names = [state.served_model_name, *adapter_names(state)]
     context = state.client.info["context_length"]
     models = [facts.entry(name) | {"expires_at": NEVER, "size_vram": 0,
                                    "context_length": context} for name in names]  # fmt: skip
