@@ -16,7 +16,7 @@ from gguf import LlamaFileType
 from radixserve.client.result import RequestResult
 from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.source import ModelLoadError, resolve_model
-from radixserve.server.openai_response import Delta, TokenLogprob
+from radixserve.server.openai_response import Delta, TokenLogprob, logprob_item
 from radixserve.server.tool_calls import ToolCall
 
 LLAMA_FILE_TYPES = {t.value: t.name.removeprefix("MOSTLY_") for t in LlamaFileType}
@@ -42,15 +42,11 @@ def logprob_entries(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
     """Ollama's `logprobs`: each token's text, logprob, UTF-8 bytes and top alternatives."""
     entries = []
     for entry in logprobs:
-        item = _token(entry.token, entry.logprob or 0.0)
+        item = logprob_item(entry.token, entry.logprob or 0.0)
         if entry.top:
-            item["top_logprobs"] = [_token(token, value) for token, value in entry.top]
+            item["top_logprobs"] = [logprob_item(token, value) for token, value in entry.top]
         entries.append(item)
     return entries
-
-
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 @dataclass

@@ -151,15 +151,17 @@ def completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def logprob_item(token: str, logprob: float | None) -> dict[str, Any]:
+    """One token's logprob as chat completions (and Ollama) write it, with its UTF-8 bytes."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     """/v1/chat/completions logprobs: exactly `top_logprobs` alternatives per token."""
-
-    def item(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
     return {
         "content": [
-            item(e.token, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top or []]}
+            logprob_item(e.token, e.logprob)
+            | {"top_logprobs": [logprob_item(t, v) for t, v in e.top or []]}
             for e in entries
         ]
     }
