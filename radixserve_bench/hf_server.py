@@ -166,10 +166,10 @@ class Answer:
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.arrival = time.perf_counter()
 
-    async def next(self) -> None:
-        """Waits for the next step, then takes every step already queued behind it."""
+    async def next(self, *, coalesce: bool = True) -> None:
+        """Waits for the next step, then (coalesce) takes every step already queued behind it."""
         self._take(await self.req.steps.get())
-        while self.finish_reason is None and not self.req.steps.empty():
+        while coalesce and self.finish_reason is None and not self.req.steps.empty():
             self._take(self.req.steps.get_nowait())
 
     def _take(self, step: Step) -> None:
@@ -217,7 +217,7 @@ async def _stream(request: web.Request, answer: Answer) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     while answer.finish_reason is None:
-        await answer.next()
+        await answer.next(coalesce=False)  # one event per token, however late the loop runs
         event = {"error": answer.finish_reason} if answer.aborted else answer.as_dict()
         await response.write(f"data: {json.dumps(event)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
