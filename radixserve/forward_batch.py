@@ -68,6 +68,7 @@ class ForwardBatch:
     prefix_lens: list[int]
     page_size: int
     return_all_logits: bool = False
+    return_hidden: bool = False  # LogitsOutput.hidden: embedding requests end in this batch
     verify_indices: torch.Tensor | None = None  # [num_verify_rows] int64: tokens that need logits
     attn_metadata: Any = field(default=None, repr=False)  # set by the attention backend
     lora: LoraBatch | None = None  # tokens per LoRA adapter; None: all on the base model
@@ -98,6 +99,7 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         return_all_logits: bool = False,
         verify_indices: Sequence[int] = (),
+        return_hidden: bool = False,
         tree_parents: Sequence[Sequence[int] | None] = (),
     ) -> ForwardBatch:
         """Flattens per-request new tokens; each page table (a list or numpy array of page
@@ -132,6 +134,7 @@ class ForwardBatch:
             prefix_lens=list(prefix_lens),
             page_size=page_size,
             return_all_logits=return_all_logits,
+            return_hidden=return_hidden,
             verify_indices=(
                 torch.tensor(verify_indices, dtype=torch.int64).to(device)
                 if verify_indices

@@ -73,7 +73,7 @@ KNOWN_ROUTES = {
     "/get_load", "/api/version", "/api/tags", "/api/ps", "/v1/conversations",
     "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items",
     "/v1/conversations/{conversation_id}/items/{item_id}", "/api/show", "/api/chat",
-    "/api/generate",
+    "/api/generate", "/encode", "/v1/embeddings", "/api/embed", "/api/embeddings",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/ping", "/metrics", "/"}  # probes and scrapers carry no key
 

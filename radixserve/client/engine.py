@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixserve.cache.retention import prefix_pin_key, session_pin_key
+from radixserve.client.embedding import embed_args, encode_output
 from radixserve.client.inproc_client import InProcessClient
 from radixserve.client.loop_thread import LoopThread
 from radixserve.client.output import LogprobCursor, format_output
@@ -43,6 +44,7 @@ class Engine:
             enable_priority=self.scheduler.config.enable_priority_scheduling,
             disaggregation_mode=handoff.mode if (handoff := self.scheduler.handoff) else None,
             lora_adapters=None if self.runner.lora is None else self.runner.lora.ids,
+            is_embedding=configs[0].is_embedding,
         )
         self.client = InProcessClient(self.core)
         self._loop = LoopThread()
@@ -103,6 +105,44 @@ class Engine:
             return self._stream(specs, return_text_in_logprobs)
         results = await self._run(specs, progress_bar=False)
         return _shape(results, batched, return_text_in_logprobs)
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        cache_salt: str | list[str] | None = None,
+        *,
+        lora_path: str | list[str] | None = None,
+        priority: int | None = None,
+    ) -> dict | list[dict]:
+        """SGLang's Engine.encode (an engine built with is_embedding=True): one prompt -> one
+        {"embedding", "meta_info"} dict, a list of prompts -> a list (client/embedding.py)."""
+        call = self.async_encode(
+            prompt, input_ids, rid, cache_salt, lora_path=lora_path, priority=priority
+        )
+        return self._loop.run(call)
+
+    async def async_encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        cache_salt: str | list[str] | None = None,
+        *,
+        lora_path: str | list[str] | None = None,
+        priority: int | None = None,
+    ) -> dict | list[dict]:
+        """As encode."""
+        args = embed_args(text=prompt, input_ids=input_ids, rid=rid, cache_salt=cache_salt,
+                          lora_path=lora_path, priority=priority)  # fmt: skip
+        specs, batched = self._build(args, embed=True)
+        results = await self._run(specs, progress_bar=False)
+        for result in results:
+            if result.finish_reason is None or result.finish_reason.is_abort:
+                raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
+        outputs = [encode_output(result) for result in results]
+        return outputs if batched else outputs[0]
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Aborts the running request with this rid (or its n > 1 samples), or with
@@ -176,11 +216,11 @@ class Engine:
 
     # ---- running requests ----------------------------------------------------------------
 
-    def _build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
+    def _build(self, args: GenerateArgs, embed: bool = False) -> tuple[list[RequestSpec], bool]:
         if self._closed:
             raise RuntimeError("engine is shut down")
         try:
-            return self.builder.build(args)
+            return self.builder.build(args, embed)
         except ValueError as exc:  # the request's `text` is this method's `prompt`
             raise ValueError(renamed(str(exc), {"text": "prompt"})) from exc
 

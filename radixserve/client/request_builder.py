@@ -22,13 +22,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from radixserve.cache.retention import check_pin_name, session_pin_key
-from radixserve.engine.protocol import Bootstrap, PinRequest, RequestSpec
+from radixserve.client.bootstrap_fields import BOOTSTRAP_FIELDS, bootstraps
+from radixserve.engine.protocol import PinRequest, RequestSpec
 from radixserve.engine.request import LORA_NAMESPACE_SEP, MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
 from radixserve.sampling.params import INT64_MAX, SamplingParams, check_bad_words, is_int64
 
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-"""SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
 REQUEST_OPTIONS = (
     "priority", "session_id", "retention", "extra_key", "truncate_prompt_tokens",
     *BOOTSTRAP_FIELDS,
@@ -82,7 +81,8 @@ class RequestBuilder:
     """`max_outputs`: most requests one call may make (prompts x n); the server's running +
     queued limit, since a call with more could never be admitted. `enable_priority`: the
     engine's --enable-priority-scheduling (without it a non-zero priority is refused).
-    `disaggregation_mode`: prefill | decode | None (bootstrap fields are refused)."""
+    `disaggregation_mode`: prefill | decode | None (bootstrap fields are refused).
+    `is_embedding`: the model serves embeddings (--is-embedding), never generation."""
 
     def __init__(
         self,
@@ -94,6 +94,7 @@ class RequestBuilder:
         enable_priority: bool = False,
         disaggregation_mode: str | None = None,
         lora_adapters: Mapping[str, int] | None = None,
+        is_embedding: bool = False,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -102,13 +103,23 @@ class RequestBuilder:
         self.max_outputs = max_outputs
         self.enable_priority = enable_priority
         self.disaggregation_mode = disaggregation_mode
+        self.is_embedding = is_embedding
         # LoRA adapter name -> load id, of those the engine serves (--lora-paths, and
         # /load_lora_adapter: whoever loads or unloads one updates this map)
         self.lora_adapters: dict[str, int] = dict(lora_adapters or {})
         self._rng = random.Random()
 
-    def build(self, args: GenerateArgs) -> tuple[list[RequestSpec], bool]:
-        """Validated requests (n per prompt) and whether the input was a batch."""
+    def build(self, args: GenerateArgs, embed: bool = False) -> tuple[list[RequestSpec], bool]:
+        """Validated requests (n per prompt) and whether the input was a batch; `embed`:
+        embedding requests (client/embedding.py), only with --is-embedding, as generation
+        only without it."""
+        if embed != self.is_embedding:
+            raise ValueError(
+                "The model serves embeddings (--is-embedding) and does not generate: use "
+                "/encode, /v1/embeddings, /api/embed or Engine.encode"
+                if self.is_embedding
+                else "The model generates: embeddings need a server started with --is-embedding"
+            )
         token_lists, batched = self._token_lists(args.text, args.input_ids)
         token_lists = self._truncated(token_lists, args.truncate_prompt_tokens)
         count = len(token_lists)
@@ -121,10 +132,11 @@ class RequestBuilder:
         picks = self._token_ids_logprob(args.token_ids_logprob, count)
         parsed = [self.sampling_params(p) for p in params_list]
         self._check_num_outputs(sum(params.n for params in parsed))
-        bootstraps = self._bootstraps(args, count)
+        fields = {name: getattr(args, name) for name in BOOTSTRAP_FIELDS}
+        boots = bootstraps(fields, count, self.disaggregation_mode, _per_prompt)
         loras = [self.check_lora(name) for name in _per_prompt(args.lora_path, count, "lora_path")]
         specs = []
-        prompts = zip(token_lists, parsed, rids, salts, extra_keys, bootstraps, loras, picks)
+        prompts = zip(token_lists, parsed, rids, salts, extra_keys, boots, loras, picks)
         for ids, params, rid, salt, extra_key, boot, lora, picked in prompts:
             self.check_length(ids, params)
             salt = salted_namespace(salt, extra_key)
@@ -135,6 +147,7 @@ class RequestBuilder:
             lora_id = None if lora is None else self.lora_adapters[lora]
             outputs = [self.new_spec(ids, params, rid, salt, wants, i) for i in range(params.n)]
             specs += [replace(spec, bootstrap=boot, lora_id=lora_id) for spec in outputs]
+        specs = [replace(spec, embed=True) for spec in specs] if embed else specs
         return self.with_retention(specs, args), batched
 
     def _truncated(self, token_lists: list[list[int]], keep: Any) -> list[list[int]]:
@@ -178,21 +191,6 @@ class RequestBuilder:
         by NUL into the cache namespace (engine/request.py `cache_namespace`)."""
         if self.lora_adapters and salt is not None and LORA_NAMESPACE_SEP in salt:
             raise ValueError("cache_salt must not contain NUL characters")
-
-    def _bootstraps(self, args: GenerateArgs, count: int) -> list[Bootstrap | None]:
-        """Each prompt's bootstrap (host, port, room), checked; all None when not given."""
-        given = [name for name in BOOTSTRAP_FIELDS if getattr(args, name) is not None]
-        if not given:
-            return [None] * count
-        if self.disaggregation_mode is None:
-            raise ValueError(
-                f"{given[0]} needs a worker started with --disaggregation-mode prefill or decode"
-            )
-        missing = [name for name in BOOTSTRAP_FIELDS if name not in given]
-        if missing:
-            raise ValueError(f"{missing[0]} is missing: {', '.join(BOOTSTRAP_FIELDS)} go together")
-        hosts, ports, rooms = (_per_prompt(getattr(args, n), count, n) for n in BOOTSTRAP_FIELDS)
-        return [_bootstrap(*values) for values in zip(hosts, ports, rooms)]
 
     def with_retention(self, specs: list[RequestSpec], args: GenerateArgs) -> list[RequestSpec]:
         """`specs` with the call's priority, session and retention, checked."""
@@ -334,6 +332,8 @@ def salted_namespace(cache_salt: Any, extra_key: Any) -> str | None:
 def renamed(message: str, names: dict[str, str]) -> str:
     """`message` with each core field name (a key of `names`, as a whole word) replaced by
     the API's own name for it."""
+    if not names:
+        return message
     pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b"
     return re.sub(pattern, lambda match: names[match.group(1)], message)
 
@@ -346,16 +346,6 @@ def _per_prompt(value, count: int, name: str) -> list:
     if value is not None and count > 1 and name == "rid":
         raise ValueError("rid must be a list with one id per prompt")
     return [value] * count
-
-
-def _bootstrap(host: Any, port: Any, room: Any) -> Bootstrap:
-    if not isinstance(host, str) or not host:
-        raise ValueError(f"bootstrap_host must be a non-empty string; got {host!r}")
-    if not _is_int(port) or not 1 <= port <= 65535:
-        raise ValueError(f"bootstrap_port must be an int in [1, 65535]; got {port!r}")
-    if not _is_int(room) or not 0 <= room <= SEED_MASK:
-        raise ValueError(f"bootstrap_room must be an int in [0, 2**64); got {room!r}")
-    return Bootstrap(host=host, port=port, room=room)
 
 
 def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | None:

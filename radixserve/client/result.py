@@ -38,6 +38,7 @@ class RequestResult:
         self.input_ranks: list = []  # with spec.input_ranks: each scored prompt token's rank
         self.spec_counts: SpecCounts | None = None
         self.jump_forward_tokens = 0
+        self.embedding: bytes | None = None  # an embed request's hidden state, float32 LE
         self.arrival_time = time.perf_counter()
         self.finish_time: float | None = None
         self.failed = False  # the caller side failed it (detokenizer); the core may still run it
@@ -61,6 +62,8 @@ class RequestResult:
         self.input_ranks += delta.new_input_ranks
         self.spec_counts = delta.spec_counts
         self.jump_forward_tokens = delta.jump_forward_tokens
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finish_reason is not None:
             self._finish(delta.finish_reason)
 

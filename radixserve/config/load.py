@@ -92,6 +92,12 @@ class LoadConfig:
     are then bitwise the same at any batch, cached or not, speculating or not (docs/api.md
     lists every op it covers). Not on CUDA, nor with --attention-backend torch_native (a
     warning)."""
+    is_embedding: bool = False
+    """Serve the model as an embedding model (SGLang's flag; vLLM's --runner pooling): each
+    prompt's embedding is its last token's final-normed hidden state, L2-normalized (the
+    pooling of decoder embedding models: Qwen3-Embedding, gte-Qwen2, e5-mistral), through
+    /encode, /v1/embeddings, Ollama's /api/embed and Engine.encode; generation requests are
+    refused. Prompts share the prefix cache as generation does."""
 
     def torch_device(self) -> torch.device:
         import torch

@@ -73,6 +73,7 @@ class BatchBuilder:
             self.device,
             return_all_logits=any(needs_all_logits(w.req) for w in work),
             verify_indices=verify_indices(work),
+            return_hidden=any(w.req.embed for w in work),
             tree_parents=[w.draft_parents if w.draft else None for w in work],
         )
 

@@ -98,6 +98,8 @@ class Committer:
             self.sampler.check_finish(req, token)
             self.jumps.after_token(req, logits.last[index])
         elif req.num_uncomputed == 0:  # max_new_tokens == 0: prefill into the cache only
+            if req.embed:
+                req.embedding = logits.hidden[index].cpu().numpy().astype("<f4").tobytes()
             req.finish(FinishReason.of_length(0))
         if not req.finished and w.num_new > 1:
             self.pages.cache_unfinished(req)

@@ -92,6 +92,7 @@ def core_info(core: EngineCore) -> dict[str, Any]:
         "tokenizer_path": core.tokenizer.name_or_path,  # the default model's, when borrowed
         "architecture": core.loaded.config.architecture,
         "vocab_size": core.loaded.config.vocab_size,
+        "hidden_size": core.loaded.config.hidden_size,
         "context_length": core.context_length,
         "capacity_tokens": pool.capacity_tokens,
         "page_size": pool.page_size,

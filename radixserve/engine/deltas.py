@@ -55,6 +55,7 @@ class DeltaTracker:
             new_output_token_ids_logprobs=req.output_token_ids_logprobs[sent.output_logprobs :],
             spec_counts=None if req.spec_counts is None else req.spec_counts.copy(),
             jump_forward_tokens=req.jump_forward_tokens,
+            embedding=req.embedding if req.finished else None,
         )
         sent.output = num_ready
         sent.input_logprobs = len(req.input_logprobs)

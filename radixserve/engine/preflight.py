@@ -93,6 +93,7 @@ def verify_engine_configs(
         )
     lora = lora or LoraConfig()
     _verify_lora(lora, scheduler, parallel, hicache)
+    _verify_embedding(load, scheduler, disaggregation)
     _resolve("--model", load.model)  # last: a bad flag is named first, whatever the model
     if scheduler.speculative_algorithm == "STANDALONE":  # EAGLE heads: checked as they load
         _resolve("--speculative-draft-model-path", scheduler.speculative_draft_model_path)
@@ -166,4 +167,20 @@ def _verify_lora(
         raise ValueError(  # in memory, the adapter's load id in the namespace keys its pages
             "--enable-lora does not work with --hicache-dir yet (a tier on disk does not "
             "record which adapter weights its KV came from)"
+        )
+
+
+def _verify_embedding(
+    load: LoadConfig, scheduler: SchedulerConfig, disaggregation: DisaggregationConfig
+) -> None:
+    """An embedding server generates nothing: flags about generating are a mistake."""
+    if not load.is_embedding:
+        return
+    if scheduler.speculative_algorithm:
+        raise ValueError(
+            "--speculative-algorithm drafts output tokens; --is-embedding generates none"
+        )
+    if disaggregation.mode is not None:
+        raise ValueError(
+            "--disaggregation-mode splits prefill from decode; --is-embedding has no decode"
         )

@@ -147,6 +147,7 @@ class RequestSpec:
     session_id: str | None = None  # admitting it ends the session's previous retention pin
     pin: PinRequest | None = None  # retention: pin what it leaves in the cache
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the KV's room
+    embed: bool = False  # an embedding: the prompt's last final-normed hidden state, no tokens
 
     @property
     def wants_logprobs(self) -> bool:
@@ -173,6 +174,7 @@ class RequestOutput:
     new_output_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
     spec_counts: SpecCounts | None = None  # totals so far; None: the request does not speculate
     jump_forward_tokens: int = 0  # total so far: output tokens its grammar forced, unsampled
+    embedding: bytes | None = None  # an embed request's last hidden state: float32, little-endian
 
 
 # ---- messages between a client and its core (a thread, or a process: engine/wire.py) -------

@@ -72,6 +72,8 @@ class Req:
     bootstrap: Bootstrap | None = None  # disaggregation: the room its prompt's KV goes by
     request_id: str = ""  # unique within the engine; defaults to rid (direct scheduler users)
     lora_id: int | None = None  # its LoRA adapter's load id; `namespace` keeps its KV apart
+    embed: bool = False  # prefill only; ends with `embedding` (RequestSpec.embed)
+    embedding: bytes | None = None  # the prompt's last final-normed hidden state, float32 LE
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
 
@@ -131,6 +133,7 @@ class Req:
             pin=spec.pin,
             bootstrap=spec.bootstrap,
             lora_id=spec.lora_id,
+            embed=spec.embed,
         )
 
     @property

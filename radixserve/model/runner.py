@@ -52,6 +52,7 @@ class LogitsOutput(NamedTuple):
     all: torch.Tensor | None  # [num_tokens, vocab] fp32 when the batch asked for all positions
     verify: torch.Tensor | None = None  # [num_verify_rows, vocab] fp32 at batch.verify_indices
     aux_hidden: torch.Tensor | None = None  # [num_tokens, k * hidden] when an EAGLE head captures
+    hidden: torch.Tensor | None = None  # [num_reqs, hidden] final-normed, with batch.return_hidden
 
 
 @dataclass
@@ -179,13 +180,29 @@ class ModelRunner:
         captured = batch.lora is None  # LoRA batches run eagerly (no graph holds an adapter)
         if captured and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.replay(batch)
-            return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
+            return self._with_hidden(
+                LogitsOutput(self.model.compute_logits(hidden), None), hidden, batch
+            )
         if captured and self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             hidden = self.compiled_decode.run(batch)
             if hidden is not None:
-                return LogitsOutput(last=self.model.compute_logits(hidden), all=None)
+                out = LogitsOutput(last=self.model.compute_logits(hidden), all=None)
+                return self._with_hidden(out, hidden, batch)
         self.attn.init_forward(batch)
-        return self._logits(self.model(batch, self.attn), batch)
+        hidden = self.model(batch, self.attn)
+        return self._with_hidden(self._logits(hidden, batch), hidden, batch, all_rows=True)
+
+    @staticmethod
+    def _with_hidden(
+        out: LogitsOutput, hidden: torch.Tensor, batch: ForwardBatch, all_rows: bool = False
+    ) -> LogitsOutput:
+        """`out` with each request's last final-normed hidden state when the batch asks
+        (embedding requests); `hidden` holds every token's row when `all_rows`, else one
+        row per request (decode graphs)."""
+        if not batch.return_hidden:
+            return out
+        rows = hidden[batch.last_token_indices()] if all_rows else hidden[: batch.num_reqs]
+        return out._replace(hidden=rows.float())
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> LogitsOutput:
         """The rows of `hidden` [num_tokens, hidden_size] the batch asks logits of."""
@@ -220,7 +237,7 @@ class ModelRunner:
         aux: list[torch.Tensor] = []
         model = self.model
         hidden = model.forward_layers(batch, self.attn, model.layers, self.aux_layers, aux)
-        out = self._logits(hidden, batch)
+        out = self._with_hidden(self._logits(hidden, batch), hidden, batch, all_rows=True)
         return out._replace(aux_hidden=torch.cat(aux, dim=-1))
 
 

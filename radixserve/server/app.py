@@ -24,6 +24,7 @@ from radixserve.server.batch_api import register_batch_routes
 from radixserve.server.cache_api import register_cache_routes
 from radixserve.server.conversations_api import register_conversation_routes
 from radixserve.server.drain import DRAIN_KEY, Drain
+from radixserve.server.embeddings_api import register_embedding_routes
 from radixserve.server.errors import BadRequest, error_response
 from radixserve.server.info_api import register_info_routes
 from radixserve.server.limits import body_size_middleware, max_body_bytes
@@ -278,6 +279,7 @@ def build_app(state: ServerState) -> web.Application:
     register_session_routes(app)
     register_batch_routes(app)
     register_ollama_routes(app)
+    register_embedding_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

@@ -48,7 +48,7 @@ async def model_info(request: web.Request) -> web.Response:
     info = state.client.info
     return web.json_response({
         **model_paths(state),
-        "is_generation": True,
+        "is_generation": not state.builder.is_embedding,
         "preferred_sampling_params": None,
         "weight_version": "default",
         "has_image_understanding": False,
@@ -124,10 +124,12 @@ async def get_load(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """Generates one token (counted against the queue limit, like any request)."""
+    """Generates one token, or embeds one on an --is-embedding server (counted against the
+    queue limit, like any request)."""
     state = state_of(request)
-    args = GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 1})
-    specs, _ = state.builder.build(args)
+    embed = state.builder.is_embedding
+    args = GenerateArgs(input_ids=[0], sampling_params={"max_new_tokens": 0 if embed else 1})
+    specs, _ = state.builder.build(args, embed=embed)
     try:
         await asyncio.wait_for(state.run(state.open(specs)), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:

@@ -114,6 +114,7 @@ def make_state(client, info, engine_args, config: ServerConfig, tokenizer=None) 
         enable_priority=engine_args.get("enable_priority_scheduling", False),
         disaggregation_mode=split_engine_kwargs(None, engine_args)[4].mode,
         lora_adapters=info.get("lora_adapters"),
+        is_embedding=engine_args.get("is_embedding", False),
     )
     model_path = engine_args.get("model") or info["model_name"]
     return ServerState(
