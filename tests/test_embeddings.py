@@ -189,3 +189,56 @@ def test_a_generating_server_refuses_embeddings_naming_the_flag(server, embed_se
     assert get(server.url, "/model_info")[1]["is_generation"] is True
     assert get(embed_server.url, "/model_info")[1]["is_generation"] is False
     assert get(embed_server.url, "/health_generate")[0] == 200
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_headless_checkpoints_load_as_embedding_models(arch, tmp_path):
+    """AutoModel's checkpoints (Qwen3Model, MistralModel: no LM head, no `model.` prefix), as
+    Qwen3-Embedding and e5-mistral ship, embed as transformers does; they cannot generate."""
+    from transformers import AutoModel
+
+    from conftest import TINY_CONFIGS, VOCAB
+    from radixserve.config.model import UnsupportedModelError
+
+    torch.manual_seed(3)
+    config = TINY_CONFIGS[arch]()
+    config.vocab_size = VOCAB  # the default model's tokenizer stands in
+    base = AutoModel.from_config(config, dtype=torch.float32).eval()
+    base.save_pretrained(tmp_path)
+    ids = [prompt_ids(4, 21), prompt_ids(6, 9)]
+    engine = make_engine(tmp_path, is_embedding=True)
+    try:
+        for prompt, out in zip(ids, engine.encode(input_ids=ids)):
+            with torch.inference_mode():
+                expected = base(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+            assert np.abs(np.array(out["embedding"]) - unit(expected)).max() < 1e-5
+    finally:
+        engine.shutdown()
+    with pytest.raises(UnsupportedModelError, match="no LM head.*--is-embedding"):
+        make_engine(tmp_path)
+
+
+def test_sentence_transformers_pooling_must_be_the_last_token(tiny_chat_model, tmp_path):
+    import json
+    import shutil
+
+    from radixserve.config.model import UnsupportedModelError
+
+    folder = tmp_path / "st"
+    shutil.copytree(tiny_chat_model, folder)
+    (folder / "1_Pooling").mkdir()
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"},
+               {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(modules))
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True,
+                                   "pooling_mode_lasttoken": False}))  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="pools by mean_tokens"):
+        make_engine(folder, is_embedding=True)
+    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": False,
+                                   "pooling_mode_lasttoken": True}))  # fmt: skip
+    engine = make_engine(folder, is_embedding=True)
+    try:
+        assert len(engine.encode(input_ids=prompt_ids(1, 5))["embedding"]) == 64
+    finally:
+        engine.shutdown()

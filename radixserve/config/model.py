@@ -27,6 +27,14 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
 )
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""Checkpoints of the decoder without its LM head (embedding models: e5-mistral, gte-Qwen2,
+Qwen3-Embedding saved by AutoModel): served as the causal model with --is-embedding only."""
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -118,6 +126,7 @@ class ModelConfig:
     max_position_embeddings: int
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
+    headless: bool = False  # a BASE_MODEL_ARCHITECTURES checkpoint: no LM head (embeddings only)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -133,6 +142,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Builds a ModelConfig from a parsed HF `config.json`; rejects what we cannot run."""
+        headless = (cfg.get("architectures") or [None])[0] in BASE_MODEL_ARCHITECTURES
         arch = _architecture(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -158,7 +168,9 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # headless: the table stands in for the head, whose logits nobody reads
+            tie_word_embeddings=headless or bool(cfg.get("tie_word_embeddings", False)),
+            headless=headless,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -202,11 +214,12 @@ class ModelConfig:
 
 def _architecture(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or ["<none>"]
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    arch = BASE_MODEL_ARCHITECTURES.get(archs[0], archs[0])
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join([*SUPPORTED_ARCHITECTURES, *BASE_MODEL_ARCHITECTURES])
         msg = f"unsupported architecture {archs[0]!r}; supported: {supported}"
         raise UnsupportedModelError(msg)
-    return archs[0]
+    return arch
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -13,10 +13,12 @@ from typing import Any
 import torch
 
 from radixserve.config import LoadConfig, ModelConfig
+from radixserve.config.model import UnsupportedModelError
 from radixserve.distributed.group import TPGroup
 from radixserve.model.gemma3 import Gemma3ForCausalLM
 from radixserve.model.gguf_convert import converted_folder, tokenizer_folder
 from radixserve.model.llama import LlamaForCausalLM, hf_weight_shapes
+from radixserve.model.pooling import check_last_token_pooling
 from radixserve.model.quant.block_matmul import resolve_cpu_quant_kernel
 from radixserve.model.quant.gguf_moe import is_moe_gguf
 from radixserve.model.quant.gguf_weights import (
@@ -81,6 +83,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     load_config = resolve_quantization(load_config, hf_config)
     config = ModelConfig.from_hf_dict(hf_config)
     refuse_moe_options(load_config, config)
+    check_embedding_model(load_config, config, folder)
     check_rank_quantization(load_config, ShardLayout(config, tp.rank, tp.size))
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
@@ -197,6 +200,20 @@ def check_load_format(load_config: LoadConfig) -> None:
     if load_config.load_format not in LOAD_FORMATS:
         allowed = ", ".join(LOAD_FORMATS)
         raise ValueError(f"load_format must be one of {allowed}; got {load_config.load_format!r}")
+
+
+def check_embedding_model(
+    load_config: LoadConfig, config: ModelConfig, folder: Path | None
+) -> None:
+    """A checkpoint without an LM head serves embeddings only; an embedding model's own
+    pooling config must be last-token pooling (model/pooling.py)."""
+    if config.headless and not load_config.is_embedding:
+        raise UnsupportedModelError(
+            f"{config.hf_config['architectures'][0]} has no LM head: it cannot generate; "
+            "serve it with --is-embedding"
+        )
+    if load_config.is_embedding and folder is not None:
+        check_last_token_pooling(folder)
 
 
 def check_rank_quantization(load_config: LoadConfig, layout: ShardLayout) -> None:
