@@ -53,6 +53,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     """Reasoning format, split out of chat outputs (`reasoning_content`, Messages' thinking
     blocks): deepseek-r1 (also qwen3-thinking), qwen3, gpt-oss; default: none."""
+    completion_template: str | None = None
+    """Fill-in-the-middle format of /v1/completions' `suffix` (and Ollama generate's):
+    deepseek_coder, star_coder, qwen_coder (SGLang's names); default: the one whose special
+    tokens the model's vocabulary holds (none: a suffix is a 400)."""
     # 5: uvicorn's default, so SGLang's and vLLM's servers close idle connections as soon.
     timeout_keep_alive: float = 5.0
     """Seconds a connection may wait for a request's headers to complete: idle between

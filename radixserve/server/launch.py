@@ -18,6 +18,7 @@ from radixserve.fleet.register import RouterMembership, WorkerRegistration
 from radixserve.model.tokenizer import import_tokenizer_library, open_tokenizer, tokenizer_source
 from radixserve.reasoning import reasoning_format
 from radixserve.server.app import ServerState, build_app
+from radixserve.server.completion_template import check_template_name, resolve_completion_template
 from radixserve.server.drain import DRAIN_KEY
 from radixserve.server.http_runner import serve_app
 from radixserve.server.limits import runner_options
@@ -67,6 +68,7 @@ def check_server_names(config: ServerConfig) -> None:
         tool_format(config.tool_call_parser)
     if config.reasoning_parser is not None:
         reasoning_format(config.reasoning_parser)
+    check_template_name(config.completion_template)
     check_resolves(config.host, config.port, "--host")
 
 
@@ -131,6 +133,7 @@ def make_state(client, info, engine_args, config: ServerConfig, tokenizer=None) 
         reasoning_format=(
             None if config.reasoning_parser is None else reasoning_format(config.reasoning_parser)
         ),
+        completion_template=resolve_completion_template(config.completion_template, tokenizer),
     )
 
 

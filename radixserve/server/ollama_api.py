@@ -31,6 +31,7 @@ from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
+from radixserve.server.completion_template import fim_prompt
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import adapter_names, check_model_name
 from radixserve.server.ollama_protocol import DEFAULT_TAG, OllamaRequest, parse_ollama_request
@@ -223,6 +224,9 @@ def prompt_ids(state: ServerState, parsed: OllamaRequest) -> list[int]:
         )
         return tokenizer.encode(text, add_special_tokens=False)
     fresh = not parsed.context  # special tokens (BOS) start a sequence, not its continuation
+    if parsed.suffix:
+        text = fim_prompt(state.completion_template, parsed.prompt, parsed.suffix)
+        return parsed.context + tokenizer.encode(text, add_special_tokens=fresh)
     if parsed.raw or tokenizer.chat_template is None:
         text = (
             parsed.prompt

@@ -21,8 +21,9 @@ Field by field (both endpoints unless said):
   template keeps or drops; `images` are a 400: the models here read text only), `tools`
   (OpenAI's form).
 - generate: `prompt`, `system`, `raw` (the prompt as is, no template), `context` (token ids a
-  previous response returned, put before the prompt); `suffix`, `template` (a request's own
-  template) and `images` are a 400.
+  previous response returned, put before the prompt), `suffix` (the code after the gap: the
+  prompt becomes the model's fill-in-the-middle one, completion_template.py; not with
+  `system` or `raw`); `template` (a request's own template) and `images` are a 400.
 - radixserve's own: `cache_salt` (or the X-Cache-Salt header) and the request options
   (`priority`, `session_id`, `retention`, ...), as on every API here.
 A field this server does not know is a 400 naming it, unless null.
@@ -58,7 +59,7 @@ COMMON_FIELDS = {
     *REQUEST_OPTIONS,
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
-GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw", "context"}
+GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw", "context", "suffix"}
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "template": ("",), "images": ([],)}
 """Fields accepted only at values that change nothing here."""
 SAMPLING_OPTIONS = {
@@ -116,6 +117,7 @@ class OllamaRequest:
     prompt: str = ""  # generate
     system: str | None = None  # generate
     raw: bool = False  # generate: the prompt as is
+    suffix: str = ""  # generate: the text after the gap (fill-in-the-middle)
     context: list[int] = field(default_factory=list)  # generate: ids before the prompt
     tools: list[dict[str, Any]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -129,7 +131,7 @@ class OllamaRequest:
         """Nothing to generate from: Ollama's way to load a model (done_reason "load")."""
         if self.chat:
             return not self.messages
-        return not self.prompt and not self.context
+        return not self.prompt and not self.context and not self.suffix
 
     @property
     def reasoning(self) -> ReasoningOptions:
@@ -166,6 +168,11 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
         parsed.system = _str(body, "system") if body.get("system") is not None else None
         parsed.raw = _bool(body, "raw", False)
         parsed.context = _context(body.get("context"))
+        parsed.suffix = _str(body, "suffix")
+        if parsed.suffix and (parsed.raw or parsed.system is not None):
+            name = "raw" if parsed.raw else "system"
+            raise BadRequest(f"{name} does not go with suffix (a fill-in-the-middle prompt)",
+                             param=name)  # fmt: skip
     parsed.sampling = sampling_dict(body.get("options"))
     constraint = _format(body.get("format"))
     if constraint is not None:

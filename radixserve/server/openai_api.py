@@ -36,6 +36,7 @@ from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import render_chat
 from radixserve.server.choice_trackers import ChoiceTracker, ToolCallTracker
+from radixserve.server.completion_template import fim_prompt
 from radixserve.server.lora_api import check_model_name, model_cards
 from radixserve.server.openai_protocol import (
     NO_OP_VALUES,
@@ -179,8 +180,11 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
         )
         return [tokenizer.encode(text, add_special_tokens=bool(parsed.add_special_tokens))]
     special = parsed.add_special_tokens is not False  # vLLM's defaults: chat off, prompts on
+    template, suffix = state.completion_template, parsed.suffix
     return [
-        tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)
+        tokenizer.encode(fim_prompt(template, p, suffix), add_special_tokens=special)
+        if isinstance(p, str)
+        else list(p)
         for p in parsed.prompt
     ]
 

@@ -42,7 +42,7 @@ COMMON_FIELDS = {
     "return_tokens_as_token_ids", "return_token_ids", "prompt_logprobs", "rid", "request_id",
     "add_special_tokens",
 }  # fmt: skip
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
     "parallel_tool_calls", "tools", "tool_choice", "separate_reasoning", "stream_reasoning",
@@ -80,6 +80,7 @@ class OpenAIRequest:
     model: str | None
     sampling: dict[str, Any]
     prompt: list[str] | list[list[int]] | None = None
+    suffix: str = ""  # completions: the text after the gap (fill-in-the-middle)
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
@@ -171,6 +172,15 @@ def _parse_completion(body: dict, parsed: OpenAIRequest) -> None:
     parsed.prompt = check_prompt(body.get("prompt"))
     parsed.logprobs = check_top_count(body, "logprobs")
     parsed.echo = check_bool(body, "echo")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad_request(f"suffix must be a string; got {suffix!r}"[:200], param="suffix")
+    if suffix:
+        if not all(isinstance(p, str) for p in parsed.prompt):
+            raise bad_request("suffix needs text prompts, not token ids", param="suffix")
+        if parsed.echo:
+            raise bad_request("suffix and echo do not go together", param="suffix")
+        parsed.suffix = suffix
 
 
 def _parse_chat(body: dict, parsed: OpenAIRequest) -> None:

@@ -17,6 +17,7 @@ from radixserve.client.result import RequestResult, ResultStream
 from radixserve.config import ServerConfig
 from radixserve.engine.protocol import RequestSpec
 from radixserve.reasoning import ReasoningFormat
+from radixserve.server.completion_template import CompletionTemplate
 from radixserve.server.errors import BadRequest
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.sessions import SessionStore
@@ -41,6 +42,8 @@ class ServerState:
     """The tool-call format (tool_parsers/): `--tool-call-parser`, or the chat template's."""
     reasoning_format: ReasoningFormat | None = None
     """`--reasoning-parser`'s format (radixserve/reasoning/); None: outputs are not split."""
+    completion_template: CompletionTemplate | None = None
+    """Fill-in-the-middle format of a completion's `suffix` (completion_template.py)."""
     sessions: SessionStore = field(default_factory=SessionStore)
     """SGLang's sessions (/open_session, /generate's session_params)."""
     tokenizer_pool: ThreadPoolExecutor = field(
