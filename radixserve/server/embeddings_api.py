@@ -28,7 +28,9 @@ from radixserve.server.choice_trackers import aborted, is_aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
 from radixserve.server.ollama_protocol import DEFAULT_TAG
+from radixserve.server.openai_protocol import check_bool, check_object
 from radixserve.server.request_fields import check_fields
+from radixserve.server.responses_options import optional_str
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tenants import SALT_HEADER, check_salt
 
@@ -56,7 +58,7 @@ async def encode(request: web.Request) -> web.Response:
     """SGLang's /encode: `text` or `input_ids` (one prompt or a list) -> {"embedding",
     "meta_info"} per prompt (a list for a list)."""
     state = state_of(request)
-    body = _object(await read_json(request))
+    body = check_object(await read_json(request))
     check_fields(body, ENCODE_FIELDS)
     args = embed_args(**{name: body.get(name) for name in ENCODE_FIELDS})
     results, batched = await _run(state, args, {})
@@ -69,17 +71,17 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     of such lists; `encoding_format` float or base64; `dimensions` (matryoshka truncation);
     vLLM's truncate_prompt_tokens, add_special_tokens, priority, request_id, normalize."""
     state = state_of(request)
-    body = _object(await read_json(request))
+    body = check_object(await read_json(request))
     check_fields(body, OPENAI_FIELDS)
-    lora_path = check_model_name(state, _optional_str(body, "model"))
+    lora_path = check_model_name(state, optional_str(body, "model"))
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise BadRequest(f"encoding_format must be 'float' or 'base64'; got {fmt!r}"[:200],
                          param="encoding_format")  # fmt: skip
     dims = _dimensions(state, body.get("dimensions"), "dimensions")
-    normalize = _flag(body, "normalize", True)
-    special = _flag(body, "add_special_tokens", True)
-    _optional_str(body, "user")
+    normalize = check_bool(body, "normalize", True)
+    special = check_bool(body, "add_special_tokens", True)
+    optional_str(body, "user")
     lists = await _token_lists(state, body.get("input"), "input", special)
     salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
     args = embed_args(input_ids=lists, rid=_rids(body.get("request_id"), len(lists)),
@@ -99,7 +101,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     `truncate` (default true) cuts an input to the context instead of refusing it."""
     start = time.perf_counter()
     state = state_of(request)
-    body = _object(await read_json(request))
+    body = check_object(await read_json(request))
     check_fields(body, OLLAMA_FIELDS)
     model, lora_path = _ollama_model(state, body)
     dims = _dimensions(state, body.get("dimensions"), "dimensions")
@@ -109,7 +111,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise BadRequest("input must be a string or a list of strings", param="input")
     lists = await _token_lists(state, texts, "input", True) if texts else []
-    if _flag(body, "truncate", True):
+    if check_bool(body, "truncate", True):
         lists = [ids[: state.builder.context_length - 1] for ids in lists]
     salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
     results: list[RequestResult] = []
@@ -129,7 +131,7 @@ async def ollama_embeddings(request: web.Request) -> web.Response:
     """Ollama's older /api/embeddings: one `prompt` -> one `embedding`, not normalized (as
     Ollama's); an empty prompt gives an empty embedding."""
     state = state_of(request)
-    body = _object(await read_json(request))
+    body = check_object(await read_json(request))
     check_fields(body, OLLAMA_LEGACY_FIELDS)
     _, lora_path = _ollama_model(state, body)
     _options(body)
@@ -183,28 +185,6 @@ async def _token_lists(state: ServerState, value: Any, name: str, special: bool)
 
 def _is_ids(value: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", param="body")
-    return body
-
-
-def _optional_str(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"{name} must be a string; got {value!r}"[:200], param=name)
-    return value
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be a boolean; got {value!r}"[:200], param=name)
-    return value
 
 
 def _dimensions(state: ServerState, value: Any, name: str) -> int | None:
