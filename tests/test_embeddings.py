@@ -136,6 +136,9 @@ def test_ollama_embed_and_embeddings(embed_server, hf):
     assert answer.prompt_eval_count == sum(o["meta_info"]["prompt_tokens"] for o in encoded)
     for got, out in zip(answer.embeddings, encoded):
         assert np.abs(np.array(got) - np.array(out["embedding"])).max() < 1e-6
+    shown = client.show(served)
+    assert shown.capabilities == ["embedding"]
+    assert shown.modelinfo["llama.embedding_length"] == 64
     legacy = client.embeddings(model=served, prompt=texts[0]).embedding  # not normalized
     assert np.linalg.norm(legacy) > 1.5
     assert np.abs(unit(legacy) - np.array(encoded[0]["embedding"])).max() < 1e-5

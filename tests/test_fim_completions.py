@@ -56,6 +56,8 @@ def test_suffix_becomes_the_fim_prompt_on_completions_and_ollama(fim_server):
     answer = requests.post(fim_server.url + "/api/generate", json=body).json()
     assert answer["response"] == filled.choices[0].text
     assert answer["prompt_eval_count"] == filled.usage.prompt_tokens
+    shown = requests.post(fim_server.url + "/api/show", json={"model": "coder"}).json()
+    assert shown["capabilities"] == ["completion", "tools", "insert"]  # Ollama's name for FIM
 
 
 @pytest.mark.parametrize(

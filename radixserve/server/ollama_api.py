@@ -137,7 +137,7 @@ async def show(request: web.Request) -> web.Response:
         raise BadRequest(f"model is required: a model name; got {name!r}", param="model")
     check_model_name(state, name.removesuffix(DEFAULT_TAG))
     facts = await model_facts(request)
-    capabilities = ["completion", "tools"] + (["thinking"] if state.reasoning_format else [])
+    capabilities = capabilities_of(state)
     context_key = f"{facts.family}.context_length"
     return web.json_response(
         {
@@ -148,11 +148,22 @@ async def show(request: web.Request) -> web.Response:
             "model_info": {
                 "general.architecture": facts.family,
                 context_key: state.client.info["context_length"],
+                f"{facts.family}.embedding_length": state.client.info["hidden_size"],
             },
             "capabilities": capabilities,
             "modified_at": facts.entry(name)["modified_at"],
         }
     )
+
+
+def capabilities_of(state: ServerState) -> list[str]:
+    """Ollama's capability names: an --is-embedding server embeds only; a generating one
+    completes, calls tools, fills in the middle ("insert") with a FIM format, and thinks with
+    a --reasoning-parser."""
+    if state.builder.is_embedding:
+        return ["embedding"]
+    insert = ["insert"] if state.completion_template is not None else []
+    return ["completion", "tools", *insert] + (["thinking"] if state.reasoning_format else [])
 
 
 async def model_facts(request: web.Request) -> ModelFacts:
