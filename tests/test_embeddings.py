@@ -245,3 +245,29 @@ def test_sentence_transformers_pooling_must_be_the_last_token(tiny_chat_model, t
         assert len(engine.encode(input_ids=prompt_ids(1, 5))["embedding"]) == 64
     finally:
         engine.shutdown()
+
+
+def test_lora_adapters_embed_as_peft_does_and_keep_their_kv_apart(tmp_path):
+    """An embedding request names its adapter (lora_path; on the APIs, model): PEFT's hidden
+    state, and an adapter's prompt never hits the base's cached K/V."""
+    import peft
+    from lora_data import build_lora_models
+
+    base_folder, folders = build_lora_models(tmp_path)
+    paths = [f"{name}={folder}" for name, folder in folders.items()]
+    prompt = prompt_ids(8, 40)
+    engine = make_engine(str(base_folder), is_embedding=True, lora_paths=paths,
+                         max_loras_per_batch=3)  # fmt: skip
+    try:
+        base = engine.encode(input_ids=prompt)
+        tuned = engine.encode(input_ids=[prompt, prompt], lora_path=["a1", "a2"])
+    finally:
+        engine.shutdown()
+    assert [o["meta_info"]["cached_tokens"] for o in tuned] == [0, 0]  # not the base's K/V
+    expected = {None: hf_hidden(hf_model(base_folder), prompt)}
+    for name, folder in folders.items():
+        model = peft.PeftModel.from_pretrained(hf_model(base_folder), folder).eval()
+        expected[name] = hf_hidden(model.base_model.model, prompt)
+    for name, out in zip([None, "a1", "a2"], [base, *tuned]):
+        assert np.abs(np.array(out["embedding"]) - unit(expected[name])).max() < 1e-5
+    assert np.abs(unit(expected["a1"]) - unit(expected[None])).max() > 1e-2  # it changes them
