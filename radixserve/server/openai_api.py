@@ -180,11 +180,11 @@ def prompt_ids(state: ServerState, parsed: OpenAIRequest) -> list[list[int]]:
         )
         return [tokenizer.encode(text, add_special_tokens=bool(parsed.add_special_tokens))]
     special = parsed.add_special_tokens is not False  # vLLM's defaults: chat off, prompts on
-    template, suffix = state.completion_template, parsed.suffix
+    if parsed.suffix:  # code completion: the gap between each prompt and the suffix
+        texts = [fim_prompt(state.completion_template, p, parsed.suffix) for p in parsed.prompt]
+        return [tokenizer.encode(text, add_special_tokens=special) for text in texts]
     return [
-        tokenizer.encode(fim_prompt(template, p, suffix), add_special_tokens=special)
-        if isinstance(p, str)
-        else list(p)
+        tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)
         for p in parsed.prompt
     ]
 
