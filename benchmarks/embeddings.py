@@ -12,12 +12,13 @@ the same token ids (so tokenizers and BOS rules cannot differ) in two workloads:
 Each workload runs at concurrency 1 and `--concurrency` (one input per request, a fresh
 random set per system and round, so no system gets another's inputs warm), rounds taking
 turns. Reported: inputs/s and prompt tokens/s (medians), and the cosine between the two
-systems' embeddings of the same inputs (the same weights and pooling: ~1 up to the kernels'
-rounding; this is the cross-check of radixserve's pooling against llama.cpp's).
+systems' embeddings of one more set of inputs, the same for both (the same weights and
+pooling: ~1 up to the kernels' rounding; the cross-check of radixserve's pooling against
+llama.cpp's).
 
 Run:  OMP_NUM_THREADS=2 python benchmarks/embeddings.py [--inputs 64] [--rounds 3]
       [--concurrency 8] [--doc-len 256] [--instruction-len 384] [--query-len 24]
-      [--model path/to/file.gguf] [--out benchmarks/results/embeddings.json]
+      [--model path/to/file.gguf] [--out bench_results/embeddings.json]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--instruction-len", type=int, default=384)
     p.add_argument("--query-len", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/embeddings.json")
+    p.add_argument("--out", default="bench_results/embeddings.json")
     return p.parse_args(argv)
 
 
@@ -82,7 +83,7 @@ async def embed_all(url: str, inputs: list[list[int]], concurrency: int) -> tupl
         async def worker() -> None:
             while queue:
                 index, ids = queue.pop(0)
-                body = {"input": [ids], "model": "m", "encoding_format": "float"}
+                body = {"input": [ids], "encoding_format": "float"}
                 async with session.post(url + "/v1/embeddings", json=body) as r:
                     answer = await r.json()
                     if r.status != 200:
@@ -123,16 +124,15 @@ def main(argv: list[str] | None = None) -> dict:
                 times = {name: [] for name in servers}
                 tokens = 0
                 for _ in range(args.rounds):
-                    same = workload_inputs(workload, args, rng)  # agreement: the same inputs
-                    tokens = sum(len(ids) for ids in same)
-                    answers = {}
                     for name, server in servers.items():
                         fresh = workload_inputs(workload, args, rng)
                         took, _ = asyncio.run(embed_all(server.url, fresh, level))
                         times[name].append(took)
-                        answers[name] = asyncio.run(embed_all(server.url, same, level))[1]
-                    agreement.setdefault(workload, []).extend(
-                        cosines(answers["radixserve"], answers["llama-server"]))  # fmt: skip
+                        tokens = sum(len(ids) for ids in fresh)
+                if level == 1:  # agreement: both systems embed the same inputs, once
+                    same = workload_inputs(workload, args, rng)
+                    answers = [asyncio.run(embed_all(s.url, same, 1))[1] for s in servers.values()]
+                    agreement[workload] = cosines(*answers)
                 for name, taken in times.items():
                     median = statistics.median(taken)
                     rows.append({"workload": workload, "concurrency": level, "system": name,
