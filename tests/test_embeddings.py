@@ -271,3 +271,27 @@ def test_lora_adapters_embed_as_peft_does_and_keep_their_kv_apart(tmp_path):
     for name, out in zip([None, "a1", "a2"], [base, *tuned]):
         assert np.abs(np.array(out["embedding"]) - unit(expected[name])).max() < 1e-5
     assert np.abs(unit(expected["a1"]) - unit(expected[None])).max() > 1e-2  # it changes them
+
+
+def test_a_batch_of_embedding_lines(embed_server):
+    """OpenAI's Batch API with endpoint /v1/embeddings: each line's body as /v1/embeddings
+    answers it, a bad line in the error file."""
+    from test_server_batches import line, records, upload, wait_ended
+
+    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key="none")
+    bodies = [{"input": f"line {i}", "encoding_format": "float"} for i in range(3)]
+    lines = [line(f"e{i}", body, "/v1/embeddings") for i, body in enumerate(bodies)]
+    lines.append(line("bad", {"input": []}, "/v1/embeddings"))
+    batch = client.batches.create(input_file_id=upload(client, lines).id,
+                                  endpoint="/v1/embeddings", completion_window="24h")  # fmt: skip
+    batch = wait_ended(client, batch.id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    outputs = records(client, batch.output_file_id)
+    for i, body in enumerate(bodies):
+        direct = post(embed_server.url, "/v1/embeddings", body)[1]
+        answer = outputs[f"e{i}"]["response"]
+        assert answer["status_code"] == 200 and answer["body"]["usage"] == direct["usage"]
+        got = np.array(answer["body"]["data"][0]["embedding"])  # batched alike or not: rounding
+        assert np.abs(got - np.array(direct["data"][0]["embedding"])).max() < 1e-5
+    error = records(client, batch.error_file_id)["bad"]["response"]
+    assert error["status_code"] == 400 and error["body"]["error"]["param"] == "input"

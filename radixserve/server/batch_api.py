@@ -8,7 +8,8 @@ batch, read back the results (what batch_store.py keeps, and its bounds).
     GET    /v1/batches, /v1/batches/{id}             POST /v1/batches/{id}/cancel
 
 A batch runs on the server's event loop, BATCH_CONCURRENCY requests at a time, each line's
-body through the endpoint's own path (openai_api.complete_body, non-streamed). Lines that
+body through the endpoint's own path (openai_api.complete_body, non-streamed; /v1/embeddings
+lines on an --is-embedding server: embeddings_api.embeddings_body). Lines that
 answered 200 go to the output file, the others (their status and error body) to the error
 file, as OpenAI's: {"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}. Cancelling stops new lines; those running finish.
@@ -23,12 +24,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from radixserve.client.client import EngineBusyError
 from radixserve.server.batch_store import Batch, BatchStore, Line
+from radixserve.server.embeddings_api import embeddings_body
 from radixserve.server.errors import BadRequest, error_body
 from radixserve.server.openai_api import complete_body
 from radixserve.server.responses_store import Owner, owner_of
@@ -169,12 +172,12 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
     outputs: list[str | None] = [None] * len(batch.lines)
     errors: list[str | None] = [None] * len(batch.lines)
     queue = iter(enumerate(batch.lines))  # shared by the workers: each line taken once
-    chat = batch.endpoint == "/v1/chat/completions"
+    run_body = _body_runner(batch.endpoint)
 
     async def worker() -> None:
         while batch.status == "in_progress" and (item := next(queue, None)) is not None:
             index, line = item
-            status, body = await _run_line(state, line, chat, owner[1])
+            status, body = await _run_line(state, line, run_body, owner[1])
             record = _record(line, status, body)
             if status == 200:
                 outputs[index], batch.completed = record, batch.completed + 1
@@ -200,14 +203,27 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
         batch.status, batch.completed_at = "completed", now
 
 
+def _body_runner(endpoint: str) -> Callable[[ServerState, Any, str | None], Awaitable[dict]]:
+    """What answers a line's body at `endpoint`, in a namespace unless the body names one."""
+    if endpoint == "/v1/embeddings":
+
+        async def embed(state: ServerState, body: Any, salt: str | None) -> dict:
+            own = isinstance(body, dict) and body.get("cache_salt") is not None
+            return await embeddings_body(state, body, None if own else salt)
+
+        return embed
+    chat = endpoint == "/v1/chat/completions"
+    return lambda state, body, salt: complete_body(state, body, chat, salt)
+
+
 async def _run_line(
-    state: ServerState, line: Line, chat: bool, salt: str | None
+    state: ServerState, line: Line, run_body, salt: str | None
 ) -> tuple[int, dict[str, Any]]:
     """A line's status and body, in the batch owner's namespace (`salt`) unless it names one."""
     try:
         while True:
             try:
-                return 200, await complete_body(state, line.body, chat, salt)
+                return 200, await run_body(state, line.body, salt)
             except EngineBusyError:  # the server's queue is full: wait for room
                 await asyncio.sleep(BUSY_RETRY_S)
     except BadRequest as exc:

@@ -32,7 +32,7 @@ MAX_FILES_BYTES = 256 << 20
 MAX_BATCHES = 100
 MAX_RUNNING_BATCHES = 4
 MAX_BATCH_LINES = 50_000
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 @dataclass

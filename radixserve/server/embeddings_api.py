@@ -70,8 +70,15 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     """OpenAI's embeddings: `input` a string, a list of strings, a list of token ids or a list
     of such lists; `encoding_format` float or base64; `dimensions` (matryoshka truncation);
     vLLM's truncate_prompt_tokens, add_special_tokens, priority, request_id, normalize."""
-    state = state_of(request)
-    body = check_object(await read_json(request))
+    body = await read_json(request)
+    answer = await embeddings_body(state_of(request), body, request.headers.get(SALT_HEADER))
+    return web.json_response(answer)
+
+
+async def embeddings_body(state: ServerState, body: Any, salt_header: str | None) -> dict:
+    """An /v1/embeddings body's response body (the Batch API's lines run through here too);
+    `salt_header`: the namespace the caller's X-Cache-Salt (or batch owner) names."""
+    body = check_object(body)
     check_fields(body, OPENAI_FIELDS)
     lora_path = check_model_name(state, optional_str(body, "model"))
     fmt = body.get("encoding_format") or "float"
@@ -83,7 +90,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     special = check_bool(body, "add_special_tokens", True)
     optional_str(body, "user")
     lists = await _token_lists(state, body.get("input"), "input", special)
-    salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
+    salt = check_salt(body.get("cache_salt"), salt_header)
     args = embed_args(input_ids=lists, rid=_rids(body.get("request_id"), len(lists)),
                       cache_salt=salt, lora_path=lora_path, priority=body.get("priority"),
                       truncate_prompt_tokens=body.get("truncate_prompt_tokens"))  # fmt: skip
@@ -93,7 +100,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     tokens = sum(r.prompt_len for r in results)
     model = lora_path or state.served_model_name
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+    return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
 async def ollama_embed(request: web.Request) -> web.Response:
