@@ -12,6 +12,9 @@ import numpy as np
 import openai
 import pytest
 import torch
+from fuzz_common import FUZZ_SETTINGS, check
+from fuzz_embeddings import EMBEDDING_CASES, embedding_problems
+from hypothesis import given
 
 from conftest import ServerProcess, hf_model, make_engine, prompt_ids
 from radixserve.client.embedding import check_dimensions
@@ -38,7 +41,7 @@ def unit(vector) -> np.ndarray:
 @pytest.fixture(scope="module")
 def embed_server(tiny_chat_model):
     proc = ServerProcess(tiny_chat_model, "--is-embedding", "--max-total-tokens", "4096",
-                         "--page-size", "16")  # fmt: skip
+                         "--page-size", "16", "--served-model-name", "emb")  # fmt: skip
     yield proc
     assert proc.stop() == 0
 
@@ -295,3 +298,17 @@ def test_a_batch_of_embedding_lines(embed_server):
         assert np.abs(got - np.array(direct["data"][0]["embedding"])).max() < 1e-5
     error = records(client, batch.error_file_id)["bad"]["response"]
     assert error["status_code"] == 400 and error["body"]["error"]["param"] == "input"
+
+
+@FUZZ_SETTINGS
+@given(case=EMBEDDING_CASES)
+def test_fuzz_embedding_routes(embed_server, case):
+    path, body = case
+    check(embed_server.url + path, body, embedding_problems(path))
+
+
+def test_zz_after_the_fuzz_nothing_leaks(embed_server):
+    """Runs last in this file (pytest keeps file order): every page free after a flush."""
+    assert post(embed_server.url, "/flush_cache", {})[0] == 200
+    integrity = get(embed_server.url, "/check_integrity")[1]
+    assert integrity["pool_free_pages"] == integrity["pool_capacity_pages"], integrity
