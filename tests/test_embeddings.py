@@ -179,6 +179,7 @@ def test_tenants_share_prefixes_only_within_their_salt(embed_server):
         ("/encode", {}, 400, "text"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, None),
         ("/generate", {"text": "hi"}, 400, None),
+        ("/classify", {"input": "hi"}, 400, None),  # not a classifier
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(embed_server, path, body, status, param):

@@ -53,15 +53,17 @@ def embedding_vector(
     return vector
 
 
-def encode_output(result: RequestResult) -> dict[str, Any]:
-    """SGLang's /encode (and Engine.encode) output: the embedding and its meta_info."""
+def encode_output(result: RequestResult, normalize: bool = True) -> dict[str, Any]:
+    """SGLang's /encode (and Engine.encode) output: the embedding (a classifier's scores
+    unnormalized: `normalize` false) and its meta_info."""
     meta = {
         "id": result.spec.rid,
         "prompt_tokens": result.prompt_len,
         "cached_tokens": result.cached_tokens,
         "e2e_latency": result.e2e_latency(),
     }
-    return {"embedding": embedding_vector(result).tolist(), "meta_info": meta}
+    vector = embedding_vector(result, normalize=normalize)
+    return {"embedding": vector.tolist(), "meta_info": meta}
 
 
 def openai_embedding(vector: np.ndarray, index: int, encoding_format: str) -> dict[str, Any]:

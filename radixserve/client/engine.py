@@ -141,7 +141,8 @@ class Engine:
         for result in results:
             if result.finish_reason is None or result.finish_reason.is_abort:
                 raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
-        outputs = [encode_output(result) for result in results]
+        scores = self.core.loaded.config.num_labels is not None  # a classifier: raw scores
+        outputs = [encode_output(result, normalize=not scores) for result in results]
         return outputs if batched else outputs[0]
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:

@@ -35,6 +35,12 @@ BASE_MODEL_ARCHITECTURES = {
 }
 """Checkpoints of the decoder without its LM head (embedding models: e5-mistral, gte-Qwen2,
 Qwen3-Embedding saved by AutoModel): served as the causal model with --is-embedding only."""
+CLASSIFIER_ARCHITECTURES = {
+    f"{family}ForSequenceClassification": f"{family}ForCausalLM"
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+}
+"""The decoder with a `score` head over its last token instead of an LM head (reward models:
+Skywork-Reward, classifiers): --is-embedding serves their scores."""
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -127,6 +133,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     headless: bool = False  # a BASE_MODEL_ARCHITECTURES checkpoint: no LM head (embeddings only)
+    num_labels: int | None = None  # a CLASSIFIER_ARCHITECTURES checkpoint: its score head's outputs
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -142,7 +149,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Builds a ModelConfig from a parsed HF `config.json`; rejects what we cannot run."""
-        headless = (cfg.get("architectures") or [None])[0] in BASE_MODEL_ARCHITECTURES
+        named = (cfg.get("architectures") or [None])[0]
+        classifier = named in CLASSIFIER_ARCHITECTURES
+        headless = classifier or named in BASE_MODEL_ARCHITECTURES
         arch = _architecture(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -171,6 +180,7 @@ class ModelConfig:
             # headless: the table stands in for the head, whose logits nobody reads
             tie_word_embeddings=headless or bool(cfg.get("tie_word_embeddings", False)),
             headless=headless,
+            num_labels=_num_labels(cfg) if classifier else None,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -214,12 +224,20 @@ class ModelConfig:
 
 def _architecture(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or ["<none>"]
-    arch = BASE_MODEL_ARCHITECTURES.get(archs[0], archs[0])
+    arch = (BASE_MODEL_ARCHITECTURES | CLASSIFIER_ARCHITECTURES).get(archs[0], archs[0])
     if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join([*SUPPORTED_ARCHITECTURES, *BASE_MODEL_ARCHITECTURES])
+        supported = ", ".join(
+            [*SUPPORTED_ARCHITECTURES, *BASE_MODEL_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES]
+        )
         msg = f"unsupported architecture {archs[0]!r}; supported: {supported}"
         raise UnsupportedModelError(msg)
     return arch
+
+
+def _num_labels(cfg: dict[str, Any]) -> int:
+    """A classifier's outputs: transformers' num_labels, read from id2label (2 without it)."""
+    labels = cfg.get("id2label") or {}
+    return int(cfg.get("num_labels") or len(labels) or 2)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

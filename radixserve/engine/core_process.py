@@ -93,6 +93,8 @@ def core_info(core: EngineCore) -> dict[str, Any]:
         "architecture": core.loaded.config.architecture,
         "vocab_size": core.loaded.config.vocab_size,
         "hidden_size": core.loaded.config.hidden_size,
+        "num_labels": core.loaded.config.num_labels,  # a sequence classifier's; else None
+        "labels": class_labels(core.loaded.config.hf_config),
         "context_length": core.context_length,
         "capacity_tokens": pool.capacity_tokens,
         "page_size": pool.page_size,
@@ -101,6 +103,15 @@ def core_info(core: EngineCore) -> dict[str, Any]:
         "pid": os.getpid(),
         "lora_adapters": {} if core.runner.lora is None else dict(core.runner.lora.ids),
     }
+
+
+def class_labels(hf_config: dict[str, Any]) -> list[str] | None:
+    """A classifier's label names by index (transformers' id2label), None without them."""
+    id2label = hf_config.get("id2label") or {}
+    try:
+        return [str(id2label[key]) for key in sorted(id2label, key=int)] or None
+    except (TypeError, ValueError):
+        return None
 
 
 class PipeTransport:

@@ -167,6 +167,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = UnquantizedLinear(config.hidden_size, layout.vocab_size, bias=False)
+        self.score = None  # a sequence classifier's head over the last token (--is-embedding)
+        if config.num_labels is not None:
+            self.score = UnquantizedLinear(config.hidden_size, config.num_labels, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -83,7 +83,7 @@ def load_model(load_config: LoadConfig, tp: TPGroup | None = None) -> LoadedMode
     load_config = resolve_quantization(load_config, hf_config)
     config = ModelConfig.from_hf_dict(hf_config)
     refuse_moe_options(load_config, config)
-    check_embedding_model(load_config, config, folder)
+    check_embedding_model(load_config, config, folder, tp.size)
     check_rank_quantization(load_config, ShardLayout(config, tp.rank, tp.size))
     device, dtype = load_config.torch_device(), load_config.torch_dtype()
     model = _empty_model(config, device, dtype, tp)
@@ -203,10 +203,15 @@ def check_load_format(load_config: LoadConfig) -> None:
 
 
 def check_embedding_model(
-    load_config: LoadConfig, config: ModelConfig, folder: Path | None
+    load_config: LoadConfig, config: ModelConfig, folder: Path | None, tp_size: int = 1
 ) -> None:
-    """A checkpoint without an LM head serves embeddings only; an embedding model's own
-    pooling config must be last-token pooling (model/pooling.py)."""
+    """A checkpoint without an LM head serves embeddings (or a classifier's scores) only, a
+    classifier's head on one rank; an embedding model's own pooling config must be
+    last-token pooling (model/pooling.py)."""
+    if config.num_labels is not None and tp_size > 1:
+        raise UnsupportedModelError(
+            f"{config.hf_config['architectures'][0]}'s score head is not sharded: --tp-size 1"
+        )
     if config.headless and not load_config.is_embedding:
         raise UnsupportedModelError(
             f"{config.hf_config['architectures'][0]} has no LM head: it cannot generate; "

@@ -192,16 +192,18 @@ class ModelRunner:
         hidden = self.model(batch, self.attn)
         return self._with_hidden(self._logits(hidden, batch), hidden, batch, all_rows=True)
 
-    @staticmethod
     def _with_hidden(
-        out: LogitsOutput, hidden: torch.Tensor, batch: ForwardBatch, all_rows: bool = False
+        self, out: LogitsOutput, hidden: torch.Tensor, batch: ForwardBatch, all_rows: bool = False
     ) -> LogitsOutput:
         """`out` with each request's last final-normed hidden state when the batch asks
-        (embedding requests); `hidden` holds every token's row when `all_rows`, else one
-        row per request (decode graphs)."""
+        (embedding requests), or a sequence classifier's scores of it; `hidden` holds every
+        token's row when `all_rows`, else one row per request (decode graphs)."""
         if not batch.return_hidden:
             return out
         rows = hidden[batch.last_token_indices()] if all_rows else hidden[: batch.num_reqs]
+        score = getattr(self.model, "score", None)
+        if score is not None:
+            rows = score(rows)
         return out._replace(hidden=rows.float())
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> LogitsOutput:

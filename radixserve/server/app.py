@@ -22,6 +22,7 @@ from radixserve.server.anthropic_api import anthropic_error_middleware, register
 from radixserve.server.auth import auth_middleware, install_key_throttle
 from radixserve.server.batch_api import register_batch_routes
 from radixserve.server.cache_api import register_cache_routes
+from radixserve.server.classify_api import register_classify_routes
 from radixserve.server.conversations_api import register_conversation_routes
 from radixserve.server.drain import DRAIN_KEY, Drain
 from radixserve.server.embeddings_api import register_embedding_routes
@@ -280,6 +281,7 @@ def build_app(state: ServerState) -> web.Application:
     register_batch_routes(app)
     register_ollama_routes(app)
     register_embedding_routes(app)
+    register_classify_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

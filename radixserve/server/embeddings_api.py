@@ -61,8 +61,9 @@ async def encode(request: web.Request) -> web.Response:
     body = check_object(await read_json(request))
     check_fields(body, ENCODE_FIELDS)
     args = embed_args(**{name: body.get(name) for name in ENCODE_FIELDS})
-    results, batched = await _run(state, args, {})
-    outputs = [encode_output(result) for result in results]
+    results, batched = await run_embeddings(state, args, {})
+    scores = state.client.info.get("num_labels") is not None  # a classifier: raw, as SGLang's
+    outputs = [encode_output(result, normalize=not scores) for result in results]
     return web.json_response(outputs if batched else outputs[0])
 
 
@@ -80,6 +81,7 @@ async def embeddings_body(state: ServerState, body: Any, salt_header: str | None
     `salt_header`: the namespace the caller's X-Cache-Salt (or batch owner) names."""
     body = check_object(body)
     check_fields(body, OPENAI_FIELDS)
+    refuse_classifier(state)
     lora_path = check_model_name(state, optional_str(body, "model"))
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
@@ -89,12 +91,12 @@ async def embeddings_body(state: ServerState, body: Any, salt_header: str | None
     normalize = check_bool(body, "normalize", True)
     special = check_bool(body, "add_special_tokens", True)
     optional_str(body, "user")
-    lists = await _token_lists(state, body.get("input"), "input", special)
+    lists = await token_lists(state, body.get("input"), "input", special)
     salt = check_salt(body.get("cache_salt"), salt_header)
     args = embed_args(input_ids=lists, rid=_rids(body.get("request_id"), len(lists)),
                       cache_salt=salt, lora_path=lora_path, priority=body.get("priority"),
                       truncate_prompt_tokens=body.get("truncate_prompt_tokens"))  # fmt: skip
-    results, _ = await _run(state, args, INPUT_NAMES)
+    results, _ = await run_embeddings(state, args, INPUT_NAMES)
     data = [openai_embedding(embedding_vector(r, dims, normalize), i, fmt)
             for i, r in enumerate(results)]  # fmt: skip
     tokens = sum(r.prompt_len for r in results)
@@ -110,6 +112,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     state = state_of(request)
     body = check_object(await read_json(request))
     check_fields(body, OLLAMA_FIELDS)
+    refuse_classifier(state)
     model, lora_path = _ollama_model(state, body)
     dims = _dimensions(state, body.get("dimensions"), "dimensions")
     _options(body)
@@ -117,14 +120,14 @@ async def ollama_embed(request: web.Request) -> web.Response:
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise BadRequest("input must be a string or a list of strings", param="input")
-    lists = await _token_lists(state, texts, "input", True) if texts else []
+    lists = await token_lists(state, texts, "input", True) if texts else []
     if check_bool(body, "truncate", True):
         lists = [ids[: state.builder.context_length - 1] for ids in lists]
     salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
     results: list[RequestResult] = []
     if lists:
         args = embed_args(input_ids=lists, cache_salt=salt, lora_path=lora_path)
-        results, _ = await _run(state, args, INPUT_NAMES)
+        results, _ = await run_embeddings(state, args, INPUT_NAMES)
     return web.json_response({
         "model": model,
         "embeddings": [embedding_vector(r, dims).tolist() for r in results],
@@ -140,6 +143,7 @@ async def ollama_embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     body = check_object(await read_json(request))
     check_fields(body, OLLAMA_LEGACY_FIELDS)
+    refuse_classifier(state)
     _, lora_path = _ollama_model(state, body)
     _options(body)
     prompt = body.get("prompt") or ""
@@ -148,16 +152,18 @@ async def ollama_embeddings(request: web.Request) -> web.Response:
     if not prompt:
         return web.json_response({"embedding": []})
     salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
-    lists = await _token_lists(state, prompt, "prompt", True)
+    lists = await token_lists(state, prompt, "prompt", True)
     args = embed_args(input_ids=lists, cache_salt=salt, lora_path=lora_path)
-    (result,), _ = await _run(state, args, {"input_ids": "prompt", "text": "prompt"})
+    (result,), _ = await run_embeddings(state, args, {"input_ids": "prompt", "text": "prompt"})
     return web.json_response({"embedding": embedding_vector(result, normalize=False).tolist()})
 
 
 # ---- shared ------------------------------------------------------------------------------
 
 
-async def _run(state: ServerState, args, names: dict[str, str]) -> tuple[list[RequestResult], bool]:
+async def run_embeddings(
+    state: ServerState, args, names: dict[str, str]
+) -> tuple[list[RequestResult], bool]:
     """Runs the embedding requests of `args` to the end; a core validation error is a 400
     naming the field as the API does (`names`), an aborted request the abort's status."""
     try:
@@ -171,7 +177,7 @@ async def _run(state: ServerState, args, names: dict[str, str]) -> tuple[list[Re
     return results, batched
 
 
-async def _token_lists(state: ServerState, value: Any, name: str, special: bool) -> list[list[int]]:
+async def token_lists(state: ServerState, value: Any, name: str, special: bool) -> list[list[int]]:
     """An input (a string, strings, token ids or lists of them) as token lists; text is
     tokenized off the event loop, with the tokenizer's special tokens unless `special` is
     false."""
@@ -188,6 +194,16 @@ async def _token_lists(state: ServerState, value: Any, name: str, special: bool)
         return [list(v) for v in value]
     encode = state.tokenizer.encode
     return await state.off_loop(lambda: [encode(t, add_special_tokens=special) for t in value])
+
+
+def refuse_classifier(state: ServerState) -> None:
+    """A sequence classifier's outputs are scores, not embeddings: /classify (or /encode)."""
+    num_labels = state.client.info.get("num_labels")
+    if num_labels is not None:
+        raise BadRequest(
+            f"The model is a classifier ({num_labels} labels), not an embedding model: "
+            "use /classify or /encode"
+        )
 
 
 def _is_ids(value: list) -> bool:
