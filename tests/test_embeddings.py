@@ -193,6 +193,9 @@ def test_a_generating_server_refuses_embeddings_naming_the_flag(server, embed_se
     served = get(server.url, "/api/tags")[1]["models"][0]["name"]
     status, answer = post(server.url, "/api/embed", {"model": served, "input": "hello"})
     assert status == 400 and "--is-embedding" in answer["error"]  # Ollama's error shape
+    for empty in ({"model": served, "input": []}, {"model": served, "prompt": ""}):
+        path = "/api/embed" if "input" in empty else "/api/embeddings"
+        assert post(server.url, path, empty)[0] == 400  # nothing to embed: still not here
     assert get(server.url, "/model_info")[1]["is_generation"] is True
     assert get(embed_server.url, "/model_info")[1]["is_generation"] is False
     assert get(embed_server.url, "/health_generate")[0] == 200

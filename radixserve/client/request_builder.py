@@ -34,6 +34,11 @@ REQUEST_OPTIONS = (
 )  # fmt: skip
 """Per-request options beside the prompt, sampling and logprobs, under the same names in every
 API that exposes them: /generate and OpenAI bodies, Engine.generate, the frontend's gen."""
+GENERATION_REFUSED = ("The model serves embeddings (--is-embedding) and does not generate: use "
+                      "/encode, /v1/embeddings, /api/embed or Engine.encode")  # fmt: skip
+EMBEDDINGS_NEED_THE_FLAG = (
+    "The model generates: embeddings need a server started with --is-embedding"
+)
 MAX_TOKEN_IDS_LOGPROB = 128
 """Most token ids one request's token_ids_logprob may name (each position reports them all)."""
 SEED_MASK = (1 << 64) - 1
@@ -114,12 +119,7 @@ class RequestBuilder:
         embedding requests (client/embedding.py), only with --is-embedding, as generation
         only without it."""
         if embed != self.is_embedding:
-            raise ValueError(
-                "The model serves embeddings (--is-embedding) and does not generate: use "
-                "/encode, /v1/embeddings, /api/embed or Engine.encode"
-                if self.is_embedding
-                else "The model generates: embeddings need a server started with --is-embedding"
-            )
+            raise ValueError(GENERATION_REFUSED if self.is_embedding else EMBEDDINGS_NEED_THE_FLAG)
         token_lists, batched = self._token_lists(args.text, args.input_ids)
         token_lists = self._truncated(token_lists, args.truncate_prompt_tokens)
         count = len(token_lists)

@@ -22,7 +22,7 @@ from radixserve.client.embedding import (
     encode_output,
     openai_embedding,
 )
-from radixserve.client.request_builder import renamed
+from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, renamed
 from radixserve.client.result import RequestResult
 from radixserve.server.choice_trackers import aborted, is_aborted
 from radixserve.server.errors import BadRequest
@@ -81,7 +81,7 @@ async def embeddings_body(state: ServerState, body: Any, salt_header: str | None
     `salt_header`: the namespace the caller's X-Cache-Salt (or batch owner) names."""
     body = check_object(body)
     check_fields(body, OPENAI_FIELDS)
-    refuse_classifier(state)
+    check_embedding_server(state)
     lora_path = check_model_name(state, optional_str(body, "model"))
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
@@ -112,7 +112,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     state = state_of(request)
     body = check_object(await read_json(request))
     check_fields(body, OLLAMA_FIELDS)
-    refuse_classifier(state)
+    check_embedding_server(state)
     model, lora_path = _ollama_model(state, body)
     dims = _dimensions(state, body.get("dimensions"), "dimensions")
     _options(body)
@@ -143,7 +143,7 @@ async def ollama_embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     body = check_object(await read_json(request))
     check_fields(body, OLLAMA_LEGACY_FIELDS)
-    refuse_classifier(state)
+    check_embedding_server(state)
     _, lora_path = _ollama_model(state, body)
     _options(body)
     prompt = body.get("prompt") or ""
@@ -196,8 +196,11 @@ async def token_lists(state: ServerState, value: Any, name: str, special: bool) 
     return await state.off_loop(lambda: [encode(t, add_special_tokens=special) for t in value])
 
 
-def refuse_classifier(state: ServerState) -> None:
-    """A sequence classifier's outputs are scores, not embeddings: /classify (or /encode)."""
+def check_embedding_server(state: ServerState) -> None:
+    """Embeddings need an --is-embedding server (even for an empty input), and a sequence
+    classifier's outputs are scores, not embeddings: /classify (or /encode)."""
+    if not state.builder.is_embedding:
+        raise BadRequest(EMBEDDINGS_NEED_THE_FLAG)
     num_labels = state.client.info.get("num_labels")
     if num_labels is not None:
         raise BadRequest(
