@@ -387,9 +387,6 @@ def test_content_blocks_and_their_events():
         "input": {"a": 1, "b": 2},
     }
     assert [b.get("text") for b in blocks.blocks] == ["Sure.", None, " Done"]
-    single = ContentBlocks(single_tool_use=True)
-    single.add(Delta("", [], "tool_calls", [call, ToolCall(1, "call_cd", "add", "{}")]))
-    assert [b["id"] for b in single.blocks] == ["toolu_ab"]
     empty = ContentBlocks()
     assert [name for name, _ in empty.close()] == ["content_block_start", "content_block_stop"]
     assert empty.blocks == [{"type": "text", "text": ""}]

@@ -62,12 +62,10 @@ def test_response_store_scopes_by_owner():
 
 
 def test_output_items_and_their_events_in_order():
-    items = OutputItems(single_call=True)
+    items = OutputItems()
     first = [ToolCallDelta(0, "call_a", "add", '{"a": 1'), ToolCallDelta(0, None, None, "}")]
     events = items.add(Delta("Sure.", [], None, [], first))
     events += items.add(Delta("", [], None, [ToolCall(0, "call_a", "add", '{"a": 1}')]))
-    second = [ToolCallDelta(1, "call_b", "add", "{}")]  # parallel_tool_calls false: left out
-    events += items.add(Delta("", [], None, [ToolCall(1, "call_b", "add", "{}")], second))
     events += items.add(Delta(" Done", [], "tool_calls")) + items.close()
     assert [(e["type"].removeprefix("response."), e["output_index"]) for e in events] == [
         ("output_item.added", 0),

@@ -12,6 +12,7 @@ import re
 import jsonschema
 import openai
 import pytest
+import requests
 from tool_call_data import ADD, HISTORY, MODEL, NAMES, SCHEMAS, TOOLS, WEATHER
 
 
@@ -116,6 +117,28 @@ def test_parallel_tool_calls_false_keeps_the_first_call(openai_client, stream):
             choice = chat(openai_client, **kwargs, **extra).choices[0]
             calls, finish = choice.message.tool_calls, choice.finish_reason
         assert len(calls) == expected and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_one_call_only_on_the_agent_apis(server, api):
+    """Responses' parallel_tool_calls false and Messages' disable_parallel_tool_use keep the
+    first of two calls (the same rule as chat completions': choice_trackers.chat_tracker)."""
+    add = TOOLS[1]["function"]
+    if api == "responses":
+        tools = [{"type": "function", "name": "add", "parameters": add["parameters"]}]
+        body = {"model": MODEL, "input": "Help me", "tools": tools, "max_output_tokens": 160,
+                "regex": TWO_CALLS}  # fmt: skip
+        off = {"parallel_tool_calls": False}
+        count = lambda out: sum(i["type"] == "function_call" for i in out["output"])  # noqa: E731
+    else:
+        tools = [{"name": "add", "input_schema": add["parameters"]}]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Help me"}],
+                "tools": tools, "max_tokens": 160, "regex": TWO_CALLS}  # fmt: skip
+        off = {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}
+        count = lambda out: sum(b["type"] == "tool_use" for b in out["content"])  # noqa: E731
+    path = "/v1/responses" if api == "responses" else "/v1/messages"
+    both, first = (requests.post(server.url + path, json=b).json() for b in (body, body | off))
+    assert (count(both), count(first)) == (2, 1), (both, first)
 
 
 def test_auto_without_a_call_is_a_plain_message(openai_client):

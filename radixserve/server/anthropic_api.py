@@ -131,7 +131,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             prompt=prompt,
             tracker=_tracker(state, parsed, result),
             shape=MessageShape(lora_path or state.served_model_name),
-            blocks=ContentBlocks(parsed.single_tool_use),
+            blocks=ContentBlocks(),
         )
         if parsed.stream:
             return await stream_message(request, state, run, stream)
@@ -203,7 +203,8 @@ def build_specs(
 
 def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult) -> ChoiceTracker:
     return chat_tracker(result, state.tokenizer, state.reasoning_format, parsed.reasoning,
-                        parsed.offered_tools, state.tool_parser, parsed.stream)  # fmt: skip
+                        parsed.offered_tools, state.tool_parser, parsed.stream,
+                        single_call=parsed.single_tool_use)  # fmt: skip
 
 
 def _stop_or_raise(result: RequestResult, finish: str | None) -> tuple[str, str | None]:

@@ -123,20 +123,18 @@ class MessageShape:
 
 class ContentBlocks:
     """A message's content blocks built from a choice's deltas; `add` and `close` return the
-    stream events for what changed. With `single_tool_use`, calls after the first are left
-    out (disable_parallel_tool_use)."""
+    stream events for what changed (disable_parallel_tool_use's calls after the first never
+    reach it: choice_trackers.chat_tracker drops them)."""
 
-    def __init__(self, single_tool_use: bool = False):
+    def __init__(self) -> None:
         self.blocks: list[dict[str, Any]] = []
-        self.single_tool_use = single_tool_use
         self.open_kind: str | None = None  # the open block's type
         self.open_call: int | None = None  # the call index of an open tool_use block
         self.streamed: dict[int, tuple[int, str]] = {}  # call index -> (block, JSON sent)
 
     def add(self, delta: Delta) -> list[Event]:
         events = self._add_run("thinking", delta.reasoning) if delta.reasoning else []
-        deltas = [d for d in delta.tool_call_deltas if self._wanted(d.index)]
-        calls = [c for c in delta.tool_calls if self._wanted(c.index)]
+        deltas, calls = delta.tool_call_deltas, delta.tool_calls
         current = self.open_call
         if current is not None:  # what ends the open call comes before any new text
             events += self._add_calls([d for d in deltas if d.index == current],
@@ -151,9 +149,6 @@ class ContentBlocks:
         if not self.blocks:
             return self._add_run("text", "") + self._close()
         return self._close()
-
-    def _wanted(self, call_index: int) -> bool:
-        return not (self.single_tool_use and call_index > 0)
 
     def _add_calls(self, deltas: list[ToolCallDelta], calls: list[ToolCall]) -> list[Event]:
         events = [event for d in deltas for event in self._add_fragment(d)]

@@ -144,15 +144,17 @@ def chat_tracker(
     tools: list[dict[str, Any]] | None,
     tool_parser: str,
     stream: bool,
+    single_call: bool = False,
 ) -> ChoiceTracker:
     """One chat choice's reader, as the Messages, Responses and Ollama APIs make it: its
     reasoning split off first (with `--reasoning-parser`), then, with `tools` offered, its
-    calls read from the content in `tool_parser`'s format."""
+    calls read from the content in `tool_parser`'s format; `single_call`: the first only
+    (Responses' parallel_tool_calls false, Messages' disable_parallel_tool_use)."""
     reader = choice_reasoning_parser(reasoning_format, reasoning)
     if not tools:
         return ChoiceTracker(result, tokenizer, reasoning=reader)
     parser = ToolCallParser(tool_names(tools), tool_parser, tool_schemas(tools), stream)
-    return ToolCallTracker(result, tokenizer, parser, reader)
+    return ToolCallTracker(result, tokenizer, parser, reader, single_call=single_call)
 
 
 def _floor(logprob: float) -> float:

@@ -146,7 +146,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             history=history,
             tracker=_tracker(state, parsed, result),
             shape=ResponseShape(lora_path or state.served_model_name, parsed.echo()),
-            items=OutputItems(not parsed.parallel_tool_calls, parsed.sealed_reasoning),
+            items=OutputItems(parsed.sealed_reasoning),
             count_tokens=partial(state.tokenizer.encode, add_special_tokens=False),
             app=request.app,
         )
@@ -280,7 +280,8 @@ def build_specs(
 
 def _tracker(state: ServerState, parsed: ResponsesRequest, result: RequestResult) -> ChoiceTracker:
     return chat_tracker(result, state.tokenizer, state.reasoning_format, parsed.reasoning,
-                        parsed.offered_tools, state.tool_parser, parsed.stream)  # fmt: skip
+                        parsed.offered_tools, state.tool_parser, parsed.stream,
+                        single_call=not parsed.parallel_tool_calls)  # fmt: skip
 
 
 # ---- streaming ---------------------------------------------------------------------------

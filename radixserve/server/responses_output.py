@@ -70,7 +70,6 @@ class OutputItems:
     """A response's output items built from a choice's deltas; `add` and `close` return the
     stream events for what changed (without sequence numbers: ResponseShape adds them)."""
 
-    single_call: bool = False  # parallel_tool_calls false: the first call only
     sealed_reasoning: bool = False  # include reasoning.encrypted_content
     items: list[dict[str, Any]] = field(default_factory=list)
     open_message: dict[str, Any] | None = None
@@ -162,12 +161,7 @@ class OutputItems:
         self.open_message = None
         return events
 
-    def _skipped(self, index: int) -> bool:
-        return self.single_call and index > 0
-
     def _add_fragment(self, fragment: ToolCallDelta) -> list[Event]:
-        if self._skipped(fragment.index):
-            return []
         events = []
         item = self.open_calls.get(fragment.index)
         if item is None:
@@ -199,8 +193,6 @@ class OutputItems:
     def _finish_call(self, call: ToolCall) -> list[Event]:
         """A completed call: its item (opened by its fragments, or now) gets its whole
         arguments."""
-        if self._skipped(call.index):
-            return []
         events = []
         item = self.open_calls.pop(call.index, None)
         if item is None:  # a whole output's call: no fragments were streamed
