@@ -38,7 +38,7 @@ from typing import Any
 from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.server.chat_messages import check_messages
 from radixserve.server.errors import BadRequest
-from radixserve.server.openai_protocol import check_chat_logprobs
+from radixserve.server.openai_protocol import check_bool, check_chat_logprobs
 from radixserve.server.reasoning import ReasoningOptions
 from radixserve.server.request_fields import check_fields
 from radixserve.server.response_format import check_response_format
@@ -153,7 +153,7 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
     parsed = OllamaRequest(
         model=model,  # answers name it as asked; the route looks it up without DEFAULT_TAG
         chat=chat,
-        stream=_bool(body, "stream", True),
+        stream=check_bool(body, "stream", True),
         think=_think(body.get("think")),
         cache_salt=check_salt(body.get("cache_salt"), salt_header),
         options={name: body[name] for name in REQUEST_OPTIONS if name in body},
@@ -166,7 +166,7 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
     else:
         parsed.prompt = _str(body, "prompt")
         parsed.system = _str(body, "system") if body.get("system") is not None else None
-        parsed.raw = _bool(body, "raw", False)
+        parsed.raw = check_bool(body, "raw", False)
         parsed.context = _context(body.get("context"))
         parsed.suffix = _str(body, "suffix")
         if parsed.suffix and (parsed.raw or parsed.system is not None):
@@ -236,15 +236,6 @@ def _call(call: Any, where: str) -> dict[str, Any]:
         "type": "function",
         "function": {"name": function.get("name"), "arguments": function.get("arguments")},
     }
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false; got {value!r}"[:160], param=name)
-    return value
 
 
 def _str(body: dict, name: str) -> str:
