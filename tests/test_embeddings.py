@@ -304,6 +304,20 @@ def test_a_batch_of_embedding_lines(embed_server):
     assert error["status_code"] == 400 and error["body"]["error"]["param"] == "input"
 
 
+def test_tensor_parallel_embeddings_equal_one_rank(tiny_chat_model):
+    """Rank 0 returns the (replicated) final-normed hidden rows; tp 2 == tp 1."""
+    ids = [prompt_ids(1, 30), prompt_ids(2, 50)]
+    outs = []
+    for tp in (1, 2):
+        engine = make_engine(tiny_chat_model, is_embedding=True, tp_size=tp)
+        try:
+            outs.append([np.array(o["embedding"]) for o in engine.encode(input_ids=ids)])
+        finally:
+            engine.shutdown()
+    for one, two in zip(*outs):
+        assert np.abs(one - two).max() < 1e-5
+
+
 @FUZZ_SETTINGS
 @given(case=EMBEDDING_CASES)
 def test_fuzz_embedding_routes(embed_server, case):
