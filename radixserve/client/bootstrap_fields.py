@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.engine.protocol import Bootstrap
+from radixserve.sampling.params import is_int
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """SGLang's prefill/decode pairing fields, written by sglang-router in PD mode."""
@@ -35,12 +36,8 @@ def bootstraps(
 def _bootstrap(host: Any, port: Any, room: Any) -> Bootstrap:
     if not isinstance(host, str) or not host:
         raise ValueError(f"bootstrap_host must be a non-empty string; got {host!r}")
-    if not _is_int(port) or not 1 <= port <= 65535:
+    if not is_int(port) or not 1 <= port <= 65535:
         raise ValueError(f"bootstrap_port must be an int in [1, 65535]; got {port!r}")
-    if not _is_int(room) or not 0 <= room <= ROOM_MASK:
+    if not is_int(room) or not 0 <= room <= ROOM_MASK:
         raise ValueError(f"bootstrap_room must be an int in [0, 2**64); got {room!r}")
     return Bootstrap(host=host, port=port, room=room)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -18,6 +18,7 @@ import numpy as np
 
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult
+from radixserve.sampling.params import is_int
 
 NORM_EPS = 1e-12
 """torch.nn.functional.normalize's eps: a zero vector stays zero."""
@@ -33,8 +34,7 @@ def check_dimensions(dimensions: Any, hidden_size: int, name: str = "dimensions"
     """OpenAI's / Ollama's `dimensions`: None, or an int in [1, hidden_size]."""
     if dimensions is None:
         return None
-    ok = isinstance(dimensions, int) and not isinstance(dimensions, bool)
-    if not ok or not 1 <= dimensions <= hidden_size:
+    if not is_int(dimensions) or not 1 <= dimensions <= hidden_size:
         message = f"{name} must be an int in [1, {hidden_size}] (the model's hidden size)"
         raise ValueError(f"{message}; got {dimensions!r}"[:200])
     return dimensions

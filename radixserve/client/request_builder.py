@@ -26,7 +26,13 @@ from radixserve.client.bootstrap_fields import BOOTSTRAP_FIELDS, bootstraps
 from radixserve.engine.protocol import PinRequest, RequestSpec
 from radixserve.engine.request import LORA_NAMESPACE_SEP, MAX_LOGPROBS, LogprobRequest
 from radixserve.sampling.grammar import check_grammar
-from radixserve.sampling.params import INT64_MAX, SamplingParams, check_bad_words, is_int64
+from radixserve.sampling.params import (
+    INT64_MAX,
+    SamplingParams,
+    check_bad_words,
+    is_int,
+    is_int64,
+)
 
 REQUEST_OPTIONS = (
     "priority", "session_id", "retention", "extra_key", "truncate_prompt_tokens",
@@ -155,7 +161,7 @@ class RequestBuilder:
         length's worth)."""
         if keep is None:
             return token_lists
-        if not _is_int(keep) or not (keep == -1 or 1 <= keep <= INT64_MAX):
+        if not is_int(keep) or not (keep == -1 or 1 <= keep <= INT64_MAX):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an int >= 1; got {keep!r}")
         keep = self.context_length if keep == -1 else keep
         return [ids[-keep:] for ids in token_lists]
@@ -169,7 +175,7 @@ class RequestBuilder:
         lists = _per_prompt(value, count, "token_ids_logprob") if nested else [value] * count
         for ids in lists:
             ok = isinstance(ids, list) and len(ids) <= MAX_TOKEN_IDS_LOGPROB
-            if not ok or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
+            if not ok or not all(is_int(t) and 0 <= t < self.vocab_size for t in ids):
                 message = (
                     f"token_ids_logprob must be a list of at most {MAX_TOKEN_IDS_LOGPROB} token "
                     f"ids in [0, {self.vocab_size}), or one such list per prompt; got {value!r}"
@@ -357,7 +363,7 @@ def _logprob_request(return_logprob, start_len, top_num) -> LogprobRequest | Non
     top_num = 0 if top_num is None else top_num
     if not is_int64(start_len) or start_len < -1:
         raise ValueError(f"logprob_start_len must be a 64-bit int >= -1; got {start_len!r}")
-    if not _is_int(top_num) or not 0 <= top_num <= MAX_LOGPROBS:
+    if not is_int(top_num) or not 0 <= top_num <= MAX_LOGPROBS:
         raise ValueError(f"top_logprobs_num must be an int in [0, {MAX_LOGPROBS}]; got {top_num!r}")
     if not return_logprob:
         return None
@@ -384,7 +390,3 @@ def _retention_ttl(retention: Any) -> float:
     if ttl <= 0:
         raise ValueError(f"retention.ttl_s must be > 0; got {ttl!r}")
     return float(ttl)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

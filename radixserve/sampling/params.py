@@ -188,7 +188,7 @@ class SamplingParams:
             _check_int("stream_interval", self.stream_interval, "an integer >= 1 or null",
                        lambda v: v >= 1)  # fmt: skip
         seed = self.sampling_seed  # any integer: only its low 64 bits are used
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise ValueError(f"sampling_seed must be an integer or null; got {seed!r}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
@@ -211,17 +211,18 @@ FLOAT_PARAMS = frozenset(f.name for f in fields(SamplingParams) if f.type == "fl
 """The parameters typed float: ints given for them are parsed as floats."""
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int, not a bool (JSON true is not 1 here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_int64(value: object) -> bool:
     """An int (not a bool) that fits in int64."""
-    return _is_int(value) and INT64_MIN <= value <= INT64_MAX
+    return is_int(value) and INT64_MIN <= value <= INT64_MAX
 
 
 def _check_int(name: str, value: object, allowed: str, ok: Callable[[int], bool]) -> None:
-    if not _is_int(value) or not ok(value):
+    if not is_int(value) or not ok(value):
         raise ValueError(f"{name} must be {allowed}; got {value!r}")
     if not is_int64(value):
         raise ValueError(f"{name} must fit in a signed 64-bit integer; got {value!r}")
@@ -230,7 +231,7 @@ def _check_int(name: str, value: object, allowed: str, ok: Callable[[int], bool]
 def _as_float(name: str, value: object) -> object:
     """An int given for a float parameter as that float (the core's wire takes no int past
     64 bits); anything else unchanged, for `verify` to judge."""
-    if not _is_int(value):
+    if not is_int(value):
         return value
     try:
         return float(value)
@@ -282,7 +283,7 @@ def _check_token_ids(ids: object, vocab_size: int | None, name: str = "stop_toke
         return
     allowed = "a list of token ids" + ("" if vocab_size is None else f" in [0, {vocab_size})")
     in_range = (lambda v: 0 <= v) if vocab_size is None else (lambda v: 0 <= v < vocab_size)
-    if not isinstance(ids, (list, tuple, set)) or not all(_is_int(v) and in_range(v) for v in ids):
+    if not isinstance(ids, (list, tuple, set)) or not all(is_int(v) and in_range(v) for v in ids):
         raise ValueError(f"{name} must be {allowed}; got {ids!r}"[:240])
 
 

@@ -24,6 +24,7 @@ from radixserve.client.embedding import (
 )
 from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, renamed
 from radixserve.client.result import RequestResult
+from radixserve.sampling.params import is_int
 from radixserve.server.choice_trackers import aborted, is_aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
@@ -210,7 +211,7 @@ def check_embedding_server(state: ServerState) -> None:
 
 
 def _is_ids(value: list) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return all(is_int(t) for t in value)
 
 
 def _dimensions(state: ServerState, value: Any, name: str) -> int | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.client.request_builder import REQUEST_OPTIONS
+from radixserve.sampling.params import is_int
 from radixserve.server.chat_messages import check_messages
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_protocol import check_bool, check_chat_logprobs
@@ -260,7 +261,7 @@ def _think(value: Any) -> bool | None:
 def _context(value: Any) -> list[int]:
     if value is None:
         return []
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
         raise BadRequest("context must be a list of token ids", param="context")
     return value
 
@@ -331,7 +332,3 @@ def _number(value: Any, where: str, kind: type) -> int | float:
         noun = "an integer" if kind is int else "a number"
         raise BadRequest(f"{where} must be {noun}; got {json.dumps(value)[:80]}", param=where)
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -15,6 +15,7 @@ from typing import Any
 
 from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.engine.request import MAX_LOGPROBS
+from radixserve.sampling.params import is_int
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import CONTINUE_FINAL_MESSAGE, ends_with_assistant_text
 from radixserve.server.errors import BadRequest
@@ -304,16 +305,12 @@ def check_prompt(prompt: Any) -> list[str] | list[list[int]]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return prompt
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [prompt]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
             return prompt
     raise bad_request(
         "prompt must be a string, a non-empty list of strings, a list of token ids or a list "
         f"of such lists; got {str(prompt)[:80]}",
         param="prompt",
     )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

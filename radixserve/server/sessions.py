@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.sampling.params import is_int
 from radixserve.server.errors import BadRequest
 
 MAX_SESSIONS = 1024
@@ -87,7 +88,7 @@ class SessionStore:
             name = sorted(unknown)[0]
             raise BadRequest(f"{name} is not a field of /open_session", param=name)
         capacity = body.get("capacity_of_str_len")
-        if capacity is not None and (not _is_int(capacity) or capacity < 0):
+        if capacity is not None and (not is_int(capacity) or capacity < 0):
             raise BadRequest("capacity_of_str_len must be an int >= 0", "capacity_of_str_len")
         if body.get("streaming") not in (None, False):
             raise BadRequest("streaming sessions are not supported: streaming must be false",
@@ -197,7 +198,7 @@ def _check_params(params: Any) -> dict[str, Any]:
     if params.get("rid") is not None:
         _check_id(params["rid"], "session_params.rid")
     offset = params.get("offset")
-    if offset is not None and not _is_int(offset):
+    if offset is not None and not is_int(offset):
         raise BadRequest(
             f"session_params.offset must be an int; got {offset!r}", "session_params.offset"
         )
@@ -212,10 +213,6 @@ def _check_id(value: Any, param: str) -> str:
         message = f"{param} must be a non-empty string of at most {MAX_ID_CHARS} characters"
         raise BadRequest(message, param=param)
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
