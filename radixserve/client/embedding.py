@@ -30,12 +30,12 @@ def embed_args(**fields: Any) -> GenerateArgs:
     return GenerateArgs(sampling_params={"max_new_tokens": 0}, **fields)
 
 
-def check_dimensions(dimensions: Any, hidden_size: int, name: str = "dimensions") -> int | None:
+def check_dimensions(dimensions: Any, hidden_size: int) -> int | None:
     """OpenAI's / Ollama's `dimensions`: None, or an int in [1, hidden_size]."""
     if dimensions is None:
         return None
     if not is_int(dimensions) or not 1 <= dimensions <= hidden_size:
-        message = f"{name} must be an int in [1, {hidden_size}] (the model's hidden size)"
+        message = f"dimensions must be an int in [1, {hidden_size}] (the model's hidden size)"
         raise ValueError(f"{message}; got {dimensions!r}"[:200])
     return dimensions
 

@@ -18,20 +18,15 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from radixserve.client.embedding import embed_args, embedding_vector
-from radixserve.server.embeddings_api import (
-    INPUT_NAMES,
-    encode,
-    run_embeddings,
-    token_lists,
-)
+from radixserve.client.embedding import embedding_vector
+from radixserve.server.embeddings_api import encode_response, run_openai_inputs
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
-from radixserve.server.openai_protocol import check_bool, check_object
+from radixserve.server.openai_protocol import check_object
 from radixserve.server.request_fields import check_fields
 from radixserve.server.responses_options import optional_str
 from radixserve.server.state import read_json, state_of
-from radixserve.server.tenants import SALT_HEADER, check_salt
+from radixserve.server.tenants import SALT_HEADER
 
 VLLM_FIELDS = {"input", "model", "user", "truncate_prompt_tokens", "add_special_tokens",
                "priority", "cache_salt"}  # fmt: skip
@@ -54,17 +49,10 @@ async def classify(request: web.Request) -> web.Response:
         )
     body = check_object(await read_json(request))
     if "input" not in body:
-        return await encode(request)  # SGLang's: the body read again from its cache
+        return await encode_response(state, body)  # SGLang's shape
     check_fields(body, VLLM_FIELDS)
     lora_path = check_model_name(state, optional_str(body, "model"))
-    optional_str(body, "user")
-    special = check_bool(body, "add_special_tokens", True)
-    lists = await token_lists(state, body.get("input"), "input", special)
-    salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
-    args = embed_args(input_ids=lists, cache_salt=salt, lora_path=lora_path,
-                      priority=body.get("priority"),
-                      truncate_prompt_tokens=body.get("truncate_prompt_tokens"))  # fmt: skip
-    results, _ = await run_embeddings(state, args, INPUT_NAMES)
+    results = await run_openai_inputs(state, body, request.headers.get(SALT_HEADER), lora_path)
     labels = state.client.info.get("labels")
     data = [_item(i, embedding_vector(r, normalize=False), labels) for i, r in enumerate(results)]
     tokens = sum(r.prompt_len for r in results)

@@ -58,8 +58,12 @@ def register_embedding_routes(app: web.Application) -> None:
 async def encode(request: web.Request) -> web.Response:
     """SGLang's /encode: `text` or `input_ids` (one prompt or a list) -> {"embedding",
     "meta_info"} per prompt (a list for a list)."""
-    state = state_of(request)
     body = check_object(await read_json(request))
+    return await encode_response(state_of(request), body)
+
+
+async def encode_response(state: ServerState, body: dict) -> web.Response:
+    """/encode's answer to a parsed body (SGLang's /classify bodies answer the same)."""
     check_fields(body, ENCODE_FIELDS)
     args = embed_args(**{name: body.get(name) for name in ENCODE_FIELDS})
     results, batched = await run_embeddings(state, args, {})
@@ -88,22 +92,32 @@ async def embeddings_body(state: ServerState, body: Any, salt_header: str | None
     if fmt not in ("float", "base64"):
         raise BadRequest(f"encoding_format must be 'float' or 'base64'; got {fmt!r}"[:200],
                          param="encoding_format")  # fmt: skip
-    dims = _dimensions(state, body.get("dimensions"), "dimensions")
+    dims = _dimensions(state, body.get("dimensions"))
     normalize = check_bool(body, "normalize", True)
-    special = check_bool(body, "add_special_tokens", True)
+    results = await run_openai_inputs(state, body, salt_header, lora_path)
+    data = [openai_embedding(embedding_vector(r, dims, normalize), i, fmt)
+            for i, r in enumerate(results)]  # fmt: skip
+    tokens = sum(r.prompt_len for r in results)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    model = lora_path or state.served_model_name
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+async def run_openai_inputs(
+    state: ServerState, body: dict, salt_header: str | None, lora_path: str | None
+) -> list[RequestResult]:
+    """An OpenAI-shaped body's `input` run to the end (/v1/embeddings, vLLM's /classify)
+    with the adapter its `model` named: `user`, vLLM's `add_special_tokens`, `request_id`,
+    `priority`, `truncate_prompt_tokens`, and `cache_salt` / `salt_header`."""
     optional_str(body, "user")
+    special = check_bool(body, "add_special_tokens", True)
     lists = await token_lists(state, body.get("input"), "input", special)
     salt = check_salt(body.get("cache_salt"), salt_header)
     args = embed_args(input_ids=lists, rid=_rids(body.get("request_id"), len(lists)),
                       cache_salt=salt, lora_path=lora_path, priority=body.get("priority"),
                       truncate_prompt_tokens=body.get("truncate_prompt_tokens"))  # fmt: skip
     results, _ = await run_embeddings(state, args, INPUT_NAMES)
-    data = [openai_embedding(embedding_vector(r, dims, normalize), i, fmt)
-            for i, r in enumerate(results)]  # fmt: skip
-    tokens = sum(r.prompt_len for r in results)
-    model = lora_path or state.served_model_name
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    return {"object": "list", "data": data, "model": model, "usage": usage}
+    return results
 
 
 async def ollama_embed(request: web.Request) -> web.Response:
@@ -115,7 +129,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     check_fields(body, OLLAMA_FIELDS)
     check_embedding_server(state)
     model, lora_path = _ollama_model(state, body)
-    dims = _dimensions(state, body.get("dimensions"), "dimensions")
+    dims = _dimensions(state, body.get("dimensions"))
     _options(body)
     value = body.get("input")
     texts = [value] if isinstance(value, str) else value
@@ -214,11 +228,11 @@ def _is_ids(value: list) -> bool:
     return all(is_int(t) for t in value)
 
 
-def _dimensions(state: ServerState, value: Any, name: str) -> int | None:
+def _dimensions(state: ServerState, value: Any) -> int | None:
     try:
-        return check_dimensions(value, state.client.info["hidden_size"], name)
+        return check_dimensions(value, state.client.info["hidden_size"])
     except ValueError as exc:
-        raise BadRequest(str(exc), param=name) from exc
+        raise BadRequest(str(exc), param="dimensions") from exc
 
 
 def _rids(value: Any, count: int) -> str | list[str] | None:
