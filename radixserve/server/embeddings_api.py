@@ -28,7 +28,7 @@ from radixserve.sampling.params import is_int
 from radixserve.server.choice_trackers import aborted, is_aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
-from radixserve.server.ollama_protocol import DEFAULT_TAG
+from radixserve.server.ollama_protocol import DEFAULT_TAG, required_model
 from radixserve.server.openai_protocol import check_bool, check_object
 from radixserve.server.request_fields import check_fields
 from radixserve.server.responses_options import optional_str
@@ -246,9 +246,7 @@ def _rids(value: Any, count: int) -> str | list[str] | None:
 
 
 def _ollama_model(state: ServerState, body: dict) -> tuple[str, str | None]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest(f"model is required: a model name; got {model!r}"[:200], param="model")
+    model = required_model(body.get("model"))
     return model, check_model_name(state, model.removesuffix(DEFAULT_TAG))
 
 

@@ -148,9 +148,7 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
     check_fields(body, CHAT_FIELDS if chat else GENERATE_FIELDS, NO_OP_VALUES)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest(f"model is required: a model name; got {model!r}", param="model")
+    model = required_model(body.get("model"))
     parsed = OllamaRequest(
         model=model,  # answers name it as asked; the route looks it up without DEFAULT_TAG
         chat=chat,
@@ -180,6 +178,13 @@ def parse_ollama_request(body: Any, chat: bool, salt_header: str | None = None) 
         parsed.sampling["json_schema"] = constraint
     parsed.logprobs = check_chat_logprobs(body)
     return parsed
+
+
+def required_model(model: Any) -> str:
+    """An Ollama body's `model`: required, a non-empty name (a tag included)."""
+    if not isinstance(model, str) or not model:
+        raise BadRequest(f"model is required: a model name; got {model!r}"[:200], param="model")
+    return model
 
 
 def _list(body: dict) -> list:
