@@ -282,11 +282,14 @@ def test_lora_adapters_embed_as_peft_does_and_keep_their_kv_apart(tmp_path):
 
 def test_a_batch_of_embedding_lines(embed_server):
     """OpenAI's Batch API with endpoint /v1/embeddings: each line's body as /v1/embeddings
-    answers it, a bad line in the error file."""
+    answers it (in the owner's namespace, or the line's own cache_salt), a bad line in the
+    error file."""
     from test_server_batches import line, records, upload, wait_ended
 
-    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key="none")
+    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key="none",
+                           default_headers={"X-Cache-Salt": "owner"})  # fmt: skip
     bodies = [{"input": f"line {i}", "encoding_format": "float"} for i in range(3)]
+    bodies[2]["cache_salt"] = "its-own"  # not the owner's: the line's namespace wins
     lines = [line(f"e{i}", body, "/v1/embeddings") for i, body in enumerate(bodies)]
     lines.append(line("bad", {"input": []}, "/v1/embeddings"))
     batch = client.batches.create(input_file_id=upload(client, lines).id,

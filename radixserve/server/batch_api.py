@@ -204,14 +204,9 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
 
 
 def _body_runner(endpoint: str) -> Callable[[ServerState, Any, str | None], Awaitable[dict]]:
-    """What answers a line's body at `endpoint`, in a namespace unless the body names one."""
+    """What answers a line's body at `endpoint` (state, body, namespace) -> response body."""
     if endpoint == "/v1/embeddings":
-
-        async def embed(state: ServerState, body: Any, salt: str | None) -> dict:
-            own = isinstance(body, dict) and body.get("cache_salt") is not None
-            return await embeddings_body(state, body, None if own else salt)
-
-        return embed
+        return embeddings_body
     chat = endpoint == "/v1/chat/completions"
     return lambda state, body, salt: complete_body(state, body, chat, salt)
 
@@ -220,6 +215,8 @@ async def _run_line(
     state: ServerState, line: Line, run_body, salt: str | None
 ) -> tuple[int, dict[str, Any]]:
     """A line's status and body, in the batch owner's namespace (`salt`) unless it names one."""
+    if isinstance(line.body, dict) and line.body.get("cache_salt") is not None:
+        salt = None  # the line's own namespace
     try:
         while True:
             try:

@@ -102,12 +102,10 @@ async def complete_body(
     state: ServerState, body: Any, chat: bool, salt: str | None = None
 ) -> dict[str, Any]:
     """A non-streamed /v1/completions (chat=False) or /v1/chat/completions body's response
-    body, in namespace `salt` unless the body names one (the batch API's lines run through
-    here); bad input raises BadRequest."""
+    body in namespace `salt` (as an X-Cache-Salt header would name it; the batch API's lines
+    run through here); bad input raises BadRequest."""
     if isinstance(body, dict) and body.get("stream") is not None and body["stream"] is not False:
         raise bad_request("stream must be false here", param="stream")
-    if isinstance(body, dict) and body.get("cache_salt") is not None:
-        salt = None  # the line's own namespace
     return await _run_completion(state, body, chat, salt)
 
 
