@@ -139,7 +139,7 @@ class Engine:
         specs, batched = self._build(args, embed=True)
         results = await self._run(specs, progress_bar=False)
         for result in results:
-            if result.finish_reason is None or result.finish_reason.is_abort:
+            if result.unanswered:
                 raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
         scores = self.core.loaded.config.num_labels is not None  # a classifier: raw scores
         outputs = [encode_output(result, normalize=not scores) for result in results]

@@ -72,6 +72,11 @@ class RequestResult:
         return self.finish_reason is not None
 
     @property
+    def unanswered(self) -> bool:
+        """Whether the request ended without an answer: aborted, or not finished."""
+        return self.finish_reason is None or self.finish_reason.is_abort
+
+    @property
     def prompt_len(self) -> int:
         return len(self.spec.input_ids)
 

@@ -39,7 +39,7 @@ from radixserve.server.anthropic_response import (
     usage,
 )
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
+from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name
 from radixserve.server.reasoning import reasoning_sampling
@@ -209,7 +209,7 @@ def _tracker(state: ServerState, parsed: MessagesRequest, result: RequestResult)
 
 def _stop_or_raise(result: RequestResult, finish: str | None) -> tuple[str, str | None]:
     """The message's stop; an aborted request has none in Anthropic's terms: an error."""
-    if finish is None or is_aborted(result):
+    if finish is None or result.unanswered:
         raise aborted(result)
     return stop_reason(result, finish)
 

@@ -171,11 +171,6 @@ def aborted(result: RequestResult) -> BadRequest:
     return BadRequest(f"request aborted: {message or 'no reason given'}", status=status or 503)
 
 
-def is_aborted(result: RequestResult) -> bool:
-    """Whether the request ended without an answer: aborted, or not finished."""
-    return result.finish_reason is None or result.finish_reason.is_abort
-
-
 def finish_reason(result: RequestResult) -> str | None:
     """OpenAI's finish_reason: "stop", "length", or vLLM's "abort"; None while running."""
     return None if result.finish_reason is None else result.finish_reason.kind

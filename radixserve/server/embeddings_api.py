@@ -25,7 +25,7 @@ from radixserve.client.embedding import (
 from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, renamed
 from radixserve.client.result import RequestResult
 from radixserve.sampling.params import is_int
-from radixserve.server.choice_trackers import aborted, is_aborted
+from radixserve.server.choice_trackers import aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
 from radixserve.server.ollama_protocol import DEFAULT_TAG, required_model
@@ -187,7 +187,7 @@ async def run_embeddings(
         raise BadRequest(renamed(str(exc), names)) from exc
     results = await state.run(state.open(specs))
     for result in results:
-        if is_aborted(result):
+        if result.unanswered:
             raise aborted(result)
     return results, batched
 

@@ -30,7 +30,7 @@ from radixserve.client.client import EngineDeadError
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
+from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker
 from radixserve.server.completion_template import fim_prompt
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import adapter_names, check_model_name
@@ -273,7 +273,7 @@ def _tracker(state: ServerState, parsed: OllamaRequest, result: RequestResult) -
 
 def _done_reason(result: RequestResult) -> str:
     """Ollama's done_reason ("stop" or "length"); an aborted request is an error."""
-    if is_aborted(result):
+    if result.unanswered:
         raise aborted(result)
     return "length" if result.finish_reason.kind == "length" else "stop"
 

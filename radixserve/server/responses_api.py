@@ -32,7 +32,7 @@ from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.engine.protocol import RequestSpec
 from radixserve.server.chat_prompt import render_chat
-from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker, is_aborted
+from radixserve.server.choice_trackers import ChoiceTracker, aborted, chat_tracker
 from radixserve.server.conversations_api import append_items, conversation_items
 from radixserve.server.errors import BadRequest
 from radixserve.server.openai_api import check_model_name, with_default_max_tokens
@@ -94,7 +94,7 @@ class ResponseRun:
 
     def final(self, finish: str) -> dict[str, Any]:
         """The finished Response object; an aborted request raises (503 unless it says)."""
-        if finish == "abort" or is_aborted(self.result):
+        if finish == "abort" or self.result.unanswered:
             raise aborted(self.result)
         status, incomplete = status_of(finish)
         reasoning = self.items.reasoning_text
