@@ -72,9 +72,8 @@ def resolve_completion_template(name: str | None, tokenizer) -> CompletionTempla
 
 
 def fim_prompt(template: CompletionTemplate | None, prefix: str, suffix: str) -> str:
-    """The prompt that fills the middle between `prefix` and `suffix` ("" suffix: the prefix)."""
-    if not suffix:
-        return prefix
+    """The prompt that fills the middle between `prefix` and a non-empty `suffix` (callers
+    send an empty suffix's prompt as it is)."""
     if template is None:
         raise ValueError(
             "suffix needs a fill-in-the-middle format: this model's vocabulary has none of "
