@@ -85,7 +85,7 @@ class Scheduler:
             self.eos_token_ids, tokenizer, lambda: self.grammar, self.faults
         )
         drafter = drafter or create_drafter(config)
-        self.speculator = drafter and Speculator(drafter, config, self.stats, runner.device)
+        self.speculator = drafter and Speculator(drafter, config, self.stats, runner)
         self.verifier = Verifier(self.sampler.min_tokens_stop_ids, lambda: self.grammar)
         self.handoff = KVHandoff.create(disaggregation, self.pages, self.stats)
         jump_on = not config.disable_jump_forward

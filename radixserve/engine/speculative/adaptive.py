@@ -42,10 +42,12 @@ ROW_COST_BOUNDS = (0.02, 2.0)  # a measurement outside them is noise
 ROW_COST_MAX_BATCH = 64  # decode batches measured, at most (larger ones do not speculate)
 ROW_COST_PAUSE = 4.0  # a step this many times slower than expected is a pause, not its rows
 ROW_COST_MAX_PAUSES = 8  # ... unless so many come in a row: then the machine has slowed
-# Plain steps faster than this are the interpreter's bookkeeping more than the model's rows
-# (test-sized models: ~1 ms): their timings would make the policy depend on the machine's
-# load, so the prior stays (the default model's step is 6-14 ms)
-ROW_COST_MIN_STEP_S = 0.002
+# A model narrower than this (its hidden size) is test-sized: its steps are the interpreter's
+# bookkeeping more than its rows (~1 ms idle, 4-200 ms at batch 4 on a loaded CI machine), so
+# their timings would make the policy depend on the machine's load: it keeps the prior. The
+# smallest served models are wider (SmolLM2-135M: 576). A step-time floor is no such bound:
+# load stretches a tiny model's steps past any floor that real models' steps clear.
+ROW_COST_MIN_HIDDEN_SIZE = 256
 
 
 @dataclass
@@ -85,7 +87,7 @@ class RowCostFit:
     def row_cost(self, batch: int) -> float:
         """A verify row's cost in decode steps of a `batch`-request step."""
         plain = self.plain_seconds.get(batch)
-        if not self.measured or plain is None or plain < ROW_COST_MIN_STEP_S:
+        if not self.measured or plain is None:
             return self.prior
         low, high = ROW_COST_BOUNDS
         return min(max(self.row_seconds / plain, low), high)

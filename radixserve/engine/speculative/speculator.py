@@ -11,10 +11,15 @@ from collections.abc import Callable
 from radixserve.config import SchedulerConfig
 from radixserve.engine.batch_builder import Work
 from radixserve.engine.request import Req
-from radixserve.engine.speculative.adaptive import CPU_VERIFY_ROW_COST, AdaptivePolicy, RowCostFit
+from radixserve.engine.speculative.adaptive import (
+    CPU_VERIFY_ROW_COST,
+    ROW_COST_MIN_HIDDEN_SIZE,
+    AdaptivePolicy,
+    RowCostFit,
+)
 from radixserve.engine.speculative.drafter import Draft, Drafter
 from radixserve.engine.stats import EngineStats
-from radixserve.model.runner import LogitsOutput
+from radixserve.model.runner import LogitsOutput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +28,17 @@ NO_DRAFT = "none"  # meta_info's name for the decode steps of a request without 
 
 class Speculator:
     def __init__(
-        self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats, device: object = "cpu"
+        self, drafter: Drafter, config: SchedulerConfig, stats: EngineStats, target: ModelRunner
     ):
-        """`device`: the target's; on CPU a verify row's cost is learnt from the steps
-        (`row_costs`: from add_drafts to on_forward, drafting, batch building and the
-        forward; CPU_VERIFY_ROW_COST until measured), elsewhere taken as 0."""
+        """On CPU a verify row's cost is learnt from the `target`'s steps (`row_costs`: from
+        add_drafts to on_forward, drafting, batch building and the forward;
+        CPU_VERIFY_ROW_COST until measured, and for a model narrower than
+        ROW_COST_MIN_HIDDEN_SIZE), elsewhere taken as 0."""
         self.drafter = drafter
         self.stats = stats
-        cpu = str(device).startswith("cpu")
-        self.row_costs = RowCostFit(CPU_VERIFY_ROW_COST) if cpu else None
+        cpu = target.device.type == "cpu"
+        learns = cpu and target.config.hidden_size >= ROW_COST_MIN_HIDDEN_SIZE
+        self.row_costs = RowCostFit(CPU_VERIFY_ROW_COST) if learns else None
         self.policy = AdaptivePolicy(
             config.speculative_adaptive_threshold,
             config.speculative_disable_by_batch_size,
