@@ -345,3 +345,49 @@ def _internal_aborts(reply: Any) -> list[str]:
 def check(url: str, body: Any) -> int:
     """Sends `body`; fails on any problem with the answer, else returns its status."""
     return check_with(url, body, problems_with)
+
+
+# ---- /v1/score ---------------------------------------------------------------------------
+
+SCORE_IDS = st.lists(st.integers(200, 4000), max_size=8)
+SCORE_TEXT = st.text(max_size=30)
+SCORE_BODY = st.tuples(
+    st.fixed_dictionaries(
+        {"query": SCORE_TEXT, "items": SCORE_TEXT | st.lists(SCORE_TEXT, min_size=1, max_size=3)}
+    )
+    | st.fixed_dictionaries(
+        {"query": SCORE_IDS, "items": st.lists(SCORE_IDS, min_size=1, max_size=3)}
+    ),
+    st.fixed_dictionaries(
+        {"label_token_ids": st.lists(st.integers(0, 49151), min_size=1, max_size=4)},
+        optional={
+            "apply_softmax": st.booleans(),
+            "item_first": st.booleans(),
+            "model": st.just("tiny"),
+            "cache_salt": st.sampled_from(["t1", "t2"]),
+        },
+    ),  # fmt: skip
+).map(lambda parts: parts[0] | parts[1])
+SCORE_ODD = {
+    "query": odd(5, [-1], [[1]], None), "items": odd([], [1], [[-1]], ["a"] * 2100, 3),
+    "label_token_ids": odd([], [10**9], [-1], "a", [1.5]), "apply_softmax": odd("yes", 1),
+    "item_first": odd(0, "no"), "model": odd("other", 3), "cache_salt": odd(5),
+}  # fmt: skip
+SCORE_CASES = fuzzed(SCORE_BODY, SCORE_ODD)
+SCORE_REQUIRED = {"query", "items", "label_token_ids"}
+
+
+def score_problems(body: Any, status: int, text: str) -> list[str]:
+    """A 200 holds one row of probabilities in [0, 1] per item, one per label token; a 4xx
+    may name a required field the body lacks."""
+    if 400 <= status < 500:
+        return openai_error_problems(body_fields(body) | SCORE_REQUIRED, status, text)
+    if status != 200:
+        return problems_with(body, status, text)
+    items = body["items"]
+    rows = json.loads(text)["scores"]
+    count = 1 if isinstance(items, str) else len(items)
+    ok = len(rows) == count and all(
+        len(row) == len(body["label_token_ids"]) and all(0 <= p <= 1 for p in row) for row in rows
+    )
+    return [] if ok else [f"scores do not fit the body: {text[:300]}"]

@@ -76,6 +76,14 @@ def test_classify_in_vllms_and_sglangs_shapes(classifier):
         assert refused.status_code == 400 and "/classify" in refused.json()["error"]["message"]
         bad = requests.post(server.url + "/classify", json={"input": [], "model": "cls"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+        items = [ids[1][:5], ids[1][5:9]]  # /v1/score on a classifier: its head's softmax
+        body = {"query": ids[0], "items": items, "apply_softmax": True}
+        scored = requests.post(server.url + "/v1/score", json=body).json()["scores"]
+        for row, item in zip(scored, items):
+            want = class_probs(hf_scores(model, ids[0] + item))
+            assert np.abs(np.array(row) - want).max() < 1e-5
+        bad = requests.post(server.url + "/v1/score", json=body | {"label_token_ids": [1]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "label_token_ids"
     finally:
         assert server.stop() == 0
 

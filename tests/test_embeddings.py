@@ -180,6 +180,7 @@ def test_tenants_share_prefixes_only_within_their_salt(embed_server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, None),
         ("/generate", {"text": "hi"}, 400, None),
         ("/classify", {"input": "hi"}, 400, None),  # not a classifier
+        ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [1]}, 400, None),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(embed_server, path, body, status, param):

@@ -34,7 +34,15 @@ from fuzz_agent_apis import (
 )
 from fuzz_common import FUZZ_SETTINGS, assert_settled, get_json, send
 from fuzz_common import check as check_with
-from fuzz_completion_apis import CHAT_BODY, COMPLETION_BODY, GENERATE_BODY, check, problems_with
+from fuzz_completion_apis import (
+    CHAT_BODY,
+    COMPLETION_BODY,
+    GENERATE_BODY,
+    SCORE_CASES,
+    check,
+    problems_with,
+    score_problems,
+)
 from fuzz_lifecycle import (  # noqa: F401 (collected here, against this file's server)
     stored_ids,
     test_fuzz_disconnect_mid_stream,
@@ -95,6 +103,12 @@ def test_fuzz_completions(fuzz_server, body):
 @given(body=CHAT_BODY)
 def test_fuzz_chat_completions(fuzz_server, body):
     check(fuzz_server.url + "/v1/chat/completions", body)
+
+
+@FUZZ_SETTINGS
+@given(body=SCORE_CASES)
+def test_fuzz_score(fuzz_server, body):
+    check_with(fuzz_server.url + "/v1/score", body, score_problems)
 
 
 AGENT_PROBLEMS = {

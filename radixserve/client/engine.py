@@ -17,6 +17,7 @@ from radixserve.client.loop_thread import LoopThread
 from radixserve.client.output import LogprobCursor, format_output
 from radixserve.client.request_builder import GenerateArgs, RequestBuilder, renamed
 from radixserve.client.result import RequestResult, ResultStream
+from radixserve.client.scoring import SCORE_NAMES, item_scores, score_args, scores_with_head
 from radixserve.config import split_engine_kwargs
 from radixserve.engine.core import EngineCore
 from radixserve.engine.protocol import RequestSpec
@@ -145,6 +146,37 @@ class Engine:
         outputs = [encode_output(result, normalize=not scores) for result in results]
         return outputs if batched else outputs[0]
 
+    def score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's Engine.score: per item, the probability of each label token coming next
+        after query + item (client/scoring.py), in the order of label_token_ids."""
+        call = self.async_score(query, items, label_token_ids, apply_softmax, item_first)
+        return self._loop.run(call)
+
+    async def async_score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """As score."""
+        classifier = scores_with_head(self.builder.is_embedding, self.core.loaded.config.num_labels)
+        args = score_args(query, items, label_token_ids, item_first, classifier)
+        specs, _ = self._build(args, self.builder.is_embedding, SCORE_NAMES)
+        results = await self._run(specs, progress_bar=False)
+        for result in results:
+            if result.unanswered:
+                raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
+        return [item_scores(result, apply_softmax, classifier) for result in results]
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Aborts the running request with this rid (or its n > 1 samples), or with
         `abort_all` every running request (SGLang's signature)."""
@@ -217,13 +249,17 @@ class Engine:
 
     # ---- running requests ----------------------------------------------------------------
 
-    def _build(self, args: GenerateArgs, embed: bool = False) -> tuple[list[RequestSpec], bool]:
+    def _build(
+        self, args: GenerateArgs, embed: bool = False, names: dict[str, str] | None = None
+    ) -> tuple[list[RequestSpec], bool]:
+        """`names`: the caller's names of request fields in errors (default: the request's
+        `text` is generate's `prompt`)."""
         if self._closed:
             raise RuntimeError("engine is shut down")
         try:
             return self.builder.build(args, embed)
-        except ValueError as exc:  # the request's `text` is this method's `prompt`
-            raise ValueError(renamed(str(exc), {"text": "prompt"})) from exc
+        except ValueError as exc:
+            raise ValueError(renamed(str(exc), names or {"text": "prompt"})) from exc
 
     async def _run(self, specs: list[RequestSpec], progress_bar: bool) -> list[RequestResult]:
         stream = ResultStream(self.client, specs, self.tokenizer)

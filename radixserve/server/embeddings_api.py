@@ -22,7 +22,7 @@ from radixserve.client.embedding import (
     encode_output,
     openai_embedding,
 )
-from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, renamed
+from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, GenerateArgs, renamed
 from radixserve.client.result import RequestResult
 from radixserve.sampling.params import is_int
 from radixserve.server.choice_trackers import aborted
@@ -66,7 +66,7 @@ async def encode_response(state: ServerState, body: dict) -> web.Response:
     """/encode's answer to a parsed body (SGLang's /classify bodies answer the same)."""
     check_fields(body, ENCODE_FIELDS)
     args = embed_args(**{name: body.get(name) for name in ENCODE_FIELDS})
-    results, batched = await run_embeddings(state, args, {})
+    results, batched = await run_to_end(state, args, {})
     scores = state.client.info.get("num_labels") is not None  # a classifier: raw, as SGLang's
     outputs = [encode_output(result, normalize=not scores) for result in results]
     return web.json_response(outputs if batched else outputs[0])
@@ -116,7 +116,7 @@ async def run_openai_inputs(
     args = embed_args(input_ids=lists, rid=_rids(body.get("request_id"), len(lists)),
                       cache_salt=salt, lora_path=lora_path, priority=body.get("priority"),
                       truncate_prompt_tokens=body.get("truncate_prompt_tokens"))  # fmt: skip
-    results, _ = await run_embeddings(state, args, INPUT_NAMES)
+    results, _ = await run_to_end(state, args, INPUT_NAMES)
     return results
 
 
@@ -142,7 +142,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     results: list[RequestResult] = []
     if lists:
         args = embed_args(input_ids=lists, cache_salt=salt, lora_path=lora_path)
-        results, _ = await run_embeddings(state, args, INPUT_NAMES)
+        results, _ = await run_to_end(state, args, INPUT_NAMES)
     return web.json_response({
         "model": model,
         "embeddings": [embedding_vector(r, dims).tolist() for r in results],
@@ -169,20 +169,21 @@ async def ollama_embeddings(request: web.Request) -> web.Response:
     salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
     lists = await token_lists(state, prompt, "prompt", True)
     args = embed_args(input_ids=lists, cache_salt=salt, lora_path=lora_path)
-    (result,), _ = await run_embeddings(state, args, {"input_ids": "prompt", "text": "prompt"})
+    (result,), _ = await run_to_end(state, args, {"input_ids": "prompt", "text": "prompt"})
     return web.json_response({"embedding": embedding_vector(result, normalize=False).tolist()})
 
 
 # ---- shared ------------------------------------------------------------------------------
 
 
-async def run_embeddings(
-    state: ServerState, args, names: dict[str, str]
+async def run_to_end(
+    state: ServerState, args: GenerateArgs, names: dict[str, str], embed: bool = True
 ) -> tuple[list[RequestResult], bool]:
-    """Runs the embedding requests of `args` to the end; a core validation error is a 400
-    naming the field as the API does (`names`), an aborted request the abort's status."""
+    """Runs the requests of `args` (embedding requests unless `embed` is false) to the end,
+    unstreamed; a core validation error is a 400 naming the field as the API does (`names`),
+    an aborted request the abort's status."""
     try:
-        specs, batched = await state.off_loop(lambda: state.builder.build(args, embed=True))
+        specs, batched = await state.off_loop(lambda: state.builder.build(args, embed=embed))
     except ValueError as exc:
         raise BadRequest(renamed(str(exc), names)) from exc
     results = await state.run(state.open(specs))

@@ -1,0 +1,54 @@
+"""SGLang's POST /v1/score (client/scoring.py says what a score is): `query`, `items`,
+`label_token_ids`, `apply_softmax`, `item_first`, `model` -> {"scores": one list per item,
+"model", "usage", "object": "scoring"}. A generating server scores label tokens, a sequence
+classifier with its head; an embedding server refuses it. X-Cache-Salt / `cache_salt` keep
+tenants' queries apart, `model` may name a LoRA adapter, `priority` orders the items' requests.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from radixserve.client.scoring import SCORE_NAMES, item_scores, score_args, scores_with_head
+from radixserve.server.embeddings_api import run_to_end
+from radixserve.server.errors import BadRequest
+from radixserve.server.lora_api import check_model_name
+from radixserve.server.openai_protocol import check_bool, check_object
+from radixserve.server.request_fields import check_fields
+from radixserve.server.responses_options import optional_str
+from radixserve.server.state import read_json, state_of
+from radixserve.server.tenants import SALT_HEADER, check_salt
+
+SCORE_FIELDS = {"query", "items", "label_token_ids", "apply_softmax", "item_first", "model",
+                "cache_salt", "priority"}  # fmt: skip
+
+
+def register_score_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/score", score)
+
+
+async def score(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = check_object(await read_json(request))
+    check_fields(body, SCORE_FIELDS)
+    try:
+        head = scores_with_head(state.builder.is_embedding, state.client.info.get("num_labels"))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    lora_path = check_model_name(state, optional_str(body, "model"))
+    apply_softmax = check_bool(body, "apply_softmax", False)
+    salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
+    try:
+        args = score_args(body.get("query"), body.get("items"), body.get("label_token_ids"),
+                          body.get("item_first", False), head, cache_salt=salt,
+                          lora_path=lora_path, priority=body.get("priority"))  # fmt: skip
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    results, _ = await run_to_end(state, args, SCORE_NAMES, embed=head)
+    tokens = sum(r.prompt_len for r in results)
+    return web.json_response({
+        "scores": [item_scores(r, apply_softmax, head) for r in results],
+        "model": lora_path or state.served_model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        "object": "scoring",
+    })  # fmt: skip
