@@ -65,13 +65,25 @@ OLLAMA_ODD = {"model": odd("", "other", 3), "input": odd(3, [3], None), "truncat
 LEGACY_BODY = st.fixed_dictionaries({"model": st.just("emb"), "prompt": TEXT})
 LEGACY_ODD = {"model": odd("other"), "prompt": odd(3, ["a"]), "options": odd(1)}
 
+RERANK_BODY = st.fixed_dictionaries(
+    {"query": TEXT, "documents": st.lists(TEXT, min_size=1, max_size=4)},
+    optional={"top_n": st.integers(0, 5), "model": st.just("emb"),
+              "return_documents": st.booleans(), "cache_salt": st.just("t1"),
+              "truncate_prompt_tokens": st.sampled_from([-1, 4])},
+)  # fmt: skip
+RERANK_ODD = {"query": odd("", 5, ["a"]), "documents": odd([], [""], "a", [1], ["a"] * 2100),
+              "top_n": odd(-1, 1.5, "2"), "model": odd("other"), "return_documents": odd("no"),
+              "truncate_prompt_tokens": odd(0, "x")}  # fmt: skip
+
 EMBEDDING_CASES = st.one_of(
+    st.tuples(st.just("/v1/rerank"), fuzzed(RERANK_BODY, RERANK_ODD)),
+    st.tuples(st.just("/rerank"), fuzzed(RERANK_BODY, RERANK_ODD)),
     st.tuples(st.just("/v1/embeddings"), fuzzed(OPENAI_BODY, OPENAI_ODD)),
     st.tuples(st.just("/encode"), fuzzed(ENCODE_BODY, ENCODE_ODD)),
     st.tuples(st.just("/api/embed"), fuzzed(OLLAMA_BODY, OLLAMA_ODD)),
     st.tuples(st.just("/api/embeddings"), fuzzed(LEGACY_BODY, LEGACY_ODD)),
 )
-DERIVED = {"body", "model", "input", "prompt", "text"}
+DERIVED = {"body", "model", "input", "prompt", "text", "query", "documents"}
 """Names a 4xx may give besides the body's own fields: the body, required fields missing,
 the prompt as the core calls it."""
 
@@ -90,6 +102,8 @@ def embedding_problems(path: str):
         if status >= 400:
             return openai_error_problems(fields, status, text)
         answer = json.loads(text)
+        if path.endswith("rerank"):
+            return _ranking_problems(body, answer)
         vectors = {
             "/v1/embeddings": lambda: [d["embedding"] for d in answer["data"]],
             "/encode": lambda: [a["embedding"] for a in answer] if isinstance(answer, list)
@@ -100,3 +114,13 @@ def embedding_problems(path: str):
         return [] if all(v is not None for v in vectors) else [f"no embedding: {text[:300]}"]
 
     return problems
+
+
+def _ranking_problems(body: dict, answer) -> list[str]:
+    """A 200 ranks at most top_n of the documents, each once, most relevant first."""
+    items = answer if isinstance(answer, list) else answer["results"]
+    scores = [i["score"] if "score" in i else i["relevance_score"] for i in items]
+    indices = [i["index"] for i in items]
+    limit = body.get("top_n") or len(body["documents"])
+    ok = len(items) == min(limit, len(body["documents"])) and len(set(indices)) == len(indices)
+    return [] if ok and scores == sorted(scores, reverse=True) else [f"bad ranking: {answer}"[:300]]

@@ -84,6 +84,8 @@ def test_classify_in_vllms_and_sglangs_shapes(classifier):
             assert np.abs(np.array(row) - want).max() < 1e-5
         bad = requests.post(server.url + "/v1/score", json=body | {"label_token_ids": [1]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "label_token_ids"
+        ranked = requests.post(server.url + "/rerank", json={"query": "q", "documents": ["a"]})
+        assert ranked.status_code == 400 and "3 outputs" in ranked.json()["error"]["message"]
     finally:
         assert server.stop() == 0
 

@@ -281,6 +281,18 @@ def test_lora_adapters_embed_as_peft_does_and_keep_their_kv_apart(tmp_path):
     assert np.abs(unit(expected["a1"]) - unit(expected[None])).max() > 1e-2  # it changes them
 
 
+def test_an_embedding_model_reranks_by_cosine(embed_server):
+    query, docs = "where do pandas live", ["bamboo forests in China", "the sea", "pandas"]
+    _, embedded = post(embed_server.url, "/v1/embeddings", {"input": [query, *docs]})
+    vectors = [np.asarray(d["embedding"]) for d in embedded["data"]]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    status, answer = post(embed_server.url, "/rerank", {"query": query, "documents": docs})
+    assert (
+        status == 200 and [r["index"] for r in answer["results"]] == np.argsort(want)[::-1].tolist()
+    )
+    assert all(abs(r["relevance_score"] - want[r["index"]]) < 1e-5 for r in answer["results"])
+
+
 def test_a_batch_of_embedding_lines(embed_server):
     """OpenAI's Batch API with endpoint /v1/embeddings: each line's body as /v1/embeddings
     answers it (in the owner's namespace, or the line's own cache_salt), a bad line in the

@@ -33,6 +33,7 @@ from radixserve.server.lora_api import register_lora_routes
 from radixserve.server.ollama_api import ollama_error_middleware, register_ollama_routes
 from radixserve.server.request_fields import is_same_value
 from radixserve.server.request_guard import browser_guard_middleware
+from radixserve.server.rerank_api import register_rerank_routes
 from radixserve.server.responses_api import register_responses_routes
 from radixserve.server.score_api import register_score_routes
 from radixserve.server.session_api import register_session_routes, remember, session_prompt
@@ -284,6 +285,7 @@ def build_app(state: ServerState) -> web.Application:
     register_embedding_routes(app)
     register_classify_routes(app)
     register_score_routes(app)
+    register_rerank_routes(app)
     if not state.config.disable_dashboard:
         dashboard.register_dashboard_routes(app)
     return app

@@ -1,0 +1,107 @@
+"""Reranking (SGLang's `/v1/rerank`, vLLM's Jina / Cohere-style `/rerank` and `/v2/rerank`):
+each document's relevance to a query, by one of two kinds of model served with
+`--is-embedding`:
+
+- a cross-encoder: a sequence classifier with one output (`*ForSequenceClassification`,
+  `num_labels` 1, e.g. a reranker converted to a score head): each (query, document) pair is
+  one prompt, the tokenizer's pair encoding (as vLLM's and SGLang's cross-encoders), and the
+  relevance is the sigmoid of the head's output;
+- an embedding model (a bi-encoder): the query and every document are embedded in one batch,
+  the relevance is the cosine of the query's embedding with the document's.
+
+A pair's query prefix is the same tokens for every document, so the radix tree computes it
+once (a cross-encoder's prompts share it; an embedding model's query is one request).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from radixserve.client.embedding import embed_args, embedding_vector
+from radixserve.client.request_builder import GenerateArgs
+from radixserve.client.result import RequestResult
+from radixserve.sampling.params import is_int
+
+MAX_DOCUMENTS = 2048
+"""Most documents one call may rank (as many inputs as one embeddings call)."""
+RERANK_NEEDS = (
+    "Reranking needs a cross-encoder (a sequence classifier with one output) or an embedding "
+    "model, served with --is-embedding"
+)
+
+
+@dataclass
+class Ranked:
+    """One document's relevance, its index in the request's `documents` and the request that
+    computed it (a pair's, or the document's own embedding's)."""
+
+    index: int
+    score: float
+    result: RequestResult
+
+
+def rerank_mode(is_embedding: bool, num_labels: int | None) -> str:
+    """ "cross-encoder" or "embedding": how this model ranks; ValueError where it cannot (a
+    generating model, or a classifier with several outputs)."""
+    if not is_embedding:
+        raise ValueError(RERANK_NEEDS + "; a generating model scores label tokens: /v1/score")
+    if num_labels is None:
+        return "embedding"
+    if num_labels != 1:
+        raise ValueError(f"{RERANK_NEEDS}; this classifier has {num_labels} outputs: /classify")
+    return "cross-encoder"
+
+
+def check_documents(query: Any, documents: Any) -> list[str]:
+    """A non-empty query string and 1..MAX_DOCUMENTS non-empty document strings."""
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError(f"query must be a non-empty string; got {query!r}"[:200])
+    ok = isinstance(documents, list) and 0 < len(documents) <= MAX_DOCUMENTS
+    if not ok or not all(isinstance(d, str) and d.strip() for d in documents):
+        raise ValueError(
+            f"documents must be a list of 1 to {MAX_DOCUMENTS} non-empty strings; "
+            f"got {documents!r}"[:200]
+        )
+    return documents
+
+
+def check_top_n(value: Any, count: int) -> int:
+    """How many of `count` ranked documents to return: all for None or 0 (vLLM's default)."""
+    if value is None or value == 0:
+        return count
+    if not is_int(value) or value < 0:
+        raise ValueError(f"top_n must be an int >= 1; got {value!r}"[:200])
+    return min(value, count)
+
+
+def rerank_args(
+    mode: str, tokenizer, query: str, documents: list[str], **fields: Any
+) -> GenerateArgs:
+    """The embedding requests that rank `documents`: one pair prompt per document
+    (cross-encoder), or the query then each document (embedding model). `fields`: further
+    GenerateArgs fields (cache_salt, lora_path, priority, truncate_prompt_tokens)."""
+    if mode == "cross-encoder":
+        prompts = [tokenizer(query, doc)["input_ids"] for doc in documents]
+    else:
+        prompts = [tokenizer.encode(text) for text in [query, *documents]]
+    return embed_args(input_ids=prompts, **fields)
+
+
+def ranked(mode: str, results: list[RequestResult]) -> list[Ranked]:
+    """Every document's relevance, most relevant first (ties in document order)."""
+    if mode == "cross-encoder":
+        docs = results
+        scores = [_sigmoid(float(embedding_vector(r, normalize=False)[0])) for r in docs]
+    else:
+        query, *docs = results
+        scores = [float(np.dot(embedding_vector(query), embedding_vector(r))) for r in docs]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return [Ranked(i, scores[i], docs[i]) for i in order]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

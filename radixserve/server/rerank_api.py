@@ -1,0 +1,97 @@
+"""Reranking routes of an `--is-embedding` server (client/rerank.py says how a document's
+relevance is computed), in the two shapes peers answer them:
+
+- SGLang's POST /v1/rerank: `query`, `documents`, `top_n`, `return_documents` (default true)
+  -> a list of {"score", "document", "index", "meta_info"}, most relevant first;
+- vLLM's Jina / Cohere-style POST /rerank and /v2/rerank: `query`, `documents`, `top_n`,
+  `model`, `truncate_prompt_tokens` -> {"id", "model", "usage", "results": [{"index",
+  "document": {"text"}, "relevance_score"}]}, most relevant first.
+
+Both take `model` (the served model or a LoRA adapter), `cache_salt` (or X-Cache-Salt) and
+`priority`; a generating server refuses them naming /v1/score.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.client.rerank import check_documents, check_top_n, ranked, rerank_args, rerank_mode
+from radixserve.client.result import RequestResult
+from radixserve.server.embeddings_api import run_to_end
+from radixserve.server.errors import BadRequest
+from radixserve.server.lora_api import check_model_name
+from radixserve.server.openai_protocol import check_bool, check_object
+from radixserve.server.request_fields import check_fields
+from radixserve.server.responses_options import optional_str
+from radixserve.server.state import read_json, state_of
+from radixserve.server.tenants import SALT_HEADER, check_salt
+
+COMMON_FIELDS = {"query", "documents", "top_n", "model", "cache_salt", "priority",
+                 "truncate_prompt_tokens"}  # fmt: skip
+SGLANG_FIELDS = COMMON_FIELDS | {"return_documents"}
+PROMPT_NAMES = {"input_ids": "documents", "text": "documents", "prompt": "documents"}
+
+
+def register_rerank_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/rerank", sglang_rerank)
+    app.router.add_post("/rerank", vllm_rerank)
+    app.router.add_post("/v2/rerank", vllm_rerank)
+
+
+async def sglang_rerank(request: web.Request) -> web.Response:
+    body = check_object(await read_json(request))
+    check_fields(body, SGLANG_FIELDS)
+    with_documents = check_bool(body, "return_documents", True)
+    documents, _, order, _ = await _rank(request, body)
+    answer = []
+    for item in order:
+        entry: dict[str, Any] = {"score": item.score, "index": item.index}
+        if with_documents:
+            entry["document"] = documents[item.index]
+        entry["meta_info"] = _meta(item.result)
+        answer.append(entry)
+    return web.json_response(answer)
+
+
+async def vllm_rerank(request: web.Request) -> web.Response:
+    body = check_object(await read_json(request))
+    check_fields(body, COMMON_FIELDS)
+    documents, results, order, model = await _rank(request, body)
+    return web.json_response({
+        "id": "rerank-" + uuid.uuid4().hex,
+        "model": model,
+        "usage": {"total_tokens": sum(r.prompt_len for r in results)},
+        "results": [{"index": item.index, "document": {"text": documents[item.index]},
+                     "relevance_score": item.score} for item in order],
+    })  # fmt: skip
+
+
+async def _rank(request: web.Request, body: dict):
+    """The body's documents, the requests' results, the top_n most relevant and the model."""
+    state = state_of(request)
+    try:
+        mode = rerank_mode(state.builder.is_embedding, state.client.info.get("num_labels"))
+        documents = check_documents(body.get("query"), body.get("documents"))
+        top_n = check_top_n(body.get("top_n"), len(documents))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    lora_path = check_model_name(state, optional_str(body, "model"))
+    salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
+    fields = {"cache_salt": salt, "lora_path": lora_path, "priority": body.get("priority"),
+              "truncate_prompt_tokens": body.get("truncate_prompt_tokens")}  # fmt: skip
+    query = body["query"]
+    args = await state.off_loop(
+        lambda: rerank_args(mode, state.tokenizer, query, documents, **fields)
+    )
+    results, _ = await run_to_end(state, args, PROMPT_NAMES)
+    model = lora_path or state.served_model_name
+    return documents, results, ranked(mode, results)[:top_n], model
+
+
+def _meta(result: RequestResult) -> dict[str, Any]:
+    """A document's request's counts (a pair's, or the document's own embedding's)."""
+    return {"id": result.spec.rid, "prompt_tokens": result.prompt_len,
+            "cached_tokens": result.cached_tokens}  # fmt: skip

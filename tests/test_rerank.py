@@ -1,0 +1,97 @@
+"""Reranking with a cross-encoder (a sequence classifier with one output, --is-embedding):
+SGLang's /v1/rerank and vLLM's Jina / Cohere-style /rerank and /v2/rerank give each
+document the sigmoid of the head over the tokenizer's (query, document) pair, as transformers
+computes it, most relevant first; a generating server refuses them. (An embedding model's
+ranking, by cosine: tests/test_embeddings.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+from conftest import TINY, VOCAB, ServerProcess
+from radixserve.model.tokenizer import model_tokenizer
+
+QUERY = (
+    "Which city is the capital of France, the one where the government sits and the "
+    "president lives, and which also holds the most museums of the country?"
+)
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "Lyon is in France.",
+        "The Eiffel tower stands in Paris."]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cross_encoder")
+    torch.manual_seed(7)
+    config = LlamaConfig(**(TINY | {"vocab_size": VOCAB}), num_labels=1)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    proc = ServerProcess(str(folder), "--is-embedding", "--served-model-name", "ranker")
+    yield proc, model
+    assert proc.stop() == 0
+
+
+def hf_relevance(model, query: str, doc: str) -> float:
+    ids = model_tokenizer(None)(query, doc)["input_ids"]
+    with torch.inference_mode():
+        logit = float(model(torch.tensor([ids])).logits[0, 0])
+    return 1 / (1 + math.exp(-logit))
+
+
+def test_sglang_and_vllm_shapes_rank_as_transformers(cross_encoder):
+    server, model = cross_encoder
+    want = [hf_relevance(model, QUERY, doc) for doc in DOCS]
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    sglang = requests.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS})
+    answer = sglang.json()
+    assert [item["index"] for item in answer] == order, answer
+    for item in answer:
+        assert abs(item["score"] - want[item["index"]]) < 1e-5
+        assert item["document"] == DOCS[item["index"]] and item["meta_info"]["prompt_tokens"] > 0
+    body = {"query": QUERY, "documents": DOCS, "top_n": 2, "model": "ranker"}
+    for path in ("/rerank", "/v2/rerank"):
+        jina = requests.post(server.url + path, json=body).json()
+        assert jina["model"] == "ranker" and jina["id"].startswith("rerank-")
+        assert [r["index"] for r in jina["results"]] == order[:2]
+        assert all(r["document"]["text"] == DOCS[r["index"]] for r in jina["results"])
+        assert all(abs(r["relevance_score"] - want[r["index"]]) < 1e-5 for r in jina["results"])
+        assert jina["usage"]["total_tokens"] > 4 * len(model_tokenizer(None)(QUERY)["input_ids"])
+    brief = {"query": QUERY, "documents": DOCS, "top_n": 1, "return_documents": False}
+    (top,) = requests.post(server.url + "/v1/rerank", json=brief).json()
+    assert top["index"] == order[0] and "document" not in top
+    # the pairs share the query's tokens (its full pages): a later call finds them cached
+    again = requests.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": ["Nice."]})
+    assert again.json()[0]["meta_info"]["cached_tokens"] >= 16
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"query": "", "documents": ["a"]}, "query"),
+        ({"query": "q", "documents": []}, "documents"),
+        ({"query": "q", "documents": ["a", ""]}, "documents"),
+        ({"query": "q", "documents": "a"}, "documents"),
+        ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+        ({"query": "q", "documents": ["a"], "top_n": 1.5}, "top_n"),
+        ({"query": "q", "documents": ["a"], "model": "other"}, "model"),
+        ({"query": "q", "documents": ["a"], "return_documents": "no"}, "return_documents"),
+        ({"query": "q", "documents": ["a"], "instruct": "x"}, "instruct"),
+        ({"query": "q", "documents": ["a" * 40000]}, "documents"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(cross_encoder, body, param):
+    answer = requests.post(cross_encoder[0].url + "/v1/rerank", json=body)
+    assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param, (
+        answer.text
+    )
+
+
+def test_a_generating_server_refuses_reranking(server):
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        answer = requests.post(server.url + path, json={"query": "q", "documents": ["a"]})
+        assert answer.status_code == 400 and "/v1/score" in answer.json()["error"]["message"]
