@@ -1,5 +1,5 @@
 """Reranking with a cross-encoder (a sequence classifier with one output, --is-embedding):
-SGLang's /v1/rerank and vLLM's Jina / Cohere-style /rerank and /v2/rerank give each
+SGLang's /v1/rerank, vLLM's Jina / Cohere-style /rerank and /v2/rerank and its /score give each
 document the sigmoid of the head over the tokenizer's (query, document) pair, as transformers
 computes it, most relevant first; a generating server refuses them. (An embedding model's
 ranking, by cosine: tests/test_embeddings.py.)"""
@@ -69,6 +69,26 @@ def test_sglang_and_vllm_shapes_rank_as_transformers(cross_encoder):
     assert again.json()[0]["meta_info"]["cached_tokens"] >= 16
 
 
+def test_vllms_score_pairs_in_order(cross_encoder):
+    server, model = cross_encoder
+    for path in ("/score", "/v1/score"):  # /v1/score is SGLang's, unless given text_1
+        one = requests.post(server.url + path, json={"text_1": QUERY, "text_2": DOCS}).json()
+        assert one["object"] == "list" and one["id"].startswith("score-")
+        assert [d["index"] for d in one["data"]] == list(range(len(DOCS)))
+        for item, doc in zip(one["data"], DOCS):
+            assert item["object"] == "score"
+            assert abs(item["score"] - hf_relevance(model, QUERY, doc)) < 1e-5
+    pairs = {"text_1": ["a question", "another one"], "text_2": DOCS[:2], "model": "ranker"}
+    each = requests.post(server.url + "/score", json=pairs).json()
+    want = [hf_relevance(model, q, d) for q, d in zip(pairs["text_1"], pairs["text_2"])]
+    assert [abs(d["score"] - w) < 1e-5 for d, w in zip(each["data"], want)] == [True, True]
+    assert each["usage"]["prompt_tokens"] == each["usage"]["total_tokens"] > 0
+    uneven = requests.post(server.url + "/score", json={"text_1": ["a", "b"], "text_2": DOCS[:3]})
+    assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "text_1"
+    empty = requests.post(server.url + "/v1/score", json={"text_1": "a", "text_2": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "text_2"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -92,6 +112,11 @@ def test_bad_input_is_a_400_naming_the_field(cross_encoder, body, param):
 
 
 def test_a_generating_server_refuses_reranking(server):
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        answer = requests.post(server.url + path, json={"query": "q", "documents": ["a"]})
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank", "/score"):
+        body = (
+            {"query": "q", "documents": ["a"]}
+            if "rerank" in path
+            else {"text_1": "q", "text_2": "a"}
+        )
+        answer = requests.post(server.url + path, json=body)
         assert answer.status_code == 400 and "/v1/score" in answer.json()["error"]["message"]

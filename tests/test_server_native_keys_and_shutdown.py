@@ -74,7 +74,7 @@ KNOWN_ROUTES = {
     "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items",
     "/v1/conversations/{conversation_id}/items/{item_id}", "/api/show", "/api/chat",
     "/api/generate", "/encode", "/v1/embeddings", "/api/embed", "/api/embeddings",
-    "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank",
+    "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank", "/score",
 }  # fmt: skip
 OPEN_ROUTES = {"/health", "/ping", "/metrics", "/"}  # probes and scrapers carry no key
 

@@ -78,29 +78,55 @@ def check_top_n(value: Any, count: int) -> int:
     return min(value, count)
 
 
+def check_text_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:
+    """vLLM's /score `text_1` and `text_2` (each a string or a list of them): one text_1 for
+    every text_2, or as many of each, paired in order."""
+    firsts = [text_1] if isinstance(text_1, str) else text_1
+    seconds = [text_2] if isinstance(text_2, str) else text_2
+    for name, texts in (("text_1", firsts), ("text_2", seconds)):
+        ok = isinstance(texts, list) and 0 < len(texts) <= MAX_DOCUMENTS
+        if not ok or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise ValueError(
+                f"{name} must be a non-empty string or a list of 1 to {MAX_DOCUMENTS} of them"
+            )
+    if len(firsts) not in (1, len(seconds)):
+        raise ValueError(
+            f"text_1 has {len(firsts)} texts for {len(seconds)} in text_2: give one, or as many"
+        )
+    return firsts, seconds
+
+
 def rerank_args(
-    mode: str, tokenizer, query: str, documents: list[str], **fields: Any
+    mode: str, tokenizer, queries: list[str], documents: list[str], **fields: Any
 ) -> GenerateArgs:
-    """The embedding requests that rank `documents`: one pair prompt per document
-    (cross-encoder), or the query then each document (embedding model). `fields`: further
-    GenerateArgs fields (cache_salt, lora_path, priority, truncate_prompt_tokens)."""
+    """The embedding requests that score each document against its query (`queries`: one
+    for every document, or one each): one pair prompt per document (cross-encoder), or the
+    queries then the documents (embedding model). `fields`: further GenerateArgs fields
+    (cache_salt, lora_path, priority, truncate_prompt_tokens)."""
     if mode == "cross-encoder":
-        prompts = [tokenizer(query, doc)["input_ids"] for doc in documents]
+        pairs = zip(queries * len(documents) if len(queries) == 1 else queries, documents)
+        prompts = [tokenizer(query, doc)["input_ids"] for query, doc in pairs]
     else:
-        prompts = [tokenizer.encode(text) for text in [query, *documents]]
+        prompts = [tokenizer.encode(text) for text in [*queries, *documents]]
     return embed_args(input_ids=prompts, **fields)
 
 
-def ranked(mode: str, results: list[RequestResult]) -> list[Ranked]:
-    """Every document's relevance, most relevant first (ties in document order)."""
+def relevances(mode: str, results: list[RequestResult], num_queries: int = 1) -> list[Ranked]:
+    """Every document's relevance to its query, in document order (rerank_args' results)."""
     if mode == "cross-encoder":
         docs = results
         scores = [_sigmoid(float(embedding_vector(r, normalize=False)[0])) for r in docs]
     else:
-        query, *docs = results
-        scores = [float(np.dot(embedding_vector(query), embedding_vector(r))) for r in docs]
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    return [Ranked(i, scores[i], docs[i]) for i in order]
+        queries = [embedding_vector(r) for r in results[:num_queries]]
+        docs = results[num_queries:]
+        pick = (lambda i: queries[0]) if num_queries == 1 else (lambda i: queries[i])
+        scores = [float(np.dot(pick(i), embedding_vector(r))) for i, r in enumerate(docs)]
+    return [Ranked(i, score, doc) for i, (score, doc) in enumerate(zip(scores, docs))]
+
+
+def ranked(mode: str, results: list[RequestResult]) -> list[Ranked]:
+    """Every document's relevance to the one query, most relevant first (ties in order)."""
+    return sorted(relevances(mode, results), key=lambda item: -item.score)
 
 
 def _sigmoid(x: float) -> float:

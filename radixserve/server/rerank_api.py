@@ -5,7 +5,10 @@ relevance is computed), in the two shapes peers answer them:
   -> a list of {"score", "document", "index", "meta_info"}, most relevant first;
 - vLLM's Jina / Cohere-style POST /rerank and /v2/rerank: `query`, `documents`, `top_n`,
   `model`, `truncate_prompt_tokens` -> {"id", "model", "usage", "results": [{"index",
-  "document": {"text"}, "relevance_score"}]}, most relevant first.
+  "document": {"text"}, "relevance_score"}]}, most relevant first;
+- vLLM's POST /score (and /v1/score given `text_1`, score_api.py): `text_1`, `text_2` (one
+  text_1 for every text_2, or pairs in order) -> {"id", "object": "list", "created",
+  "model", "data": [{"index", "object": "score", "score"}], "usage"}, in pair order.
 
 Both take `model` (the served model or a LoRA adapter), `cache_salt` (or X-Cache-Salt) and
 `priority`; a generating server refuses them naming /v1/score.
@@ -13,12 +16,21 @@ Both take `model` (the served model or a LoRA adapter), `cache_salt` (or X-Cache
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 from aiohttp import web
 
-from radixserve.client.rerank import check_documents, check_top_n, ranked, rerank_args, rerank_mode
+from radixserve.client.rerank import (
+    check_documents,
+    check_text_pairs,
+    check_top_n,
+    ranked,
+    relevances,
+    rerank_args,
+    rerank_mode,
+)
 from radixserve.client.result import RequestResult
 from radixserve.server.embeddings_api import run_to_end
 from radixserve.server.errors import BadRequest
@@ -32,13 +44,20 @@ from radixserve.server.tenants import SALT_HEADER, check_salt
 COMMON_FIELDS = {"query", "documents", "top_n", "model", "cache_salt", "priority",
                  "truncate_prompt_tokens"}  # fmt: skip
 SGLANG_FIELDS = COMMON_FIELDS | {"return_documents"}
+SCORE_FIELDS = COMMON_FIELDS - {"query", "documents", "top_n"} | {"text_1", "text_2"}
 PROMPT_NAMES = {"input_ids": "documents", "text": "documents", "prompt": "documents"}
+"""Core validation messages' names for a pair's prompt (vLLM's /score: text_2 is a document)."""
 
 
 def register_rerank_routes(app: web.Application) -> None:
     app.router.add_post("/v1/rerank", sglang_rerank)
     app.router.add_post("/rerank", vllm_rerank)
     app.router.add_post("/v2/rerank", vllm_rerank)
+    app.router.add_post("/score", score)
+
+
+async def score(request: web.Request) -> web.Response:
+    return await vllm_score(request, check_object(await read_json(request)))
 
 
 async def sglang_rerank(request: web.Request) -> web.Response:
@@ -71,24 +90,55 @@ async def vllm_rerank(request: web.Request) -> web.Response:
 
 async def _rank(request: web.Request, body: dict):
     """The body's documents, the requests' results, the top_n most relevant and the model."""
+    try:
+        documents = check_documents(body.get("query"), body.get("documents"))
+        top_n = check_top_n(body.get("top_n"), len(documents))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    mode, results, model = await _score_pairs(request, body, [body["query"]], documents)
+    return documents, results, ranked(mode, results)[:top_n], model
+
+
+async def vllm_score(request: web.Request, body: dict) -> web.Response:
+    """vLLM's /score (and /v1/score with `text_1`): each text_2's relevance to its text_1,
+    in pair order."""
+    check_fields(body, SCORE_FIELDS)
+    try:
+        firsts, seconds = check_text_pairs(body.get("text_1"), body.get("text_2"))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    mode, results, model = await _score_pairs(request, body, firsts, seconds)
+    tokens = sum(r.prompt_len for r in results)
+    return web.json_response({
+        "id": "score-" + uuid.uuid4().hex,
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [{"index": item.index, "object": "score", "score": item.score}
+                 for item in relevances(mode, results, len(firsts))],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    })  # fmt: skip
+
+
+async def _score_pairs(
+    request: web.Request, body: dict, queries: list[str], documents: list[str]
+) -> tuple[str, list[RequestResult], str]:
+    """How the model ranks, the requests' results (client/rerank.py rerank_args) and the
+    model's name; `model`, `cache_salt`, `priority`, `truncate_prompt_tokens` from the body."""
     state = state_of(request)
     try:
         mode = rerank_mode(state.builder.is_embedding, state.client.info.get("num_labels"))
-        documents = check_documents(body.get("query"), body.get("documents"))
-        top_n = check_top_n(body.get("top_n"), len(documents))
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     lora_path = check_model_name(state, optional_str(body, "model"))
     salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
     fields = {"cache_salt": salt, "lora_path": lora_path, "priority": body.get("priority"),
               "truncate_prompt_tokens": body.get("truncate_prompt_tokens")}  # fmt: skip
-    query = body["query"]
     args = await state.off_loop(
-        lambda: rerank_args(mode, state.tokenizer, query, documents, **fields)
+        lambda: rerank_args(mode, state.tokenizer, queries, documents, **fields)
     )
     results, _ = await run_to_end(state, args, PROMPT_NAMES)
-    model = lora_path or state.served_model_name
-    return documents, results, ranked(mode, results)[:top_n], model
+    return mode, results, lora_path or state.served_model_name
 
 
 def _meta(result: RequestResult) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
 from radixserve.server.openai_protocol import check_bool, check_object
 from radixserve.server.request_fields import check_fields
+from radixserve.server.rerank_api import vllm_score
 from radixserve.server.responses_options import optional_str
 from radixserve.server.state import read_json, state_of
 from radixserve.server.tenants import SALT_HEADER, check_salt
@@ -28,8 +29,11 @@ def register_score_routes(app: web.Application) -> None:
 
 
 async def score(request: web.Request) -> web.Response:
+    """SGLang's body, or vLLM's (`text_1` / `text_2`: rerank_api.vllm_score)."""
     state = state_of(request)
     body = check_object(await read_json(request))
+    if "text_1" in body or "text_2" in body:
+        return await vllm_score(request, body)
     check_fields(body, SCORE_FIELDS)
     try:
         head = scores_with_head(state.builder.is_embedding, state.client.info.get("num_labels"))
