@@ -122,4 +122,7 @@ REGRESSIONS = [
     ("/v1/conversations", {"metadata": 5}, 400),
     ("/v1/conversations", {"items": [{"type": "message", "role": "user", "content": 5}]}, 400),
     ("/v1/conversations", {"bogus": 1}, 400),
+    # More items than the server runs and queues: the builder's "n" (not in the body) was
+    # the param; it is the items
+    ("/v1/score", {"query": "a", "items": ["b"] * 100, "label_token_ids": [1]}, 400),
 ]

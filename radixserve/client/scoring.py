@@ -27,7 +27,7 @@ from radixserve.sampling.params import is_int
 MAX_ITEMS = 2048
 """Most items one call may score (as many inputs as one embeddings call)."""
 SCORE_NAMES = {"text": "items", "input_ids": "items", "token_ids_logprob": "label_token_ids",
-               "prompt": "items"}  # fmt: skip
+               "prompt": "items", "n": "items"}  # fmt: skip
 """Request validation messages' field names as scoring calls them (a prompt is query + item)."""
 NEXT_TOKEN = {"max_new_tokens": 1, "temperature": 0.0}
 """One token: its logprobs are the prompt's next-token distribution, read at prefill."""

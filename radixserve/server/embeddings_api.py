@@ -38,7 +38,7 @@ from radixserve.server.tenants import SALT_HEADER, check_salt
 MAX_INPUTS = 2048
 """Most inputs one embeddings call may carry (OpenAI's limit)."""
 ENCODE_FIELDS = {"text", "input_ids", "rid", "cache_salt", "extra_key", "lora_path", "priority"}
-INPUT_NAMES = {"input_ids": "input", "prompt": "input", "text": "input"}
+INPUT_NAMES = {"input_ids": "input", "prompt": "input", "text": "input", "n": "input"}
 """Core validation messages' names for the prompt, as OpenAI's and Ollama's bodies call it."""
 OPENAI_FIELDS = {
     "input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",

@@ -45,7 +45,8 @@ COMMON_FIELDS = {"query", "documents", "top_n", "model", "cache_salt", "priority
                  "truncate_prompt_tokens"}  # fmt: skip
 SGLANG_FIELDS = COMMON_FIELDS | {"return_documents"}
 SCORE_FIELDS = COMMON_FIELDS - {"query", "documents", "top_n"} | {"text_1", "text_2"}
-PROMPT_NAMES = {"input_ids": "documents", "text": "documents", "prompt": "documents"}
+PROMPT_NAMES = {"input_ids": "documents", "text": "documents", "prompt": "documents",
+                "n": "documents"}  # fmt: skip
 """Core validation messages' names for a pair's prompt (vLLM's /score: text_2 is a document)."""
 
 
