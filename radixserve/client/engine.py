@@ -138,10 +138,7 @@ class Engine:
         args = embed_args(text=prompt, input_ids=input_ids, rid=rid, cache_salt=cache_salt,
                           lora_path=lora_path, priority=priority)  # fmt: skip
         specs, batched = self._build(args, embed=True)
-        results = await self._run(specs, progress_bar=False)
-        for result in results:
-            if result.unanswered:
-                raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
+        results = await self._answers(specs)
         scores = self.core.loaded.config.num_labels is not None  # a classifier: raw scores
         outputs = [encode_output(result, normalize=not scores) for result in results]
         return outputs if batched else outputs[0]
@@ -171,10 +168,7 @@ class Engine:
         classifier = scores_with_head(self.builder.is_embedding, self.core.loaded.config.num_labels)
         args = score_args(query, items, label_token_ids, item_first, classifier)
         specs, _ = self._build(args, self.builder.is_embedding, SCORE_NAMES)
-        results = await self._run(specs, progress_bar=False)
-        for result in results:
-            if result.unanswered:
-                raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
+        results = await self._answers(specs)
         return [item_scores(result, apply_softmax, classifier) for result in results]
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -272,6 +266,14 @@ class Engine:
         if bar is not None:
             bar.close()
         return stream.results
+
+    async def _answers(self, specs: list[RequestSpec]) -> list[RequestResult]:
+        """The requests run to the end, every one answered (RuntimeError naming an abort)."""
+        results = await self._run(specs, progress_bar=False)
+        for result in results:
+            if result.unanswered:
+                raise RuntimeError(f"request {result.spec.rid} aborted: {result.finish_reason}")
+        return results
 
     async def _stream(self, specs: list[RequestSpec], with_text: bool) -> AsyncIterator[dict]:
         """Cumulative outputs of every request that changed, as each step lands."""
