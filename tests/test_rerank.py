@@ -67,6 +67,11 @@ def test_sglang_and_vllm_shapes_rank_as_transformers(cross_encoder):
     # the pairs share the query's tokens (its full pages): a later call finds them cached
     again = requests.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": ["Nice."]})
     assert again.json()[0]["meta_info"]["cached_tokens"] >= 16
+    # ... within a tenant: another salt (body or X-Cache-Salt) sees none of it
+    for extra, headers in (({"cache_salt": "t1"}, {}), ({}, {"X-Cache-Salt": "t2"})):
+        body = {"query": QUERY, "documents": ["Nice."]} | extra
+        other = requests.post(server.url + "/v1/rerank", json=body, headers=headers).json()
+        assert other[0]["meta_info"]["cached_tokens"] == 0
 
 
 def test_vllms_score_pairs_in_order(cross_encoder):
