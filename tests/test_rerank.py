@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import openai
 import pytest
 import requests
 import torch
@@ -92,6 +93,22 @@ def test_vllms_score_pairs_in_order(cross_encoder):
     assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "text_1"
     empty = requests.post(server.url + "/v1/score", json={"text_1": "a", "text_2": []})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "text_2"
+
+
+def test_a_batch_of_rerank_lines(cross_encoder):
+    from test_server_batches import line, records, upload, wait_ended
+
+    server, model = cross_encoder
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    body = {"query": QUERY, "documents": DOCS[:2]}
+    uploaded = upload(client, [line("r", body, "/v1/rerank")])
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/rerank",
+                                  completion_window="24h")  # fmt: skip
+    batch = wait_ended(client, batch.id)
+    ranked = records(client, batch.output_file_id)["r"]["response"]["body"]
+    assert {item["index"]: item["score"] for item in ranked} == pytest.approx(
+        {i: hf_relevance(model, QUERY, doc) for i, doc in enumerate(DOCS[:2])}, abs=1e-5
+    )
 
 
 @pytest.mark.parametrize(

@@ -120,3 +120,24 @@ def test_v1_score_over_http(server, tiny_chat_model):
     ]:
         got = requests.post(server.url + "/v1/score", json=bad)
         assert got.status_code in (400, 404) and got.json()["error"]["param"] == param, got.text
+
+
+def test_a_batch_of_score_lines(openai_client, server):
+    """OpenAI's Batch API with endpoint /v1/score: each line answered as /v1/score answers it,
+    a bad line in the error file."""
+    from test_server_batches import line, records, upload, wait_ended
+
+    bodies = [{"query": prompt_ids(9, 30), "items": [prompt_ids(i, 4)], "label_token_ids": LABELS}
+              for i in range(2)]  # fmt: skip
+    lines = [line(f"s{i}", body, "/v1/score") for i, body in enumerate(bodies)]
+    lines.append(line("bad", {"query": "a", "items": ["b"]}, "/v1/score"))
+    batch = openai_client.batches.create(input_file_id=upload(openai_client, lines).id,
+                                         endpoint="/v1/score", completion_window="24h")  # fmt: skip
+    batch = wait_ended(openai_client, batch.id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    outputs = records(openai_client, batch.output_file_id)
+    for i, body in enumerate(bodies):
+        direct = requests.post(server.url + "/v1/score", json=body).json()
+        assert close(outputs[f"s{i}"]["response"]["body"]["scores"], direct["scores"])
+    error = records(openai_client, batch.error_file_id)["bad"]["response"]
+    assert error["status_code"] == 400 and error["body"]["error"]["param"] == "label_token_ids"

@@ -9,7 +9,8 @@ batch, read back the results (what batch_store.py keeps, and its bounds).
 
 A batch runs on the server's event loop, BATCH_CONCURRENCY requests at a time, each line's
 body through the endpoint's own path (openai_api.complete_body, non-streamed; /v1/embeddings
-lines on an --is-embedding server: embeddings_api.embeddings_body). Lines that
+lines on an --is-embedding server: embeddings_api.embeddings_body; /v1/score and /v1/rerank
+lines: their routes' score_api.score_body and rerank_api.sglang_rerank_body). Lines that
 answered 200 go to the output file, the others (their status and error body) to the error
 file, as OpenAI's: {"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}. Cancelling stops new lines; those running finish.
@@ -24,17 +25,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from radixserve.client.client import EngineBusyError
 from radixserve.server.batch_store import Batch, BatchStore, Line
+from radixserve.server.body_routes import BodyRunner
 from radixserve.server.embeddings_api import embeddings_body
 from radixserve.server.errors import BadRequest, error_body
 from radixserve.server.openai_api import complete_body
+from radixserve.server.rerank_api import sglang_rerank_body
 from radixserve.server.responses_store import Owner, owner_of
+from radixserve.server.score_api import score_body
 from radixserve.server.state import ServerState, read_json, state_of
 from radixserve.server.tenants import SALT_HEADER
 
@@ -203,10 +206,18 @@ async def run_batch(state: ServerState, store: BatchStore, owner: Owner, batch: 
         batch.status, batch.completed_at = "completed", now
 
 
-def _body_runner(endpoint: str) -> Callable[[ServerState, Any, str | None], Awaitable[dict]]:
+BODY_RUNNERS: dict[str, BodyRunner] = {
+    "/v1/embeddings": embeddings_body,
+    "/v1/score": score_body,
+    "/v1/rerank": sglang_rerank_body,
+}
+"""The endpoints whose lines run as their route's body function; the others are completions."""
+
+
+def _body_runner(endpoint: str) -> BodyRunner:
     """What answers a line's body at `endpoint` (state, body, namespace) -> response body."""
-    if endpoint == "/v1/embeddings":
-        return embeddings_body
+    if endpoint in BODY_RUNNERS:
+        return BODY_RUNNERS[endpoint]
     chat = endpoint == "/v1/chat/completions"
     return lambda state, body, salt: complete_body(state, body, chat, salt)
 

@@ -32,7 +32,8 @@ MAX_FILES_BYTES = 256 << 20
 MAX_BATCHES = 100
 MAX_RUNNING_BATCHES = 4
 MAX_BATCH_LINES = 50_000
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score",
+             "/v1/rerank")  # fmt: skip
 
 
 @dataclass

@@ -25,6 +25,7 @@ from radixserve.client.embedding import (
 from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, GenerateArgs, renamed
 from radixserve.client.result import RequestResult
 from radixserve.sampling.params import is_int
+from radixserve.server.body_routes import json_route
 from radixserve.server.choice_trackers import aborted
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
@@ -50,7 +51,7 @@ OLLAMA_LEGACY_FIELDS = {"model", "prompt", "options", "keep_alive", "cache_salt"
 
 def register_embedding_routes(app: web.Application) -> None:
     app.router.add_post("/encode", encode)
-    app.router.add_post("/v1/embeddings", openai_embeddings)
+    app.router.add_post("/v1/embeddings", json_route(embeddings_body))
     app.router.add_post("/api/embed", ollama_embed)
     app.router.add_post("/api/embeddings", ollama_embeddings)
 
@@ -72,18 +73,12 @@ async def encode_response(state: ServerState, body: dict) -> web.Response:
     return web.json_response(outputs if batched else outputs[0])
 
 
-async def openai_embeddings(request: web.Request) -> web.Response:
-    """OpenAI's embeddings: `input` a string, a list of strings, a list of token ids or a list
-    of such lists; `encoding_format` float or base64; `dimensions` (matryoshka truncation);
-    vLLM's truncate_prompt_tokens, add_special_tokens, priority, request_id, normalize."""
-    body = await read_json(request)
-    answer = await embeddings_body(state_of(request), body, request.headers.get(SALT_HEADER))
-    return web.json_response(answer)
-
-
 async def embeddings_body(state: ServerState, body: Any, salt_header: str | None) -> dict:
-    """An /v1/embeddings body's response body (the Batch API's lines run through here too);
-    `salt_header`: the namespace the caller's X-Cache-Salt (or batch owner) names."""
+    """OpenAI's embeddings (the Batch API's lines run through here too): `input` a string, a
+    list of strings, a list of token ids or a list of such lists; `encoding_format` float or
+    base64; `dimensions` (matryoshka truncation); vLLM's truncate_prompt_tokens,
+    add_special_tokens, priority, request_id, normalize. `salt_header`: the namespace the
+    caller's X-Cache-Salt (or batch owner) names."""
     body = check_object(body)
     check_fields(body, OPENAI_FIELDS)
     check_embedding_server(state)

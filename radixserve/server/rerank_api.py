@@ -32,14 +32,15 @@ from radixserve.client.rerank import (
     rerank_mode,
 )
 from radixserve.client.result import RequestResult
+from radixserve.server.body_routes import json_route
 from radixserve.server.embeddings_api import run_to_end
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
 from radixserve.server.openai_protocol import check_bool, check_object
 from radixserve.server.request_fields import check_fields
 from radixserve.server.responses_options import optional_str
-from radixserve.server.state import read_json, state_of
-from radixserve.server.tenants import SALT_HEADER, check_salt
+from radixserve.server.state import ServerState
+from radixserve.server.tenants import check_salt
 
 COMMON_FIELDS = {"query", "documents", "top_n", "model", "cache_salt", "priority",
                  "truncate_prompt_tokens"}  # fmt: skip
@@ -51,21 +52,17 @@ PROMPT_NAMES = {"input_ids": "documents", "text": "documents", "prompt": "docume
 
 
 def register_rerank_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/rerank", sglang_rerank)
-    app.router.add_post("/rerank", vllm_rerank)
-    app.router.add_post("/v2/rerank", vllm_rerank)
-    app.router.add_post("/score", score)
+    app.router.add_post("/v1/rerank", json_route(sglang_rerank_body))
+    app.router.add_post("/rerank", json_route(vllm_rerank_body))
+    app.router.add_post("/v2/rerank", json_route(vllm_rerank_body))
+    app.router.add_post("/score", json_route(vllm_score_body))
 
 
-async def score(request: web.Request) -> web.Response:
-    return await vllm_score(request, check_object(await read_json(request)))
-
-
-async def sglang_rerank(request: web.Request) -> web.Response:
-    body = check_object(await read_json(request))
+async def sglang_rerank_body(state: ServerState, body: Any, salt_header: str | None) -> list:
+    body = check_object(body)
     check_fields(body, SGLANG_FIELDS)
     with_documents = check_bool(body, "return_documents", True)
-    documents, _, order, _ = await _rank(request, body)
+    documents, _, order, _ = await _rank(state, body, salt_header)
     answer = []
     for item in order:
         entry: dict[str, Any] = {"score": item.score, "index": item.index}
@@ -73,44 +70,45 @@ async def sglang_rerank(request: web.Request) -> web.Response:
             entry["document"] = documents[item.index]
         entry["meta_info"] = _meta(item.result)
         answer.append(entry)
-    return web.json_response(answer)
+    return answer
 
 
-async def vllm_rerank(request: web.Request) -> web.Response:
-    body = check_object(await read_json(request))
+async def vllm_rerank_body(state: ServerState, body: Any, salt_header: str | None) -> dict:
+    body = check_object(body)
     check_fields(body, COMMON_FIELDS)
-    documents, results, order, model = await _rank(request, body)
-    return web.json_response({
+    documents, results, order, model = await _rank(state, body, salt_header)
+    return {
         "id": "rerank-" + uuid.uuid4().hex,
         "model": model,
         "usage": {"total_tokens": sum(r.prompt_len for r in results)},
         "results": [{"index": item.index, "document": {"text": documents[item.index]},
                      "relevance_score": item.score} for item in order],
-    })  # fmt: skip
+    }  # fmt: skip
 
 
-async def _rank(request: web.Request, body: dict):
+async def _rank(state: ServerState, body: dict, salt_header: str | None):
     """The body's documents, the requests' results, the top_n most relevant and the model."""
     try:
         documents = check_documents(body.get("query"), body.get("documents"))
         top_n = check_top_n(body.get("top_n"), len(documents))
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
-    mode, results, model = await _score_pairs(request, body, [body["query"]], documents)
+    mode, results, model = await _score_pairs(state, body, salt_header, [body["query"]], documents)
     return documents, results, ranked(mode, results)[:top_n], model
 
 
-async def vllm_score(request: web.Request, body: dict) -> web.Response:
+async def vllm_score_body(state: ServerState, body: Any, salt_header: str | None) -> dict:
     """vLLM's /score (and /v1/score with `text_1`): each text_2's relevance to its text_1,
     in pair order."""
+    body = check_object(body)
     check_fields(body, SCORE_FIELDS)
     try:
         firsts, seconds = check_text_pairs(body.get("text_1"), body.get("text_2"))
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
-    mode, results, model = await _score_pairs(request, body, firsts, seconds)
+    mode, results, model = await _score_pairs(state, body, salt_header, firsts, seconds)
     tokens = sum(r.prompt_len for r in results)
-    return web.json_response({
+    return {
         "id": "score-" + uuid.uuid4().hex,
         "object": "list",
         "created": int(time.time()),
@@ -118,21 +116,24 @@ async def vllm_score(request: web.Request, body: dict) -> web.Response:
         "data": [{"index": item.index, "object": "score", "score": item.score}
                  for item in relevances(mode, results, len(firsts))],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-    })  # fmt: skip
+    }  # fmt: skip
 
 
 async def _score_pairs(
-    request: web.Request, body: dict, queries: list[str], documents: list[str]
+    state: ServerState,
+    body: dict,
+    salt_header: str | None,
+    queries: list[str],
+    documents: list[str],
 ) -> tuple[str, list[RequestResult], str]:
     """How the model ranks, the requests' results (client/rerank.py rerank_args) and the
     model's name; `model`, `cache_salt`, `priority`, `truncate_prompt_tokens` from the body."""
-    state = state_of(request)
     try:
         mode = rerank_mode(state.builder.is_embedding, state.client.info.get("num_labels"))
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     lora_path = check_model_name(state, optional_str(body, "model"))
-    salt = check_salt(body.get("cache_salt"), request.headers.get(SALT_HEADER))
+    salt = check_salt(body.get("cache_salt"), salt_header)
     fields = {"cache_salt": salt, "lora_path": lora_path, "priority": body.get("priority"),
               "truncate_prompt_tokens": body.get("truncate_prompt_tokens")}  # fmt: skip
     args = await state.off_loop(
