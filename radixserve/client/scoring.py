@@ -35,7 +35,8 @@ NEXT_TOKEN = {"max_new_tokens": 1, "temperature": 0.0}
 
 SCORING_NEEDS = (
     "Scoring needs a generating model (label token probabilities) or a sequence classifier "
-    "(its head's outputs); this is an embedding model: use /v1/embeddings"
+    "(its head's outputs); this is an embedding model: embed instead (/v1/embeddings, "
+    "Engine.encode)"
 )
 
 
