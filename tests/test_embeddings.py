@@ -83,6 +83,8 @@ def test_engine_encode_matches_transformers_cold_warm_and_chunked(tiny_chat_mode
             engine.generate("hello", {"max_new_tokens": 2})
         with pytest.raises(ValueError, match="prompt is empty"):
             engine.encode(input_ids=[])
+        with pytest.raises(ValueError, match="embed instead"):  # no head, no label tokens
+            engine.score(query="q", items=["a"], label_token_ids=[1])
         engine.check_integrity()
     finally:
         engine.shutdown()
