@@ -65,19 +65,24 @@ OLLAMA_ODD = {"model": odd("", "other", 3), "input": odd(3, [3], None), "truncat
 LEGACY_BODY = st.fixed_dictionaries({"model": st.just("emb"), "prompt": TEXT})
 LEGACY_ODD = {"model": odd("other"), "prompt": odd(3, ["a"]), "options": odd(1)}
 
-RERANK_BODY = st.fixed_dictionaries(
-    {"query": TEXT, "documents": st.lists(TEXT, min_size=1, max_size=4)},
-    optional={"top_n": st.integers(0, 5), "model": st.just("emb"),
-              "return_documents": st.booleans(), "cache_salt": st.just("t1"),
-              "truncate_prompt_tokens": st.sampled_from([-1, 4])},
-)  # fmt: skip
 RERANK_ODD = {"query": odd("", 5, ["a"]), "documents": odd([], [""], "a", [1], ["a"] * 2100),
               "top_n": odd(-1, 1.5, "2"), "model": odd("other"), "return_documents": odd("no"),
-              "truncate_prompt_tokens": odd(0, "x")}  # fmt: skip
+              "truncate_prompt_tokens": odd(0, "x"), "instruct": odd("", 3)}  # fmt: skip
+
+
+def rerank_cases(model: str):
+    """(path, body) of SGLang's /v1/rerank and vLLM's /rerank for a server serving `model`."""
+    body = st.fixed_dictionaries(
+        {"query": TEXT, "documents": st.lists(TEXT, min_size=1, max_size=4)},
+        optional={"top_n": st.integers(0, 5), "model": st.just(model),
+                  "return_documents": st.booleans(), "cache_salt": st.just("t1"),
+                  "truncate_prompt_tokens": st.sampled_from([-1, 4])},
+    )  # fmt: skip
+    return st.tuples(st.sampled_from(["/v1/rerank", "/rerank"]), fuzzed(body, RERANK_ODD))
+
 
 EMBEDDING_CASES = st.one_of(
-    st.tuples(st.just("/v1/rerank"), fuzzed(RERANK_BODY, RERANK_ODD)),
-    st.tuples(st.just("/rerank"), fuzzed(RERANK_BODY, RERANK_ODD)),
+    rerank_cases("emb"),
     st.tuples(st.just("/v1/embeddings"), fuzzed(OPENAI_BODY, OPENAI_ODD)),
     st.tuples(st.just("/encode"), fuzzed(ENCODE_BODY, ENCODE_ODD)),
     st.tuples(st.just("/api/embed"), fuzzed(OLLAMA_BODY, OLLAMA_ODD)),

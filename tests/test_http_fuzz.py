@@ -43,6 +43,7 @@ from fuzz_completion_apis import (
     problems_with,
     score_problems,
 )
+from fuzz_embeddings import embedding_problems, rerank_cases
 from fuzz_lifecycle import (  # noqa: F401 (collected here, against this file's server)
     stored_ids,
     test_fuzz_disconnect_mid_stream,
@@ -109,6 +110,13 @@ def test_fuzz_chat_completions(fuzz_server, body):
 @given(body=SCORE_CASES)
 def test_fuzz_score(fuzz_server, body):
     check_with(fuzz_server.url + "/v1/score", body, score_problems)
+
+
+@FUZZ_SETTINGS
+@given(case=rerank_cases("tiny"))
+def test_fuzz_rerank(fuzz_server, case):
+    path, body = case
+    check_with(fuzz_server.url + path, body, embedding_problems(path))
 
 
 AGENT_PROBLEMS = {

@@ -1,8 +1,9 @@
 """Reranking with a cross-encoder (a sequence classifier with one output, --is-embedding):
 SGLang's /v1/rerank, vLLM's Jina / Cohere-style /rerank and /v2/rerank and its /score give each
 document the sigmoid of the head over the tokenizer's (query, document) pair, as transformers
-computes it, most relevant first; a generating server refuses them. (An embedding model's
-ranking, by cosine: tests/test_embeddings.py.)"""
+computes it, most relevant first; a generating model judges each pair yes or no through its
+chat template (Qwen3-Reranker's recipe). (An embedding model's ranking, by cosine:
+tests/test_embeddings.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import requests
 import torch
 from transformers import AutoModelForSequenceClassification, LlamaConfig
 
-from conftest import TINY, VOCAB, ServerProcess
+from conftest import TINY, VOCAB, ServerProcess, hf_model
+from radixserve.client.generative_rerank import DEFAULT_INSTRUCT, judge_messages
 from radixserve.model.tokenizer import model_tokenizer
 
 QUERY = (
@@ -133,12 +135,34 @@ def test_bad_input_is_a_400_naming_the_field(cross_encoder, body, param):
     )
 
 
-def test_a_generating_server_refuses_reranking(server):
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank", "/score"):
-        body = (
-            {"query": "q", "documents": ["a"]}
-            if "rerank" in path
-            else {"text_1": "q", "text_2": "a"}
-        )
-        answer = requests.post(server.url + path, json=body)
-        assert answer.status_code == 400 and "/v1/score" in answer.json()["error"]["message"]
+def judged(model, tokenizer, instruct: str, query: str, doc: str) -> float:
+    """transformers' P(yes) / (P(yes) + P(no)) after the judged chat."""
+    messages = judge_messages(instruct, query, doc)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)  # fmt: skip
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+    no, yes = (tokenizer.convert_tokens_to_ids(w) for w in ("no", "yes"))
+    return float(torch.sigmoid(logprobs[yes] - logprobs[no]))
+
+
+def test_a_generating_model_judges_each_pair_yes_or_no(server, tiny_chat_model):
+    model, tokenizer = hf_model(tiny_chat_model), model_tokenizer(None)
+    for instruct in (None, "Find passages about French cities"):
+        body = {"query": QUERY, "documents": DOCS} | ({"instruct": instruct} if instruct else {})
+        answer = requests.post(server.url + "/v1/rerank", json=body).json()
+        task = instruct or DEFAULT_INSTRUCT
+        want = {i: judged(model, tokenizer, task, QUERY, doc) for i, doc in enumerate(DOCS)}
+        assert {item["index"]: item["score"] for item in answer} == pytest.approx(want, abs=1e-5)
+        got = [item["score"] for item in answer]  # most relevant first
+        assert got == sorted(got, reverse=True)
+        # the chat's system turn, task and query come first: the later pairs hit them
+        assert min(item["meta_info"]["cached_tokens"] for item in answer[1:]) >= 16
+    pairs = requests.post(server.url + "/score", json={"text_1": QUERY, "text_2": DOCS[:2]})
+    scores = [d["score"] for d in pairs.json()["data"]]
+    want = [judged(model, tokenizer, DEFAULT_INSTRUCT, QUERY, doc) for doc in DOCS[:2]]
+    assert scores == pytest.approx(want, abs=1e-5)
+    bad = requests.post(server.url + "/v1/rerank", json={"query": "q", "documents": ["a"],
+                                                         "instruct": ""})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "instruct"

@@ -1,16 +1,19 @@
 """Reranking (SGLang's `/v1/rerank`, vLLM's Jina / Cohere-style `/rerank` and `/v2/rerank`):
-each document's relevance to a query, by one of two kinds of model served with
-`--is-embedding`:
+each document's relevance to a query, by one of three kinds of model:
 
-- a cross-encoder: a sequence classifier with one output (`*ForSequenceClassification`,
-  `num_labels` 1, e.g. a reranker converted to a score head): each (query, document) pair is
-  one prompt, the tokenizer's pair encoding (as vLLM's and SGLang's cross-encoders), and the
-  relevance is the sigmoid of the head's output;
-- an embedding model (a bi-encoder): the query and every document are embedded in one batch,
-  the relevance is the cosine of the query's embedding with the document's.
+- a generating model (Qwen3-Reranker, or any chat model): each pair is judged yes or no by the
+  model's chat template, the relevance is P(yes) / (P(yes) + P(no)) (generative_rerank.py);
+- with `--is-embedding`, a cross-encoder: a sequence classifier with one output
+  (`*ForSequenceClassification`, `num_labels` 1, e.g. a reranker converted to a score head):
+  each (query, document) pair is one prompt, the tokenizer's pair encoding (as vLLM's and
+  SGLang's cross-encoders), and the relevance is the sigmoid of the head's output;
+- with `--is-embedding`, an embedding model (a bi-encoder): the query and every document are
+  embedded in one batch, the relevance is the cosine of the query's embedding with the
+  document's.
 
 A pair's query prefix is the same tokens for every document, so the radix tree computes it
-once (a cross-encoder's prompts share it; an embedding model's query is one request).
+once (a judged chat's or a cross-encoder's prompts share it; an embedding model's query is one
+request).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from radixserve.client.embedding import embed_args, embedding_vector
+from radixserve.client.generative_rerank import check_instruct, judge_args, judged_logit
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult
 from radixserve.sampling.params import is_int
@@ -29,8 +33,8 @@ from radixserve.sampling.params import is_int
 MAX_DOCUMENTS = 2048
 """Most documents one call may rank (as many inputs as one embeddings call)."""
 RERANK_NEEDS = (
-    "Reranking needs a cross-encoder (a sequence classifier with one output) or an embedding "
-    "model, served with --is-embedding"
+    "Reranking needs a generating model, a cross-encoder (a sequence classifier with one "
+    "output) or an embedding model"
 )
 
 
@@ -45,10 +49,10 @@ class Ranked:
 
 
 def rerank_mode(is_embedding: bool, num_labels: int | None) -> str:
-    """ "cross-encoder" or "embedding": how this model ranks; ValueError where it cannot (a
-    generating model, or a classifier with several outputs)."""
+    """ "generative", "cross-encoder" or "embedding": how this model ranks; ValueError where
+    it cannot (a classifier with several outputs)."""
     if not is_embedding:
-        raise ValueError(RERANK_NEEDS + "; a generating model scores label tokens: /v1/score")
+        return "generative"
     if num_labels is None:
         return "embedding"
     if num_labels != 1:
@@ -97,12 +101,22 @@ def check_text_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:
 
 
 def rerank_args(
-    mode: str, tokenizer, queries: list[str], documents: list[str], **fields: Any
+    mode: str,
+    tokenizer,
+    queries: list[str],
+    documents: list[str],
+    instruct: str | None = None,
+    **fields: Any,
 ) -> GenerateArgs:
-    """The embedding requests that score each document against its query (`queries`: one
-    for every document, or one each): one pair prompt per document (cross-encoder), or the
-    queries then the documents (embedding model). `fields`: further GenerateArgs fields
-    (cache_salt, lora_path, priority, truncate_prompt_tokens)."""
+    """The requests that score each document against its query (`queries`: one for every
+    document, or one each): one judged chat per document (generative, for the `instruct`
+    task), one pair prompt per document (cross-encoder), or the queries then the documents
+    (embedding model). `fields`: further GenerateArgs fields (cache_salt, lora_path,
+    priority, truncate_prompt_tokens)."""
+    if mode == "generative":
+        return judge_args(tokenizer, check_instruct(instruct), queries, documents, **fields)
+    if instruct is not None:
+        raise ValueError(f"instruct: a {mode} model ranks without a task instruction")
     if mode == "cross-encoder":
         pairs = zip(queries * len(documents) if len(queries) == 1 else queries, documents)
         prompts = [tokenizer(query, doc)["input_ids"] for query, doc in pairs]
@@ -113,7 +127,10 @@ def rerank_args(
 
 def relevances(mode: str, results: list[RequestResult], num_queries: int = 1) -> list[Ranked]:
     """Every document's relevance to its query, in document order (rerank_args' results)."""
-    if mode == "cross-encoder":
+    if mode == "generative":
+        docs = results
+        scores = [_sigmoid(judged_logit(r)) for r in docs]
+    elif mode == "cross-encoder":
         docs = results
         scores = [_sigmoid(float(embedding_vector(r, normalize=False)[0])) for r in docs]
     else:

@@ -1,8 +1,9 @@
-"""Reranking routes of an `--is-embedding` server (client/rerank.py says how a document's
-relevance is computed), in the two shapes peers answer them:
+"""Reranking routes (client/rerank.py says how a document's relevance is computed, by a
+generating model, a cross-encoder or an embedding model), in the shapes peers answer them:
 
-- SGLang's POST /v1/rerank: `query`, `documents`, `top_n`, `return_documents` (default true)
-  -> a list of {"score", "document", "index", "meta_info"}, most relevant first;
+- SGLang's POST /v1/rerank: `query`, `documents`, `top_n`, `return_documents` (default true),
+  `instruct` (a generating model's task) -> a list of {"score", "document", "index",
+  "meta_info"}, most relevant first;
 - vLLM's Jina / Cohere-style POST /rerank and /v2/rerank: `query`, `documents`, `top_n`,
   `model`, `truncate_prompt_tokens` -> {"id", "model", "usage", "results": [{"index",
   "document": {"text"}, "relevance_score"}]}, most relevant first;
@@ -10,8 +11,8 @@ relevance is computed), in the two shapes peers answer them:
   text_1 for every text_2, or pairs in order) -> {"id", "object": "list", "created",
   "model", "data": [{"index", "object": "score", "score"}], "usage"}, in pair order.
 
-Both take `model` (the served model or a LoRA adapter), `cache_salt` (or X-Cache-Salt) and
-`priority`; a generating server refuses them naming /v1/score.
+All take `model` (the served model or a LoRA adapter), `cache_salt` (or X-Cache-Salt) and
+`priority`; a classifier with several outputs refuses them naming /classify.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ from radixserve.server.tenants import check_salt
 
 COMMON_FIELDS = {"query", "documents", "top_n", "model", "cache_salt", "priority",
                  "truncate_prompt_tokens"}  # fmt: skip
-SGLANG_FIELDS = COMMON_FIELDS | {"return_documents"}
-SCORE_FIELDS = COMMON_FIELDS - {"query", "documents", "top_n"} | {"text_1", "text_2"}
+SGLANG_FIELDS = COMMON_FIELDS | {"return_documents", "instruct"}
+SCORE_FIELDS = COMMON_FIELDS - {"query", "documents", "top_n"} | {"text_1", "text_2", "instruct"}
 PROMPT_NAMES = {"input_ids": "documents", "text": "documents", "prompt": "documents",
-                "n": "documents"}  # fmt: skip
+                "n": "documents", "token_ids_logprob": "documents"}  # fmt: skip
 """Core validation messages' names for a pair's prompt (vLLM's /score: text_2 is a document)."""
 
 
@@ -136,10 +137,14 @@ async def _score_pairs(
     salt = check_salt(body.get("cache_salt"), salt_header)
     fields = {"cache_salt": salt, "lora_path": lora_path, "priority": body.get("priority"),
               "truncate_prompt_tokens": body.get("truncate_prompt_tokens")}  # fmt: skip
-    args = await state.off_loop(
-        lambda: rerank_args(mode, state.tokenizer, queries, documents, **fields)
-    )
-    results, _ = await run_to_end(state, args, PROMPT_NAMES)
+    instruct = body.get("instruct")
+    try:
+        args = await state.off_loop(
+            lambda: rerank_args(mode, state.tokenizer, queries, documents, instruct, **fields)
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    results, _ = await run_to_end(state, args, PROMPT_NAMES, embed=mode != "generative")
     return mode, results, lora_path or state.served_model_name
 
 
