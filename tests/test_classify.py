@@ -50,10 +50,13 @@ def test_a_reward_model_scores_as_transformers_does_cold_and_warm(tmp_path):
         (scored,) = engine.score(query=prompts[0], items=[prompt_ids(2, 6)])
         with pytest.raises(ValueError, match="^label_token_ids"):
             engine.score(query=prompts[0], items=[prompt_ids(2, 6)], label_token_ids=[1])
+        (ranked,) = engine.rerank([["a question", "an answer"]])  # a one-output cross-encoder
     finally:
         engine.shutdown()
     assert outs[1]["meta_info"]["cached_tokens"] == 32  # the first prompt's pages
     assert abs(scored[0] - hf_scores(model, prompts[1])[0]) < 1e-4
+    pair = engine.tokenizer("a question", "an answer")["input_ids"]
+    assert abs(ranked["embedding"] - 1 / (1 + np.exp(-hf_scores(model, pair)[0]))) < 1e-5
     for ids, out in zip(prompts, outs):
         reward = out["embedding"]  # SGLang's: the head's one output, unnormalized
         assert len(reward) == 1 and abs(reward[0] - hf_scores(model, ids)[0]) < 1e-4

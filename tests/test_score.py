@@ -141,3 +141,19 @@ def test_a_batch_of_score_lines(openai_client, server):
         assert close(outputs[f"s{i}"]["response"]["body"]["scores"], direct["scores"])
     error = records(openai_client, batch.error_file_id)["bad"]["response"]
     assert error["status_code"] == 400 and error["body"]["error"]["param"] == "label_token_ids"
+
+
+def test_engine_rerank_judges_pairs_in_order(engine, tiny_chat_model):
+    from test_rerank import judged
+
+    from radixserve.client.generative_rerank import DEFAULT_INSTRUCT
+
+    pairs = [["Where is Paris?", "In France."], ["What is red?", "A colour."]]
+    outputs = engine.rerank(pairs)
+    model = hf_model(tiny_chat_model)
+    for (query, doc), out in zip(pairs, outputs):
+        want = judged(model, engine.tokenizer, DEFAULT_INSTRUCT, query, doc)
+        assert abs(out["embedding"] - want) < 1e-5 and out["meta_info"]["prompt_tokens"] > 0
+    for bad in ([], [["only a query"]], [["q", ""]], "q"):
+        with pytest.raises(ValueError, match="^prompt"):
+            engine.rerank(bad)

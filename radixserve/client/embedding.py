@@ -56,14 +56,19 @@ def embedding_vector(
 def encode_output(result: RequestResult, normalize: bool = True) -> dict[str, Any]:
     """SGLang's /encode (and Engine.encode) output: the embedding (a classifier's scores
     unnormalized: `normalize` false) and its meta_info."""
-    meta = {
+    vector = embedding_vector(result, normalize=normalize)
+    return {"embedding": vector.tolist(), "meta_info": request_meta(result)}
+
+
+def request_meta(result: RequestResult) -> dict[str, Any]:
+    """The meta_info of SGLang's /encode, Engine.encode and rerank outputs: the request's id,
+    its prompt and cached tokens, its latency."""
+    return {
         "id": result.spec.rid,
         "prompt_tokens": result.prompt_len,
         "cached_tokens": result.cached_tokens,
         "e2e_latency": result.e2e_latency(),
     }
-    vector = embedding_vector(result, normalize=normalize)
-    return {"embedding": vector.tolist(), "meta_info": meta}
 
 
 def openai_embedding(vector: np.ndarray, index: int, encoding_format: str) -> dict[str, Any]:

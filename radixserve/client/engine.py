@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixserve.cache.retention import prefix_pin_key, session_pin_key
-from radixserve.client.embedding import embed_args, encode_output
+from radixserve.client.embedding import embed_args, encode_output, request_meta
 from radixserve.client.inproc_client import InProcessClient
 from radixserve.client.loop_thread import LoopThread
 from radixserve.client.output import LogprobCursor, format_output
 from radixserve.client.request_builder import GenerateArgs, RequestBuilder, renamed
+from radixserve.client.rerank import check_text_pairs, relevances, rerank_args, rerank_mode
 from radixserve.client.result import RequestResult, ResultStream
 from radixserve.client.scoring import SCORE_NAMES, item_scores, score_args, scores_with_head
 from radixserve.config import split_engine_kwargs
@@ -170,6 +171,24 @@ class Engine:
         specs, _ = self._build(args, self.builder.is_embedding, SCORE_NAMES)
         results = await self._answers(specs)
         return [item_scores(result, apply_softmax, classifier) for result in results]
+
+    def rerank(self, prompt: list[list[str]]) -> list[dict]:
+        """SGLang's Engine.rerank: each [query, document] pair's relevance (client/rerank.py:
+        a generating model's yes / no judgement, a cross-encoder's sigmoid, an embedding
+        model's cosine) as {"embedding": score, "meta_info"}, in pair order."""
+        pairs = prompt if isinstance(prompt, list) else None
+        if not pairs or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+            raise ValueError("prompt must be a non-empty list of [query, document] pairs")
+        try:
+            queries, documents = check_text_pairs([p[0] for p in pairs], [p[1] for p in pairs])
+        except ValueError as exc:  # text_1: the queries, text_2: the documents
+            raise ValueError(f"prompt: {exc}") from exc
+        mode = rerank_mode(self.builder.is_embedding, self.core.loaded.config.num_labels)
+        args = rerank_args(mode, self.tokenizer, queries, documents)
+        specs, _ = self._build(args, mode != "generative", {"input_ids": "prompt"})
+        results = self._loop.run(self._answers(specs))
+        return [{"embedding": item.score, "meta_info": request_meta(item.result)}
+                for item in relevances(mode, results, len(queries))]  # fmt: skip
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Aborts the running request with this rid (or its n > 1 samples), or with

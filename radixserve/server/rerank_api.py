@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixserve.client.embedding import request_meta
 from radixserve.client.rerank import (
     check_documents,
     check_text_pairs,
@@ -69,7 +70,7 @@ async def sglang_rerank_body(state: ServerState, body: Any, salt_header: str | N
         entry: dict[str, Any] = {"score": item.score, "index": item.index}
         if with_documents:
             entry["document"] = documents[item.index]
-        entry["meta_info"] = _meta(item.result)
+        entry["meta_info"] = request_meta(item.result)
         answer.append(entry)
     return answer
 
@@ -146,9 +147,3 @@ async def _score_pairs(
         raise BadRequest(str(exc)) from exc
     results, _ = await run_to_end(state, args, PROMPT_NAMES, embed=mode != "generative")
     return mode, results, lora_path or state.served_model_name
-
-
-def _meta(result: RequestResult) -> dict[str, Any]:
-    """A document's request's counts (a pair's, or the document's own embedding's)."""
-    return {"id": result.spec.rid, "prompt_tokens": result.prompt_len,
-            "cached_tokens": result.cached_tokens}  # fmt: skip
