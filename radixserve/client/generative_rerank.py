@@ -50,13 +50,12 @@ def yes_no_ids(tokenizer) -> list[int]:
 
 
 def judge_args(
-    tokenizer, instruct: str, queries: list[str], documents: list[str], **fields: Any
+    tokenizer, instruct: str, pairs: list[tuple[str, str]], **fields: Any
 ) -> GenerateArgs:
-    """One next-token request per document (its query: `queries`' one, or its own), whose
-    logprobs of "no" and "yes" give its relevance. ValueError: no chat template."""
+    """One next-token request per (query, document) pair, whose logprobs of "no" and "yes"
+    give its relevance. ValueError: no chat template."""
     if tokenizer.chat_template is None:
         raise ValueError("Reranking with a generating model needs its chat template; it has none")
-    pairs = zip(queries * len(documents) if len(queries) == 1 else queries, documents)
     prompts = []
     for query, doc in pairs:
         messages = judge_messages(instruct, query, doc)

@@ -75,7 +75,7 @@ def check_documents(query: Any, documents: Any) -> list[str]:
 
 def check_top_n(value: Any, count: int) -> int:
     """How many of `count` ranked documents to return: all for None or 0 (vLLM's default)."""
-    if value is None or value == 0:
+    if value is None or (is_int(value) and value == 0):
         return count
     if not is_int(value) or value < 0:
         raise ValueError(f"top_n must be an int >= 1; got {value!r}"[:200])
@@ -113,12 +113,12 @@ def rerank_args(
     task), one pair prompt per document (cross-encoder), or the queries then the documents
     (embedding model). `fields`: further GenerateArgs fields (cache_salt, lora_path,
     priority, truncate_prompt_tokens)."""
+    pairs = list(zip(queries * len(documents) if len(queries) == 1 else queries, documents))
     if mode == "generative":
-        return judge_args(tokenizer, check_instruct(instruct), queries, documents, **fields)
+        return judge_args(tokenizer, check_instruct(instruct), pairs, **fields)
     if instruct is not None:
         raise ValueError(f"instruct: a {mode} model ranks without a task instruction")
     if mode == "cross-encoder":
-        pairs = zip(queries * len(documents) if len(queries) == 1 else queries, documents)
         prompts = [tokenizer(query, doc)["input_ids"] for query, doc in pairs]
     else:
         prompts = [tokenizer.encode(text) for text in [*queries, *documents]]
