@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -38,6 +37,7 @@ import numpy as np
 from radixserve.config import FleetConfig, ServerConfig
 from radixserve.fleet.launch import Child, fleet_children, start_all, stop_all
 from radixserve.fleet.router import require_router
+from radixserve_bench.report import save_report
 from radixserve_bench.systems import free_port, free_port_run
 
 GOAL_ITL_RATIO = 0.5
@@ -250,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "p99_itl_ratio": ratio,
         "goal_met": met,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save_report(report, args.out)
     print(f"wrote {args.out}")
     return 0
 

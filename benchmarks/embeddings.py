@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import tempfile
@@ -36,6 +35,7 @@ import aiohttp
 import numpy as np
 
 from radixserve.native.machine import describe_cpu
+from radixserve_bench.report import save_report
 from radixserve_bench.systems import LaunchOptions, SystemSpec, launch, unavailable_reason
 
 SYSTEMS = (
@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cosine_median": {w: statistics.median(c) for w, c in agreement.items()},
     }
     print_report(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save_report(report, args.out)
     return report
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -48,6 +47,7 @@ from radixserve.fleet.launch import (
     worker_healthy,
 )
 from radixserve.fleet.router import require_router, router_command
+from radixserve_bench.report import save_report
 from radixserve_bench.systems import free_port
 from radixserve_bench.workloads import Workload, default_tokenizer, make_workload
 
@@ -301,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"workers": args.workers, "model": args.model or "tiny random Llama",
               "concurrency": CONCURRENCY, "failover_router_args": FAILOVER_ROUTER_ARGS,
               "runs": [r.row() for r in results]}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save_report(report, args.out)
     print(f"wrote {args.out}")
     return 0
 

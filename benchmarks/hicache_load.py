@@ -15,16 +15,15 @@ Run:  OMP_NUM_THREADS=1 python benchmarks/hicache_load.py [--prompt-tokens 1024]
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from radixserve import Engine
+from radixserve_bench.report import save_report
 
 ONE_TOKEN = {"temperature": 0, "max_new_tokens": 1}
 
@@ -92,8 +91,7 @@ def main() -> None:
     report = {"args": vars(args), "rows": rows, "open_s": open_s,
               "bytes_to_device": stats["hicache_bytes_to_device"],
               "bytes_to_host": stats["hicache_bytes_to_host"]}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save_report(report, args.out)
     print(f"wrote {args.out}")
 
 

@@ -25,18 +25,17 @@ Run:  OMP_NUM_THREADS=2 python benchmarks/scoring.py [--items 32] [--query-len 5
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from radixserve import Engine
 from radixserve.native.machine import describe_cpu
 from radixserve_bench.hf_batcher import load_hf_model
+from radixserve_bench.report import save_report
 
 VOCAB_LOW, VOCAB_HIGH = 200, 40000
 LABELS = [9230, 2838, 330]
@@ -111,8 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             for (name, call), t in times.items()]  # fmt: skip
     report = {"cpu": describe_cpu(), "args": vars(args), "rows": rows, "max_logprob_diff": worst}
     print_report(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save_report(report, args.out)
     return report
 
 

@@ -144,6 +144,14 @@ def write_results(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]
     return path
 
 
+def save_report(report: dict[str, Any], out: Path | str) -> Path:
+    """A script's report as JSON at `out` (its folder made), non-finite floats as strings."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_strict_json(report), indent=2))
+    return path
+
+
 def _strict_json(value: Any) -> Any:
     """Non-finite floats as strings ("inf"), so that any JSON parser reads the file."""
     if isinstance(value, float) and not math.isfinite(value):
