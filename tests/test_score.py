@@ -157,3 +157,23 @@ def test_engine_rerank_judges_pairs_in_order(engine, tiny_chat_model):
     for bad in ([], [["only a query"]], [["q", ""]], "q"):
         with pytest.raises(ValueError, match="^prompt"):
             engine.rerank(bad)
+
+
+def test_engine_rerank_on_templates_without_a_system_turn(engine):
+    """Gemma's and Mistral's templates refuse a system turn: its text leads the user turn;
+    a template that refuses every chat is a ValueError naming the documents."""
+    template = engine.tokenizer.chat_template
+    no_system = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "<u>{{ m['content'] }}</u>{% endfor %}<a>"
+    )
+    try:
+        engine.tokenizer.chat_template = no_system
+        (judged,) = engine.rerank([["Where is Paris?", "In France."]])
+        assert judged["meta_info"]["prompt_tokens"] > 0 and 0 < judged["embedding"] < 1
+        engine.tokenizer.chat_template = "{{ raise_exception('no chats here') }}"
+        with pytest.raises(ValueError, match="^documents could not be judged"):
+            engine.rerank([["Where is Paris?", "In France."]])
+    finally:
+        engine.tokenizer.chat_template = template

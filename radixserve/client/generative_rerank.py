@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jinja2 import TemplateError
+
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult
 from radixserve.client.scoring import NEXT_TOKEN
@@ -56,14 +58,25 @@ def judge_args(
     give its relevance. ValueError: no chat template."""
     if tokenizer.chat_template is None:
         raise ValueError("Reranking with a generating model needs its chat template; it has none")
-    prompts = []
-    for query, doc in pairs:
-        messages = judge_messages(instruct, query, doc)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)  # fmt: skip
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    prompts = [_judged_prompt(tokenizer, judge_messages(instruct, q, d)) for q, d in pairs]
     return GenerateArgs(input_ids=prompts, sampling_params=dict(NEXT_TOKEN), return_logprob=True,
                         token_ids_logprob=yes_no_ids(tokenizer), **fields)  # fmt: skip
+
+
+def _judged_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The judged chat's tokens; a template that refuses a system turn (Gemma's, Mistral's)
+    gets its text at the head of the user turn. ValueError: the template refuses both."""
+    kwargs = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": False}
+    try:
+        text = tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateError:
+        system, user = messages
+        merged = [{"role": "user", "content": system["content"] + "\n\n" + user["content"]}]
+        try:
+            text = tokenizer.apply_chat_template(merged, **kwargs)
+        except TemplateError as exc:
+            raise ValueError(f"documents could not be judged by the chat template: {exc}") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def judged_logit(result: RequestResult) -> float:
