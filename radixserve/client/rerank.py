@@ -18,7 +18,6 @@ request).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from radixserve.client.embedding import embed_args, embedding_vector
 from radixserve.client.generative_rerank import check_instruct, judge_args, judged_logit
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult
+from radixserve.client.scoring import sigmoid
 from radixserve.sampling.params import is_int
 
 MAX_DOCUMENTS = 2048
@@ -129,10 +129,10 @@ def relevances(mode: str, results: list[RequestResult], num_queries: int = 1) ->
     """Every document's relevance to its query, in document order (rerank_args' results)."""
     if mode == "generative":
         docs = results
-        scores = [_sigmoid(judged_logit(r)) for r in docs]
+        scores = [sigmoid(judged_logit(r)) for r in docs]
     elif mode == "cross-encoder":
         docs = results
-        scores = [_sigmoid(float(embedding_vector(r, normalize=False)[0])) for r in docs]
+        scores = [sigmoid(float(embedding_vector(r, normalize=False)[0])) for r in docs]
     else:
         queries = [embedding_vector(r) for r in results[:num_queries]]
         docs = results[num_queries:]
@@ -144,7 +144,3 @@ def relevances(mode: str, results: list[RequestResult], num_queries: int = 1) ->
 def ranked(mode: str, results: list[RequestResult]) -> list[Ranked]:
     """Every document's relevance to the one query, most relevant first (ties in order)."""
     return sorted(relevances(mode, results), key=lambda item: -item.score)
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

@@ -22,7 +22,7 @@ from typing import Any
 from radixserve.client.embedding import embed_args, embedding_vector
 from radixserve.client.request_builder import GenerateArgs
 from radixserve.client.result import RequestResult
-from radixserve.sampling.params import is_int
+from radixserve.sampling.params import is_token_ids
 
 MAX_ITEMS = 2048
 """Most items one call may score (as many inputs as one embeddings call)."""
@@ -81,7 +81,7 @@ def score_args(
 
 def check_label_token_ids(value: Any) -> list[int]:
     """A non-empty list of token ids (their range is the request builder's check)."""
-    if not isinstance(value, list) or not value or not all(is_int(t) for t in value):
+    if not value or not is_token_ids(value):
         raise ValueError(
             f"label_token_ids must be a non-empty list of token ids; got {value!r}"[:200]
         )
@@ -95,11 +95,11 @@ def item_scores(
     their softmax among themselves), or a classifier's outputs (or their softmax)."""
     if classifier:
         values = [float(v) for v in embedding_vector(result, normalize=False)]
-        return _softmax(values) if apply_softmax else values
+        return softmax(values) if apply_softmax else values
     if not result.output_token_ids_logprobs:
         raise RuntimeError(f"request {result.spec.rid} ended without its label logprobs")
     logprobs = [entry[0] for entry in result.output_token_ids_logprobs[0]]
-    return _softmax(logprobs) if apply_softmax else [math.exp(v) for v in logprobs]
+    return softmax(logprobs) if apply_softmax else [math.exp(v) for v in logprobs]
 
 
 def _prompts(query: Any, items: Any, item_first: bool) -> tuple[str, list]:
@@ -111,7 +111,7 @@ def _prompts(query: Any, items: Any, item_first: bool) -> tuple[str, list]:
         raise ValueError(f"items has {len(items)} entries; at most {MAX_ITEMS}")
     if isinstance(query, str) and all(isinstance(item, str) for item in items):
         return "text", [item + query if item_first else query + item for item in items]
-    if _is_ids(query) and all(_is_ids(item) for item in items):
+    if is_token_ids(query) and all(is_token_ids(item) for item in items):
         return "input_ids", [item + query if item_first else query + item for item in items]
     raise ValueError(
         "query and items must both be text (a string; a string or list of strings) or both "
@@ -119,12 +119,14 @@ def _prompts(query: Any, items: Any, item_first: bool) -> tuple[str, list]:
     )
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(is_int(t) for t in value)
-
-
-def _softmax(values: list[float]) -> list[float]:
+def softmax(values: list[float]) -> list[float]:
+    """The softmax of a few scores (label logprobs, a classifier's outputs)."""
     top = max(values)
     exps = [math.exp(v - top) for v in values]
     total = sum(exps)
     return [e / total for e in exps]
+
+
+def sigmoid(x: float) -> float:
+    """The logistic function, without overflow for large |x| (a one-output head's activation)."""
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

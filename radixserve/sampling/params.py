@@ -216,6 +216,11 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_token_ids(value: object) -> bool:
+    """A list of ints (not bools); empty counts (the caller says whether it may be)."""
+    return isinstance(value, list) and all(is_int(t) for t in value)
+
+
 def is_int64(value: object) -> bool:
     """An int (not a bool) that fits in int64."""
     return is_int(value) and INT64_MIN <= value <= INT64_MAX

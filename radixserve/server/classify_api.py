@@ -19,6 +19,7 @@ import numpy as np
 from aiohttp import web
 
 from radixserve.client.embedding import embedding_vector
+from radixserve.client.scoring import sigmoid, softmax
 from radixserve.server.embeddings_api import encode_response, run_openai_inputs
 from radixserve.server.errors import BadRequest
 from radixserve.server.lora_api import check_model_name
@@ -68,11 +69,8 @@ async def classify(request: web.Request) -> web.Response:
 
 def class_probs(scores: np.ndarray) -> np.ndarray:
     """vLLM's default activation of a classifier's outputs: softmax; sigmoid for one."""
-    scores = scores.astype(np.float64)
-    if scores.size == 1:
-        return 1.0 / (1.0 + np.exp(-scores))
-    shifted = np.exp(scores - scores.max())
-    return shifted / shifted.sum()
+    values = [float(v) for v in scores]
+    return np.array([sigmoid(values[0])] if len(values) == 1 else softmax(values))
 
 
 def _item(index: int, scores: np.ndarray, labels: list[str] | None) -> dict[str, Any]:

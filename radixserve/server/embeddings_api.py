@@ -24,7 +24,7 @@ from radixserve.client.embedding import (
 )
 from radixserve.client.request_builder import EMBEDDINGS_NEED_THE_FLAG, GenerateArgs, renamed
 from radixserve.client.result import RequestResult
-from radixserve.sampling.params import is_int
+from radixserve.sampling.params import is_token_ids
 from radixserve.server.body_routes import json_route
 from radixserve.server.choice_trackers import aborted
 from radixserve.server.errors import BadRequest
@@ -192,14 +192,14 @@ async def token_lists(state: ServerState, value: Any, name: str, special: bool) 
     """An input (a string, strings, token ids or lists of them) as token lists; text is
     tokenized off the event loop, with the tokenizer's special tokens unless `special` is
     false."""
-    if isinstance(value, str) or (isinstance(value, list) and value and _is_ids(value)):
+    if isinstance(value, str) or (value and is_token_ids(value)):
         value = [value]
     if not isinstance(value, list) or not value:
         raise BadRequest(f"{name} must be a non-empty string or list", param=name)
     if len(value) > MAX_INPUTS:
         raise BadRequest(f"{name} has {len(value)} items; at most {MAX_INPUTS}", param=name)
     if not all(isinstance(v, str) for v in value):
-        if not all(isinstance(v, list) and v and _is_ids(v) for v in value):
+        if not all(v and is_token_ids(v) for v in value):
             message = f"{name} must be strings or non-empty lists of token ids, not a mix"
             raise BadRequest(message, param=name)
         return [list(v) for v in value]
@@ -218,10 +218,6 @@ def check_embedding_server(state: ServerState) -> None:
             f"The model is a classifier ({num_labels} labels), not an embedding model: "
             "use /classify or /encode"
         )
-
-
-def _is_ids(value: list) -> bool:
-    return all(is_int(t) for t in value)
 
 
 def _dimensions(state: ServerState, value: Any) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from radixserve.client.request_builder import REQUEST_OPTIONS
 from radixserve.engine.request import MAX_LOGPROBS
-from radixserve.sampling.params import is_int
+from radixserve.sampling.params import is_token_ids
 from radixserve.server.chat_messages import check_messages, check_template_kwargs
 from radixserve.server.chat_prompt import CONTINUE_FINAL_MESSAGE, ends_with_assistant_text
 from radixserve.server.errors import BadRequest
@@ -305,9 +305,9 @@ def check_prompt(prompt: Any) -> list[str] | list[list[int]]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return prompt
-        if all(is_int(t) for t in prompt):
+        if is_token_ids(prompt):
             return [prompt]
-        if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
+        if all(p and is_token_ids(p) for p in prompt):
             return prompt
     raise bad_request(
         "prompt must be a string, a non-empty list of strings, a list of token ids or a list "
